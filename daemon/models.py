@@ -1,0 +1,129 @@
+"""The run record and its parts: what the daemon keeps of every run, and what `--json` prints."""
+
+from __future__ import annotations
+
+import re
+import time
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+REQUEST_REASONS = ("requested", "deadline", "cost", "disk", "preempted")
+
+
+class RunState(str, Enum):
+    preparing = "preparing"
+    running = "running"
+    stopped = "stopped"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in FINAL_STATES
+
+
+FINAL_STATES = frozenset({RunState.stopped, RunState.succeeded, RunState.failed, RunState.cancelled})
+
+
+class InvalidRunId(ValueError):
+    pass
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id names a directory locally and on targets, so it is never a path."""
+    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id) or run_id in (".", ".."):
+        raise InvalidRunId(
+            f"invalid run id {run_id!r}: ids are letters, digits, '-', '_' and '.'; "
+            "see `obd train list` for the runs there are"
+        )
+    return run_id
+
+
+def normalise_reason(word: str | None) -> str | None:
+    """The reason of a snapshot request: missing or empty is none, any unknown word `requested`."""
+    if word is None:
+        return None
+    word = word.strip()
+    if not word:
+        return None
+    return word if word in REQUEST_REASONS else "requested"
+
+
+class Transition(BaseModel):
+    state: RunState | str
+    time: float
+    reason: str = ""
+
+
+class Snapshot(BaseModel):
+    checkpoint: str
+    step: int
+    reason: str = "requested"
+    time: float | None = None
+
+
+class Progress(BaseModel):
+    step: int | None = None
+    max_steps: int | None = None
+    loss: float | None = None
+    eta_seconds: float | None = None
+
+
+class StopState(BaseModel):
+    """Where a snapshot request stands; persisted so a restarted daemon counts from the request."""
+
+    requested_at: float | None = None  # when the daemon saw (or wrote) the request
+    reason: str | None = None
+    proof_at: float | None = None  # when a valid proof was first seen
+    invalid_proof: str | None = None  # why the proof was rejected
+    fallback: str | None = None  # why the daemon cancelled the job, if it did
+    cancel_by: str | None = None  # "user" or "fallback"
+
+
+class RunRecord(BaseModel):
+    """Everything obd knows of one run. Saved atomically as `runs/<id>/run.json`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    schema_version: int = 1
+    id: str
+    name: str | None = None
+    state: RunState = RunState.preparing
+    target: str = "local"
+    remote_dir: str = ""
+    command: list[str] = Field(default_factory=list)
+    cwd: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    secret_names: list[str] = Field(default_factory=list)
+    message: str = ""
+    snapshot: Snapshot | None = None
+    resumed_from: str | None = None
+    resume_checkpoint: str | None = None
+    exit_code: int | None = None
+    history: list[Transition] = Field(default_factory=list)
+    progress: Progress = Field(default_factory=Progress)
+    created: float = Field(default_factory=time.time)
+    job: dict[str, Any] | None = None  # the executor's JobHandle
+    snapshots: bool = False  # the plugin announced itself (`begin` with "snapshots": true)
+    snapshot_on_sigterm: bool = False
+    profile: bool = False
+    stop: StopState = Field(default_factory=StopState)
+    target_info: dict[str, Any] = Field(default_factory=dict)  # executor-specific (pod, host…)
+    unreachable_since: float | None = None
+    metrics: dict[str, Any] | None = None  # RunMetrics, when the run was profiled
+
+    def transition(self, state: RunState, reason: str, at: float | None = None) -> None:
+        self.state = state
+        self.message = reason
+        self.history.append(Transition(state=state, time=at or time.time(), reason=reason))
+
+    def note(self, event: str, at: float | None = None) -> None:
+        """An event that is not a state change (a request seen, a proof, a retry) kept in history."""
+        self.history.append(Transition(state=self.state, time=at or time.time(), reason=event))
+
+    def public(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

@@ -1,0 +1,106 @@
+"""The `Executor` protocol: how the daemon starts, watches, cancels and reads jobs on a target.
+
+An executor knows one target (this machine, an SSH host, a Runpod pod). The daemon never
+touches a target except through it, so the follow and stop logic is the same everywhere.
+Paths given to an executor are absolute paths on the target.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class JobSpec(BaseModel):
+    """What to run: the command, its environment and where its run directory is."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    remote_dir: str
+    command: list[str]
+    cwd: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    # Values that must reach the job but never a command line, a record or a log.
+    secrets: dict[str, str] = Field(default_factory=dict, repr=False, exclude=True)
+
+
+class JobHandle(BaseModel):
+    """Identifies a started job for good: its group leader's pid, start time and boot.
+
+    The start time (clock ticks since boot, from /proc/PID/stat) and the boot id make a
+    reused pid or a reboot impossible to mistake for the job.
+    """
+
+    pid: int
+    start_time: int
+    boot_id: str = ""
+    host: str = ""
+
+
+class JobState(str, Enum):
+    running = "running"
+    exited = "exited"
+    cancelled = "cancelled"
+    lost = "lost"
+
+
+class JobStatus(BaseModel):
+    state: JobState
+    exit_code: int | None = None
+
+
+class RunProbe(BaseModel):
+    """Everything the follow needs to know of one run directory, read in one go.
+
+    Executors fill it from a single pass over the directory (one round trip on SSH), so the
+    follow of many runs on one target costs one read per poll, not one per file per run.
+    """
+
+    remote_dir: str
+    status: JobStatus
+    request: str | None = None  # the raw reason word, None when there is no request
+    proof: str | None = None  # raw snapshot.json, at most 64 KiB; None when absent
+    proof_too_large: bool = False
+    begin: dict | None = None  # the metrics.jsonl `begin` line
+    last_log: dict | None = None  # its last `log` line
+    ended: bool = False  # metrics.jsonl has an `end` line
+    log_size: int = 0
+    error: str | None = None  # why the directory could not be read (the probe is then partial)
+
+
+class ExecutorError(Exception):
+    """A target refused or failed an operation; the message says what to do next."""
+
+
+class TargetUnreachable(ExecutorError):
+    """The target could not be reached; the job may well still be running there."""
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """The target-side operations the daemon needs (cf. submitit's Executor/Job split)."""
+
+    name: str
+    workdir: str
+
+    async def spawn(self, job: JobSpec) -> JobHandle: ...
+
+    async def status(self, handle: JobHandle, remote_dir: str) -> JobStatus: ...
+
+    async def cancel(self, handle: JobHandle, remote_dir: str, grace: float) -> JobStatus: ...
+
+    async def probe(self, runs: list[tuple[JobHandle | None, str]]) -> list[RunProbe]: ...
+
+    async def read_from(self, path: str, offset: int, limit: int) -> bytes: ...
+
+    async def put_file(self, path: str, data: bytes) -> None: ...
+
+    async def upload(self, local: Path, remote: str) -> None: ...
+
+    async def download(self, remote: str, local: Path) -> None: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,390 @@
+"""The job wrapper and the target-side control of a run directory (standard library only).
+
+obd copies this file into every run's `plugin/` and runs it *on the target*, so the same
+code starts, watches and cancels jobs on this machine, over SSH and on a pod:
+
+    python3 jobctl.py start RUN_DIR [--secrets-stdin]   # detach the job, print its handle
+    python3 jobctl.py cancel RUN_DIR [--grace S]         # TERM the group, grace, KILL
+    python3 jobctl.py probe < [{"dir": ..., "handle": ...}, ...]   # one read of many runs
+
+Doing the pid checks on the target itself means a pid is never checked on one round trip
+and signalled on another, and a reused pid (start time differs) is never mistaken for the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+PROOF_LIMIT = 64 * 1024
+REQUEST_LIMIT = 256
+METRICS_HEAD = 64 * 1024
+METRICS_TAIL = 64 * 1024
+
+
+def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:
+    """Write a file whole or not at all: a temporary file in the same directory, then rename."""
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def read_regular(path: str, limit: int, offset: int = 0) -> bytes | None:
+    """Read at most `limit` bytes of a regular file; None if it is missing or not a plain file.
+
+    Never follows a link and never blocks on a FIFO or device someone put in the run directory.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        if offset:
+            os.lseek(fd, offset, os.SEEK_SET)
+        chunks = []
+        left = limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def file_size(path: str) -> int:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+# --- process identity -------------------------------------------------------------------
+
+
+def boot_id() -> str:
+    data = read_regular("/proc/sys/kernel/random/boot_id", 64)
+    return data.decode().strip() if data else ""
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: the fields start after the last ')'.
+    rest = data[data.rfind(b")") + 2 :].split()
+    try:
+        return rest[0].decode(), int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def process_start_time(pid: int) -> int | None:
+    info = _proc_stat(pid)
+    return info[1] if info else None
+
+
+def handle_alive(handle: dict | None) -> bool:
+    """True only if the very process that started the job is still alive (not a reused pid)."""
+    if not handle:
+        return False
+    try:
+        pid = int(handle["pid"])
+        start = int(handle["start_time"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if pid <= 1:
+        return False
+    if handle.get("boot_id") and handle["boot_id"] != boot_id():
+        return False
+    info = _proc_stat(pid)
+    return info is not None and info[1] == start and info[0] not in ("Z", "X")
+
+
+def group_exists(pgid: int) -> bool:
+    # Linux never hands out a pid that is still some group's id, so a live group is ours.
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_handle(run_dir: str) -> dict | None:
+    data = read_regular(os.path.join(run_dir, "job.pid"), 4096)
+    if not data:
+        return None
+    try:
+        handle = json.loads(data)
+    except ValueError:
+        return None
+    return handle if isinstance(handle, dict) else None
+
+
+def read_int(path: str) -> int | None:
+    data = read_regular(path, 64)
+    if data is None:
+        return None
+    try:
+        return int(data.strip())
+    except ValueError:
+        return None
+
+
+def job_status(run_dir: str, handle: dict | None = None) -> dict:
+    """{state: running|exited|cancelled|lost, exit_code} from the run directory and /proc."""
+    code = read_int(os.path.join(run_dir, "exit_code"))
+    if os.path.exists(os.path.join(run_dir, "cancelled")):
+        return {"state": "cancelled", "exit_code": code}
+    if code is not None:
+        return {"state": "exited", "exit_code": code}
+    if handle_alive(handle or read_handle(run_dir)):
+        return {"state": "running", "exit_code": None}
+    # The wrapper may have just written exit_code and exited: read once more.
+    code = read_int(os.path.join(run_dir, "exit_code"))
+    if code is not None:
+        return {"state": "exited", "exit_code": code}
+    if os.path.exists(os.path.join(run_dir, "cancelling")):
+        return {"state": "cancelled", "exit_code": None}
+    return {"state": "lost", "exit_code": None}
+
+
+# --- start ------------------------------------------------------------------------------
+
+
+def start(run_dir: str, secrets: dict[str, str]) -> dict:
+    """Start the job of `run_dir/job.json` detached, in its own session; return its handle."""
+    spec = json.loads(read_regular(os.path.join(run_dir, "job.json"), 1 << 20) or b"{}")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the wrapper: session and process-group leader for the job's lifetime
+        os.close(read_end)
+        try:
+            code = _wrap(run_dir, spec, secrets, write_end)
+        except BaseException:  # never return into the caller's stack from a fork
+            code = 70
+        os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        pipe.read()  # EOF once the wrapper wrote job.pid and started the command
+    handle = read_handle(run_dir)
+    if handle is None:
+        raise SystemExit(f"obd: the job wrapper did not start; see {run_dir}/job.log")
+    return handle
+
+
+def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int) -> int:
+    os.setsid()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # TERM reaches the whole group; the wrapper outlives it so it can record the exit status.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    log = os.open(os.path.join(run_dir, "job.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    me = os.getpid()
+    handle = {"pid": me, "start_time": process_start_time(me), "boot_id": boot_id()}
+    atomic_write(os.path.join(run_dir, "job.pid"), json.dumps(handle).encode())
+    env = dict(os.environ)
+    env.update(spec.get("env") or {})
+    env.update(secrets)
+    command = spec.get("command") or []
+    cwd = spec.get("cwd") or run_dir
+    try:
+        child = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            restore_signals=True,
+            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        )
+    except (OSError, ValueError) as exc:
+        os.write(log, f"obd: could not start {command[:1]!r}: {exc}\n".encode())
+        _finish(run_dir, 127, ready_fd)
+        return 127
+    os.close(ready_fd)
+    code = child.wait()
+    if code < 0:  # killed by a signal: the shell's convention, 128 + signal number
+        code = 128 - code
+    _finish(run_dir, code, None)
+    return 0
+
+
+def _finish(run_dir: str, code: int, ready_fd: int | None) -> None:
+    atomic_write(os.path.join(run_dir, "exit_code"), f"{code}\n".encode())
+    if ready_fd is not None:
+        os.close(ready_fd)
+
+
+# --- cancel -----------------------------------------------------------------------------
+
+
+def cancel(run_dir: str, grace: float, handle: dict | None = None) -> dict:
+    """TERM the job's process group, wait `grace` seconds, then KILL; idempotent.
+
+    A job that already ended is never signalled; a second cancel only reports.
+    """
+    status = job_status(run_dir, handle)
+    if status["state"] in ("exited", "cancelled"):
+        return status
+    handle = handle or read_handle(run_dir)
+    now = time.time()
+    atomic_write(os.path.join(run_dir, "cancelling"), f"{now}\n".encode())
+    killed = False
+    if handle_alive(handle):
+        pgid = int(handle["pid"])
+        _killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and group_exists(pgid):
+            time.sleep(0.05)
+        if group_exists(pgid):
+            _killpg(pgid, signal.SIGKILL)
+            killed = True
+            while group_exists(pgid) and time.monotonic() < deadline + 5:
+                time.sleep(0.02)
+    record = {"time": time.time(), "killed": killed}
+    atomic_write(os.path.join(run_dir, "cancelled"), json.dumps(record).encode())
+    return {"state": "cancelled", "exit_code": read_int(os.path.join(run_dir, "exit_code"))}
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+# --- probe ------------------------------------------------------------------------------
+
+
+def _parse_json_line(line: bytes) -> dict | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _metrics_summary(path: str) -> dict:
+    """The `begin` line, the last `log` line and whether `end` was written."""
+    out: dict = {"begin": None, "last_log": None, "ended": False}
+    head = read_regular(path, METRICS_HEAD)
+    if not head:
+        return out
+    first = _parse_json_line(head.split(b"\n", 1)[0])
+    if first and first.get("event") == "begin":
+        out["begin"] = first
+    size = file_size(path)
+    tail = read_regular(path, METRICS_TAIL, max(0, size - METRICS_TAIL)) or b""
+    for line in reversed(tail.split(b"\n")):
+        event = _parse_json_line(line) if line.strip() else None
+        if not event:
+            continue
+        if event.get("event") == "end":
+            out["ended"] = True
+        elif event.get("event") == "log" and out["last_log"] is None:
+            out["last_log"] = event
+            break
+    return out
+
+
+def probe_dir(run_dir: str, handle: dict | None = None) -> dict:
+    """One read of a run directory: job status, request, proof, metrics summary, log size."""
+    result: dict = {"remote_dir": run_dir}
+    try:
+        result["status"] = job_status(run_dir, handle)
+        request = read_regular(os.path.join(run_dir, "snapshot.request"), REQUEST_LIMIT)
+        result["request"] = request.decode("utf-8", "replace") if request is not None else None
+        proof = read_regular(os.path.join(run_dir, "snapshot.json"), PROOF_LIMIT + 1)
+        if proof is not None and len(proof) > PROOF_LIMIT:
+            result["proof_too_large"] = True
+            proof = proof[:PROOF_LIMIT]
+        result["proof"] = proof.decode("utf-8", "replace") if proof is not None else None
+        result.update(_metrics_summary(os.path.join(run_dir, "metrics.jsonl")))
+        result["log_size"] = file_size(os.path.join(run_dir, "job.log"))
+    except OSError as exc:
+        result.setdefault("status", {"state": "running", "exit_code": None})
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    command = argv[0]
+    if command == "start" and len(argv) >= 2:
+        secrets = json.loads(sys.stdin.read() or "{}") if "--secrets-stdin" in argv else {}
+        print(json.dumps(start(argv[1], secrets)), flush=True)
+        return 0
+    if command == "cancel" and len(argv) >= 2:
+        grace = float(argv[argv.index("--grace") + 1]) if "--grace" in argv else 10.0
+        handle = json.loads(argv[argv.index("--handle") + 1]) if "--handle" in argv else None
+        print(json.dumps(cancel(argv[1], grace, handle)), flush=True)
+        return 0
+    if command == "status" and len(argv) >= 2:
+        print(json.dumps(job_status(argv[1])), flush=True)
+        return 0
+    if command == "probe":
+        items = json.loads(sys.stdin.read() or "[]")
+        print(json.dumps([probe_dir(i["dir"], i.get("handle")) for i in items]), flush=True)
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
