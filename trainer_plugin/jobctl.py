@@ -202,7 +202,11 @@ def job_status(run_dir: str, handle: dict | None = None) -> dict:
 
 
 def start(run_dir: str, secrets: dict[str, str]) -> dict:
-    """Start the job of `run_dir/job.json` detached, in its own session; return its handle."""
+    """Start the job of `run_dir/job.json` detached, in its own session; return its handle.
+
+    job.json holds `command` (argv), `cwd`, `env`, `pythonpath` (put ahead of the target's
+    PYTHONPATH) and `path_prepend` (e.g. a venv's bin); secrets come separately, on stdin.
+    """
     spec = json.loads(read_regular(os.path.join(run_dir, "job.json"), 1 << 20) or b"{}")
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -238,6 +242,13 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int) -> i
     env = dict(os.environ)
     env.update(spec.get("env") or {})
     env.update(secrets)
+    # The run's plugin/ leads PYTHONPATH; whatever the target already had follows it.
+    lead = [p for p in (spec.get("pythonpath") or []) if p]
+    if lead:
+        env["PYTHONPATH"] = os.pathsep.join(lead + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
+    path_prepend = [p for p in (spec.get("path_prepend") or []) if p]
+    if path_prepend:
+        env["PATH"] = os.pathsep.join(path_prepend + [os.environ.get("PATH", os.defpath)])
     command = spec.get("command") or []
     cwd = spec.get("cwd") or run_dir
     try:
