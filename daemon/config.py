@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from daemon.paths import default_config_path, default_socket, default_state_dir
+
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
@@ -123,35 +125,6 @@ class Config(_Strict):
         raise ConfigError(f"unknown target {name!r}; the targets are: {known} (`obd targets list`)")
 
 
-def default_config_path() -> Path:
-    if os.geteuid() == 0:
-        return Path("/etc/obd/config.toml")
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    return Path(base) / "obd" / "config.toml"
-
-
-def default_state_dir() -> Path:
-    env = os.environ.get("OBD_STATE_DIR")
-    if env:
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/var/lib/obd")
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(base) / "obd"
-
-
-def default_socket() -> Path:
-    env = os.environ.get("OBD_SOCKET")
-    if env:
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/run/obd/obd.sock")
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return Path(runtime) / "obd" / "obd.sock"
-    return default_state_dir() / "obd.sock"
-
-
 def _format_validation(error: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid configuration"]
     for item in error.errors():
@@ -182,7 +155,7 @@ def load_config(
     """Read the config file (if any), apply `OBD_*` variables and flags, fill the defaults."""
     environ = dict(os.environ if environ is None else environ)
     explicit = path is not None or "OBD_CONFIG" in environ
-    path = Path(path or environ.get("OBD_CONFIG") or default_config_path())
+    path = Path(path or default_config_path())
     raw: dict[str, Any] = {}
     if path.exists():
         try:
@@ -202,5 +175,8 @@ def load_config(
         raise ConfigError(_format_validation(exc, str(path))) from exc
     d = config.daemon
     d.state_dir = Path(state_dir or environ.get("OBD_STATE_DIR") or d.state_dir or default_state_dir())
-    d.socket = Path(socket or environ.get("OBD_SOCKET") or d.socket or default_socket())
+    explicit_state = bool(state_dir or environ.get("OBD_STATE_DIR") or raw.get("daemon", {}).get("state_dir"))
+    d.socket = Path(
+        socket or environ.get("OBD_SOCKET") or d.socket or default_socket(d.state_dir if explicit_state else None)
+    )
     return config
