@@ -1,0 +1,268 @@
+"""A real, throwaway OpenSSH server on a free loopback port, for tests and benchmarks.
+
+Everything lives in one temporary directory: the host key, a user key pair allowed to log in
+as the current user, a known_hosts file that pins the host key, the config and the log.
+Nothing on the machine's own sshd or ~/.ssh is touched. Standard library plus asyncssh (for key
+generation) only, so any test module can use it:
+
+    import sys, pathlib; sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))  # tests/
+    from sshd import SshServer, sshd_skip_reason
+
+    with SshServer() as server:          # or server = SshServer(); server.start(); ...; server.stop()
+        server.host, server.port, server.user, server.identity_file, server.known_hosts
+        server.host_key_line             # "ssh-ed25519 AAAA..." to pin the key (Runpod)
+        server.target_fields()           # the SshTarget fields as a dict
+        server.restart()                 # same port and keys; drop_connections=True by default
+        server.kill()                    # the listener and every live connection, at once
+        server.rotate_host_key()         # a new host key (known_hosts now has the old one)
+
+The server refuses passwords and allows only `identity_file`. It keeps OpenSSH's default
+`MaxSessions 10` (channels per connection) so clients are tested against a stock server.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import asyncssh
+
+SSHD = os.environ.get("OBD_TEST_SSHD", "/usr/sbin/sshd")
+
+
+def sshd_skip_reason() -> str | None:
+    """Why a real sshd cannot be started here (None when it can): the binary is missing."""
+    if not os.path.exists(SSHD):
+        return f"{SSHD} is missing: install it with `apt-get install -y openssh-server` (CI does)"
+    return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def write_key_pair(path: Path, alg: str = "ssh-ed25519") -> str:
+    """Write a private key at `path` (mode 0600) and `path.pub`; return the public key line."""
+    key = asyncssh.generate_private_key(alg)
+    path.write_bytes(key.export_private_key())
+    path.chmod(0o600)
+    public = key.export_public_key().decode().strip()
+    path.with_name(path.name + ".pub").write_text(public + "\n")
+    return public
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid`, read from /proc (deepest last)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            data = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:
+            continue
+        rest = data[data.rfind(b")") + 2 :].split()
+        try:
+            parents.setdefault(int(rest[1]), []).append(int(entry))
+        except (IndexError, ValueError):
+            continue
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+class SshServer:
+    """One sshd process on 127.0.0.1:<free port>, with its keys and files in a temp dir."""
+
+    def __init__(self, directory: Path | None = None, *, port: int | None = None, log_level: str = "VERBOSE") -> None:
+        self._own_dir = directory is None
+        self.dir = Path(directory or tempfile.mkdtemp(prefix="obd-sshd-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.host = "127.0.0.1"
+        self.port = port or free_port(self.host)
+        self.user = getpass.getuser()
+        self.log_level = log_level
+        self.host_key_path = self.dir / "ssh_host_ed25519_key"
+        self.identity_file = self.dir / "id_ed25519"
+        self.known_hosts = self.dir / "known_hosts"
+        self.authorized_keys = self.dir / "authorized_keys"
+        self.config_path = self.dir / "sshd_config"
+        self.log_path = self.dir / "sshd.log"
+        self.host_key_line = write_key_pair(self.host_key_path)
+        self.user_key_line = write_key_pair(self.identity_file)
+        self.authorized_keys.write_text(self.user_key_line + "\n")
+        self.authorized_keys.chmod(0o600)
+        self.write_known_hosts()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # --- files ------------------------------------------------------------------------
+
+    @property
+    def known_hosts_host(self) -> str:
+        """The host as known_hosts spells it for a non-standard port: `[127.0.0.1]:PORT`."""
+        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+
+    def write_known_hosts(self, key_line: str | None = None) -> None:
+        """Pin `key_line` (default: the server's current host key) in `known_hosts`."""
+        self.known_hosts.write_text(f"{self.known_hosts_host} {key_line or self.host_key_line}\n")
+
+    def rotate_host_key(self) -> str:
+        """Give the server a new host key (restart to take effect); known_hosts keeps the old one."""
+        self.host_key_line = write_key_pair(self.host_key_path)
+        return self.host_key_line
+
+    def target_fields(self) -> dict[str, object]:
+        """The `SshTarget` fields that reach this server (add kind, workdir, python...)."""
+        return {
+            "host": self.host,
+            "port": self.port,
+            "user": self.user,
+            "identity_file": self.identity_file,
+            "known_hosts": self.known_hosts,
+        }
+
+    def _write_config(self) -> None:
+        self.config_path.write_text(
+            "\n".join(
+                [
+                    f"Port {self.port}",
+                    f"ListenAddress {self.host}",
+                    f"HostKey {self.host_key_path}",
+                    f"PidFile {self.dir / 'sshd.pid'}",
+                    f"AuthorizedKeysFile {self.authorized_keys}",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "PermitRootLogin prohibit-password",
+                    "StrictModes no",
+                    "UsePAM no",
+                    "PrintMotd no",
+                    "UseDNS no",
+                    "MaxStartups 100:30:200",
+                    "Subsystem sftp internal-sftp",
+                    f"LogLevel {self.log_level}",
+                    "",
+                ]
+            )
+        )
+
+    # --- process ----------------------------------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> SshServer:
+        """Start sshd in the foreground and wait until it answers with its banner."""
+        reason = sshd_skip_reason()
+        if reason:
+            raise RuntimeError(reason)
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        if os.geteuid() == 0:
+            os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation dir
+        self._write_config()
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [SSHD, "-D", "-e", "-f", str(self.config_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sshd exited with {self.proc.returncode}: {self.log_tail()}")
+            if self._answers():
+                return self
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"sshd did not answer on {self.host}:{self.port} in {timeout}s: {self.log_tail()}")
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=1) as sock:
+                return sock.recv(8).startswith(b"SSH-")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the listener and every connection it serves (what a crash or reboot does).
+
+        Jobs started over SSH with setsid/nohup are not descendants once their launcher
+        returned, so they survive, as they would on a real host.
+        """
+        if self.proc is None:
+            return
+        victims = _children(self.proc.pid)
+        for pid in [self.proc.pid, *victims]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        self.proc = None
+
+    def stop(self, drop_connections: bool = True) -> None:
+        """Stop the server; by default also end the live connections (else they run on)."""
+        if self.proc is None:
+            return
+        if drop_connections:
+            self.kill()
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self, drop_connections: bool = True) -> SshServer:
+        """Stop and start again on the same port with the same keys (unless rotated)."""
+        self.stop(drop_connections=drop_connections)
+        return self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its directory (if this object created it)."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def log_tail(self, size: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-size:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def __enter__(self) -> SshServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":  # a manual check: start one, print how to reach it, wait for ^C
+    with SshServer() as server:
+        print(
+            f"ssh -p {server.port} -i {server.identity_file} -o UserKnownHostsFile={server.known_hosts} "
+            f"{server.user}@{server.host}"
+        )
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
