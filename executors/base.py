@@ -69,6 +69,8 @@ class RunProbe(BaseModel):
     last_log: dict | None = None  # its last `log` line
     ended: bool = False  # metrics.jsonl has an `end` line
     log_size: int = 0
+    handle: dict | None = None  # job.pid as the wrapper wrote it (to adopt a run after a crash)
+    checkpoints: list[str] = Field(default_factory=list)  # names of output/checkpoint-* dirs
     error: str | None = None  # why the directory could not be read (the probe is then partial)
 
 

@@ -352,6 +352,14 @@ def _metrics_summary(path: str) -> dict:
     return out
 
 
+def _checkpoints(output_dir: str) -> list[str]:
+    try:
+        names = os.listdir(output_dir)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith("checkpoint-") and os.path.isdir(os.path.join(output_dir, n)))
+
+
 def probe_dir(run_dir: str, handle: dict | None = None) -> dict:
     """One read of a run directory: job status, request, proof, metrics summary, log size."""
     result: dict = {"remote_dir": run_dir}
@@ -366,6 +374,8 @@ def probe_dir(run_dir: str, handle: dict | None = None) -> dict:
         result["proof"] = proof.decode("utf-8", "replace") if proof is not None else None
         result.update(_metrics_summary(os.path.join(run_dir, "metrics.jsonl")))
         result["log_size"] = file_size(os.path.join(run_dir, "job.log"))
+        result["handle"] = read_handle(run_dir)
+        result["checkpoints"] = _checkpoints(os.path.join(run_dir, "output"))
     except OSError as exc:
         result.setdefault("status", {"state": "running", "exit_code": None})
         result["error"] = f"{type(exc).__name__}: {exc}"
