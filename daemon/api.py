@@ -1,0 +1,70 @@
+"""Messages of the control API: one JSON object a line each way over the unix socket."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_MESSAGE = 1 << 20
+
+
+class ApiError(Exception):
+    """An error the client shows as it is; `kind` picks its exit code."""
+
+    def __init__(self, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StartRequest(_Req):
+    op: Literal["start"]
+    command: list[str] = Field(min_length=1)
+    target: str = "local"
+    name: str | None = None
+    cwd: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    secrets: dict[str, str] = Field(default_factory=dict, repr=False)
+    resume_from: str | None = None
+    profile: bool = False
+    snapshot_on_sigterm: bool = False
+
+
+class StopRequest(_Req):
+    op: Literal["stop"]
+    id: str
+    reason: str = "requested"
+
+
+class IdRequest(_Req):
+    op: Literal["status", "cancel", "metrics"]
+    id: str
+
+
+class ListRequest(_Req):
+    op: Literal["list", "ping", "targets"]
+
+
+class ReadRequest(_Req):
+    op: Literal["read"]
+    id: str
+    offset: int = Field(default=0, ge=0)
+    limit: int = Field(default=65536, ge=1, le=1 << 20)
+    tail_lines: int | None = Field(default=None, ge=0, le=100000)
+
+
+REQUESTS = {
+    "start": StartRequest,
+    "stop": StopRequest,
+    "status": IdRequest,
+    "cancel": IdRequest,
+    "metrics": IdRequest,
+    "list": ListRequest,
+    "ping": ListRequest,
+    "targets": ListRequest,
+    "read": ReadRequest,
+}

@@ -1,0 +1,286 @@
+"""The `obd` command. Client commands import only the standard library (no torch, no pydantic).
+
+Exit codes: 0 success; 1 an error the daemon reported; 2 bad usage; 69 the daemon cannot be
+reached. `obd train stop --wait` also exits 3 when the stop fell back to a cancel (no snapshot
+came in time) and 4 when the run ended some other way (finished, failed) without a snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon import render
+from daemon.client import Client, DaemonUnreachable, RequestFailed
+from daemon.paths import client_socket
+
+EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 69
+EXIT_STOP_FELL_BACK, EXIT_STOP_NO_SNAPSHOT = 3, 4
+FINAL = {"stopped", "succeeded", "failed", "cancelled"}
+
+
+class UsageError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="obd", description="Supervise fine-tuning runs; stop them with a verified checkpoint.")
+    p.add_argument("--socket", help="control socket (default: OBD_SOCKET, the config, or the XDG/system default)")
+    p.add_argument("--config", help="config file (for the client: only to find the socket)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("daemon", help="run the daemon in the foreground")
+    d.add_argument("--state-dir")
+    d.add_argument("--log-level")
+
+    train = sub.add_parser("train", help="start, stop and follow runs").add_subparsers(dest="action", required=True)
+    s = train.add_parser("start", help="start a run: obd train start [OPTIONS] -- COMMAND [ARG]...")
+    s.add_argument("--target", default="local")
+    s.add_argument("--name")
+    s.add_argument("--cwd")
+    s.add_argument("--env", action="append", default=[], metavar="K=V")
+    s.add_argument("--secret", action="append", default=[], metavar="NAME", help="pass $NAME from this environment, never on a command line")
+    s.add_argument("--resume-from", metavar="ID")
+    s.add_argument("--profile", action="store_true")
+    s.add_argument("--snapshot-on-sigterm", action="store_true", help="a SIGTERM to the job becomes a snapshot request (preempted)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("command", nargs="*")
+
+    st = train.add_parser("stop", help="ask the run for a snapshot, then stop")
+    st.add_argument("id")
+    st.add_argument("--reason", default="requested")
+    st.add_argument("--wait", action="store_true")
+    st.add_argument("--json", action="store_true")
+
+    c = train.add_parser("cancel", help="TERM the job, then KILL after the grace")
+    c.add_argument("id")
+    c.add_argument("--wait", action="store_true")
+    c.add_argument("--json", action="store_true")
+
+    for name in ("status", "metrics"):
+        x = train.add_parser(name)
+        x.add_argument("id")
+        x.add_argument("--json", action="store_true")
+    ls = train.add_parser("list")
+    ls.add_argument("--json", action="store_true")
+
+    lg = train.add_parser("logs")
+    lg.add_argument("id")
+    lg.add_argument("--follow", "-f", action="store_true")
+    lg.add_argument("--tail", type=int, metavar="N")
+
+    prof = sub.add_parser("profile").add_subparsers(dest="action", required=True)
+    pp = prof.add_parser("parse")
+    pp.add_argument("rest", nargs=argparse.REMAINDER)
+
+    tg = sub.add_parser("targets").add_subparsers(dest="action", required=True)
+    tg.add_parser("list").add_argument("--json", action="store_true")
+    tc = tg.add_parser("check")
+    tc.add_argument("name")
+    tc.add_argument("--json", action="store_true")
+
+    pods = sub.add_parser("pods").add_subparsers(dest="action", required=True)
+    pods.add_parser("list").add_argument("--json", action="store_true")
+    pods.add_parser("rm").add_argument("id")
+    return p
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    head, command = _split_command(argv)
+    parser = _parser()
+    try:
+        args = parser.parse_args(head)
+    except SystemExit as exc:
+        return EXIT_USAGE if exc.code else 0
+    if args.cmd == "daemon":
+        return _daemon(args)
+    if args.cmd == "profile":
+        from runner.cli import profile_parse_main
+
+        return profile_parse_main(args.rest + command)
+    if args.cmd in ("targets", "pods"):
+        from daemon.admin import admin_main
+
+        return admin_main(args)
+    client = Client(client_socket(args.socket, args.config))
+    try:
+        return _train(args, command, client)
+    except UsageError as exc:
+        print(f"obd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DaemonUnreachable as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except RequestFailed as exc:
+        print(f"obd: {exc}", file=sys.stderr)
+        return EXIT_USAGE if exc.kind == "usage" else EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
+
+
+def _daemon(args: argparse.Namespace) -> int:
+    import anyio
+
+    from daemon.config import ConfigError, load_config
+    from daemon.log import configure
+    from daemon.service import Daemon
+
+    try:
+        config = load_config(
+            Path(args.config) if args.config else None,
+            state_dir=Path(args.state_dir) if args.state_dir else None,
+            socket=Path(args.socket) if args.socket else None,
+        )
+    except ConfigError as exc:
+        print(f"obd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure(args.log_level or config.daemon.log_level)
+    anyio.run(Daemon(config).run)
+    return 0
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env {pair!r}: expected K=V")
+        env[key] = value
+    return env
+
+
+def _secrets(names: list[str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        if name not in os.environ:
+            raise UsageError(f"--secret {name}: ${name} is not set in this environment")
+        out[name] = os.environ[name]
+    return out
+
+
+def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
+    action = args.action
+    if action == "start":
+        command = args.command + command
+        if not command:
+            raise UsageError("no command: obd train start [OPTIONS] -- COMMAND [ARG]...")
+        cwd = str(Path(args.cwd).resolve()) if args.cwd else None
+        record = client.call(
+            "start",
+            command=command,
+            target=args.target,
+            name=args.name,
+            cwd=cwd,
+            env=_env_pairs(args.env),
+            secrets=_secrets(args.secret),
+            resume_from=args.resume_from,
+            profile=args.profile,
+            snapshot_on_sigterm=args.snapshot_on_sigterm,
+        )
+        print(json.dumps(record, indent=1) if args.json else record["id"])
+        return 0
+    if action == "list":
+        runs = client.call("list")
+        print(json.dumps(runs, indent=1) if args.json else render.table(runs))
+        return 0
+    if action == "status":
+        record = client.call("status", id=args.id)
+        print(json.dumps(record, indent=1) if args.json else render.status(record))
+        return 0
+    if action == "metrics":
+        result = client.call("metrics", id=args.id)
+        return _metrics(result, args.json)
+    if action == "logs":
+        return _logs(client, args.id, args.follow, args.tail)
+    if action == "stop":
+        record = client.call("stop", id=args.id, reason=args.reason)
+        if not args.wait:
+            print(json.dumps(record, indent=1) if args.json else f"{record['id']}: snapshot requested ({record['stop']['reason']})")
+            return 0
+        final = _wait(client, args.id)
+        print(json.dumps(final, indent=1) if args.json else render.status(final))
+        if final["state"] == "stopped" and final.get("snapshot"):
+            return 0
+        return EXIT_STOP_FELL_BACK if final["state"] == "cancelled" else EXIT_STOP_NO_SNAPSHOT
+    if action == "cancel":
+        record = client.call("cancel", id=args.id)
+        if args.wait:
+            record = _wait(client, args.id)
+        print(json.dumps(record, indent=1) if args.json else f"{record['id']}: {record['state']} {record['message']}")
+        return 0
+    raise UsageError(f"unknown action {action}")
+
+
+def _wait(client: Client, run_id: str) -> dict[str, Any]:
+    while True:
+        record = client.call("status", id=run_id)
+        if record["state"] in FINAL:
+            return record
+        time.sleep(0.2)
+
+
+def _metrics(result: dict[str, Any], as_json: bool) -> int:
+    metrics = result.get("metrics")
+    if as_json:
+        print(json.dumps(metrics, indent=1))
+        return 0
+    if metrics is None:
+        hint = "" if result.get("profile") else " (it was not started with --profile)"
+        print(f"run {result['id']} has no metrics yet{hint}; state {result['state']}")
+        return 0
+    from runner.format import format_metrics
+
+    print(format_metrics(metrics))
+    return 0
+
+
+def _logs(client: Client, run_id: str, follow: bool, tail: int | None) -> int:
+    out = sys.stdout.buffer
+    live = follow and sys.stdout.isatty()
+    reply = client.call("read", id=run_id, offset=0, tail_lines=tail) if tail is not None else client.call("read", id=run_id, offset=0)
+    shown_progress = False
+    while True:
+        data = base64.b64decode(reply.get("data", ""))
+        if data:
+            if shown_progress:
+                sys.stderr.write("\r\033[K")
+                shown_progress = False
+            out.write(data)
+            out.flush()
+        offset = reply.get("next", reply.get("offset", 0))
+        if not follow:
+            if not data or len(data) < 65536:
+                return 0
+        elif not data:
+            if reply.get("state") in FINAL:
+                # One more read: the job may have written its last lines before it ended.
+                reply = client.call("read", id=run_id, offset=offset)
+                if not reply.get("data"):
+                    return 0
+                continue
+            if live:
+                sys.stderr.write("\r\033[K" + render.progress_line(reply.get("progress") or {}))
+                sys.stderr.flush()
+                shown_progress = True
+            time.sleep(0.25)
+        reply = client.call("read", id=run_id, offset=offset)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

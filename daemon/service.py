@@ -1,0 +1,605 @@
+"""The daemon: holds the run records, launches jobs, follows every running run, stops them.
+
+Each target (or pod) has one follow loop that reads all its running runs in one probe per
+poll, folds what it sees into the records (daemon/supervise.py decides) and applies the stop
+fallback. Every change of a record is saved before it is acted on, so a daemon killed at any
+moment finds, on restart, what it needs to carry on: the records and the run directories.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import os
+import secrets as pysecrets
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+
+from daemon.api import ApiError, IdRequest, ReadRequest, StartRequest, StopRequest
+from daemon.config import Config, LocalTarget
+from daemon.hints import hint, last_lines
+from daemon.models import InvalidRunId, RunRecord, RunState, check_run_id, normalise_reason
+from daemon.store import RunStore, StoreError
+from daemon.supervise import apply_probe, final_state
+from daemon.systemd import Notifier
+from executors.base import Executor, ExecutorError, JobHandle, JobSpec, JobState, JobStatus, RunProbe
+from executors.local import LocalExecutor
+
+log = structlog.get_logger("obd")
+PLUGIN_SRC = Path(__file__).resolve().parent.parent / "trainer_plugin"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + pysecrets.token_hex(3)
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        assert config.daemon.state_dir is not None
+        self.state_dir = Path(config.daemon.state_dir)
+        self.store = RunStore(self.state_dir)
+        self.records: dict[str, RunRecord] = {}
+        self.bad_records: dict[str, str] = {}
+        self.notifier = Notifier()
+        self._executors: dict[str, Executor] = {}
+        self._locks: dict[str, anyio.Lock] = {}
+        self._wake: dict[str, anyio.Event] = {}
+        self._loops: set[str] = set()
+        self._cancelling: set[str] = set()
+        self._dirty: set[str] = set()
+        self._tg: TaskGroup | None = None
+        self._lock_fd: int | None = None
+
+    # --- records -----------------------------------------------------------------------
+
+    def lock(self, run_id: str) -> anyio.Lock:
+        return self._locks.setdefault(run_id, anyio.Lock())
+
+    def save(self, record: RunRecord) -> None:
+        """Save a record; on failure (a full disk) keep it in memory and retry on the next poll."""
+        try:
+            self.store.save(record)
+            self._dirty.discard(record.id)
+        except StoreError as exc:
+            self._dirty.add(record.id)
+            log.error("record_save_failed", run_id=record.id, error=str(exc))
+            raise
+
+    def _save_quietly(self, record: RunRecord) -> None:
+        with contextlib.suppress(StoreError):
+            self.save(record)
+
+    def get(self, run_id: str) -> RunRecord:
+        try:
+            check_run_id(run_id)
+        except InvalidRunId as exc:
+            raise ApiError(str(exc), "usage") from exc
+        if run_id in self.records:
+            return self.records[run_id]
+        if run_id in self.bad_records:
+            raise ApiError(f"the record of run {run_id} is unreadable: {self.bad_records[run_id]}")
+        raise ApiError(f"no run {run_id!r}; `obd train list` shows the runs there are", "not_found")
+
+    # --- executors ---------------------------------------------------------------------
+
+    def executor_key(self, record: RunRecord) -> str:
+        return record.target
+
+    def executor_for(self, record: RunRecord) -> Executor:
+        key = self.executor_key(record)
+        if key not in self._executors:
+            self._executors[key] = self._make_executor(record.target)
+        return self._executors[key]
+
+    def _make_executor(self, target_name: str) -> Executor:
+        cfg = self.config.target(target_name)
+        if isinstance(cfg, LocalTarget):
+            workdir = cfg.workdir or self.state_dir / "jobs"
+            return LocalExecutor(target_name, Path(workdir), cfg.python)
+        if cfg.kind == "ssh":
+            from executors.ssh import SshExecutor
+
+            return SshExecutor(target_name, cfg)
+        raise ApiError(f"target {target_name!r} of kind {cfg.kind!r} is not supported by this daemon yet")
+
+    def poll_interval(self, record: RunRecord) -> float:
+        cfg = self.config.target(record.target)
+        d = self.config.daemon
+        return d.poll_interval if isinstance(cfg, LocalTarget) else min(d.remote_poll_interval, self.config.stop.request_poll)
+
+    # --- life cycle --------------------------------------------------------------------
+
+    def _take_state_lock(self) -> None:
+        self.store.ensure()
+        fd = os.open(self.state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(fd)
+            raise SystemExit(f"obd: another daemon already uses {self.state_dir}; stop it first") from exc
+        self._lock_fd = fd
+
+    def load(self) -> None:
+        records, bad = self.store.load_all()
+        self.records = records
+        self.bad_records = {b.run_id: b.error for b in bad}
+        for b in bad:
+            log.error("record_unreadable", run_id=b.run_id, path=str(b.path), error=b.error)
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        from daemon.server import ControlServer
+
+        self._take_state_lock()
+        self.load()
+        log.info("daemon_starting", state_dir=str(self.state_dir), runs=len(self.records))
+        server = ControlServer(self.config.daemon, self.handle)
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._signals, tg.cancel_scope)
+            await self.reconcile()
+            await tg.start(server.serve)
+            for record in list(self.records.values()):
+                if record.state == RunState.running:
+                    self._ensure_loop(record)
+            tg.start_soon(self.notifier.watchdog_loop)
+            active = sum(r.state == RunState.running for r in self.records.values())
+            self.notifier.ready(f"following {active} running runs")
+            log.info("daemon_ready", socket=str(self.config.daemon.socket), running=active)
+            task_status.started()
+        self.notifier.stopping()
+        log.info("daemon_stopped", note="jobs keep running")
+
+    async def _signals(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("daemon_stopping", signal=signal.Signals(signum).name)
+                self.notifier.stopping()
+                scope.cancel()
+                return
+
+    async def reconcile(self) -> None:
+        """Re-attach to every run left preparing or running; finish those whose job ended."""
+        pending = [r for r in self.records.values() if r.state in (RunState.preparing, RunState.running)]
+        groups: dict[str, list[RunRecord]] = {}
+        for record in pending:
+            groups.setdefault(self.executor_key(record), []).append(record)
+        async with anyio.create_task_group() as tg:
+            for runs in groups.values():
+                tg.start_soon(self._reconcile_group, runs)
+
+    async def _reconcile_group(self, runs: list[RunRecord]) -> None:
+        try:
+            executor = self.executor_for(runs[0])
+            with anyio.fail_after(self.config.daemon.probe_timeout):
+                probes = await executor.probe([(self._handle(r), r.remote_dir) for r in runs])
+        except (ExecutorError, TimeoutError, ApiError, OSError) as exc:
+            log.warning("reconcile_deferred", target=runs[0].target, error=str(exc))
+            now = time.time()
+            for record in runs:
+                if record.state == RunState.preparing:
+                    continue  # decided once the target answers (the follow adopts it then)
+                record.unreachable_since = record.unreachable_since or now
+            return
+        for record, probe in zip(runs, probes):
+            async with self.lock(record.id):
+                if record.state == RunState.preparing:
+                    self._adopt_or_fail(record, probe)
+                    continue
+            await self._apply(record, probe)
+
+    def _adopt_or_fail(self, record: RunRecord, probe: RunProbe) -> None:
+        if probe.handle and probe.status.state != JobState.lost or probe.status.state in (
+            JobState.exited,
+            JobState.cancelled,
+        ):
+            record.job = record.job or probe.handle
+            record.transition(RunState.running, "launched; re-attached after a daemon restart")
+            self._save_quietly(record)
+            self._ensure_loop(record)
+            return
+        record.transition(
+            RunState.failed,
+            "the daemon stopped while launching this run and its job never started; "
+            f"start it again with `obd train start`",
+        )
+        self._save_quietly(record)
+
+    # --- the follow --------------------------------------------------------------------
+
+    @staticmethod
+    def _handle(record: RunRecord) -> JobHandle | None:
+        return JobHandle.model_validate(record.job) if record.job else None
+
+    def _ensure_loop(self, record: RunRecord) -> None:
+        key = self.executor_key(record)
+        self.wake(key)
+        if key in self._loops or self._tg is None:
+            return
+        self._loops.add(key)
+        self._tg.start_soon(self._follow, key, self.poll_interval(record))
+
+    def wake(self, key: str) -> None:
+        event = self._wake.get(key)
+        if event is not None:
+            event.set()
+
+    async def _follow(self, key: str, interval: float) -> None:
+        bound = log.bind(target=key)
+        bound.info("follow_started")
+        try:
+            while True:
+                self._wake[key] = anyio.Event()
+                runs = [r for r in self.records.values() if r.state == RunState.running and self.executor_key(r) == key]
+                if runs:
+                    await self._poll(key, runs)
+                for rid in list(self._dirty):
+                    if rid in self.records:
+                        self._save_quietly(self.records[rid])
+                with anyio.move_on_after(interval):
+                    await self._wake[key].wait()
+        finally:
+            self._loops.discard(key)
+
+    async def _poll(self, key: str, runs: list[RunRecord]) -> None:
+        executor = self.executor_for(runs[0])
+        try:
+            with anyio.fail_after(self.config.daemon.probe_timeout):
+                probes = await executor.probe([(self._handle(r), r.remote_dir) for r in runs])
+        except (ExecutorError, TimeoutError, OSError) as exc:
+            now = time.time()
+            for record in runs:
+                if record.unreachable_since is None:
+                    record.unreachable_since = now
+                    record.note(f"target unreachable: {exc}", now)
+                    log.warning("target_unreachable", run_id=record.id, target=key, error=str(exc))
+                    self._save_quietly(record)
+            return
+        for record, probe in zip(runs, probes):
+            await self._apply(record, probe)
+
+    async def _apply(self, record: RunRecord, probe: RunProbe) -> None:
+        async with self.lock(record.id):
+            if record.state != RunState.running:
+                return
+            now = time.time()
+            verdict = apply_probe(record, probe, now, self.config.stop)
+            if verdict.changed:
+                self._save_quietly(record)
+        if verdict.final is not None:
+            await self._finish(record, verdict.final, probe)
+        elif verdict.cancel and record.id not in self._cancelling:
+            async with self.lock(record.id):
+                record.stop.fallback = verdict.cancel
+                record.stop.cancel_by = "fallback"
+                record.note(f"stop fallback: cancelling ({verdict.cancel})")
+                self._save_quietly(record)
+            log.warning("stop_fallback_cancel", run_id=record.id, reason=verdict.cancel)
+            self._start_cancel(record)
+
+    async def _finish(self, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
+        executor = self.executor_for(record)
+        state, message = final_state(record, status)
+        if state == RunState.failed and status.state == JobState.exited:
+            tail = b""
+            with contextlib.suppress(ExecutorError, TimeoutError, OSError), anyio.fail_after(10):
+                size = probe.log_size
+                tail = await executor.read_from(f"{record.remote_dir}/job.log", max(0, size - 8192), 8192)
+            lines = last_lines(tail)
+            extra = hint(status.exit_code, "\n".join(lines))
+            if extra:
+                message += f"; {extra}"
+            if lines:
+                message += "; last lines: " + " | ".join(lines[-3:])
+        if record.snapshot is not None and state == RunState.stopped:
+            present = probe.checkpoints
+            name = record.snapshot.checkpoint.split("/", 1)[1]
+            if name not in present:
+                state, message = RunState.failed, (
+                    f"the snapshot proof names {record.snapshot.checkpoint}, which is not in the run "
+                    f"directory; see `obd train logs {record.id}`"
+                )
+        if record.profile:
+            await self._collect_metrics(record, executor)
+        async with self.lock(record.id):
+            if record.state != RunState.running:
+                return
+            record.exit_code = status.exit_code
+            record.transition(state, message)
+            self._save_quietly(record)
+        log.info("run_finished", run_id=record.id, state=state.value, exit_code=status.exit_code, message=message)
+
+    async def _collect_metrics(self, record: RunRecord, executor: Executor) -> None:
+        try:
+            from runner.collect import collect_metrics
+
+            local = self.store.run_dir(record.id) / "retrieved"
+            with anyio.fail_after(300):
+                record.metrics = await collect_metrics(executor, record.remote_dir, local)
+        except Exception as exc:  # profiling must never cost the run its final state
+            log.warning("metrics_collect_failed", run_id=record.id, error=str(exc))
+            record.metrics = {"runner_kind": "live", "warnings": [f"profile could not be collected: {exc}"]}
+
+    def _start_cancel(self, record: RunRecord) -> None:
+        if record.id in self._cancelling or self._tg is None:
+            return
+        self._cancelling.add(record.id)
+        self._tg.start_soon(self._cancel_job, record)
+
+    async def _cancel_job(self, record: RunRecord) -> None:
+        try:
+            handle = self._handle(record)
+            if handle is None:
+                return
+            executor = self.executor_for(record)
+            await executor.cancel(handle, record.remote_dir, self.config.stop.cancel_grace)
+        except (ExecutorError, OSError) as exc:
+            log.error("cancel_failed", run_id=record.id, error=str(exc))
+            async with self.lock(record.id):
+                record.note(f"cancel failed, will retry: {exc}")
+                record.stop.fallback = None if record.stop.cancel_by == "fallback" else record.stop.fallback
+                self._save_quietly(record)
+        finally:
+            self._cancelling.discard(record.id)
+            self.wake(self.executor_key(record))
+
+    # --- operations --------------------------------------------------------------------
+
+    async def handle(self, request: Any, peer_uid: int) -> Any:
+        op = request.op
+        if op == "ping":
+            return {"pid": os.getpid(), "runs": len(self.records)}
+        if op == "list":
+            return [r.public() for r in sorted(self.records.values(), key=lambda r: (r.created, r.id))] + [
+                {"id": rid, "state": "unreadable", "message": err} for rid, err in sorted(self.bad_records.items())
+            ]
+        if op == "targets":
+            names = sorted({"local", *self.config.targets})
+            return [{"name": n, "kind": self.config.target(n).kind} for n in names]
+        if op == "start":
+            return (await self.start(request)).public()
+        if op == "stop":
+            return (await self.stop(request)).public()
+        if op == "cancel":
+            return (await self.cancel(request)).public()
+        if op == "status":
+            return self.get(request.id).public()
+        if op == "metrics":
+            record = self.get(request.id)
+            return {"id": record.id, "state": record.state.value, "metrics": record.metrics, "profile": record.profile}
+        if op == "read":
+            return await self.read(request)
+        raise ApiError(f"unknown operation {op!r}", "usage")
+
+    async def start(self, req: StartRequest) -> RunRecord:
+        try:
+            target_cfg = self.config.target(req.target)
+        except Exception as exc:
+            raise ApiError(str(exc), "usage") from exc
+        for key in req.env:
+            if not key or "=" in key or "\0" in key or key.startswith("OBD_"):
+                raise ApiError(f"invalid environment variable name {key!r} (OBD_* names are obd's own)", "usage")
+        source = None
+        if req.resume_from:
+            source = self.get(req.resume_from)
+            if source.state != RunState.stopped or source.snapshot is None:
+                raise ApiError(
+                    f"run {source.id} is {source.state.value}, not stopped with a snapshot: "
+                    "only a stopped run can be resumed",
+                    "usage",
+                )
+        if req.cwd and isinstance(target_cfg, LocalTarget) and not Path(req.cwd).is_dir():
+            raise ApiError(f"--cwd {req.cwd}: no such directory", "usage")
+        run_id = new_run_id()
+        while run_id in self.records:
+            run_id = new_run_id()
+        record = RunRecord(
+            id=run_id,
+            name=req.name,
+            target=req.target,
+            command=req.command,
+            cwd=req.cwd,
+            env=req.env,
+            secret_names=sorted(req.secrets),
+            resumed_from=source.id if source else None,
+            profile=req.profile,
+            snapshot_on_sigterm=req.snapshot_on_sigterm,
+        )
+        record.transition(RunState.preparing, "created")
+        executor = self.executor_for(record)
+        record.remote_dir = f"{executor.workdir.rstrip('/')}/{run_id}"
+        try:
+            self.save(record)
+        except StoreError as exc:
+            raise ApiError(str(exc)) from exc
+        self.records[run_id] = record
+        log.info("run_created", run_id=run_id, target=record.target, command=record.command[:1])
+        assert self._tg is not None
+        self._tg.start_soon(self._launch, record, req, source)
+        return record
+
+    async def _launch(self, record: RunRecord, req: StartRequest, source: RunRecord | None) -> None:
+        executor = self.executor_for(record)
+        rd = record.remote_dir
+        try:
+            await self._upload_plugin(executor, rd)
+            cwd = req.cwd
+            if cwd and not isinstance(executor, LocalExecutor):
+                await executor.upload(Path(cwd), f"{rd}/src")
+                cwd = f"{rd}/src"
+            env = self._job_env(record, rd)
+            if source is not None:
+                env["OBD_RESUME_FROM"] = await self._resume_path(record, source, executor)
+                record.resume_checkpoint = env["OBD_RESUME_FROM"]
+            command = list(req.command)
+            if req.profile:
+                from runner import wrap_command
+
+                command = wrap_command(command, f"{rd}/plugin", rd)
+                env["OBD_PROFILE_DIR"] = f"{rd}/profile"
+            async with self.lock(record.id):
+                if record.stop.cancel_by == "user":
+                    record.transition(RunState.cancelled, "cancelled by the user before the job started")
+                    self._save_quietly(record)
+                    return
+            spec = JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
+            handle = await executor.spawn(spec)
+        except (ExecutorError, OSError, ApiError) as exc:
+            async with self.lock(record.id):
+                record.transition(RunState.failed, f"launch failed: {exc}")
+                self._save_quietly(record)
+            log.error("launch_failed", run_id=record.id, error=str(exc))
+            return
+        async with self.lock(record.id):
+            record.job = handle.model_dump()
+            record.transition(RunState.running, f"started (pid {handle.pid})")
+            self._save_quietly(record)
+        log.info("run_started", run_id=record.id, pid=handle.pid)
+        self._ensure_loop(record)
+        if record.stop.cancel_by == "user":
+            self._start_cancel(record)
+
+    def _job_env(self, record: RunRecord, rd: str) -> dict[str, str]:
+        env = dict(record.env)
+        env.update(
+            OBD_RUN_ID=record.id,
+            OBD_RUN_DIR=rd,
+            OBD_OUTPUT_DIR=f"{rd}/output",
+            OBD_SNAPSHOT_REQUEST=f"{rd}/snapshot.request",
+            OBD_SNAPSHOT_FILE=f"{rd}/snapshot.json",
+            OBD_METRICS_FILE=f"{rd}/metrics.jsonl",
+        )
+        if record.snapshot_on_sigterm:
+            env["OBD_SNAPSHOT_ON_SIGTERM"] = "1"
+        return env
+
+    async def _resume_path(self, record: RunRecord, source: RunRecord, executor: Executor) -> str:
+        assert source.snapshot is not None
+        name = source.snapshot.checkpoint.split("/", 1)[1]  # validated: checkpoint-<step>
+        if self.executor_key(source) == self.executor_key(record):
+            return f"{source.remote_dir}/output/{name}"
+        # Another target: bring the checkpoint here, then send it to the new run's directory.
+        local = self.store.run_dir(source.id) / "retrieved" / "output" / name
+        if not local.exists():
+            await self.executor_for(source).download(f"{source.remote_dir}/output/{name}", local)
+        dest = f"{record.remote_dir}/resume/{name}"
+        await executor.upload(local, dest)
+        return dest
+
+    async def _upload_plugin(self, executor: Executor, remote_dir: str) -> None:
+        stage = self._plugin_stage()
+        await executor.upload(stage, f"{remote_dir}/plugin")
+
+    def _plugin_stage(self) -> Path:
+        """The plugin/ directory every run gets, staged once per content."""
+        files: dict[str, Path] = {f"trainer_plugin/{p.name}": p for p in sorted(PLUGIN_SRC.glob("*.py"))}
+        if (PLUGIN_SRC / "sitecustomize.py").exists():
+            files["sitecustomize.py"] = PLUGIN_SRC / "sitecustomize.py"
+        with contextlib.suppress(ImportError):
+            from runner import TARGET_FILES
+
+            files.update({p.name: Path(p) for p in TARGET_FILES})
+        digest = hashlib.sha256()
+        for rel, path in sorted(files.items()):
+            digest.update(rel.encode() + b"\0" + path.read_bytes())
+        stage = self.state_dir / "plugin-stage" / digest.hexdigest()[:16]
+        if not stage.exists():
+            tmp = stage.with_name(stage.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            for rel, path in files.items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, tmp / rel)
+            os.replace(tmp, stage)
+        return stage
+
+    async def stop(self, req: StopRequest) -> RunRecord:
+        record = self.get(req.id)
+        reason = normalise_reason(req.reason) or "requested"
+        if record.state.final:
+            raise ApiError(f"run {record.id} already ended ({record.state.value}): {record.message}", "state")
+        if not record.snapshots:
+            raise ApiError(
+                f"run {record.id} cannot snapshot: its job has not announced obd's snapshot plugin "
+                f"(no `begin` line with \"snapshots\": true in metrics.jsonl). "
+                f"Use `obd train cancel {record.id}` to end it",
+                "state",
+            )
+        executor = self.executor_for(record)
+        try:
+            await executor.put_file(f"{record.remote_dir}/snapshot.request", reason.encode() + b"\n")
+        except ExecutorError as exc:
+            raise ApiError(f"could not write the snapshot request: {exc}") from exc
+        async with self.lock(record.id):
+            if record.stop.requested_at is None:
+                record.stop.requested_at = time.time()
+                record.note(f"snapshot requested ({reason}) by `obd train stop`")
+            elif record.stop.reason != reason:
+                record.note(f"snapshot request reason changed to {reason}")
+            record.stop.reason = reason
+            self._save_quietly(record)
+        log.info("snapshot_requested", run_id=record.id, reason=reason)
+        self.wake(self.executor_key(record))
+        return record
+
+    async def cancel(self, req: IdRequest) -> RunRecord:
+        record = self.get(req.id)
+        if record.state.final:
+            return record  # idempotent: a run that ended is never signalled
+        async with self.lock(record.id):
+            if record.stop.cancel_by is None:
+                record.stop.cancel_by = "user"
+                record.note("cancel requested by the user")
+                self._save_quietly(record)
+        log.info("cancel_requested", run_id=record.id)
+        if record.state == RunState.running:
+            self._start_cancel(record)
+        return record
+
+    async def read(self, req: ReadRequest) -> dict:
+        record = self.get(req.id)
+        if not record.remote_dir or record.state == RunState.preparing and not record.job:
+            return {"data": "", "offset": req.offset, "state": record.state.value}
+        executor = self.executor_for(record)
+        path = f"{record.remote_dir}/job.log"
+        offset = req.offset
+        try:
+            with anyio.fail_after(self.config.daemon.probe_timeout):
+                if req.tail_lines is not None:
+                    offset = await self._tail_offset(executor, record, path, req.tail_lines)
+                data = await executor.read_from(path, offset, req.limit)
+        except (ExecutorError, TimeoutError, OSError) as exc:
+            raise ApiError(f"could not read the log of run {record.id}: {exc}", "unavailable") from exc
+        return {
+            "data": base64.b64encode(data).decode(),
+            "offset": offset,
+            "next": offset + len(data),
+            "state": record.state.value,
+            "progress": record.progress.model_dump(),
+        }
+
+    async def _tail_offset(self, executor: Executor, record: RunRecord, path: str, lines: int) -> int:
+        """The offset where the last `lines` lines of the log start (reading back in blocks)."""
+        [probe] = await executor.probe([(self._handle(record), record.remote_dir)])
+        end = pos = probe.log_size
+        if lines == 0:
+            return end
+        count, block = 0, 65536
+        while pos > 0:
+            start = max(0, pos - block)
+            chunk = await executor.read_from(path, start, pos - start)
+            for i in range(len(chunk) - 1, -1, -1):
+                if chunk[i] == 0x0A and start + i != end - 1:
+                    count += 1
+                    if count >= lines:
+                        return start + i + 1
+            pos = start
+        return 0
