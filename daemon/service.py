@@ -276,6 +276,8 @@ class Daemon:
             if verdict.changed:
                 self._save_quietly(record)
         if verdict.final is not None:
+            if record.id in self._cancelling:
+                return  # the cancel under way writes `cancelled` last; finish after it
             await self._finish(record, verdict.final, probe)
         elif verdict.cancel and record.id not in self._cancelling:
             async with self.lock(record.id):

@@ -1,0 +1,195 @@
+"""Shared fixtures: a real `obd daemon` process in a throwaway state directory, and its client."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from daemon.client import Client, DaemonUnreachable  # noqa: E402
+
+FAST_CONFIG = """
+[daemon]
+poll_interval = 0.2
+remote_poll_interval = 0.5
+probe_timeout = 5
+
+[stop]
+proof_timeout = "60s"
+end_timeout = "30s"
+request_poll = 1
+cancel_grace = 2
+"""
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1, what: str = "") -> Any:
+    """Poll until `predicate()` is truthy; fail the test with `what` when it never is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+class DaemonProc:
+    """One `obd daemon` subprocess; can be killed with any signal and started again."""
+
+    def __init__(self, root: Path, config: str = FAST_CONFIG) -> None:
+        self.root = root
+        self.state_dir = root / "state"
+        self.socket = root / "obd.sock"
+        self.config_path = root / "config.toml"
+        self.config_path.write_text(config)
+        self.log_path = root / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.env = {
+            **os.environ,
+            "OBD_STATE_DIR": str(self.state_dir),
+            "OBD_SOCKET": str(self.socket),
+            "OBD_CONFIG": str(self.config_path),
+            "OBD_NO_SCOPE": "1",
+            "PYTHONPATH": str(REPO),
+        }
+
+    def write_config(self, text: str) -> None:
+        self.config_path.write_text(text)
+
+    def start(self, extra_env: dict[str, str] | None = None, wait: bool = True) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "daemon.cli", "daemon", "--log-level", "debug"],
+                env={**self.env, **(extra_env or {})},
+                stdout=log,
+                stderr=log,
+                cwd=REPO,
+            )
+        if wait:
+            wait_for(self.ready, 20, 0.05, "the daemon to answer")
+
+    def ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            c = Client(self.socket, timeout=2)
+            c.call("ping")
+            c.close()
+            return True
+        except DaemonUnreachable:
+            return False
+
+    def signal(self, sig: int = signal.SIGTERM, wait: bool = True) -> int | None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        if wait:
+            return self.proc.wait(15)
+        return None
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def client(self) -> Client:
+        return Client(self.socket, timeout=30)
+
+    def call(self, op: str, **params: Any) -> Any:
+        c = self.client()
+        try:
+            return c.call(op, **params)
+        finally:
+            c.close()
+
+    def cli(self, *args: str, timeout: float = 120, input: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "daemon.cli", *args],
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+        )
+
+    def record(self, run_id: str) -> dict[str, Any]:
+        return self.call("status", id=run_id)
+
+    def wait_state(self, run_id: str, *states: str, timeout: float = 60) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            r = self.record(run_id)
+            return r if r["state"] in states else None
+
+        try:
+            return wait_for(check, timeout, 0.1, f"run {run_id} to be {states}")
+        except AssertionError:
+            raise AssertionError(
+                f"run {run_id} is {self.record(run_id)['state']}, not {states}:\n"
+                f"{json.dumps(self.record(run_id), indent=1)[-3000:]}\n--- daemon log ---\n{self.log_path.read_text()[-3000:]}"
+            ) from None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def kill_leftover_jobs(state_dir: Path) -> None:
+    """Tests end with no job left behind: KILL every job group still alive."""
+    from trainer_plugin import jobctl
+
+    for pidfile in state_dir.glob("jobs/*/job.pid"):
+        handle = jobctl.read_handle(str(pidfile.parent))
+        if handle and jobctl.handle_alive(handle):
+            try:
+                os.killpg(int(handle["pid"]), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temporary directory (unix socket paths are limited to 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="obd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(short_tmp: Path) -> Iterator[DaemonProc]:
+    d = DaemonProc(short_tmp)
+    d.start()
+    yield d
+    d.stop()
+    kill_leftover_jobs(d.state_dir)
+
+
+@pytest.fixture
+def make_daemon(short_tmp: Path) -> Iterator[Callable[..., DaemonProc]]:
+    """A daemon with a config of the test's own, not yet started."""
+    made: list[DaemonProc] = []
+
+    def make(config: str = FAST_CONFIG) -> DaemonProc:
+        d = DaemonProc(short_tmp, config)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.stop()
+        kill_leftover_jobs(d.state_dir)
