@@ -1,0 +1,171 @@
+"""Pure helpers for running things on a POSIX target: quoting, shell snippets, upload filters.
+
+Kept apart from the SSH executor so the exact remote command lines can be unit-tested without a
+server (and reused by the Runpod executor). Every path and argument goes through
+`shlex.quote`; nothing here ever puts a secret on a command line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from trainer_plugin import jobctl
+
+JOBCTL_SOURCE: bytes = Path(jobctl.__file__).read_bytes()
+JOBCTL_HASH: str = hashlib.sha256(JOBCTL_SOURCE).hexdigest()[:12]
+
+# Directory names never uploaded with a job's working directory (caches, VCS, environments).
+EXCLUDED_NAMES = frozenset({".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".mypy_cache", "node_modules"})
+
+_TILDE_USER = re.compile(r"^~([A-Za-z0-9._-]+)(/.*)?$")
+
+
+def q(value: str) -> str:
+    """One shell word, taken literally by any POSIX shell."""
+    return shlex.quote(value)
+
+
+def join(argv: Sequence[str]) -> str:
+    """A command line whose words are exactly `argv`."""
+    return " ".join(q(a) for a in argv)
+
+
+def path_expr(path: str) -> str:
+    """A shell expression for a configured remote path: `~`, `~/x`, `~user/x` and relative paths
+    are expanded by the remote shell (relative means relative to the home); the rest is quoted."""
+    if "\n" in path or "\0" in path:
+        raise ValueError(f"a remote path cannot hold a newline or NUL: {path!r}")
+    if path in ("~", ""):
+        return '"$HOME"'
+    if path.startswith("~/"):
+        rest = path[2:]
+        return '"$HOME"/' + q(rest) if rest else '"$HOME"'
+    match = _TILDE_USER.match(path)
+    if match:  # a bare ~name (safe characters only) is expanded by the shell itself
+        rest = (match.group(2) or "").lstrip("/")
+        return f"~{match.group(1)}/" + q(rest) if rest else f"~{match.group(1)}"
+    if not path.startswith("/"):
+        return '"$HOME"/' + q(path)
+    return q(path)
+
+
+def jobctl_remote_path(workdir: str) -> str:
+    """Where the content-addressed copy of jobctl.py lives under a resolved workdir."""
+    return f"{workdir.rstrip('/')}/.obd/jobctl-{JOBCTL_HASH}.py"
+
+
+def setup_script(workdir: str, python: str | None, venv: str | None) -> str:
+    """One shell script run once per connection: resolve the workdir, create `.obd/`, install
+    jobctl.py from stdin unless that exact version is there, and report the Python version.
+
+    Output lines: `workdir=<abs>`, `python=<exe>` (may be relative, resolved through PATH),
+    then `python-version=<x.y.z>` or `python-missing=<exit code>`.
+    Exit codes: 3 the workdir cannot be created, 4 jobctl.py cannot be written.
+    """
+    py = python_expr(python, venv)
+    return f"""
+W={path_expr(workdir)}
+case "$W" in /*) ;; *) W="$(pwd)/$W" ;; esac
+mkdir -p -- "$W/.obd" || exit 3
+[ -w "$W/.obd" ] || {{ echo "$W/.obd is not writable" >&2; exit 3; }}
+J="$W/.obd/jobctl-{JOBCTL_HASH}.py"
+if [ -f "$J" ]; then
+  cat >/dev/null
+else
+  T="$J.tmp.$$"
+  if cat >"$T" && mv -f -- "$T" "$J"; then :; else rm -f -- "$T"; exit 4; fi
+fi
+printf 'workdir=%s\\n' "$W"
+P={py}
+printf 'python=%s\\n' "$P"
+V="$("$P" -c 'import platform; print(platform.python_version())' 2>/dev/null)"
+rc=$?
+if [ $rc -eq 0 ]; then printf 'python-version=%s\\n' "$V"; else printf 'python-missing=%s\\n' "$rc"; fi
+"""
+
+
+def python_expr(python: str | None, venv: str | None) -> str:
+    """Shell expression for the interpreter: `<venv>/bin/python` when a venv is set, else
+    the configured python (a name found through PATH, or a path)."""
+    if venv:
+        return path_expr(venv.rstrip("/") + "/bin/python")
+    name = python or "python3"
+    if "/" in name:
+        return path_expr(name)
+    return q(name)
+
+
+def parse_setup(stdout: str) -> dict[str, str]:
+    """The key=value lines printed by `setup_script`."""
+    out: dict[str, str] = {}
+    for line in stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key in ("workdir", "python", "python-version", "python-missing"):
+            out[key] = value
+    return out
+
+
+def start_command(python: str, jobctl_path: str, remote_dir: str) -> str:
+    """`setsid nohup PY jobctl start DIR --secrets-stdin`, with stdin (the secrets) passed on.
+
+    The launcher runs as a background child of a non-interactive shell, so it is not a
+    process-group leader and `setsid` acts in place instead of forking and returning at once;
+    stdin is handed over explicitly through fd 3 (a background job's stdin would be /dev/null).
+    Where `setsid` is missing (not Linux), the wrapper's own setsid() still detaches the job.
+    """
+    launch = join([python, jobctl_path, "start", remote_dir, "--secrets-stdin"])
+    return (
+        "exec 3<&0\n"
+        "if command -v setsid >/dev/null 2>&1; then\n"
+        f"  setsid nohup {launch} 0<&3 3<&- &\n"
+        "else\n"
+        f"  nohup {launch} 0<&3 3<&- &\n"
+        "fi\n"
+        'wait "$!"\n'
+    )
+
+
+def jobctl_command(python: str, jobctl_path: str, *args: str) -> str:
+    """`exec PY jobctl ARGS...`, every word quoted."""
+    return "exec " + join([python, jobctl_path, *args])
+
+
+def mkdirs_command(paths: Iterable[str]) -> str:
+    """`mkdir -p -- P...` for remote directories."""
+    return join(["mkdir", "-p", "--", *paths])
+
+
+def is_excluded_dir(path: Path) -> bool:
+    """True for a directory an upload leaves out: VCS, caches, virtual environments."""
+    return path.name in EXCLUDED_NAMES or (path / "pyvenv.cfg").is_file()
+
+
+def walk_upload(root: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """(directories, files, symlinks) under `root` to upload, relative to it, parents first.
+
+    Symbolic links are kept as links (like the local executor), never followed, so a link to
+    a large or private tree outside the directory uploads nothing of it.
+    """
+    dirs: list[Path] = []
+    files: list[Path] = []
+    links: list[Path] = []
+    stack = [Path()]
+    while stack:
+        rel = stack.pop()
+        for entry in sorted((root / rel).iterdir(), key=lambda p: p.name):
+            sub = rel / entry.name
+            if entry.is_symlink():
+                links.append(sub)
+            elif entry.is_dir():
+                if is_excluded_dir(entry):
+                    continue
+                dirs.append(sub)
+                stack.append(sub)
+            elif entry.is_file():
+                files.append(sub)
+    dirs.sort(key=lambda p: len(p.parts))
+    return dirs, files, links
