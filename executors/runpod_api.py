@@ -1,0 +1,383 @@
+"""A thin async wrapper over the `runpod` SDK: key lookup, input checks, retries, typed pods.
+
+The SDK's calls block (requests), so each runs in a worker thread under a deadline of our own.
+The SDK pastes strings into GraphQL text unescaped, so every string obd sends is either
+checked to be plain (ids, names, images) or escaped here (env values) before it gets there.
+The SDK only reports a 401 itself; a 429 or 5xx shows up as a non-JSON body, a JSON body
+without `data`, or an `errors` message, and all of those are retried with backoff.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+import structlog
+from pydantic import BaseModel, Field
+
+from executors.base import ExecutorError
+
+log = structlog.get_logger("obd.runpod.api")
+T = TypeVar("T")
+
+KEY_HELP = (
+    "set RUNPOD_API_KEY in the daemon's environment, or store the key with `runpod config` "
+    "(the SDK's ~/.runpod/config.toml); obd never reads it from its own config or a command line"
+)
+NO_CAPACITY_RE = re.compile(r"no longer any instances available|no instances? available|not enough capacity", re.I)
+TRANSIENT_RE = re.compile(
+    r"too many requests|rate.?limit|internal server error|service unavailable|bad gateway|"
+    r"gateway time-?out|temporarily|timed? ?out|try again later|upstream",
+    re.I,
+)
+AUTH_RE = re.compile(r"unauthori[sz]ed|invalid api key|api key is invalid|forbidden", re.I)
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ENV_VALUE_LIMIT = 32 * 1024
+_PLAIN_BAD = re.compile(r'["\\\x00-\x1f\x7f]')
+_SDK_LOCK = threading.Lock()  # the SDK keeps its key in a module global
+
+
+class RunpodApiError(ExecutorError):
+    """The Runpod API refused or failed a call; the message says what to do next."""
+
+
+class AuthError(RunpodApiError):
+    """No API key, or the API rejected it."""
+
+
+class NoCapacity(RunpodApiError):
+    """No machine of that GPU type is free right now."""
+
+
+class UnknownGpu(RunpodApiError):
+    """The GPU type id is not one Runpod knows."""
+
+
+class TransientError(RunpodApiError):
+    """429, 5xx, a timeout or a dropped connection: the call may be retried (it may have happened)."""
+
+
+class Pod(BaseModel):
+    """The fields of a pod obd uses, read from what the SDK's pod queries return."""
+
+    id: str
+    name: str = ""
+    desired_status: str = ""
+    cost_per_hr: float | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    gpu_count: int | None = None
+    gpu_display_name: str | None = None
+    image_name: str | None = None
+    uptime_seconds: float | None = None
+    last_status_change: str | None = None
+    ssh_host: str | None = None
+    ssh_port: int | None = None
+
+    @classmethod
+    def from_api(cls, raw: dict[str, Any]) -> Pod:
+        """Build from a `pod`/`myself.pods` item; tolerant of nulls and of env as list or map."""
+        host, port = _public_ssh(raw.get("runtime"))
+        machine = raw.get("machine") or {}
+        rate = raw.get("costPerHr")
+        return cls(
+            id=str(raw["id"]),
+            name=raw.get("name") or "",
+            desired_status=raw.get("desiredStatus") or "",
+            cost_per_hr=float(rate) if isinstance(rate, (int, float)) and rate > 0 else None,
+            env=parse_env(raw.get("env")),
+            gpu_count=raw.get("gpuCount"),
+            gpu_display_name=machine.get("gpuDisplayName") if isinstance(machine, dict) else None,
+            image_name=raw.get("imageName"),
+            uptime_seconds=raw.get("uptimeSeconds"),
+            last_status_change=raw.get("lastStatusChange"),
+            ssh_host=host,
+            ssh_port=port,
+        )
+
+
+def _public_ssh(runtime: Any) -> tuple[str | None, int | None]:
+    """The public ip and port mapped to the pod's port 22, when Runpod reports one."""
+    if not isinstance(runtime, dict):
+        return None, None
+    for port in runtime.get("ports") or []:
+        if not isinstance(port, dict):
+            continue
+        if port.get("privatePort") == 22 and port.get("isIpPublic") and port.get("publicPort") and port.get("ip"):
+            return str(port["ip"]), int(port["publicPort"])
+    return None, None
+
+
+def parse_env(raw: Any) -> dict[str, str]:
+    """A pod's env as a dict: the API gives `["K=V", ...]` (older answers: `[{key, value}]`)."""
+    out: dict[str, str] = {}
+    if isinstance(raw, dict):
+        return {str(k): str(v) for k, v in raw.items()}
+    for item in raw or []:
+        if isinstance(item, str) and "=" in item:
+            key, value = item.split("=", 1)
+            out[key] = value
+        elif isinstance(item, dict) and "key" in item:
+            out[str(item["key"])] = str(item.get("value", ""))
+    return out
+
+
+# --- what may reach GraphQL --------------------------------------------------------------
+
+
+def gql_escape(value: str) -> str:
+    """The body of a GraphQL string literal for `value` (quotes, backslashes, controls escaped)."""
+    out = []
+    for ch in value:
+        code = ord(ch)
+        if ch == '"':
+            out.append('\\"')
+        elif ch == "\\":
+            out.append("\\\\")
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif code < 0x20 or code == 0x7F or 0xD800 <= code <= 0xDFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def check_plain(what: str, value: str) -> str:
+    """Refuse an id, name or image that would change the GraphQL text the SDK builds."""
+    if not isinstance(value, str) or not value or _PLAIN_BAD.search(value) or len(value) > 512:
+        raise RunpodApiError(
+            f"refusing {what} {value!r}: it must be non-empty plain text without quotes, backslashes "
+            "or control characters; fix it in the target's section of the obd config"
+        )
+    return value
+
+
+def escape_env(env: dict[str, str]) -> dict[str, str]:
+    """Env for the SDK's create call: names checked, values escaped for its unescaped template."""
+    out: dict[str, str] = {}
+    for key, value in env.items():
+        if not ENV_KEY_RE.match(key):
+            raise RunpodApiError(f"refusing pod env name {key!r}: names are letters, digits and '_'")
+        if not isinstance(value, str) or len(value) > ENV_VALUE_LIMIT or "\x00" in value:
+            raise RunpodApiError(f"refusing pod env {key}: the value must be text under 32 KiB without NUL bytes")
+        out[key] = gql_escape(value)
+    return out
+
+
+# --- the key ------------------------------------------------------------------------------
+
+
+def resolve_api_key(environ: dict[str, str] | None = None) -> str | None:
+    """The key from RUNPOD_API_KEY, else from the SDK's own credentials file; never logged."""
+    env = os.environ if environ is None else environ
+    key = (env.get("RUNPOD_API_KEY") or "").strip()
+    if key:
+        return key
+    try:
+        from runpod.cli.groups.config.functions import get_credentials
+
+        creds = get_credentials("default")
+    except Exception:  # a broken file is the same as none: the error below says what to do
+        return None
+    key = str((creds or {}).get("api_key") or "").strip()
+    return key or None
+
+
+# --- classification -------------------------------------------------------------------------
+
+
+def classify(exc: BaseException, what: str) -> RunpodApiError:
+    """Turn whatever the SDK raised into one of our errors, with a message that says what next."""
+    import requests
+    from runpod import error as rp_error
+
+    if isinstance(exc, RunpodApiError):
+        return exc
+    if isinstance(exc, rp_error.AuthenticationError):
+        return AuthError(f"the Runpod API refused the API key ({what}): {KEY_HELP}")
+    if isinstance(exc, rp_error.QueryError):
+        message = str(exc.message or exc)
+        if NO_CAPACITY_RE.search(message):
+            return NoCapacity(f"no capacity ({what}): {message}")
+        if AUTH_RE.search(message):
+            return AuthError(f"the Runpod API refused the API key ({what}): {message}; {KEY_HELP}")
+        if TRANSIENT_RE.search(message):
+            return TransientError(f"the Runpod API failed ({what}): {message}")
+        return RunpodApiError(f"the Runpod API refused {what}: {message}")
+    if isinstance(exc, requests.exceptions.JSONDecodeError):
+        return TransientError(f"the Runpod API answered {what} with a non-JSON body (HTTP 429 or 5xx)")
+    if isinstance(exc, (requests.exceptions.Timeout, TimeoutError)):
+        return TransientError(f"the Runpod API did not answer {what} in time")
+    if isinstance(exc, requests.exceptions.RequestException):
+        return TransientError(f"could not reach the Runpod API ({what}): {type(exc).__name__}")
+    if isinstance(exc, (KeyError, TypeError)):
+        return TransientError(f"the Runpod API answered {what} without data (HTTP 429 or 5xx?)")
+    if isinstance(exc, ValueError) and "No GPU found" in str(exc):
+        return UnknownGpu(f"unknown GPU type ({what}); list the valid ids with `python -c 'import runpod; print(runpod.get_gpus())'`")
+    return RunpodApiError(f"the Runpod API call {what} failed: {type(exc).__name__}: {exc}")
+
+
+# --- the client --------------------------------------------------------------------------------
+
+
+class RunpodApi:
+    """Pods through the SDK, with retries on 429/5xx/timeouts and a deadline on every call."""
+
+    def __init__(
+        self,
+        *,
+        api_key: str | None = None,
+        call_timeout: float = 60.0,
+        retries: int = 5,
+        backoff: float = 1.0,
+        backoff_max: float = 30.0,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    ) -> None:
+        self._api_key = api_key
+        self.call_timeout = call_timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self._sleep = sleep
+
+    def _key(self) -> str:
+        key = self._api_key or resolve_api_key()
+        if not key:
+            raise AuthError(f"no Runpod API key: {KEY_HELP}")
+        return key
+
+    async def _once(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """One SDK call in a thread, under our deadline; its exceptions classified."""
+        key = self._key()
+
+        def call() -> T:
+            import runpod
+
+            with _SDK_LOCK:
+                runpod.api_key = key
+            return fn(*args, **kwargs)
+
+        try:
+            with anyio.fail_after(self.call_timeout):
+                return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+        except TimeoutError as exc:
+            raise TransientError(f"the Runpod API did not answer {what} within {self.call_timeout:.0f}s") from exc
+        except Exception as exc:
+            raise classify(exc, what) from exc
+
+    async def _retrying(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """An idempotent call, retried with exponential backoff and jitter on transient errors."""
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            try:
+                return await self._once(what, fn, *args, **kwargs)
+            except TransientError as exc:
+                if attempt >= self.retries:
+                    raise TransientError(
+                        f"{exc} (gave up after {attempt + 1} tries); check https://uptime.runpod.io and retry"
+                    ) from exc
+                log.warning("runpod_api_retry", call=what, attempt=attempt + 1, error=str(exc))
+                await self._sleep(delay * (0.5 + random.random() / 2))
+                delay = min(delay * 2, self.backoff_max)
+        raise AssertionError("unreachable")
+
+    async def get_pod(self, pod_id: str) -> Pod | None:
+        """The pod, or None when it no longer exists (terminated)."""
+        import runpod
+
+        check_plain("pod id", pod_id)
+        raw = await self._retrying(f"get_pod({pod_id})", runpod.get_pod, pod_id)
+        return Pod.from_api(raw) if raw else None
+
+    async def list_pods(self) -> list[Pod]:
+        """Every pod of the account (obd filters its own by name and env tag)."""
+        import runpod
+
+        raw = await self._retrying("get_pods", runpod.get_pods)
+        return [Pod.from_api(p) for p in raw or [] if isinstance(p, dict) and p.get("id")]
+
+    async def gpu_rate(self, gpu_id: str, gpu_count: int, cloud_type: str) -> float | None:
+        """The hourly rate of `gpu_count` GPUs of that type in that cloud, None when unknown."""
+        import runpod
+
+        check_plain("GPU type", gpu_id)
+        raw = await self._retrying(f"get_gpu({gpu_id})", runpod.get_gpu, gpu_id, gpu_count)
+        return rate_from_gpu(raw, gpu_count, cloud_type)
+
+    async def create_pod(self, **kwargs: Any) -> dict:
+        """One create call, never retried here: a transient failure may have created the pod."""
+        import runpod
+
+        for field in ("name", "image_name", "gpu_type_id", "network_volume_id"):
+            if kwargs.get(field) is not None:
+                check_plain(field.replace("_", " "), kwargs[field])
+        kwargs["env"] = escape_env(kwargs.get("env") or {})
+        raw = await self._once(f"create_pod({kwargs.get('gpu_type_id')})", runpod.create_pod, **kwargs)
+        if not isinstance(raw, dict) or not raw.get("id"):
+            raise TransientError("the Runpod API answered create_pod without a pod id")
+        return raw
+
+    async def terminate(self, pod_id: str) -> None:
+        """Terminate the pod; a pod already gone counts as terminated."""
+        import runpod
+
+        check_plain("pod id", pod_id)
+        try:
+            await self._retrying(f"terminate_pod({pod_id})", runpod.terminate_pod, pod_id)
+        except AuthError:
+            raise
+        except RunpodApiError:
+            if await self.get_pod(pod_id) is None:
+                return
+            raise
+
+
+def rate_from_gpu(raw: dict | None, gpu_count: int, cloud_type: str) -> float | None:
+    """Hourly rate from a `gpuTypes` item: per-GPU price × count; for ALL the dearer cloud."""
+    if not raw:
+        return None
+    prices: list[float] = []
+    if cloud_type in ("SECURE", "ALL") and isinstance(raw.get("securePrice"), (int, float)):
+        prices.append(float(raw["securePrice"]))
+    if cloud_type in ("COMMUNITY", "ALL") and isinstance(raw.get("communityPrice"), (int, float)):
+        prices.append(float(raw["communityPrice"]))
+    prices = [p for p in prices if p > 0]
+    if not prices:
+        lowest = (raw.get("lowestPrice") or {}).get("uninterruptablePrice")
+        if isinstance(lowest, (int, float)) and lowest > 0:
+            return float(lowest) * gpu_count
+        return None
+    return max(prices) * gpu_count
+
+
+def redact(text: str, key: str | None) -> str:
+    """`text` with the API key cut out, for anything that may reach a log or a message."""
+    return text.replace(key, "<redacted>") if key else text
+
+
+__all__ = [
+    "AuthError",
+    "NoCapacity",
+    "Pod",
+    "RunpodApi",
+    "RunpodApiError",
+    "TransientError",
+    "UnknownGpu",
+    "check_plain",
+    "escape_env",
+    "gql_escape",
+    "parse_env",
+    "rate_from_gpu",
+    "resolve_api_key",
+]
+

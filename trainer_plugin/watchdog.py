@@ -1,0 +1,413 @@
+"""The pod watchdog: runs on a Runpod pod beside the job and holds the caps when obd is gone.
+
+Standard library only (plus its sibling jobctl.py, also standard library): obd uploads it into
+the run's `plugin/trainer_plugin/` and starts it detached before the job:
+
+    python3 watchdog.py run --config RUN_DIR/watchdog.json    # the API key comes in RUNPOD_API_KEY
+    python3 watchdog.py manifest RUN_DIR [PATH...]             # size and sha256 of the outputs, as JSON
+
+Every `interval` seconds it looks at the run directory and decides, by these rules:
+- `deadline`: writes `snapshot.request` `deadline` once `max_hours` is less than `snapshot_margin`
+  away, and cancels the job at `max_hours` (TERM, grace, KILL), unless the daemon holds a fresh lease;
+- `cost`: the same for the spend (hourly rate x time since the pod started) against `max_cost_usd`
+  (the request is written whatever the lease, the cancel only when the lease is stale);
+- `disk`: writes `snapshot.request` `disk` when the workdir's free space falls under
+  `disk_min_free_gb` or its use goes over `disk_max_used_pct`;
+- `abandoned`: deletes the pod through the Runpod API when the job ended `abandon_grace` ago and no
+  one wrote `retrieved`, and the lease is stale;
+- `never_started`: deletes the pod when no job appeared within `boot_grace` of the watchdog's start
+  and the lease is stale.
+An existing request is never overwritten. `retrieved` (written by obd once the outputs are safe)
+ends the watchdog. The lease is `RUN_DIR/lease`: the unix time (seconds) until which the daemon
+is in charge; a lease whose file is older than `lease_max_ttl` counts as stale whatever it says,
+so a daemon clock far ahead cannot hold the watchdog off for good. Every decision is one JSON line
+in `RUN_DIR/watchdog.log`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import stat
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+try:  # imported as trainer_plugin.watchdog
+    from . import jobctl
+except ImportError:  # run as a script beside jobctl.py
+    import jobctl  # type: ignore[no-redef]
+
+DEFAULTS: dict[str, Any] = {
+    "run_dir": None,
+    "pod_id": None,
+    "started_at": None,  # unix time the pod was created (billing starts)
+    "cost_per_hr": None,
+    "max_hours": None,
+    "max_cost_usd": None,
+    "disk_path": None,  # default: run_dir
+    "disk_min_free_gb": None,
+    "disk_max_used_pct": None,
+    "boot_grace": 600.0,
+    "abandon_grace": 1800.0,
+    "snapshot_margin": 900.0,  # how long ahead of a cap the snapshot is asked for
+    "kill_grace": 30.0,
+    "interval": 30.0,
+    "lease_max_ttl": 3600.0,
+    "api_base_url": None,  # default: RUNPOD_API_BASE_URL, else https://api.runpod.io
+}
+REASONS = ("deadline", "cost", "disk")
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """The watchdog's settings: DEFAULTS overlaid with the JSON file obd wrote."""
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict) or not raw.get("run_dir"):
+        raise ValueError(f"{path}: not a watchdog config (no run_dir)")
+    cfg = dict(DEFAULTS)
+    cfg.update({k: v for k, v in raw.items() if k in DEFAULTS})
+    return cfg
+
+
+def read_lease(run_dir: str) -> tuple[float | None, float | None]:
+    """(expiry written by the daemon, file mtime), or (None, None) when there is no lease."""
+    path = os.path.join(run_dir, "lease")
+    data = jobctl.read_regular(path, 64)
+    if not data:
+        return None, None
+    try:
+        expiry = float(data.strip())
+        mtime = os.stat(path).st_mtime
+    except (ValueError, OSError):
+        return None, None
+    return expiry, mtime
+
+
+def delete_pod_http(base_url: str, api_key: str, pod_id: str, timeout: float = 30.0) -> None:
+    """Terminate the pod with the same GraphQL mutation the runpod SDK sends; raises on failure."""
+    if not pod_id.isalnum():
+        raise ValueError(f"bad pod id {pod_id!r}")
+    query = f'mutation {{ podTerminate(input: {{ podId: "{pod_id}" }}) }}'
+    req = urllib.request.Request(
+        base_url.rstrip("/") + "/graphql",
+        data=json.dumps({"query": query}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}", "User-Agent": "obd-watchdog"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise RuntimeError(f"API unreachable: {getattr(exc, 'reason', exc)}") from None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        raise RuntimeError("the API answered with something that is not JSON") from None
+    errors = answer.get("errors") if isinstance(answer, dict) else None
+    if errors:
+        message = str(errors[0].get("message", errors[0])) if isinstance(errors, list) and errors else str(errors)
+        if "not found" in message.lower():
+            return  # already gone
+        raise RuntimeError(message[:300])
+
+
+class Watchdog:
+    """The rules above as one `step()`; the clock, disk probe, pod deletion and cancel are injectable."""
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        *,
+        clock: Callable[[], float] = time.time,
+        statvfs: Callable[[str], Any] = os.statvfs,
+        delete_pod: Callable[[str], None] | None = None,
+        cancel_job: Callable[[str, float], Any] | None = None,
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        self.cfg = {**DEFAULTS, **cfg}
+        self.run_dir: str = self.cfg["run_dir"]
+        self.clock = clock
+        self.statvfs = statvfs
+        env = dict(os.environ if environ is None else environ)
+        self.api_key = env.get("RUNPOD_API_KEY") or ""
+        self.pod_id = self.cfg["pod_id"] or env.get("RUNPOD_POD_ID") or ""
+        self.base_url = self.cfg["api_base_url"] or env.get("RUNPOD_API_BASE_URL") or "https://api.runpod.io"
+        self._needs_key = delete_pod is None
+        self._delete = delete_pod or (lambda pod_id: delete_pod_http(self.base_url, self.api_key, pod_id))
+        self._cancel = cancel_job or (lambda run_dir, grace: jobctl.cancel(run_dir, grace))
+        self.started = clock()
+        self.lost_since: float | None = None
+        self.said: set[tuple[str, str]] = set()
+        self.deleted = False
+
+    # --- observations -------------------------------------------------------------------------
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.run_dir, name)
+
+    def job_phase(self, now: float) -> tuple[str, float | None]:
+        """('waiting' | 'running' | 'ended', when it ended) from the files the job wrapper writes."""
+        for name in ("cancelled", "exit_code"):
+            try:
+                return "ended", os.stat(self.path(name)).st_mtime
+            except OSError:
+                pass
+        if not os.path.exists(self.path("job.pid")):
+            return "waiting", None
+        status = jobctl.job_status(self.run_dir)
+        if status["state"] == "running":
+            self.lost_since = None
+            return "running", None
+        if status["state"] in ("exited", "cancelled"):
+            return "ended", now
+        # lost: the wrapper died without an exit code (OOM killer, container restart)
+        if self.lost_since is None:
+            self.lost_since = now
+        return "ended", self.lost_since
+
+    def lease_fresh(self, now: float) -> bool:
+        expiry, mtime = read_lease(self.run_dir)
+        if expiry is None or mtime is None:
+            return False
+        return now < expiry and now < mtime + float(self.cfg["lease_max_ttl"])
+
+    def disk_reason(self) -> dict[str, Any] | None:
+        """The disk figures when the policy says snapshot, else None."""
+        min_free, max_used = self.cfg["disk_min_free_gb"], self.cfg["disk_max_used_pct"]
+        if min_free is None and max_used is None:
+            return None
+        try:
+            st = self.statvfs(self.cfg["disk_path"] or self.run_dir)
+        except OSError as exc:
+            self.say("disk_unreadable", "disk", error=str(exc))
+            return None
+        free_gb = st.f_bavail * st.f_frsize / 1e9
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        usable = used + st.f_bavail * st.f_frsize
+        used_pct = 100.0 * used / usable if usable else 0.0
+        if (min_free is not None and free_gb < float(min_free)) or (max_used is not None and used_pct > float(max_used)):
+            return {"free_gb": round(free_gb, 3), "used_pct": round(used_pct, 2)}
+        return None
+
+    # --- decisions ----------------------------------------------------------------------------
+
+    def say(self, event: str, reason: str = "", once: bool = True, **fields: Any) -> None:
+        """Append a decision to watchdog.log (each event/reason pair once, unless once=False)."""
+        if once and (event, reason) in self.said:
+            return
+        self.said.add((event, reason))
+        line = {"time": self.clock(), "event": event, "reason": reason, **fields}
+        try:
+            fd = os.open(self.path("watchdog.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    def request(self, reason: str, **fields: Any) -> None:
+        """Write `snapshot.request` with `reason`, atomically, unless a request is already there."""
+        existing = jobctl.read_regular(self.path("snapshot.request"), 256)
+        if existing and existing.strip():
+            self.say("request_exists", reason, existing=existing.decode("utf-8", "replace").strip(), **fields)
+            return
+        jobctl.atomic_write(self.path("snapshot.request"), f"{reason}\n".encode())
+        self.say("snapshot_requested", reason, **fields)
+
+    def hard_stop(self, reason: str, **fields: Any) -> None:
+        """Cancel the job at a cap the daemon is not there to enforce."""
+        if ("job_cancelled", reason) in self.said:
+            return
+        self.say("cancelling_job", reason, **fields)
+        try:
+            self._cancel(self.run_dir, float(self.cfg["kill_grace"]))
+        except Exception as exc:  # the next step tries again
+            self.said.discard(("cancelling_job", reason))
+            self.say("cancel_failed", reason, once=False, error=f"{type(exc).__name__}: {exc}")
+            return
+        self.say("job_cancelled", reason)
+
+    def delete(self, reason: str, **fields: Any) -> bool:
+        """Delete the pod; True once the API confirmed it."""
+        if not self.pod_id or (self._needs_key and not self.api_key):
+            self.say("cannot_delete_pod", reason, why="no pod id" if not self.pod_id else "no RUNPOD_API_KEY", **fields)
+            return False
+        self.say("deleting_pod", reason, pod_id=self.pod_id, **fields)
+        try:
+            self._delete(self.pod_id)
+        except Exception as exc:
+            self.say("delete_failed", reason, once=False, error=str(exc)[:300])
+            return False
+        self.say("pod_deleted", reason, pod_id=self.pod_id)
+        self.deleted = True
+        return True
+
+    def step(self) -> bool:
+        """Look once and act; True when the watchdog's work is over (retrieved, or pod deleted)."""
+        now = self.clock()
+        if os.path.exists(self.path("retrieved")):
+            self.say("retrieved", "", detail="obd retrieved the outputs; the watchdog stops")
+            return True
+        fresh = self.lease_fresh(now)
+        phase, ended_at = self.job_phase(now)
+        if phase == "waiting":
+            if not fresh and now - self.started >= float(self.cfg["boot_grace"]):
+                return self.delete("never_started", waited=round(now - self.started, 1))
+            return False
+        if phase == "ended":
+            assert ended_at is not None
+            idle = now - ended_at
+            if not fresh and idle >= float(self.cfg["abandon_grace"]):
+                return self.delete("abandoned", ended_ago=round(idle, 1))
+            return False
+        self.check_caps(now, fresh)
+        return False
+
+    def check_caps(self, now: float, fresh: bool) -> None:
+        cfg = self.cfg
+        margin = float(cfg["snapshot_margin"])
+        started_at = cfg["started_at"]
+        if cfg["max_hours"] is not None and started_at is not None:
+            deadline = float(started_at) + float(cfg["max_hours"]) * 3600.0
+            if not fresh and now >= deadline - margin:
+                self.request("deadline", deadline=deadline)
+            if not fresh and now >= deadline:
+                self.hard_stop("deadline", deadline=deadline)
+        rate = cfg["cost_per_hr"]
+        if cfg["max_cost_usd"] is not None and started_at is not None and rate:
+            cap_at = float(started_at) + float(cfg["max_cost_usd"]) / float(rate) * 3600.0
+            spend = round(float(rate) * (now - float(started_at)) / 3600.0, 4)
+            if now >= cap_at - margin:
+                self.request("cost", spend_usd=spend, max_cost_usd=cfg["max_cost_usd"])
+            if not fresh and now >= cap_at:
+                self.hard_stop("cost", spend_usd=spend)
+        disk = self.disk_reason()
+        if disk is not None:
+            self.request("disk", **disk)
+
+    def run(self, sleep: Callable[[float], None] = time.sleep, max_steps: int | None = None) -> int:
+        """Step every `interval` seconds until done; at most one watchdog per run directory."""
+        lock = _lock(self.path("watchdog.lock"))
+        if lock is None:
+            self.say("already_running", "")
+            return 0
+        self.say(
+            "start",
+            "",
+            pod_id=self.pod_id,
+            pid=os.getpid(),
+            **{k: self.cfg[k] for k in ("max_hours", "max_cost_usd", "cost_per_hr", "started_at", "boot_grace", "abandon_grace")},
+        )
+        steps = 0
+        while max_steps is None or steps < max_steps:
+            steps += 1
+            try:
+                if self.step():
+                    return 0
+            except Exception as exc:  # never die on a transient error: a dead watchdog guards nothing
+                self.say("error", "", once=False, error=f"{type(exc).__name__}: {exc}"[:300])
+            sleep(float(self.cfg["interval"]))
+        return 0
+
+
+def _lock(path: str) -> int | None:
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return None
+        raise
+    return fd  # held for the life of the process
+
+
+# --- the output manifest (for obd's verified retrieval) -----------------------------------------
+
+OUTPUTS = ("output", "job.log", "metrics.jsonl", "snapshot.json", "profile", "exit_code", "watchdog.log")
+
+
+def sha256_file(path: str) -> tuple[int, str]:
+    """(size, sha256 hex) of a regular file, read without following a link."""
+    digest = hashlib.sha256()
+    size = 0
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    return size, digest.hexdigest()
+
+
+def manifest(run_dir: str, names: tuple[str, ...] | list[str] = OUTPUTS) -> dict[str, Any]:
+    """Every regular file under `names` in the run directory with its size and sha256.
+
+    Links, FIFOs and devices are skipped (listed under `skipped`), so nothing outside the run
+    directory is ever read or named.
+    """
+    files: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    missing: list[str] = []
+    for name in names:
+        if name.startswith("/") or ".." in name.split("/"):
+            skipped.append(name)
+            continue
+        top = os.path.join(run_dir, name)
+        try:
+            st = os.lstat(top)
+        except OSError:
+            missing.append(name)
+            continue
+        if stat.S_ISREG(st.st_mode):
+            size, digest = sha256_file(top)
+            files.append({"path": name, "size": size, "sha256": digest})
+        elif stat.S_ISDIR(st.st_mode):
+            for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+                dirnames.sort()
+                for entry in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                    full = os.path.join(dirpath, entry)
+                    rel = os.path.relpath(full, run_dir)
+                    try:
+                        est = os.lstat(full)
+                    except OSError:
+                        continue
+                    if not stat.S_ISREG(est.st_mode):
+                        skipped.append(rel)
+                        continue
+                    size, digest = sha256_file(full)
+                    files.append({"path": rel, "size": size, "sha256": digest})
+        else:
+            skipped.append(name)
+    return {"run_dir": run_dir, "files": files, "skipped": skipped, "missing": missing}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "manifest":
+        names = argv[2:] or list(OUTPUTS)
+        print(json.dumps(manifest(argv[1], names)), flush=True)
+        return 0
+    if len(argv) >= 3 and argv[0] == "run" and argv[1] == "--config":
+        watchdog = Watchdog(load_config(argv[2]))
+        return watchdog.run()
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
