@@ -1,0 +1,211 @@
+"""SnapshotCallback: the Trainer side of obd's snapshot contract (request → save at this step → proof → stop).
+
+At every step end it looks for `snapshot.request` with one stat(); on a request it makes the
+Trainer save `output/checkpoint-<step>` and stop, and once the checkpoint is on disk rank 0
+writes `snapshot.json`. It also writes `metrics.jsonl`. Outside obd every hook returns at once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import TrainerCallback
+
+from . import inject
+from .dist import Ranks
+from .runtime import (
+    VERSION,
+    IncompleteCheckpoint,
+    MetricsWriter,
+    RunEnv,
+    SigtermFlag,
+    checkpoint_relpath,
+    log_error,
+    read_request,
+    reason_code,
+    reason_from_code,
+    write_proof,
+    write_request,
+)
+
+# The Trainer writes trainer_state.json last in _save_checkpoint: its presence marks a
+# checkpoint the Trainer can resume from.
+REQUIRED_FILES = ("trainer_state.json",)
+LOG_FIELDS = ("loss", "learning_rate", "grad_norm", "epoch")
+
+
+class SnapshotCallback(TrainerCallback):
+    """Adds obd snapshots and metrics to a transformers Trainer; inert outside obd (no OBD_RUN_DIR).
+
+    obd's sitecustomize adds one to every Trainer; passing one yourself
+    (`Trainer(..., callbacks=[SnapshotCallback()])`) is fine: a Trainer keeps only one.
+    """
+
+    obd_snapshot_callback = True  # how inject recognises any copy of this class
+
+    def __init__(self, env: RunEnv | None = None, *, auto: bool = False) -> None:
+        self.env = env if env is not None else RunEnv.from_environ()
+        self.auto = auto  # True when injected by obd rather than added by the script
+        self._ranks = Ranks()
+        self._metrics = MetricsWriter(None)
+        self._sigterm = SigtermFlag()
+        self._hook: Any = None
+        self._count_tokens = False
+        self._local_tokens = 0
+        self._pending: tuple[int, str] | None = None  # (step, reason) of a snapshot under way
+        self._proven = False
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.env.active:
+            inject.redirect_output_dir(args, self.env)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if not self.env.active:
+            return
+        inject.redirect_output_dir(args, self.env)  # in case the script changed it after __init__
+        self._ranks = Ranks()
+        self._metrics.close()
+        self._metrics = MetricsWriter(self.env.metrics_path if self._ranks.is_zero else None)
+        self._pending, self._proven, self._local_tokens = None, False, 0
+        self._start_token_count(args, model)
+        if self.env.snapshot_on_sigterm:
+            self._sigterm.install()
+        self._metrics.write(
+            "begin",
+            max_steps=state.max_steps,
+            snapshots=True,
+            version=VERSION,
+            run_id=self.env.run_id,
+            output_dir_requested=inject.requested_output_dir(args),
+            output_dir=args.output_dir,
+            start_step=state.global_step,
+            resume_from=self.env.resume_from,
+            world_size=self._ranks.world_size,
+            tokens=state.num_input_tokens_seen,
+            snapshot_on_sigterm=self.env.snapshot_on_sigterm,
+        )
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.env.active:
+            return
+        snapshot = self._pending is not None and self._proven
+        self._metrics.write(
+            "end",
+            step=state.global_step,
+            max_steps=state.max_steps,
+            tokens=state.num_input_tokens_seen,
+            snapshot=checkpoint_relpath(self._pending[0]) if snapshot and self._pending else None,
+            reason=self._pending[1] if self._pending else None,
+        )
+        self._metrics.close()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._sigterm.restore()
+        if self._pending is not None and not self._proven:
+            # Training stopped for a snapshot that was never saved: exiting 0 would read as
+            # "succeeded", so fail loudly instead.
+            raise RuntimeError(f"obd: training stopped for a snapshot at step {self._pending[0]} but no checkpoint was saved")
+
+    # --- the request --------------------------------------------------------------------
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.env.active:
+            return
+        # Rank 0 alone looks at the file (the run directory is on its node); one stat() when absent.
+        reason = read_request(self.env.request_path) if self._ranks.is_zero else None
+        preempted = self._sigterm.consume()
+        tokens, self._local_tokens = self._local_tokens, 0
+        decision = self._ranks.decide(reason_code(reason), preempted, tokens)
+        if self._count_tokens:
+            state.num_input_tokens_seen += decision.tokens
+        if decision.code == 0 and not decision.preempted:
+            return
+        if state.global_step >= state.max_steps:
+            # A request at the last step lets the run end as usual (no proof); a SIGTERM
+            # stays pending and keeps its usual meaning once training is over.
+            if preempted:
+                self._sigterm.pending = True
+            return
+        if self._pending is not None:
+            return
+        reason = reason_from_code(decision.code) or "preempted"
+        if decision.code == 0 and self._ranks.is_zero:
+            write_request(self.env, "preempted")  # so the daemon sees the preemption too
+        self._pending = (state.global_step, reason)
+        control.should_log = True  # the last log line is then the snapshot's step
+        control.should_save = True
+        control.should_training_stop = True
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.env.active or self._pending is None or self._proven:
+            return
+        step, reason = self._pending
+        if state.global_step != step:
+            return
+        self._ranks.barrier()  # every rank has written its share of the checkpoint (rng state, shards)
+        if self._ranks.is_zero:
+            self._check_output_dir(args)
+            proof = write_proof(self.env, step, reason, required=REQUIRED_FILES)
+            log_error(f"obd: snapshot at step {step} ({reason}): {proof['checkpoint']}")
+        self._proven = True
+
+    def _check_output_dir(self, args: Any) -> None:
+        actual = os.path.realpath(str(args.output_dir))
+        expected = os.path.realpath(str(self.env.output_dir))
+        if actual != expected:
+            raise IncompleteCheckpoint(f"obd: the Trainer saved to {actual}, not the run's {expected}; no snapshot proof written")
+
+    # --- metrics ------------------------------------------------------------------------
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not self.env.active or not self._metrics.path:
+            return
+        logs = dict(logs or {})
+        # Training-step logs (they carry "loss") are "log" lines, the daemon's progress source.
+        # Evaluation results and the end-of-training summary are "metrics" lines, so they never
+        # replace the last training loss with a null.
+        event = "log" if "loss" in logs else "metrics"
+        fields: dict[str, Any] = {"step": state.global_step}
+        if event == "log":
+            fields.update({name: logs.pop(name, None) for name in LOG_FIELDS})
+        fields["tokens"] = state.num_input_tokens_seen
+        fields.update(logs)
+        self._metrics.write(event, **fields)
+
+    def _start_token_count(self, args: Any, model: Any) -> None:
+        """Count input tokens with a forward pre-hook unless the Trainer already does.
+
+        The Trainer's own count (include_num_input_tokens_seen) gathers across ranks on every
+        micro-batch; the hook reads only tensor shapes (no device sync) and the per-step
+        collective that carries the snapshot decision sums the ranks. Padding counts, like the
+        Trainer's "all" mode. The total lives in state.num_input_tokens_seen, so a checkpoint
+        carries it and a resumed run continues the count.
+        """
+        self._count_tokens = getattr(args, "include_num_input_tokens_seen", "no") in ("no", False, None)
+        if not self._count_tokens or model is None or self._hook is not None:
+            return
+        register = getattr(model, "register_forward_pre_hook", None)
+        if register is not None:
+            self._hook = register(self._count_forward, with_kwargs=True)
+
+    def _count_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if not getattr(module, "training", True):
+            return  # evaluation batches are not training tokens
+        ids = kwargs.get("input_ids")
+        if ids is None and args:
+            ids = args[0]
+        if ids is not None and hasattr(ids, "numel"):
+            self._local_tokens += int(ids.numel())
+            return
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is not None and hasattr(embeds, "shape") and len(embeds.shape) >= 2:
+            self._local_tokens += int(embeds.numel() // embeds.shape[-1])
+
+
+# Importing the callback by hand under obd (no sitecustomize, e.g. `python -S`) still gets the
+# Trainer patched for output_dir, OBD_RESUME_FROM and single-callback dedupe.
+inject.install()

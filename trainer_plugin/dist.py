@@ -1,0 +1,71 @@
+"""Rank 0 decides, every rank learns: the one small collective the plugin runs per step under torch.distributed.
+
+torch is imported only if the job already imported `torch.distributed`, so a job that never
+uses it (and every job outside obd) pays nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Decision:
+    """What all ranks agree on at a step end: rank 0's request, whether any rank got SIGTERM, and new tokens."""
+
+    code: int  # reason code of rank 0's request (runtime.reason_code), 0 for none
+    preempted: bool  # some rank received SIGTERM (OBD_SNAPSHOT_ON_SIGTERM)
+    tokens: int  # input tokens all ranks processed since the last step end
+
+
+class Ranks:
+    """This process's place in torch.distributed (rank 0 of 1 when it is not initialised)."""
+
+    def __init__(self) -> None:
+        self._dist: Any = None
+        self.rank = 0
+        self.world_size = 1
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            self._dist = dist
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+
+    @property
+    def is_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self._dist is not None and self.world_size > 1
+
+    def _device(self) -> Any:
+        # NCCL (and RCCL on ROCm, same name) only reduces device tensors; gloo and mixed
+        # "cpu:gloo,cuda:nccl" backends reduce CPU tensors.
+        import torch
+
+        backend = str(self._dist.get_backend()).lower()
+        if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _sum(self, values: list[int]) -> list[int]:
+        import torch
+
+        tensor = torch.tensor(values, dtype=torch.int64, device=self._device())
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM)
+        return [int(v) for v in tensor.tolist()]
+
+    def decide(self, code: int, preempted: bool, tokens: int) -> Decision:
+        """Every rank calls this at the same step end; only rank 0's `code` counts, SIGTERM on any rank counts."""
+        if not self.distributed:
+            return Decision(code, preempted, tokens)
+        total = self._sum([code if self.is_zero else 0, 1 if preempted else 0, tokens])
+        return Decision(total[0], total[1] > 0, total[2])
+
+    def barrier(self) -> None:
+        """Wait until every rank got here (an all-reduce, so it works on NCCL without device ids)."""
+        if self.distributed:
+            self._sum([0])

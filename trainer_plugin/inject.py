@@ -1,0 +1,216 @@
+"""Zero-change injection: patches `transformers.Trainer` so every Trainer (and subclass) runs SnapshotCallback.
+
+`install()` never imports transformers itself: if `transformers.trainer` is not imported yet,
+it puts an import hook on `sys.meta_path` that patches the class the moment the module
+finishes loading, so a job that never trains (or trains without transformers) pays nothing.
+Standard library only at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+from .runtime import RunEnv, log_error
+
+TARGET = "transformers.trainer"
+MARKER = "_obd_patched"  # set on the patched functions, so patching twice is a no-op
+CALLBACK_MARKER = "obd_snapshot_callback"  # class attribute of SnapshotCallback, whichever copy defines it
+
+_resume_used = False  # OBD_RESUME_FROM applies to the first train() call of the process only
+
+
+def install() -> None:
+    """Under obd, patch Trainer now if transformers.trainer is loaded, else when it gets imported."""
+    if not RunEnv.from_environ().active:
+        return
+    module = sys.modules.get(TARGET)
+    if module is not None and getattr(module, "Trainer", None) is not None:
+        patch_module(module)
+        return
+    if not any(getattr(finder, "_obd_trainer_finder", False) for finder in sys.meta_path):
+        sys.meta_path.insert(0, TrainerImportHook())
+
+
+class TrainerImportHook:
+    """A meta path finder that wraps the loader of `transformers.trainer` so the module is patched once loaded."""
+
+    _obd_trainer_finder = True
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> ModuleSpec | None:
+        if fullname != TARGET:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or getattr(finder, "_obd_trainer_finder", False):
+                continue
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = PatchingLoader(spec.loader)
+                return spec
+        return None
+
+    def invalidate_caches(self) -> None:
+        pass
+
+
+class PatchingLoader:
+    """Delegates everything to the real loader and patches the module after it executed."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        patch_module(module)
+
+    def __getattr__(self, name: str) -> Any:
+        # get_source, get_filename, is_package...: what inspect/linecache ask the real loader.
+        return getattr(self._loader, name)
+
+
+def patch_module(module: ModuleType) -> None:
+    """Patch `module.Trainer`; a failure is reported in the job log and never breaks the user's import."""
+    trainer = getattr(module, "Trainer", None)
+    if trainer is None:
+        return
+    try:
+        patch_trainer_class(trainer)
+    except Exception as exc:  # the job must still train without snapshots rather than crash
+        log_error(f"obd: could not patch transformers.Trainer ({type(exc).__name__}: {exc}); no snapshots")
+
+
+def patch_trainer_class(cls: type) -> None:
+    """Wrap `cls.__init__` (output_dir, callback) and `cls.train` (resume, one callback); idempotent."""
+    if not getattr(cls.__init__, MARKER, False):
+        cls.__init__ = _wrap_init(cls.__init__)
+    if not getattr(cls.train, MARKER, False):
+        cls.train = _wrap_train(cls.train)
+
+
+def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        env = RunEnv.from_environ()
+        if env.active:
+            args, kwargs = _with_training_args(args, kwargs, env)
+        original(self, *args, **kwargs)
+        if env.active:
+            redirect_output_dir(self.args, env)
+            ensure_callback(self, env)
+
+    setattr(__init__, MARKER, True)
+    return __init__
+
+
+def _wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        env = RunEnv.from_environ()
+        if env.active:
+            redirect_output_dir(self.args, env)
+            dedupe_callbacks(self)
+            args, kwargs = _with_resume(args, kwargs, env)
+        return original(self, *args, **kwargs)
+
+    setattr(train, MARKER, True)
+    return train
+
+
+def redirect_output_dir(training_args: Any, env: RunEnv) -> None:
+    """Point the Trainer's output_dir at the run's output/, remembering what the script asked for."""
+    if training_args is None or not env.output_dir:
+        return
+    if getattr(training_args, "_obd_output_dir_requested", None) is None:
+        # Set once: the same TrainingArguments object may serve several Trainers.
+        training_args._obd_output_dir_requested = str(training_args.output_dir)
+    training_args.output_dir = env.output_dir
+
+
+def requested_output_dir(training_args: Any) -> str | None:
+    """What the script had asked for as output_dir before obd redirected it."""
+    value = getattr(training_args, "_obd_output_dir_requested", None)
+    return value if value is not None else getattr(training_args, "output_dir", None)
+
+
+def _with_training_args(args: tuple, kwargs: dict, env: RunEnv) -> tuple[tuple, dict]:
+    # Trainer(model=None, args=None, ...): find `args` by keyword or position and redirect it
+    # before __init__ runs, so the script's output_dir is never even created.
+    if "args" in kwargs:
+        if kwargs["args"] is None:
+            kwargs = {**kwargs, "args": _default_training_args(env)}
+        else:
+            redirect_output_dir(kwargs["args"], env)
+    elif len(args) > 1:
+        if args[1] is None:
+            args = (args[0], _default_training_args(env), *args[2:])
+        else:
+            redirect_output_dir(args[1], env)
+    else:
+        kwargs = {**kwargs, "args": _default_training_args(env)}
+    return args, kwargs
+
+
+def _default_training_args(env: RunEnv) -> Any:
+    # What Trainer builds when given no arguments, minus the stray ./tmp_trainer directory.
+    from transformers import TrainingArguments
+
+    training_args = TrainingArguments(output_dir=env.output_dir)
+    training_args._obd_output_dir_requested = "tmp_trainer"
+    return training_args
+
+
+def _snapshot_callbacks(trainer: Any) -> list[Any]:
+    return [cb for cb in trainer.callback_handler.callbacks if getattr(cb, CALLBACK_MARKER, False)]
+
+
+def ensure_callback(trainer: Any, env: RunEnv) -> None:
+    """Add the SnapshotCallback unless the script already passed one."""
+    if _snapshot_callbacks(trainer):
+        return
+    from .callback import SnapshotCallback
+
+    trainer.add_callback(SnapshotCallback(env=env, auto=True))
+
+
+def dedupe_callbacks(trainer: Any) -> None:
+    """Keep exactly one SnapshotCallback: the script's own if it added one after __init__, else ours."""
+    found = _snapshot_callbacks(trainer)
+    if len(found) <= 1:
+        return
+    keep = next((cb for cb in found if not getattr(cb, "auto", False)), found[0])
+    for cb in found:
+        if cb is not keep:
+            trainer.callback_handler.remove_callback(cb)
+
+
+def _with_resume(args: tuple, kwargs: dict, env: RunEnv) -> tuple[tuple, dict]:
+    """Resume the first train() call from OBD_RESUME_FROM unless the script named a checkpoint itself."""
+    global _resume_used
+    if not env.resume_from or _resume_used:
+        return args, kwargs
+    _resume_used = True
+    given = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+    if isinstance(given, str) and given:
+        log_error(f"obd: the script resumes from {given}; OBD_RESUME_FROM={env.resume_from} is not used")
+        return args, kwargs
+    if not os.path.isdir(env.resume_from):
+        raise FileNotFoundError(f"obd: OBD_RESUME_FROM={env.resume_from} is not a directory")
+    # None, False and True (= "the last checkpoint in output_dir", which is the run's empty output/)
+    # all mean: resume from the checkpoint obd was asked to resume from.
+    if args:
+        args = (env.resume_from, *args[1:])
+    else:
+        kwargs = {**kwargs, "resume_from_checkpoint": env.resume_from}
+    log_error(f"obd: resuming from {env.resume_from}")
+    return args, kwargs

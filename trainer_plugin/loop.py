@@ -1,0 +1,156 @@
+"""Snapshot helpers for custom training loops (no transformers.Trainer): the same contract, called by hand.
+
+A loop under obd does, in order::
+
+    from trainer_plugin import loop
+    loop.begin(max_steps=N, start_step=start)          # first line of metrics.jsonl
+    for step in range(start + 1, N + 1):
+        ...train one step...
+        loop.log_metrics(step, loss=loss, learning_rate=lr)
+        reason = loop.snapshot_requested()              # one stat(); a collective under torch.distributed
+        if reason and step < N:
+            path = loop.checkpoint_dir(step)            # <run>/output/checkpoint-<step>
+            ...save model, optimizer, scheduler into path...
+            loop.write_proof(step, path, reason=reason)
+            break
+    loop.end(step)
+
+Resume from `loop.resume_from()` (OBD_RESUME_FROM) when it is set. Outside obd every helper is
+a no-op (`snapshot_requested()` is None, `write_proof()` returns None). Standard library only;
+torch is used only if the job already initialised torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import runtime
+from .dist import Ranks
+from .runtime import RunEnv, SigtermFlag
+
+_sigterm = SigtermFlag()
+_metrics: runtime.MetricsWriter | None = None
+_metrics_key: tuple[str | None, int] | None = None
+
+
+def _env() -> RunEnv:
+    return RunEnv.from_environ()
+
+
+def _writer() -> runtime.MetricsWriter:
+    """The process's metrics writer: the run's metrics.jsonl on rank 0 under obd, else a no-op."""
+    global _metrics, _metrics_key
+    env, ranks = _env(), Ranks()
+    path = env.metrics_path if env.active and ranks.is_zero else None
+    key = (path, os.getpid())
+    if _metrics is None or _metrics_key != key:
+        _metrics, _metrics_key = runtime.MetricsWriter(path), key
+    return _metrics
+
+
+def snapshot_requested(sync: bool = True) -> str | None:
+    """The reason of a pending snapshot request (`requested`, `deadline`, ...), or None.
+
+    Costs one stat() when there is no request. Under an initialised torch.distributed with
+    `sync=True` it is a collective: every rank must call it at the same step, rank 0 reads the
+    file, and every rank gets rank 0's answer (a SIGTERM on any rank counts, see begin()).
+    A SIGTERM turned into a request also writes `snapshot.request` so the daemon sees it.
+    """
+    env = _env()
+    if not env.active:
+        return None
+    ranks = Ranks()
+    reason = runtime.read_request(env.request_path) if ranks.is_zero else None
+    preempted = _sigterm.consume()
+    if sync:
+        decision = ranks.decide(runtime.reason_code(reason), preempted, 0)
+        reason, preempted = runtime.reason_from_code(decision.code), decision.preempted
+    if reason is None and preempted:
+        reason = "preempted"
+        if ranks.is_zero:
+            runtime.write_request(env, reason)
+    return reason
+
+
+def checkpoint_dir(step: int, output_dir: str = "output") -> str:
+    """Where to save the checkpoint of `step`: `<OBD_OUTPUT_DIR>/checkpoint-<step>` under obd, else under `output_dir`."""
+    base = _env().output_dir or output_dir
+    return os.path.join(base, f"checkpoint-{int(step)}")
+
+
+def resume_from() -> str | None:
+    """The checkpoint directory a resumed run starts from (OBD_RESUME_FROM), or None."""
+    return _env().resume_from
+
+
+def write_proof(step: int, checkpoint_dir: str | None = None, reason: str = "requested") -> dict[str, Any] | None:
+    """Write `snapshot.json` for `output/checkpoint-<step>` once your loop saved everything there.
+
+    `checkpoint_dir`, if given, must be that directory (anything else raises ValueError: a
+    proof can only name `output/checkpoint-<step>`). The directory must exist; it is fsynced
+    before the proof is renamed into place. Under torch.distributed every rank calls this after
+    writing its part (it waits for all), and rank 0 writes. Returns the proof on rank 0 under
+    obd, else None. Raises runtime.IncompleteCheckpoint if the directory is missing.
+    """
+    env = _env()
+    if not env.active:
+        return None
+    expected = os.path.join(str(env.output_dir), f"checkpoint-{int(step)}")
+    if checkpoint_dir is not None and os.path.realpath(checkpoint_dir) != os.path.realpath(expected):
+        raise ValueError(f"obd: a proof for step {step} can only name {expected}, not {checkpoint_dir}")
+    ranks = Ranks()
+    ranks.barrier()
+    if not ranks.is_zero:
+        return None
+    return runtime.write_proof(env, step, reason)
+
+
+def begin(max_steps: int | None, start_step: int = 0, snapshots: bool = True, **fields: Any) -> None:
+    """Write the `begin` line (rank 0) and, with OBD_SNAPSHOT_ON_SIGTERM=1, start turning SIGTERM into a request.
+
+    `snapshots=True` tells the daemon this loop polls snapshot_requested() and writes proofs.
+    Extra keyword fields are recorded as they are.
+    """
+    env = _env()
+    if not env.active:
+        return
+    if env.snapshot_on_sigterm and snapshots:
+        _sigterm.install()
+    _writer().write(
+        "begin",
+        max_steps=max_steps,
+        snapshots=snapshots,
+        version=runtime.VERSION,
+        run_id=env.run_id,
+        start_step=start_step,
+        resume_from=env.resume_from,
+        world_size=Ranks().world_size,
+        **fields,
+    )
+
+
+def log_metrics(step: int, **values: Any) -> None:
+    """Append a `log` line (rank 0): `step`, `loss`, `learning_rate`, `grad_norm`, `epoch` (null when not given), plus `values`.
+
+    Tensors and numpy scalars are converted; NaN and infinities are written as null. A loop
+    that logs before calling begin() gets a `begin` line with `snapshots: false` first, since
+    the daemon requires `begin` to be the first line.
+    """
+    if not _env().active:
+        return
+    writer = _writer()
+    if not writer.began:
+        begin(max_steps=None, snapshots=False)
+    fields: dict[str, Any] = {"step": step}
+    fields.update({name: values.pop(name, None) for name in ("loss", "learning_rate", "grad_norm", "epoch")})
+    fields.update(values)
+    writer.write("log", **fields)
+
+
+def end(step: int, **fields: Any) -> None:
+    """Write the `end` line (rank 0) and stop handling SIGTERM (a SIGTERM never handled is re-delivered)."""
+    if not _env().active:
+        return
+    _writer().write("end", step=step, **fields)
+    _sigterm.restore()

@@ -1,0 +1,335 @@
+"""The run-directory side of the in-job plugin: environment, request, proof, metrics, SIGTERM flag.
+
+Standard library only, so the Trainer callback, the custom-loop helpers and `sitecustomize`
+share one implementation of the file contract in SPEC.md ("The run directory on the target")
+without importing torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable, TextIO
+
+VERSION = "0.1.0"
+
+# The reason words of SPEC.md; their position (1-based) is the code sent between ranks.
+REASONS: tuple[str, ...] = ("requested", "deadline", "cost", "disk", "preempted")
+DEFAULT_REASON = "requested"
+REQUEST_LIMIT = 256  # a reason is one word: never read more than this of a request file
+
+
+@dataclass(frozen=True)
+class RunEnv:
+    """The `OBD_*` variables a job gets under obd; `active` is False outside obd (everything is a no-op)."""
+
+    run_id: str | None
+    run_dir: str | None
+    output_dir: str | None
+    request_path: str | None
+    proof_path: str | None
+    metrics_path: str | None
+    resume_from: str | None
+    snapshot_on_sigterm: bool
+
+    @property
+    def active(self) -> bool:
+        return bool(self.run_dir)
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "RunEnv":
+        """Read the environment now; paths obd did not set default to their place in OBD_RUN_DIR."""
+        env = os.environ if environ is None else environ
+        run_dir = env.get("OBD_RUN_DIR") or None
+
+        def path(name: str, default: str) -> str | None:
+            value = env.get(name)
+            if value:
+                return value
+            return os.path.join(run_dir, default) if run_dir else None
+
+        return cls(
+            run_id=env.get("OBD_RUN_ID") or None,
+            run_dir=run_dir,
+            output_dir=path("OBD_OUTPUT_DIR", "output"),
+            request_path=path("OBD_SNAPSHOT_REQUEST", "snapshot.request"),
+            proof_path=path("OBD_SNAPSHOT_FILE", "snapshot.json"),
+            metrics_path=path("OBD_METRICS_FILE", "metrics.jsonl"),
+            resume_from=env.get("OBD_RESUME_FROM") or None,
+            snapshot_on_sigterm=env.get("OBD_SNAPSHOT_ON_SIGTERM", "").strip().lower() in ("1", "true", "yes"),
+        )
+
+
+# --- the request ------------------------------------------------------------------------
+
+
+def parse_request(data: bytes) -> str | None:
+    """The reason a request file's content names: None when empty, `requested` for any unknown word.
+
+    Any non-empty content is a request (even whitespace), because the daemon counts a
+    non-empty file as one and starts its stop fallback: the job must not ignore it.
+    """
+    if not data:
+        return None
+    word = data.decode("utf-8", "replace").strip().lower()
+    return word if word in REASONS else DEFAULT_REASON
+
+
+def read_request(path: str | None) -> str | None:
+    """The pending request's reason, or None; costs one `stat()` when there is no request."""
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_size == 0:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        # A FIFO or device someone put there is never opened (it could block): still a request.
+        return DEFAULT_REASON
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None  # removed between stat and open: no request any more
+    try:
+        data = os.read(fd, REQUEST_LIMIT)
+    except OSError:
+        data = b"?"  # unreadable but non-empty: a request all the same
+    finally:
+        os.close(fd)
+    return parse_request(data) if data else None
+
+
+def reason_code(reason: str | None) -> int:
+    """0 for no request, else the reason's 1-based position in REASONS (sent between ranks)."""
+    if reason is None:
+        return 0
+    return REASONS.index(reason) + 1 if reason in REASONS else 1
+
+
+def reason_from_code(code: int) -> str | None:
+    if code <= 0:
+        return None
+    return REASONS[code - 1] if code <= len(REASONS) else DEFAULT_REASON
+
+
+# --- durable files ----------------------------------------------------------------------
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a directory's entries durable; filesystems that refuse fsync on a directory are skipped."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write `path` whole or not at all: temp file in the same directory, fsync, rename, fsync the directory."""
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}.{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(directory)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every regular file and directory under `root`, then `root`'s parent.
+
+    fsync acts on the file, not on the descriptor, so this also flushes what other ranks
+    of this node wrote into the checkpoint.
+    """
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(directory, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.fsync(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        fsync_dir(directory)
+    fsync_dir(os.path.dirname(os.path.abspath(root)))
+
+
+# --- the proof --------------------------------------------------------------------------
+
+
+def checkpoint_relpath(step: int) -> str:
+    """The exact `checkpoint` string a valid proof holds for `step`."""
+    return f"output/checkpoint-{int(step)}"
+
+
+class IncompleteCheckpoint(RuntimeError):
+    """The checkpoint a proof would name is missing or not fully written: no proof is written."""
+
+
+def write_proof(env: RunEnv, step: int, reason: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Write `snapshot.json` for `output/checkpoint-<step>` once that directory is complete and on disk.
+
+    `required` names files that must exist in the checkpoint (the Trainer's `trainer_state.json`,
+    written last); the whole checkpoint is fsynced before the proof is renamed into place.
+    """
+    if not env.active or not env.output_dir or not env.proof_path:
+        raise RuntimeError("write_proof needs OBD_RUN_DIR (it is a no-op outside obd)")
+    checkpoint = os.path.join(env.output_dir, f"checkpoint-{int(step)}")
+    if not os.path.isdir(checkpoint):
+        raise IncompleteCheckpoint(f"obd: no checkpoint directory {checkpoint}; no snapshot proof written")
+    missing = [name for name in required if not os.path.exists(os.path.join(checkpoint, name))]
+    if missing:
+        raise IncompleteCheckpoint(f"obd: checkpoint {checkpoint} lacks {', '.join(missing)}; no snapshot proof written")
+    fsync_tree(checkpoint)
+    proof = {
+        "checkpoint": checkpoint_relpath(step),
+        "step": int(step),
+        "time": time.time(),
+        "reason": reason if reason in REASONS else DEFAULT_REASON,
+    }
+    atomic_write(env.proof_path, (json.dumps(proof) + "\n").encode())
+    return proof
+
+
+def write_request(env: RunEnv, reason: str) -> None:
+    """Write `snapshot.request` (atomically), e.g. so the daemon sees a preemption the job noticed."""
+    if env.request_path:
+        atomic_write(env.request_path, f"{reason}\n".encode())
+
+
+# --- metrics.jsonl ----------------------------------------------------------------------
+
+
+def sanitize(value: Any) -> Any:
+    """A JSON-safe copy of `value`: non-finite floats become None, tensors/numpy scalars plain numbers."""
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): sanitize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [sanitize(v) for v in value]
+    item = getattr(value, "item", None)  # torch/numpy scalars, without importing either
+    if callable(item):
+        try:
+            return sanitize(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    try:
+        return sanitize(float(value))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+class MetricsWriter:
+    """Appends one JSON object a line to `metrics.jsonl`; a no-op without a path (outside obd, or rank > 0).
+
+    The file is opened in append mode and line-buffered, so every event reaches the file
+    with one write and a reader never sees a partial line of an event that was flushed.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._file: TextIO | None = None
+        self._lock = threading.Lock()
+        self.began = False
+
+    def write(self, event: str, **fields: Any) -> None:
+        if not self.path:
+            return
+        record = {"event": event, "time": time.time()}
+        record.update(sanitize(fields))
+        line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+            self._file.write(line)
+            if event == "begin":
+                self.began = True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+# --- SIGTERM ----------------------------------------------------------------------------
+
+
+class SigtermFlag:
+    """With OBD_SNAPSHOT_ON_SIGTERM=1, turns SIGTERM into a flag that the next step end handles as `preempted`.
+
+    The handler only sets the flag (nothing is safe to do inside a signal handler in the middle
+    of a training step). It is installed only while training runs: outside that window nobody
+    would act on the flag, so `restore()` puts the previous handler back and re-delivers a
+    SIGTERM that was never turned into a snapshot, giving it its usual meaning.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
+        self._installed = False
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.pending = True
+
+    def install(self) -> bool:
+        if self._installed:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            print("obd: SIGTERM snapshots need the main thread; not installed", file=sys.stderr)
+            return False
+        self._previous = signal.signal(signal.SIGTERM, self._handler)
+        self._installed = True
+        return True
+
+    def consume(self) -> bool:
+        """True once for each SIGTERM received since the last call."""
+        pending, self.pending = self.pending, False
+        return pending
+
+    def restore(self) -> None:
+        if not self._installed:
+            return
+        signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+        self._installed = False
+        if self.consume():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def log_error(message: str) -> None:
+    """Say something to the job's log (stderr is job.log under obd)."""
+    print(message, file=sys.stderr, flush=True)
