@@ -105,7 +105,7 @@ def parse_record(path: Path, run_id: str) -> RunRecord:
     if len(data) > RECORD_LIMIT:
         raise StoreError(f"{path}: larger than {RECORD_LIMIT} bytes, not a run record")
     try:
-        raw = json.loads(data)
+        raw = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise StoreError(f"{path}: not UTF-8 at byte {exc.start}") from exc
     except json.JSONDecodeError as exc:

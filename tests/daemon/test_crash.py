@@ -1,0 +1,106 @@
+"""The daemon killed at any moment, and started again: no record lost, no job lost or left behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon.store import RunStore
+from tests.conftest import DaemonProc, wait_for
+from trainer_plugin import jobctl
+
+
+def _all_records_parse(d: DaemonProc) -> dict[str, dict]:
+    records, bad = RunStore(d.state_dir).load_all()
+    assert bad == [], bad
+    return {k: v.model_dump(mode="json") for k, v in records.items()}
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.03, 0.1, 0.3])
+def test_a_sigkill_during_a_start_loses_nothing(daemon: DaemonProc, delay: float) -> None:
+    c = daemon.client()
+    rid = c.call("start", command=["sh", "-c", "sleep 1; echo done"])["id"]
+    time.sleep(delay)
+    daemon.kill()
+    c.close()
+    daemon.start()
+    record = daemon.wait_state(rid, "succeeded", "failed", timeout=30)
+    if record["state"] == "failed":  # killed before the job was launched: said so, nothing runs
+        assert "never started" in record["message"]
+        assert not (Path(record["remote_dir"]) / "job.pid").exists()
+    else:
+        assert record["exit_code"] == 0
+    assert _all_records_parse(daemon)[rid]["state"] == record["state"]
+
+
+def test_a_job_keeps_running_through_a_sigkill_of_the_daemon_and_is_followed_again(daemon: DaemonProc) -> None:
+    rid = daemon.cli("train", "start", "--", "sh", "-c", "sleep 2; echo finished").stdout.strip()
+    record = daemon.wait_state(rid, "running")
+    handle = record["job"]
+    daemon.kill()
+    assert jobctl.handle_alive(handle)  # the daemon's death did not touch the job
+    daemon.start()
+    assert daemon.record(rid)["state"] == "running"
+    record = daemon.wait_state(rid, "succeeded", timeout=30)
+    assert record["exit_code"] == 0
+
+
+def test_a_job_that_ended_while_the_daemon_was_down_gets_its_final_state(daemon: DaemonProc) -> None:
+    ok = daemon.cli("train", "start", "--", "sh", "-c", "sleep 1").stdout.strip()
+    bad = daemon.cli("train", "start", "--", "sh", "-c", "sleep 1; exit 5").stdout.strip()
+    daemon.wait_state(ok, "running")
+    daemon.wait_state(bad, "running")
+    daemon.kill()
+    time.sleep(2.0)
+    daemon.start()
+    assert daemon.wait_state(ok, "succeeded", "failed")["state"] == "succeeded"
+    failed = daemon.wait_state(bad, "failed", "succeeded")
+    assert failed["state"] == "failed" and failed["exit_code"] == 5
+
+
+def test_sigterm_stops_the_daemon_cleanly_and_leaves_every_job_running(daemon: DaemonProc) -> None:
+    rid = daemon.cli("train", "start", "--", "sleep", "30").stdout.strip()
+    record = daemon.wait_state(rid, "running")
+    assert daemon.signal(signal.SIGTERM) == 0
+    assert not daemon.socket.exists()
+    assert jobctl.handle_alive(record["job"])
+    daemon.start()
+    assert daemon.record(rid)["state"] == "running"
+    daemon.cli("train", "cancel", rid, "--wait")
+
+
+def test_sigkill_during_record_saves_never_leaves_a_half_written_record(daemon: DaemonProc) -> None:
+    ids: list[str] = []
+    for round_ in range(4):
+        c = daemon.client()
+        for _ in range(12):
+            ids.append(c.call("start", command=["sh", "-c", "echo x"])["id"])
+        time.sleep(0.05 * round_)
+        daemon.kill()  # while launches, follows and saves are under way
+        c.close()
+        records = _all_records_parse(daemon)
+        assert set(ids) <= set(records)
+        daemon.start()
+    for rid in ids:
+        assert daemon.wait_state(rid, "succeeded", "failed")["state"] in ("succeeded", "failed")
+    assert len(_all_records_parse(daemon)) == len(ids)
+
+
+def test_a_stale_socket_of_a_killed_daemon_is_replaced(daemon: DaemonProc) -> None:
+    daemon.kill()
+    assert daemon.socket.exists()
+    daemon.start()
+    assert daemon.call("ping")["runs"] == 0
+
+
+def test_a_second_daemon_on_the_same_state_dir_is_refused(daemon: DaemonProc, short_tmp: Path) -> None:
+    (short_tmp / "other").mkdir(exist_ok=True)
+    other = DaemonProc(short_tmp / "other", daemon.config_path.read_text())
+    other.env["OBD_STATE_DIR"] = str(daemon.state_dir)
+    other.start(wait=False)
+    assert other.proc.wait(15) != 0
+    assert "another daemon" in other.log_path.read_text()

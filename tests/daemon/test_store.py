@@ -1,0 +1,86 @@
+"""The run store: atomic saves, clear errors for broken records, a full disk that loses nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from daemon.models import RunRecord, RunState
+from daemon.store import RunStore, StoreError
+
+
+def _record(rid: str = "20260101-000000-aaaaaa") -> RunRecord:
+    r = RunRecord(id=rid, command=["true"])
+    r.transition(RunState.preparing, "created")
+    return r
+
+
+def test_a_saved_record_reads_back_the_same(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    r = _record()
+    r.transition(RunState.running, "started")
+    store.save(r)
+    assert store.load(r.id) == r
+    assert oct(store.record_path(r.id).stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize(
+    "content, where",
+    [
+        ('{"id": "x",\n  "state": ', "line 2"),
+        ("", "line 1 column 1"),
+        ('{"id": "20260101-000000-aaaaaa", "state": "exploded"}', "state"),
+        ("[1, 2]", "(top level)"),
+        (b"\xff\xfe{}", "byte 0"),
+    ],
+)
+def test_a_malformed_record_is_reported_by_position(tmp_path: Path, content: str | bytes, where: str) -> None:
+    store = RunStore(tmp_path)
+    good = _record("20260101-000000-good00")
+    store.save(good)
+    bad_dir = store.runs_dir / "20260101-000000-aaaaaa"
+    bad_dir.mkdir()
+    (bad_dir / "run.json").write_bytes(content if isinstance(content, bytes) else content.encode())
+    records, bad = store.load_all()
+    assert list(records) == [good.id]
+    assert len(bad) == 1 and where in bad[0].error
+
+
+def test_a_directory_with_a_hostile_name_is_not_loaded_as_a_run(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    store.ensure()
+    (store.runs_dir / "..weird name").mkdir()
+    records, bad = store.load_all()
+    assert records == {} and len(bad) == 1 and "invalid run id" in bad[0].error
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path):
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("needs root to mount a tiny tmpfs (CI runs as root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_a_full_disk_during_a_save_raises_and_leaves_the_old_record_intact(tiny_disk: Path) -> None:
+    store = RunStore(tiny_disk)
+    r = _record()
+    store.save(r)
+    before = store.record_path(r.id).read_bytes()
+    with open(tiny_disk / "filler", "wb") as f:
+        try:
+            f.write(b"\0" * (1 << 20))
+        except OSError:
+            pass
+    r.command = ["x" * 200_000]  # bigger than what is left
+    with pytest.raises(StoreError, match="previous record .* is intact"):
+        store.save(r)
+    assert store.record_path(r.id).read_bytes() == before
+    assert json.loads(before)["command"] == ["true"]
+    assert not [p for p in store.run_dir(r.id).iterdir() if p.name.startswith(".run.json.tmp")]

@@ -1,0 +1,130 @@
+"""Fixtures for the Runpod tests: the loopback fake of the API, a real sshd as the pod, drivers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent.parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from fakes.runpod_api import FakeRunpod  # noqa: E402
+from sshd import SshServer, sshd_skip_reason  # noqa: E402
+
+from daemon.config import RunpodTarget  # noqa: E402
+from executors.runpod import RunpodDriver  # noqa: E402
+from executors.runpod_api import RunpodApi  # noqa: E402
+
+API_KEY = "test-key"
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeRunpod]:
+    """The fake API, with the SDK pointed at it and the key in RUNPOD_API_KEY."""
+    import runpod
+
+    server = FakeRunpod(api_keys=(API_KEY,)).start()
+    monkeypatch.setenv("RUNPOD_API_BASE_URL", server.url)
+    monkeypatch.setenv("RUNPOD_API_KEY", API_KEY)
+    saved = runpod.api_key
+    yield server
+    server.stop()
+    runpod.api_key = saved
+
+
+@pytest.fixture(scope="session")
+def pod_sshd() -> Iterator[SshServer]:
+    """One real sshd on loopback standing in for every pod's public port 22."""
+    reason = sshd_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with SshServer() as server:
+        yield server
+
+
+def fast_api(**kwargs: Any) -> RunpodApi:
+    settings = {"call_timeout": 2.0, "retries": 3, "backoff": 0.01, "backoff_max": 0.05}
+    settings.update(kwargs)
+    return RunpodApi(**settings)
+
+
+@pytest.fixture
+def make_driver(tmp_path: Path, pod_sshd: SshServer, fake: FakeRunpod) -> Iterator[Callable[..., RunpodDriver]]:
+    """A driver with short intervals whose pods' SSH is the loopback sshd; kills leftover jobs after."""
+    workdir = tmp_path / "pod"
+    workdir.mkdir()
+    fake.ssh_endpoint = (pod_sshd.host, pod_sshd.port)
+
+    def make(*, api: RunpodApi | None = None, state_dir: Path | None = None, **target: Any) -> RunpodDriver:
+        fields: dict[str, Any] = {
+            "kind": "runpod",
+            "gpu_type": "NVIDIA GeForce RTX 4090",
+            "identity_file": pod_sshd.identity_file,
+            "workdir": str(workdir),
+            "python": sys.executable,
+            "boot_grace": 5.0,
+        }
+        fields.update(target)
+        return RunpodDriver(
+            "pods",
+            RunpodTarget(**fields),
+            state_dir or tmp_path / "state",
+            api=api or fast_api(),
+            ssh_user=pod_sshd.user,
+            poll_interval=0.05,
+            settle=0.05,
+            ssh_probe_timeout=2.0,
+            watchdog_interval=0.1,
+        )
+
+    yield make
+    kill_jobs(workdir)
+
+
+def kill_jobs(workdir: Path) -> None:
+    """KILL every job group (jobs and watchdogs) a test left running under the pod's workdir."""
+    from trainer_plugin import jobctl
+
+    for pidfile in list(workdir.glob("*/job.pid")) + list(workdir.glob("*/watchdog/job.pid")):
+        handle = jobctl.read_handle(str(pidfile.parent))
+        if handle and jobctl.handle_alive(handle):
+            try:
+                os.killpg(int(handle["pid"]), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+class Saves:
+    """The `save` callback the daemon passes to `create`: keeps every record, and what the fake
+    held at the moment of each save."""
+
+    def __init__(self, fake: FakeRunpod) -> None:
+        self.fake = fake
+        self.records: list[dict[str, Any]] = []
+        self.pods_at_save: list[set[str]] = []
+
+    async def __call__(self, record: dict[str, Any]) -> None:
+        self.records.append(dict(record))
+        self.pods_at_save.append({p["id"] for p in self.fake.live_pods()})
+
+    @property
+    def last(self) -> dict[str, Any]:
+        return self.records[-1]
+
+    def names(self) -> set[str]:
+        return {r["pod_name"] for r in self.records}
+
+    def ids(self) -> set[str]:
+        return {r["pod_id"] for r in self.records if r.get("pod_id")}
+
+
+@pytest.fixture
+def saves(fake: FakeRunpod) -> Saves:
+    return Saves(fake)
