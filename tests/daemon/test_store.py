@@ -53,7 +53,7 @@ def test_a_malformed_record_is_reported_by_position(tmp_path: Path, content: str
 def test_a_directory_with_a_hostile_name_is_not_loaded_as_a_run(tmp_path: Path) -> None:
     store = RunStore(tmp_path)
     store.ensure()
-    (store.runs_dir / "..weird name").mkdir()
+    (store.runs_dir / "weird name;rm").mkdir()
     records, bad = store.load_all()
     assert records == {} and len(bad) == 1 and "invalid run id" in bad[0].error
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import API_KEY, fast_api
-from fakes.runpod_api import FakeRunpod, GraphQLSyntaxError, tokenize
+from conftest import fast_api
+from fakes.runpod_api import FakeRunpod, GraphQLSyntaxError, Parser, tokenize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -148,12 +148,10 @@ def test_any_escaped_string_is_read_back_by_a_graphql_parser_as_itself(value: st
     assert tokens[0] == ("string", surrogate_free)
 
 
-def test_an_unescaped_quote_breaks_the_fake_parser_like_the_real_api() -> None:
+@pytest.mark.parametrize("text", ['{ a(x: "bro"ken") { b } }', '{ a(x: "line\nbreak") { b } }'])
+def test_an_unescaped_quote_or_newline_breaks_the_fake_parser_like_the_real_api(text: str) -> None:
     with pytest.raises(GraphQLSyntaxError):
-        tokenize('{ a(x: "bro"ken") }') and None
-        from fakes.runpod_api import Parser
-
-        Parser('{ a(x: "line\nbreak") }').document()
+        Parser(text).document()
 
 
 def test_the_hourly_rate_comes_from_the_cloud_price_times_the_gpu_count() -> None:
@@ -163,5 +161,3 @@ def test_the_hourly_rate_comes_from_the_cloud_price_times_the_gpu_count() -> Non
     assert rate_from_gpu(gpu, 1, "ALL") == pytest.approx(0.69)
     assert rate_from_gpu({"securePrice": None, "communityPrice": None, "lowestPrice": None}, 1, "SECURE") is None
 
-
-_ = API_KEY
