@@ -1,0 +1,119 @@
+"""A user's plain transformers.Trainer script that knows nothing of obd (a test fixture).
+
+A small regression model (a torch module, not a PreTrainedModel) trained with the stock
+Trainer. The options marked "test" stand in for things that happen outside the script
+(someone writes the request file, the pod gets a SIGTERM) at an exact step, so the tests
+need no timing; none of them mention obd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+
+class Regression(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        loss = torch.nn.functional.mse_loss(self.net(input_ids.float()).squeeze(-1), labels)
+        return {"loss": loss}
+
+
+class Points(torch.utils.data.Dataset):
+    def __init__(self, n: int = 256) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+class Outside(TrainerCallback):
+    """test: at the start of a given step, write a file or send ourselves SIGTERM, as the outside world would."""
+
+    def __init__(self, opts: argparse.Namespace) -> None:
+        self.opts = opts
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        step = state.global_step + 1  # the step about to run
+        rank = int(os.environ.get("RANK", "0"))
+        if self.opts.write_at == step and rank == 0:
+            path, _, text = self.opts.write_file.partition("=")
+            with open(path, "w") as f:
+                f.write(text)
+        if self.opts.sigterm_at == step and rank == self.opts.sigterm_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.opts.step_sleep:
+            time.sleep(self.opts.step_sleep)
+
+
+class MyTrainer(Trainer):
+    """A subclass, as TRL and axolotl make them."""
+
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.made_by_subclass = True
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--max_steps", type=int, default=8)
+    p.add_argument("--save_steps", type=int, default=0)
+    p.add_argument("--resume", choices=("none", "true"), default="none", help="resume_from_checkpoint passed to train()")
+    p.add_argument("--subclass", action="store_true")
+    p.add_argument("--callback-by-hand", action="store_true", help="pass SnapshotCallback and add another one")
+    p.add_argument("--write-at", type=int, default=0, help="test: write --write-file at this step")
+    p.add_argument("--write-file", default="", help="test: PATH=TEXT")
+    p.add_argument("--sigterm-at", type=int, default=0, help="test: SIGTERM ourselves at this step")
+    p.add_argument("--sigterm-rank", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    opts = p.parse_args()
+
+    torch.manual_seed(0)
+    callbacks: list[TrainerCallback] = [Outside(opts)]
+    if opts.callback_by_hand:
+        from trainer_plugin import SnapshotCallback
+
+        callbacks.append(SnapshotCallback())
+    args = TrainingArguments(
+        output_dir=opts.output_dir,
+        max_steps=opts.max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="steps" if opts.save_steps else "no",
+        save_steps=opts.save_steps or 500,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    cls = MyTrainer if opts.subclass else Trainer
+    trainer = cls(model=Regression(), args=args, train_dataset=Points(), callbacks=callbacks)
+    if opts.callback_by_hand:
+        from trainer_plugin import SnapshotCallback
+
+        trainer.add_callback(SnapshotCallback())
+    result = trainer.train(resume_from_checkpoint=True if opts.resume == "true" else None)
+    print(f"trained to step {trainer.state.global_step} of {trainer.state.max_steps} (rank {os.environ.get('RANK', '0')})")
+    print(f"callbacks: {[type(cb).__name__ for cb in trainer.callback_handler.callbacks]}")
+    print(f"train_loss {result.training_loss}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
