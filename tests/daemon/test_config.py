@@ -1,0 +1,76 @@
+"""Configuration: TOML, OBD_* variables and flags; unknown keys and bad durations are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from daemon.config import ConfigError, load_config, parse_duration
+from tests.conftest import DaemonProc
+
+
+@pytest.mark.parametrize("text, seconds", [(90, 90.0), (1.5, 1.5), ("90s", 90.0), ("30m", 1800.0), ("2h", 7200.0), ("250ms", 0.25), (" 10 ", 10.0)])
+def test_durations_are_seconds_or_strings_with_a_unit(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["soon", "10x", "-5", True, -1, "", "1h30"])
+def test_a_bad_duration_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(bad)
+
+
+def test_the_defaults_follow_the_contract(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("")
+    config = load_config(path, state_dir=tmp_path, environ={})
+    assert config.stop.proof_timeout == 1800 and config.stop.end_timeout == 600
+    assert config.stop.request_poll == 30 and config.stop.cancel_grace == 10
+    assert config.daemon.socket == tmp_path / "obd.sock"
+
+
+def test_a_config_file_is_read_and_overridden_by_variables_and_flags(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[daemon]\nstate_dir = "/srv/obd"\nsocket = "/srv/obd.sock"\n'
+        '[stop]\nproof_timeout = "5m"\nend_timeout = 30\n'
+        '[targets.gpu1]\nkind = "ssh"\nhost = "gpu1.example"\nuser = "me"\n'
+    )
+    config = load_config(path, environ={"OBD_END_TIMEOUT": "2m"})
+    assert config.stop.proof_timeout == 300 and config.stop.end_timeout == 120
+    assert config.daemon.state_dir == Path("/srv/obd") and config.daemon.socket == Path("/srv/obd.sock")
+    assert config.target("gpu1").kind == "ssh" and config.target("local").kind == "local"
+    flagged = load_config(path, state_dir=tmp_path / "s", socket=tmp_path / "x.sock", environ={"OBD_STATE_DIR": "/nope"})
+    assert flagged.daemon.state_dir == tmp_path / "s" and flagged.daemon.socket == tmp_path / "x.sock"
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("[stop]\nproof_timout = 10\n", "stop.proof_timout: unknown key"),
+        ('[stop]\nproof_timeout = "soon"\n', "stop.proof_timeout"),
+        ("[deamon]\n", "deamon: unknown key"),
+        ('[targets.x]\nkind = "ftp"\n', "targets.x"),
+        ('[targets.x]\nkind = "ssh"\n', "targets.x.ssh.host"),
+        ("[stop\n", "not valid TOML"),
+    ],
+)
+def test_a_bad_config_is_refused_naming_the_key(tmp_path: Path, text: str, named: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert named in str(info.value)
+
+
+def test_the_daemon_refuses_to_start_on_a_bad_config_with_exit_2(short_tmp: Path) -> None:
+    d = DaemonProc(short_tmp, "[stop]\ncancel_grace = \"ten seconds\"\n")
+    out = d.cli("daemon", timeout=30)
+    assert out.returncode == 2
+    assert "stop.cancel_grace" in out.stderr and "bad duration" in out.stderr
+
+
+def test_a_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.toml", environ={})
