@@ -1,0 +1,285 @@
+"""amd-smi telemetry: `amd-smi monitor --csv` samples and `amd-smi metric --json` documents.
+
+Units are decided per column, because amd-smi changes them with the flags: `vram_used` and
+`vram_total` are GB (1024 MB, one decimal) in the default output and MB with `-v`
+(`--vram-usage`), which also adds `vram_free` and `vram_percent`; a unit written in the cell
+wins over both. Utilisation is the `gfx` column (graphics activity %); `power_usage` is watts and
+is never read as utilisation. Samples are folded into running sums, so a long watch stays small.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.csvstream import RowReader, find_header, normalise, open_text, parse_number, unit_of
+
+MONITOR_COLUMNS: dict[str, tuple[str, ...]] = {
+    "gpu": ("gpu",),
+    "timestamp": ("timestamp",),
+    "power": ("powerusage", "power", "socketpower"),
+    "gfx": ("gfx", "gfx%", "gfxutil", "gfxactivity"),
+    "vram_used": ("vramused",),
+    "vram_total": ("vramtotal",),
+    "vram_free": ("vramfree",),
+    "vram_percent": ("vrampercent", "vram%"),
+}
+
+_TO_GB = {"b": 1 / 1024**3, "kb": 1 / 1024**2, "kib": 1 / 1024**2, "mb": 1 / 1024, "mib": 1 / 1024,
+          "gb": 1.0, "gib": 1.0, "tb": 1024.0}
+
+
+@dataclass
+class Series:
+    """Running count, sum, min and max of one metric of one GPU."""
+
+    count: int = 0
+    total: float = 0.0
+    low: float | None = None
+    high: float | None = None
+
+    def add(self, value: float | None) -> None:
+        if value is None:
+            return
+        self.count += 1
+        self.total += value
+        self.low = value if self.low is None else min(self.low, value)
+        self.high = value if self.high is None else max(self.high, value)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+@dataclass
+class GpuSamples:
+    vram_used_gb: Series = field(default_factory=Series)
+    vram_total_gb: Series = field(default_factory=Series)
+    gfx_pct: Series = field(default_factory=Series)
+    power_w: Series = field(default_factory=Series)
+
+
+@dataclass
+class Telemetry:
+    """amd-smi samples per GPU, plus what was read and what was skipped."""
+
+    gpus: dict[str, GpuSamples] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    vram_units: set[str] = field(default_factory=set)
+    samples: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def gpu(self, key: str) -> GpuSamples:
+        samples = self.gpus.get(key)
+        if samples is None:
+            samples = self.gpus[key] = GpuSamples()
+        return samples
+
+
+def _to_gb(value: float | None, unit: str | None) -> float | None:
+    if value is None or unit is None:
+        return None
+    factor = _TO_GB.get(unit.lower())
+    return value * factor if factor is not None else None
+
+
+def read_monitor_csv(path: Path, telemetry: Telemetry, label: str | None = None,
+                     vram_unit_hint: str | None = None) -> None:
+    """Fold an `amd-smi monitor --csv` file (with or without `-w` watch) into `telemetry`.
+
+    `vram_unit_hint` ("MB"/"GB") is what the wrapper knows from the flags it used; without it the
+    unit follows from the columns (`vram_free`/`vram_percent` only exist with `-v`, in MB).
+    """
+    label = label or path.name
+    try:
+        with open_text(path) as stream:
+            reader = RowReader(stream)
+            rows = iter(reader)
+            found = find_header(rows, MONITOR_COLUMNS, ("gpu",))
+            if found is None:
+                telemetry.warnings.append(f"{label}: no amd-smi monitor header (a 'gpu' column) found; file skipped")
+                return
+            index, _ = found
+            if len(index) < 2:
+                telemetry.warnings.append(f"{label}: the amd-smi header has no metric this parser knows; file skipped")
+                return
+            verbose = "vram_free" in index or "vram_percent" in index
+            column_unit = (vram_unit_hint or ("MB" if verbose else "GB")).lower()
+            telemetry.files.append(label)
+            bad = _fold_monitor_rows(rows, index, column_unit, telemetry)
+            if bad or reader.errors:
+                telemetry.warnings.append(f"{label}: {bad + reader.errors} unreadable amd-smi rows skipped")
+    except OSError as exc:
+        telemetry.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+
+
+def _fold_monitor_rows(rows: Iterable[list[str]], index: dict[str, int], column_unit: str,
+                       telemetry: Telemetry) -> int:
+    i_gpu = index["gpu"]
+    bad = 0
+
+    def cell(row: list[str], key: str) -> str | None:
+        i = index.get(key, -1)
+        return row[i] if 0 <= i < len(row) else None
+
+    for row in rows:
+        if len(row) <= i_gpu or not row[i_gpu].strip():
+            bad += bool(row)
+            continue
+        gpu_cell = row[i_gpu].strip()
+        if normalise(gpu_cell) == "gpu":
+            continue  # the header again: watch mode and concatenated files repeat it
+        if parse_number(gpu_cell) is None:
+            bad += 1  # a warning or error line amd-smi printed between samples
+            continue
+        samples = telemetry.gpu(gpu_cell)
+        for key, series in (("vram_used", samples.vram_used_gb), ("vram_total", samples.vram_total_gb)):
+            text = cell(row, key)
+            value = parse_number(text)
+            unit = unit_of(text) or column_unit
+            if value is not None:
+                telemetry.vram_units.add(unit.upper())
+            series.add(_to_gb(value, unit))
+        samples.gfx_pct.add(_percent(parse_number(cell(row, "gfx"))))
+        samples.power_w.add(parse_number(cell(row, "power")))
+        telemetry.samples += 1
+    return bad
+
+
+def _percent(value: float | None) -> float | None:
+    return value if value is not None and 0.0 <= value <= 100.0 else None
+
+
+def _value_unit(entry: object, default_unit: str | None = None) -> tuple[float | None, str | None]:
+    """`{"value": 12, "unit": "MB"}` -> (12.0, "MB"); a bare number or "12 MB" string too."""
+    if isinstance(entry, dict):
+        raw = entry.get("value")
+        unit = entry.get("unit") or default_unit
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return parse_number(str(raw)), unit
+        return parse_number(str(raw)) if raw is not None else None, unit
+    if isinstance(entry, (int, float)) and not isinstance(entry, bool):
+        return parse_number(str(entry)), default_unit
+    if isinstance(entry, str):
+        return parse_number(entry), unit_of(entry) or default_unit
+    return None, default_unit
+
+
+def gpu_entries(document: object) -> list[dict]:
+    """The per-GPU objects of an `amd-smi metric --json` document: a list (ROCm 6) or `gpu_data` (ROCm 7)."""
+    if isinstance(document, dict):
+        if isinstance(document.get("gpu_data"), list):
+            document = document["gpu_data"]
+        elif "gpu" in document:
+            document = [document]
+        else:
+            return []
+    if not isinstance(document, list):
+        return []
+    return [entry for entry in document if isinstance(entry, dict)]
+
+
+def fold_metric_document(document: object, telemetry: Telemetry) -> int:
+    """Add one `amd-smi metric --json` sample (every GPU in it) to `telemetry`; returns GPUs read."""
+    read = 0
+    for entry in gpu_entries(document):
+        key = str(entry.get("gpu", len(telemetry.gpus)))
+        samples = telemetry.gpu(key)
+        usage = entry.get("usage") if isinstance(entry.get("usage"), dict) else {}
+        power = entry.get("power") if isinstance(entry.get("power"), dict) else {}
+        memory = entry.get("mem_usage") if isinstance(entry.get("mem_usage"), dict) else {}
+        samples.gfx_pct.add(_percent(_value_unit(usage.get("gfx_activity"))[0]))
+        watts, _ = _value_unit(power.get("socket_power", power.get("average_socket_power")))
+        samples.power_w.add(watts)
+        for name, series in (("used_vram", samples.vram_used_gb), ("total_vram", samples.vram_total_gb)):
+            value, unit = _value_unit(memory.get(name), "MB")
+            if value is not None and unit:
+                telemetry.vram_units.add(unit.upper())
+            series.add(_to_gb(value, unit))
+        telemetry.samples += 1
+        read += 1
+    return read
+
+
+def read_metric_json(path: Path, telemetry: Telemetry, label: str | None = None) -> None:
+    """An `amd-smi metric --json` output: one document, or JSON lines of `{"time", "data"}` samples.
+
+    Text before the JSON (amd-smi's warnings about groups or drivers) is skipped.
+    """
+    label = label or path.name
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        telemetry.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+        return
+    documents: list[object] = []
+    bad = 0
+    start = min((i for i in (text.find("["), text.find("{")) if i >= 0), default=-1)
+    if start < 0:
+        telemetry.warnings.append(f"{label}: no JSON in the amd-smi metric output; file skipped")
+        return
+    body = text[start:]
+    try:
+        documents.append(json.loads(body))
+    except ValueError:
+        for line in body.splitlines():
+            if not line.strip():
+                continue
+            try:
+                documents.append(json.loads(line))
+            except ValueError:
+                bad += 1
+    read = 0
+    for document in documents:
+        if isinstance(document, dict) and "data" in document and "gpu" not in document:
+            document = document["data"]
+        read += fold_metric_document(document, telemetry)
+    if read:
+        telemetry.files.append(label)
+    else:
+        telemetry.warnings.append(f"{label}: no GPU entries in the amd-smi metric output")
+    if bad:
+        telemetry.warnings.append(f"{label}: {bad} unreadable JSON lines skipped")
+
+
+@dataclass
+class TelemetrySummary:
+    hbm_peak_gb: float | None
+    hbm_avg_gb: float | None
+    hbm_total_gb: float | None
+    gpu_util_pct: float | None
+    power_avg_w: float | None
+    active_gpus: list[str]
+
+
+def summarise(telemetry: Telemetry) -> TelemetrySummary:
+    """Peak and mean VRAM, mean graphics activity and power over the GPUs the job used.
+
+    A GPU counts as used when its VRAM moved by more than 0.5 GB or its graphics activity went
+    above 5 %: on an 8-GPU box a one-GPU job would otherwise be averaged with seven idle cards.
+    If no GPU qualifies, all are used.
+    """
+    active = [
+        key for key, s in telemetry.gpus.items()
+        if (s.vram_used_gb.high is not None and s.vram_used_gb.low is not None
+            and s.vram_used_gb.high - s.vram_used_gb.low > 0.5)
+        or (s.gfx_pct.high or 0.0) > 5.0
+    ] or list(telemetry.gpus)
+    chosen = [telemetry.gpus[key] for key in active]
+
+    def pooled_mean(series: list[Series]) -> float | None:
+        count = sum(s.count for s in series)
+        return sum(s.total for s in series) / count if count else None
+
+    peaks = [s.vram_used_gb.high for s in chosen if s.vram_used_gb.high is not None]
+    totals = [s.vram_total_gb.high for s in chosen if s.vram_total_gb.high is not None]
+    return TelemetrySummary(
+        hbm_peak_gb=max(peaks) if peaks else None,
+        hbm_avg_gb=pooled_mean([s.vram_used_gb for s in chosen]),
+        hbm_total_gb=max(totals) if totals else None,
+        gpu_util_pct=pooled_mean([s.gfx_pct for s in chosen]),
+        power_avg_w=pooled_mean([s.power_w for s in chosen]),
+        active_gpus=active,
+    )

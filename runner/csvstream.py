@@ -1,0 +1,120 @@
+"""Streaming CSV reading that survives bad files: one row at a time, errors counted, never raised.
+
+Profiler output is often cut short (a job killed mid-write), carries preambles (amd-smi prints
+warnings before its CSV), repeats its header (watch mode, concatenated files) or has fields
+larger than Python's default limit (demangled kernel names). These helpers read such files as far
+as they go and report what they skipped, so the parsers above them stay simple.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TextIO
+
+# Kernel names of heavily templated code run to tens of kilobytes; they are kept whole.
+FIELD_LIMIT = 64 * 1024 * 1024
+MAX_CSV_ERRORS = 1000  # past this many malformed lines a file is not CSV; stop reading it
+
+_NON_ALNUM = re.compile(r"[^0-9a-z%]+")
+_MISSING = frozenset({"", "n/a", "na", "nan", "-nan", "none", "null", "inf", "-inf", "+inf", "unknown"})
+
+
+def _raise_field_limit() -> None:
+    if csv.field_size_limit() < FIELD_LIMIT:
+        csv.field_size_limit(FIELD_LIMIT)
+
+
+def normalise(name: str) -> str:
+    """A column name reduced to lower-case letters, digits and '%': `"Kernel_Name"` -> `kernelname`.
+
+    rocprofv3, `rocpd convert` and amd-smi spell the same column with different case and
+    separators across releases; matching on the reduced form accepts all of them.
+    """
+    return _NON_ALNUM.sub("", name.strip().lstrip("\ufeff").lower())
+
+
+def open_text(path: Path) -> TextIO:
+    """Open a profiler file as text; undecodable bytes become U+FFFD rather than an exception."""
+    return open(path, encoding="utf-8", errors="replace", newline="")
+
+
+class RowReader:
+    """Iterate the rows of a CSV file, resuming after malformed lines and counting them."""
+
+    def __init__(self, stream: Iterable[str]) -> None:
+        _raise_field_limit()
+        # A line csv cannot read (a NUL-padded tail left by a crash, a broken quote) raises
+        # csv.Error; the loop below counts it and carries on with the next line.
+        self._reader = csv.reader(stream)
+        self.errors = 0
+        self.gave_up = False
+
+    def __iter__(self) -> Iterator[list[str]]:
+        reader = self._reader
+        while True:
+            try:
+                yield from reader
+                return
+            except csv.Error:
+                self.errors += 1
+                if self.errors > MAX_CSV_ERRORS:
+                    self.gave_up = True
+                    return
+
+
+def find_header(rows: Iterator[list[str]], wanted: dict[str, tuple[str, ...]], required: tuple[str, ...],
+                max_lines: int = 200) -> tuple[dict[str, int], list[str]] | None:
+    """Scan for the first row that names every `required` column; return {key: index} and the row.
+
+    `wanted` maps a key to the normalised spellings it may have. Lines before the header (a
+    preamble) are skipped; `None` when no header turns up within `max_lines`.
+    """
+    for _ in range(max_lines):
+        row = next(rows, None)
+        if row is None:
+            return None
+        names = [normalise(cell) for cell in row]
+        index: dict[str, int] = {}
+        for key, spellings in wanted.items():
+            for spelling in spellings:
+                if spelling in names:
+                    index[key] = names.index(spelling)
+                    break
+        if all(key in index for key in required):
+            return index, row
+    return None
+
+
+def parse_number(text: str | None) -> float | None:
+    """A finite number from a cell, tolerating units and thousands separators; None for N/A or NaN.
+
+    `"87 %"` -> 87.0, `"1,024"` -> 1024.0, `"N/A"` -> None, `"nan"` -> None.
+    """
+    if text is None:
+        return None
+    cell = text.strip()
+    if cell.lower() in _MISSING:
+        return None
+    try:
+        value = float(cell)
+    except ValueError:
+        match = re.match(r"^\s*([-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?)", cell)
+        if not match:
+            return None
+        try:
+            value = float(match.group(1).replace(",", ""))
+        except ValueError:
+            return None
+    return value if math.isfinite(value) else None
+
+
+def unit_of(text: str | None) -> str | None:
+    """The unit written after a number in a cell (`"12 GB"` -> `"gb"`), lower-case; None if bare."""
+    if not text:
+        return None
+    match = re.match(r"^\s*[-+]?[\d.,eE+-]+\s*([A-Za-z%/°]+)\s*$", text)
+    return match.group(1).lower() if match else None

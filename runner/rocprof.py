@@ -1,0 +1,330 @@
+"""Streaming parsers for rocprofv3's CSV output: kernel traces, kernel stats and agent info.
+
+The kernel trace is read one row at a time and folded into per-kernel totals, so a trace of
+millions of dispatches takes memory in proportion to the number of distinct kernels, not rows.
+Columns are found by name, which covers every published layout: ROCm 6.2 (no Thread_Id or
+Dispatch_Id), 6.3/6.4 (Thread_Id, Dispatch_Id), 6.4+/7 (Stream_Id; LDS_Block_Size and register
+columns) and `rocpd convert` (a leading Guid column; names matched whatever their case).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.csvstream import RowReader, find_header, normalise, open_text, parse_number
+
+# Columns of a kernel trace, by the normalised spellings each has had.
+TRACE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "name": ("kernelname", "kernel", "name"),
+    "start": ("starttimestamp", "beginns", "startns", "start"),
+    "end": ("endtimestamp", "endns", "end"),
+    "kind": ("kind",),
+    "agent": ("agentid", "gpuid"),
+    "stream": ("streamid",),
+    "thread": ("threadid",),
+    "dispatch": ("dispatchid",),
+    "guid": ("guid",),
+}
+STATS_COLUMNS: dict[str, tuple[str, ...]] = {
+    "name": ("name", "kernelname"),
+    "calls": ("calls",),
+    "total": ("totaldurationns", "totalduration"),
+}
+AGENT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "type": ("agenttype",),
+    "name": ("name",),
+    "product": ("productname",),
+    "model": ("modelname",),
+    "cu": ("cucount",),
+    "clock": ("maxengineclkfcompute",),
+    "gfx": ("gfxtargetversion",),
+    "node": ("nodeid",),
+    "logical": ("logicalnodeid",),
+}
+
+# Rows are sorted in windows of this many before their intervals are merged: exact for a trace
+# ordered to within this many dispatches per agent, and it bounds the memory the merge needs.
+MERGE_WINDOW = 32768
+
+
+@dataclass
+class _Busy:
+    """The union of one agent's kernel intervals, merged window by window."""
+
+    window: list[tuple[int, int]] = field(default_factory=list)
+    busy: int = 0
+    cur_s: int = -1
+    cur_e: int = -1
+    floor: int = -1  # end of the last interval already counted in `busy`
+    first: int | None = None
+    last: int | None = None
+    late: int = 0  # intervals that arrived after a later one had been counted
+
+    def flush(self) -> None:
+        chunk = self.window
+        if not chunk:
+            return
+        chunk.sort()
+        if self.first is None or chunk[0][0] < self.first:
+            self.first = chunk[0][0]
+        busy, cur_s, cur_e, floor, late = self.busy, self.cur_s, self.cur_e, self.floor, self.late
+        for s, e in chunk:
+            if cur_e < 0:
+                cur_s, cur_e = s, e
+            elif s > cur_e:
+                busy += cur_e - cur_s
+                floor = cur_e
+                cur_s, cur_e = s, e
+            elif s >= cur_s:
+                if e > cur_e:
+                    cur_e = e
+            else:  # starts before the open interval: it came late, from an earlier window
+                late += 1
+                if s < floor:
+                    s = floor
+                if e <= s:
+                    continue
+                if e >= cur_s:
+                    cur_s = s
+                    if e > cur_e:
+                        cur_e = e
+                else:
+                    busy += e - s
+        self.busy, self.cur_s, self.cur_e, self.floor, self.late = busy, cur_s, cur_e, floor, late
+        self.window = []
+
+    def close(self) -> None:
+        self.flush()
+        if self.cur_e >= 0:
+            self.busy += self.cur_e - self.cur_s
+            self.last = self.cur_e if self.last is None else max(self.last, self.cur_e)
+            self.cur_s = self.cur_e = -1
+
+
+@dataclass
+class KernelTrace:
+    """Per-kernel totals of one or more kernel-trace files, and what was skipped reading them."""
+
+    kernels: dict[str, list[int]] = field(default_factory=dict)  # name -> [calls, total ns]
+    dispatches: int = 0
+    kernel_ns: int = 0
+    busy_ns: dict[str, int] = field(default_factory=dict)  # agent -> union of its kernel time
+    span_ns: dict[str, int] = field(default_factory=dict)  # agent -> first start to last end
+    files: list[str] = field(default_factory=list)
+    layouts: list[str] = field(default_factory=list)
+    other_kinds: int = 0
+    bad_rows: int = 0
+    csv_errors: int = 0
+    late: int = 0
+    warnings: list[str] = field(default_factory=list)
+    _busy: dict[str, _Busy] = field(default_factory=dict)
+
+    def totals(self) -> dict[str, tuple[int, float]]:
+        return {name: (calls, float(ns)) for name, (calls, ns) in self.kernels.items()}
+
+    def finish(self) -> None:
+        """Close the interval merges; call once after the last file."""
+        for agent, state in self._busy.items():
+            state.close()
+            self.busy_ns[agent] = self.busy_ns.get(agent, 0) + state.busy
+            if state.first is not None and state.last is not None:
+                self.span_ns[agent] = self.span_ns.get(agent, 0) + state.last - state.first
+            self.late += state.late
+        self._busy = {}
+        if self.late:
+            self.warnings.append(
+                f"kernel traces: {self.late} dispatches arrived more than {MERGE_WINDOW} rows out of "
+                "order; the GPU busy time is approximate"
+            )
+
+
+def describe_layout(index: dict[str, int]) -> str:
+    """Which published layout a header is, from the optional columns it has."""
+    if "guid" in index:
+        return "rocpd convert (Guid column)"
+    extras = [label for key, label in (("stream", "Stream_Id"), ("thread", "Thread_Id"), ("dispatch", "Dispatch_Id"))
+              if key in index]
+    return "rocprofv3 (" + (", ".join(extras) if extras else "no Stream/Thread/Dispatch ids") + ")"
+
+
+def read_kernel_trace(path: Path, trace: KernelTrace, label: str | None = None) -> None:
+    """Fold one kernel-trace CSV into `trace`; a bad file adds a warning, never an exception."""
+    label = label or path.name
+    try:
+        with open_text(path) as stream:
+            reader = RowReader(stream)
+            rows = iter(reader)
+            found = find_header(rows, TRACE_COLUMNS, ("name", "start", "end"))
+            if found is None:
+                trace.warnings.append(f"{label}: no kernel-trace header (Kernel_Name, Start_Timestamp, "
+                                      "End_Timestamp) found; file skipped")
+                return
+            index, _ = found
+            trace.files.append(label)
+            trace.layouts.append(describe_layout(index))
+            _fold_rows(rows, index, trace)
+            trace.csv_errors += reader.errors
+            if reader.gave_up:
+                trace.warnings.append(f"{label}: too many malformed lines; read stopped early")
+    except OSError as exc:
+        trace.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+
+
+def _fold_rows(rows, index: dict[str, int], trace: KernelTrace) -> None:
+    """The hot loop: one pass, per-kernel totals and per-agent interval windows."""
+    i_name, i_start, i_end = index["name"], index["start"], index["end"]
+    i_kind = index.get("kind", -1)
+    i_agent = index.get("agent", -1)
+    kernels = trace.kernels
+    busy = trace._busy
+    last_agent: str | None = None
+    window: list[tuple[int, int]] = []
+    state: _Busy | None = None
+    dispatches = kernel_ns = other = bad = 0
+    for row in rows:
+        try:
+            name = row[i_name]
+            start = int(row[i_start])
+            end = int(row[i_end])
+            agent = row[i_agent] if i_agent >= 0 else ""
+            if i_kind >= 0 and row[i_kind] != "KERNEL_DISPATCH":
+                other += 1
+                continue
+        except (IndexError, ValueError):
+            parsed = _slow_row(row, i_name, i_start, i_end, i_kind, i_agent)
+            if parsed is None:
+                bad += 1
+                continue
+            if parsed == "other":
+                other += 1
+                continue
+            name, start, end, agent = parsed
+        duration = end - start
+        if duration < 0:
+            bad += 1
+            continue
+        entry = kernels.get(name)
+        if entry is None:
+            kernels[name] = [1, duration]
+        else:
+            entry[0] += 1
+            entry[1] += duration
+        dispatches += 1
+        kernel_ns += duration
+        if agent != last_agent or state is None:
+            state = busy.get(agent)
+            if state is None:
+                state = busy[agent] = _Busy()
+            window = state.window
+            last_agent = agent
+        window.append((start, end))
+        if len(window) >= MERGE_WINDOW:
+            state.flush()
+            window = state.window
+    trace.dispatches += dispatches
+    trace.kernel_ns += kernel_ns
+    trace.other_kinds += other
+    trace.bad_rows += bad
+
+
+def _slow_row(row: list[str], i_name: int, i_start: int, i_end: int, i_kind: int,
+              i_agent: int) -> tuple[str, int, int, str] | str | None:
+    """A row the fast path rejected: a repeated header, a float timestamp, a cut-off line, N/A."""
+    if len(row) <= max(i_name, i_start, i_end, i_kind, i_agent):
+        return None
+    if normalise(row[i_start]) in TRACE_COLUMNS["start"]:
+        return None  # a repeated header (files concatenated)
+    if i_kind >= 0 and row[i_kind] != "KERNEL_DISPATCH":
+        return "other"
+    start, end = parse_number(row[i_start]), parse_number(row[i_end])
+    if start is None or end is None:
+        return None
+    return row[i_name], int(start), int(end), row[i_agent] if i_agent >= 0 else ""
+
+
+def read_kernel_stats(path: Path, warnings: list[str], label: str | None = None) -> dict[str, tuple[int, float]]:
+    """`kernel_stats.csv` (Name, Calls, TotalDurationNs, ...): name -> (calls, total ns).
+
+    The file's own Percentage column is not used: percentages are recomputed from the totals
+    so that a truncated file still adds up to 100.
+    """
+    label = label or path.name
+    out: dict[str, tuple[int, float]] = {}
+    try:
+        with open_text(path) as stream:
+            reader = RowReader(stream)
+            rows = iter(reader)
+            found = find_header(rows, STATS_COLUMNS, ("name", "total"))
+            if found is None:
+                warnings.append(f"{label}: no kernel-stats header (Name, TotalDurationNs) found; file skipped")
+                return out
+            index, _ = found
+            bad = 0
+            for row in rows:
+                try:
+                    name = row[index["name"]]
+                    total = parse_number(row[index["total"]])
+                    calls = parse_number(row[index["calls"]]) if "calls" in index else None
+                except IndexError:
+                    bad += 1
+                    continue
+                if total is None or total < 0:
+                    bad += 1
+                    continue
+                prev_calls, prev_total = out.get(name, (0, 0.0))
+                out[name] = (prev_calls + int(calls or 0), prev_total + total)
+            if bad or reader.errors:
+                warnings.append(f"{label}: {bad + reader.errors} unreadable rows skipped")
+    except OSError as exc:
+        warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+    return out
+
+
+@dataclass
+class GpuAgent:
+    """One GPU from `agent_info.csv`: what the peak-FLOPs estimate needs."""
+
+    name: str  # the ISA, e.g. "gfx942"
+    product: str
+    cu_count: int | None
+    max_clock_mhz: float | None
+    gfx_target_version: int | None
+    node_id: str = ""
+    logical_node_id: str = ""
+
+
+def read_agent_info(path: Path, warnings: list[str], label: str | None = None) -> list[GpuAgent]:
+    """The GPU agents of `agent_info.csv` (Agent_Type GPU); CPUs are left out."""
+    label = label or path.name
+    agents: list[GpuAgent] = []
+    try:
+        with open_text(path) as stream:
+            rows = iter(RowReader(stream))
+            found = find_header(rows, AGENT_COLUMNS, ("type",))
+            if found is None:
+                warnings.append(f"{label}: no agent-info header (Agent_Type) found; file skipped")
+                return agents
+            index, _ = found
+
+            def cell(row: list[str], key: str) -> str:
+                i = index.get(key, -1)
+                return row[i].strip() if 0 <= i < len(row) else ""
+
+            for row in rows:
+                if cell(row, "type").upper() != "GPU":
+                    continue
+                cu = parse_number(cell(row, "cu"))
+                gfx = parse_number(cell(row, "gfx"))
+                agents.append(GpuAgent(
+                    name=cell(row, "name"),
+                    product=cell(row, "product") or cell(row, "model"),
+                    cu_count=int(cu) if cu else None,
+                    max_clock_mhz=parse_number(cell(row, "clock")) or None,
+                    gfx_target_version=int(gfx) if gfx else None,
+                    node_id=cell(row, "node"),
+                    logical_node_id=cell(row, "logical"),
+                ))
+    except OSError as exc:
+        warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+    return agents

@@ -1,0 +1,167 @@
+"""Runners: how a `WorkloadConfig` becomes `RunMetrics`, by measuring it or by looking it up.
+
+`LiveRunner` runs the workload script under the profiling wrapper on this machine and parses
+what it left; a failed run raises `RunnerFailed` (logs kept), never turns into canned numbers.
+`FakeRunner` returns the canned metrics of the synthetic scenario in `workloads/synthetic/`
+whose `match` fits the config most specifically, marked `runner_kind: "fake"` everywhere. The
+fake is used only when a caller asks for it by name (`get_runner("fake")`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, Field, ValidationError
+
+from runner.assemble import parse_run
+from runner.cache import BenchmarkCache, cache_key
+from runner.metrics import RunMetrics
+from runner.workload import WorkloadConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WRAP_SCRIPT = Path(__file__).resolve().parent / "wrap.py"
+SCENARIOS_DIR = REPO_ROOT / "workloads" / "synthetic"
+
+
+class RunnerFailed(RuntimeError):
+    """A live run did not produce metrics; the message says why and where its logs are."""
+
+
+class NoScenario(LookupError):
+    """No synthetic scenario matches the workload."""
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Produces the RunMetrics of a workload run for `steps` steps."""
+
+    kind: Literal["live", "fake"]
+
+    def run(self, config: WorkloadConfig, steps: int) -> RunMetrics: ...
+
+
+def default_command(config: WorkloadConfig, steps: int, python: str) -> list[str]:
+    """The workload script's command line; scripts that want other flags get a `command_builder`."""
+    argv = [python, str(REPO_ROOT / config.script), "--model", config.model, "--max-steps", str(steps),
+            "--seq-len", str(config.seq_len), "--batch-size", str(config.batch_size),
+            "--grad-accum", str(config.grad_accum), "--precision", config.precision,
+            "--attention", config.attention, "--method", config.method,
+            "--dataloader-workers", str(config.dataloader_workers)]
+    if config.lora_r is not None:
+        argv += ["--lora-r", str(config.lora_r)]
+    if config.gradient_checkpointing:
+        argv.append("--gradient-checkpointing")
+    return argv + list(config.args)
+
+
+@dataclass
+class LiveRunner:
+    """Run the workload here, under `wrap.py`, and parse the run directory it leaves."""
+
+    work_dir: Path
+    cache: BenchmarkCache | None = None
+    rocm_image: str = field(default_factory=lambda: os.environ.get("OBD_ROCM_IMAGE", "none"))
+    python: str = sys.executable
+    timeout_s: float = 3600.0
+    command_builder: Callable[[WorkloadConfig, int, str], list[str]] = default_command
+    kind: Literal["live", "fake"] = "live"
+
+    def run(self, config: WorkloadConfig, steps: int) -> RunMetrics:
+        key = cache_key(config, steps, self.rocm_image, REPO_ROOT / config.script, WRAP_SCRIPT)
+        if self.cache is not None and (hit := self.cache.get(key)) is not None:
+            hit.sources["cache"] = f"benchmark cache {self.cache.path(key).name} (measured earlier, same inputs)"
+            return hit
+        run_dir = Path(self.work_dir) / f"{key.digest[:12]}-{int(time.time())}"
+        (run_dir / "output").mkdir(parents=True, exist_ok=True)
+        command = self.command_builder(config, steps, self.python)
+        wrapped = [self.python, str(WRAP_SCRIPT), "--run-dir", str(run_dir), "--", *command]
+        env = dict(os.environ)
+        env.update(OBD_RUN_DIR=str(run_dir), OBD_OUTPUT_DIR=str(run_dir / "output"),
+                   OBD_METRICS_FILE=str(run_dir / "metrics.jsonl"),
+                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT / "trainer_plugin"), str(REPO_ROOT),
+                                                          env.get("PYTHONPATH", "")) if p))
+        log_path = run_dir / "job.log"
+        try:
+            with open(log_path, "wb") as log:
+                done = subprocess.run(wrapped, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                      stderr=subprocess.STDOUT, timeout=self.timeout_s, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise RunnerFailed(f"the workload ran past {self.timeout_s:.0f} s; logs kept in {log_path}") from exc
+        except OSError as exc:
+            raise RunnerFailed(f"the workload could not start ({exc}); logs kept in {log_path}") from exc
+        if done.returncode != 0:
+            raise RunnerFailed(f"the workload exited with status {done.returncode}; logs kept in {log_path}")
+        metrics = parse_run(run_dir / "profile", run_dir / "metrics.jsonl", workload=config)
+        metrics.sources["run_dir"] = str(run_dir)
+        if self.cache is not None:
+            self.cache.put(key, metrics)
+        return metrics
+
+
+class Scenario(BaseModel):
+    """One canned scenario: `workloads/synthetic/<name>/scenario.json`."""
+
+    name: str
+    description: str = ""
+    match: dict = Field(default_factory=dict)
+    metrics: dict
+
+
+def load_scenarios(directory: Path = SCENARIOS_DIR) -> list[tuple[Scenario, Path]]:
+    """Every valid scenario under `directory`, sorted by name; invalid files raise (they are ours)."""
+    found = []
+    for path in sorted(Path(directory).glob("*/scenario.json")):
+        try:
+            scenario = Scenario.model_validate_json(path.read_bytes())
+        except (OSError, ValidationError) as exc:
+            raise ValueError(f"{path}: invalid scenario: {exc}") from exc
+        found.append((scenario, path))
+    return found
+
+
+def choose_scenario(config: WorkloadConfig, scenarios: list[tuple[Scenario, Path]]) -> tuple[Scenario, Path]:
+    """The matching scenario with the most `match` keys; ties go to the first name in order."""
+    candidates = [(len(s.match), s.name, s, p) for s, p in scenarios if config.matches(s.match)]
+    if not candidates:
+        raise NoScenario(f"no synthetic scenario matches {config.canonical_json()}")
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    return candidates[0][2], candidates[0][3]
+
+
+@dataclass
+class FakeRunner:
+    """Canned RunMetrics from a synthetic scenario, always marked fake."""
+
+    scenarios_dir: Path = SCENARIOS_DIR
+    kind: Literal["live", "fake"] = "fake"
+
+    def run(self, config: WorkloadConfig, steps: int) -> RunMetrics:
+        scenario, path = choose_scenario(config, load_scenarios(self.scenarios_dir))
+        data = dict(scenario.metrics)
+        data.update(runner_kind="fake", profiler="fake")
+        metrics = RunMetrics.model_validate(data)
+        where = f"fake: canned scenario {scenario.name!r} ({path.parent.name}/scenario.json), not measured"
+        for field_name in ("steps", "step_time_s", "tokens_per_sec", "mfu_pct", "hbm_peak_gb", "hbm_avg_gb",
+                           "gpu_util_pct", "top_kernels", "attention_kernel_loaded", "waste_budget"):
+            metrics.sources[field_name] = where
+        metrics.sources["scenario_match"] = json.dumps(scenario.match, sort_keys=True)
+        metrics.warnings.insert(0, f"FAKE: canned numbers of synthetic scenario {scenario.name!r} for a "
+                                   f"{steps}-step request; nothing was measured")
+        return metrics
+
+
+def get_runner(kind: Literal["live", "fake"], **options) -> Runner:
+    """The runner of the kind asked for; there is no automatic fallback from one kind to the other."""
+    if kind == "live":
+        return LiveRunner(**options)
+    if kind == "fake":
+        return FakeRunner(**options)
+    raise ValueError(f"unknown runner kind {kind!r}: 'live' or 'fake'")

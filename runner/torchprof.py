@@ -1,0 +1,136 @@
+"""Read what `trainer_plugin/torch_profile.py` wrote: `torch_kernels.csv` and `torch_profile.json`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.csvstream import RowReader, find_header, open_text, parse_number
+
+KERNEL_COLUMNS: dict[str, tuple[str, ...]] = {
+    "name": ("name",),
+    "calls": ("calls",),
+    "total_us": ("totalus",),
+    "device": ("device",),
+}
+
+
+@dataclass
+class TorchKernels:
+    gpu: dict[str, tuple[int, float]] = field(default_factory=dict)  # name -> (calls, total ns)
+    cpu: dict[str, tuple[int, float]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def read_torch_kernels(path: Path, label: str | None = None) -> TorchKernels:
+    """The window's kernels (device "gpu") and operators (device "cpu"), by self time in ns."""
+    label = label or path.name
+    out = TorchKernels()
+    try:
+        with open_text(path) as stream:
+            reader = RowReader(stream)
+            rows = iter(reader)
+            found = find_header(rows, KERNEL_COLUMNS, ("name", "total_us"))
+            if found is None:
+                out.warnings.append(f"{label}: no header (name, total_us) found; file skipped")
+                return out
+            index, _ = found
+            bad = 0
+            for row in rows:
+                try:
+                    name = row[index["name"]]
+                    total = parse_number(row[index["total_us"]])
+                    calls = parse_number(row[index["calls"]]) if "calls" in index else None
+                    device = row[index["device"]].strip().lower() if "device" in index else "cpu"
+                except IndexError:
+                    bad += 1
+                    continue
+                if total is None or total < 0:
+                    bad += 1
+                    continue
+                table = out.gpu if device == "gpu" else out.cpu
+                prev_calls, prev_ns = table.get(name, (0, 0.0))
+                table[name] = (prev_calls + int(calls or 0), prev_ns + total * 1000.0)
+            if bad or reader.errors:
+                out.warnings.append(f"{label}: {bad + reader.errors} unreadable rows skipped")
+    except OSError as exc:
+        out.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+    return out
+
+
+def _num(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+@dataclass
+class TorchSummary:
+    """The parts of `torch_profile.json` the metrics use; None where the file did not say."""
+
+    device_kind: str | None = None
+    device_name: str | None = None
+    device_count: int | None = None
+    torch_version: str | None = None
+    hip_version: str | None = None
+    period_s: float | None = None  # mean step_begin -> next step_begin
+    in_step_s: float | None = None
+    wait_between_s: float | None = None
+    steps_timed: int | None = None
+    device_time_per_step_s: float | None = None
+    peak_reserved_bytes: float | None = None
+    peak_allocated_bytes: float | None = None
+    total_memory_bytes: float | None = None
+    host_peak_rss_bytes: float | None = None
+    window_steps: list = field(default_factory=list)
+    model_params: float | None = None
+    trainable_params: float | None = None
+    errors: list[str] = field(default_factory=list)
+    state: str | None = None
+
+
+def read_torch_summary(path: Path, warnings: list[str], label: str | None = None) -> TorchSummary | None:
+    """Parse `torch_profile.json`; None (with a warning) when it is unreadable."""
+    label = label or path.name
+    try:
+        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError) as exc:
+        warnings.append(f"{label}: unreadable ({exc})")
+        return None
+    if not isinstance(data, dict):
+        warnings.append(f"{label}: not a JSON object")
+        return None
+
+    def section(key: str) -> dict:
+        value = data.get(key)
+        return value if isinstance(value, dict) else {}
+
+    device, steps, model = section("device"), section("steps"), section("model")
+    period, inner, gap = (steps.get(k) if isinstance(steps.get(k), dict) else {}
+                          for k in ("period", "in_step", "wait_between"))
+    window = section("window").get("profiled_steps")
+    errors = data.get("errors")
+    count = _num(device.get("count"))
+    return TorchSummary(
+        device_kind=device.get("kind") if isinstance(device.get("kind"), str) else None,
+        device_name=device.get("name") if isinstance(device.get("name"), str) else None,
+        device_count=int(count) if count is not None else None,
+        torch_version=device.get("torch_version") if isinstance(device.get("torch_version"), str) else None,
+        hip_version=device.get("hip_version") if isinstance(device.get("hip_version"), str) else None,
+        period_s=_num(period.get("mean_s")),
+        in_step_s=_num(inner.get("mean_s")),
+        wait_between_s=_num(gap.get("mean_s")),
+        steps_timed=int(_num(inner.get("count")) or 0) or None,
+        device_time_per_step_s=_num(data.get("device_time_per_window_step_s")),
+        peak_reserved_bytes=_num(device.get("peak_memory_reserved_bytes")),
+        peak_allocated_bytes=_num(device.get("peak_memory_allocated_bytes")),
+        total_memory_bytes=_num(device.get("total_memory_bytes")),
+        host_peak_rss_bytes=_num(data.get("host_peak_rss_bytes")),
+        window_steps=window if isinstance(window, list) else [],
+        model_params=_num(model.get("params")),
+        trainable_params=_num(model.get("trainable_params")),
+        errors=[str(e) for e in errors] if isinstance(errors, list) else [],
+        state=data.get("state") if isinstance(data.get("state"), str) else None,
+    )
