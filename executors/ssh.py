@@ -45,6 +45,14 @@ class HostKeyError(ExecutorError):
     """The host's key is unknown, changed, or not the pinned one: the connection was refused."""
 
 
+class AuthError(ExecutorError):
+    """The host answered but refused the login (wrong key or user)."""
+
+
+class WorkdirError(ExecutorError):
+    """The workdir (or obd's files in it) cannot be created on the host."""
+
+
 @dataclass
 class _HostKeyCheck:
     """Decides on a host key asyncssh did not find trusted, and remembers why."""
@@ -271,7 +279,7 @@ class SshExecutor:
         except asyncssh.HostKeyNotVerifiable as exc:
             raise self._host_key_error(check) from exc
         except asyncssh.PermissionDenied as exc:
-            raise ExecutorError(
+            raise AuthError(
                 f"{self.address} refused the login of user {t.user or '(default)'} with key "
                 f"{t.identity_file or '(default keys)'}: permission denied. Check that the public key is in "
                 f"that user's ~/.ssh/authorized_keys there (`ssh-copy-id -i {t.identity_file or '~/.ssh/id_ed25519'}"
@@ -337,14 +345,14 @@ class SshExecutor:
                 result = await conn.run(script, input=remote.JOBCTL_SOURCE, encoding=None, check=False)
         except (TimeoutError, *_LOST) as exc:
             raise TargetUnreachable(f"{self.address} stopped answering while obd set up its workdir: {_why(exc)}") from exc
-        err = _text(result.stderr)
+        err = _tail(result.stderr)
         if result.returncode == 3:
-            raise ExecutorError(
+            raise WorkdirError(
                 f"the workdir {t.workdir!r} of target {self.name!r} cannot be created on {self.address}: {err}. "
                 f"Set workdir in [targets.{self.name}] to a directory the user can write"
             )
         if result.returncode == 4:
-            raise ExecutorError(
+            raise WorkdirError(
                 f"obd could not write its job-control script under {t.workdir!r} on {self.address}: {err or 'write failed'}"
                 " (is the disk full? check `df -h` there)"
             )

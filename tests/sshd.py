@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,6 +60,40 @@ def write_key_pair(path: Path, alg: str = "ssh-ed25519") -> str:
     public = key.export_public_key().decode().strip()
     path.with_name(path.name + ".pub").write_text(public + "\n")
     return public
+
+
+# sshd runs under this small parent, a child subreaper (PR_SET_CHILD_SUBREAPER): jobs that
+# detach (setsid, their launcher exits) are re-parented to it and reaped at once, as init does on
+# a real host. Without it they would be re-parented to this machine's PID 1, which may be slow to
+# reap, and a dead job's zombie would look like a live process group for a while. It prints
+# sshd's pid, forwards TERM/INT/HUP to it, and exits when it has no child left.
+_REAPER = r"""
+import ctypes, os, signal, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+child = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=2, stderr=2)
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda n, f: child.send_signal(n) if child.returncode is None else None)
+print(child.pid, flush=True)
+os.close(1)
+while True:
+    try:
+        pid, _ = os.wait()
+    except ChildProcessError:
+        break
+    except InterruptedError:
+        continue
+    if pid == child.pid:
+        child.returncode = 0
+"""
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 def _children(pid: int) -> list[int]:
@@ -107,7 +142,8 @@ class SshServer:
         self.authorized_keys.write_text(self.user_key_line + "\n")
         self.authorized_keys.chmod(0o600)
         self.write_known_hosts()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None  # sshd's pid
+        self.reapers: list[subprocess.Popen[bytes]] = []
 
     # --- files ------------------------------------------------------------------------
 
@@ -163,30 +199,37 @@ class SshServer:
     # --- process ----------------------------------------------------------------------
 
     def start(self, timeout: float = 10.0) -> SshServer:
-        """Start sshd in the foreground and wait until it answers with its banner."""
+        """Start sshd in the foreground (under a reaper) and wait until it answers with its banner."""
         reason = sshd_skip_reason()
         if reason:
             raise RuntimeError(reason)
-        if self.proc is not None and self.proc.poll() is None:
+        if self.pid is not None and _alive(self.pid):
             return self
         if os.geteuid() == 0:
             os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation dir
         self._write_config()
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(
-                [SSHD, "-D", "-e", "-f", str(self.config_path)],
+            reaper = subprocess.Popen(
+                [sys.executable, "-c", _REAPER, SSHD, "-D", "-e", "-f", str(self.config_path)],
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=subprocess.PIPE,
                 stderr=log,
                 start_new_session=True,
             )
         finally:
             log.close()
+        assert reaper.stdout is not None
+        line = reaper.stdout.readline()
+        reaper.stdout.close()
+        self.reapers.append(reaper)
+        if not line.strip():
+            raise RuntimeError(f"sshd did not start: {self.log_tail()}")
+        self.pid = int(line)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sshd exited with {self.proc.returncode}: {self.log_tail()}")
+            if not _alive(self.pid):
+                raise RuntimeError(f"sshd exited at once: {self.log_tail()}")
             if self._answers():
                 return self
             time.sleep(0.05)
@@ -206,31 +249,40 @@ class SshServer:
         Jobs started over SSH with setsid/nohup are not descendants once their launcher
         returned, so they survive, as they would on a real host.
         """
-        if self.proc is None:
+        if self.pid is None:
             return
-        victims = _children(self.proc.pid)
-        for pid in [self.proc.pid, *victims]:
+        for pid in [self.pid, *_children(self.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.wait()
-        self.proc = None
+        self._wait_gone(self.pid)
+        self.pid = None
 
     def stop(self, drop_connections: bool = True) -> None:
         """Stop the server; by default also end the live connections (else they run on)."""
-        if self.proc is None:
+        if self.pid is None:
             return
         if drop_connections:
             self.kill()
             return
-        self.proc.terminate()
         try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        if not self._wait_gone(self.pid, 5):
+            os.kill(self.pid, signal.SIGKILL)
+            self._wait_gone(self.pid)
+        self.pid = None
+
+    @staticmethod
+    def _wait_gone(pid: int, timeout: float = 10) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return True
+            time.sleep(0.01)
+        return False
 
     def restart(self, drop_connections: bool = True) -> SshServer:
         """Stop and start again on the same port with the same keys (unless rotated)."""
@@ -238,8 +290,12 @@ class SshServer:
         return self.start()
 
     def close(self) -> None:
-        """Stop the server and remove its directory (if this object created it)."""
+        """Stop the server and remove its directory (if this object created it).
+
+        A reaper still parenting jobs lives on until they end (then exits by itself)."""
         self.stop()
+        for reaper in self.reapers:
+            reaper.poll()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
