@@ -400,7 +400,7 @@ class RunpodDriver:
 
         try:
             with anyio.fail_after(self.ssh_probe_timeout):
-                key = await asyncssh.get_server_host_key(host, port, connect_timeout=self.ssh_probe_timeout)
+                key = await asyncssh.get_server_host_key(host, port, config=None)
         except (OSError, TimeoutError, asyncssh.Error):
             return None
         if key is None:
@@ -645,14 +645,14 @@ class RunpodDriver:
             await ex.aclose()
 
     async def remote_manifest(self, ex: Executor, remote_dir: str) -> dict[str, Any]:
-        """Sizes and sha256 of the outputs, computed on the pod by the watchdog script."""
+        """Sizes and sha256 of the outputs, computed on the pod by the watchdog script (one round trip)."""
         run_command = getattr(ex, "run_command", None)
         if run_command is None:
             raise ExecutorError("the pod executor cannot run commands; the outputs cannot be verified")
-        await self.install_tools(ex, remote_dir)
         python = await ex.python_command() if hasattr(ex, "python_command") else self.target.python
-        argv = [python, f"{remote_dir}/plugin/trainer_plugin/watchdog.py", "manifest", remote_dir]
-        code, out, err = await run_command(argv, timeout=1800)
+        # The script comes on stdin: the listing depends on nothing being installed on the pod.
+        source = (PLUGIN_DIR / "watchdog.py").read_bytes()
+        code, out, err = await run_command([python, "-", "manifest", remote_dir], stdin=source, timeout=1800)
         if code != 0:
             raise ExecutorError(f"listing the outputs on the pod failed (exit {code}): {err.decode(errors='replace')[-300:]}")
         try:

@@ -5,6 +5,7 @@ the run's `plugin/trainer_plugin/` and starts it detached before the job:
 
     python3 watchdog.py run --config RUN_DIR/watchdog.json    # the API key comes in RUNPOD_API_KEY
     python3 watchdog.py manifest RUN_DIR [PATH...]             # size and sha256 of the outputs, as JSON
+    python3 - manifest RUN_DIR < watchdog.py                   # the same, with nothing installed on the pod
 
 Every `interval` seconds it looks at the run directory and decides, by these rules:
 - `deadline`: writes `snapshot.request` `deadline` once `max_hours` is less than `snapshot_margin`
@@ -40,8 +41,11 @@ from typing import Any
 
 try:  # imported as trainer_plugin.watchdog
     from . import jobctl
-except ImportError:  # run as a script beside jobctl.py
-    import jobctl  # type: ignore[no-redef]
+except ImportError:
+    try:  # run as a script beside jobctl.py
+        import jobctl  # type: ignore[no-redef]
+    except ImportError:  # fed on stdin (`python3 - manifest RUN_DIR`): the manifest needs no jobctl
+        jobctl = None  # type: ignore[assignment]
 
 DEFAULTS: dict[str, Any] = {
     "run_dir": None,

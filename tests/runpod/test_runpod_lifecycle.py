@@ -1,0 +1,253 @@
+"""A run on a pod, end to end against the fake API and a real sshd: job, watchdog, retrieval, reconcile."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from conftest import Saves
+from fakes.runpod_api import FakeRunpod
+from sshd import free_port
+
+from executors.base import JobSpec, JobState
+from executors.runpod import RunpodDriver
+
+JOB = r"""
+import json, os, sys
+d = os.environ["RUN_DIR"]
+ck = os.path.join(d, "output", "checkpoint-3")
+os.makedirs(ck, exist_ok=True)
+with open(os.path.join(ck, "adapter_model.safetensors"), "wb") as f:
+    f.write(os.urandom(300_000))
+with open(os.path.join(d, "output", "adapter_config.json"), "w") as f:
+    json.dump({"r": 8}, f)
+with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"event": "begin", "snapshots": True}) + "\n")
+with open(os.path.join(d, "snapshot.json"), "w") as f:
+    json.dump({"checkpoint": "output/checkpoint-3", "step": 3, "time": 1, "reason": "requested"}, f)
+os.symlink("/etc/passwd", os.path.join(d, "output", "not-mine"))
+print("trained", flush=True)
+"""
+
+
+async def run_job(driver: RunpodDriver, info: dict, run_id: str, command: list[str] | None = None) -> str:
+    """Start a job on the pod through the driver's executor and wait for it to end; its remote dir."""
+    remote_dir = f"{driver.target.workdir}/{run_id}"
+    ex = driver.executor(info)
+    try:
+        job = JobSpec(run_id=run_id, remote_dir=remote_dir, command=command or [sys.executable, "-c", JOB], env={"RUN_DIR": remote_dir})
+        handle = await ex.spawn(job)
+        if command is None:
+            with anyio.fail_after(20):
+                while (await ex.status(handle, remote_dir)).state == JobState.running:
+                    await anyio.sleep(0.05)
+    finally:
+        await ex.aclose()
+    return remote_dir
+
+
+def write_outputs(driver: RunpodDriver, run_id: str) -> str:
+    """Outputs put straight into the pod's run directory (the pod's disk is this machine's)."""
+    remote_dir = Path(driver.target.workdir) / run_id
+    (remote_dir / "output" / "checkpoint-1").mkdir(parents=True)
+    (remote_dir / "output" / "checkpoint-1" / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 400)
+    (remote_dir / "job.log").write_text("done\n")
+    (remote_dir / "exit_code").write_text("0\n")
+    return str(remote_dir)
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+async def test_finish_retrieves_and_verifies_every_output_then_terminates_the_pod(
+    make_driver, fake: FakeRunpod, saves: Saves, tmp_path: Path
+) -> None:
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    remote_dir = await run_job(driver, info, "r1")
+    local = tmp_path / "outputs"
+    ok, message = await driver.finish("r1", remote_dir, info, local)
+    assert ok, message
+    assert "sha256 verified" in message and f"pod {info['pod_id']} terminated" in message
+    assert fake.live_pods() == []
+    remote = tree(Path(remote_dir))
+    got = tree(local)
+    for name in ("output/checkpoint-3/adapter_model.safetensors", "output/adapter_config.json", "job.log",
+                 "metrics.jsonl", "snapshot.json", "exit_code"):  # fmt: skip
+        assert got[name] == remote[name]
+    assert not (local / "output" / "not-mine").exists()  # a link on the pod is never followed
+    assert "plugin/trainer_plugin/watchdog.py" not in got  # obd's own files are not outputs
+    assert json.loads((local / "retrieved.json").read_text())["files"]
+
+
+async def test_keep_pod_leaves_the_pod_up_and_tells_its_watchdog_the_outputs_are_safe(
+    make_driver, fake: FakeRunpod, saves: Saves, tmp_path: Path
+) -> None:
+    driver = make_driver(keep_pod=True)
+    info = await driver.create("r1", saves)
+    remote_dir = write_outputs(driver, "r1")
+    ok, message = await driver.finish("r1", remote_dir, info, tmp_path / "out")
+    assert ok and "kept (keep_pod)" in message and f"obd pods rm {info['pod_id']}" in message
+    assert [p["id"] for p in fake.live_pods()] == [info["pod_id"]]
+    assert (Path(remote_dir) / "retrieved").exists()
+
+
+async def test_a_failed_retrieval_leaves_the_pod_up_and_says_how_to_retry(
+    make_driver, fake: FakeRunpod, saves: Saves, tmp_path: Path
+) -> None:
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    remote_dir = write_outputs(driver, "r1")
+    unreachable = {**info, "ssh_port": free_port()}
+    ok, message = await driver.finish("r1", remote_dir, unreachable, tmp_path / "out")
+    assert not ok
+    assert "left up" in message and "obd pods retrieve r1" in message and f"obd pods rm {info['pod_id']}" in message
+    assert [p["id"] for p in fake.live_pods()] == [info["pod_id"]]
+
+
+async def test_a_download_that_does_not_match_the_pod_s_sha256_fails_and_keeps_the_pod(
+    make_driver, fake: FakeRunpod, saves: Saves, tmp_path: Path, monkeypatch
+) -> None:
+    from executors.ssh import SshExecutor
+
+    real = SshExecutor.download
+
+    async def corrupting(self, remote_path: str, local: Path) -> None:
+        await real(self, remote_path, local)
+        if remote_path.endswith(".safetensors"):
+            with open(local, "r+b") as f:
+                f.write(b"\0\0\0\0")
+
+    monkeypatch.setattr(SshExecutor, "download", corrupting)
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    remote_dir = write_outputs(driver, "r1")
+    ok, message = await driver.finish("r1", remote_dir, info, tmp_path / "out")
+    assert not ok and "does not match the pod's copy" in message
+    assert len(fake.live_pods()) == 1
+
+
+async def test_a_pod_terminated_from_outside_mid_run_is_reported_gone_everywhere(
+    make_driver, fake: FakeRunpod, saves: Saves, tmp_path: Path
+) -> None:
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    remote_dir = await run_job(driver, info, "r1", command=[sys.executable, "-c", "import time; time.sleep(30)"])
+    fake.terminate_from_outside(info["pod_id"])
+    assert (await driver.describe(info))["state"] == "gone"
+    [finding] = await driver.reconcile({"r1": info})
+    assert finding["kind"] == "gone" and "no longer exists" in finding["reason"]
+    ok, message = await driver.finish("r1", remote_dir, info, tmp_path / "out")
+    assert not ok and "no longer exists" in message and "lost" in message
+
+
+async def test_describe_shows_the_pod_state_rate_and_spend_so_far(make_driver, fake: FakeRunpod, saves: Saves) -> None:
+    driver = make_driver(max_cost_usd=5.0)
+    info = await driver.create("r1", saves)
+    info = {**info, "started_at": time.time() - 1800}  # half an hour ago
+    shown = await driver.describe(info)
+    assert shown["state"] == "RUNNING" and shown["cost_per_hr"] == pytest.approx(0.69)
+    assert shown["spend_usd"] == pytest.approx(0.345, abs=0.01)
+    assert shown["max_cost_usd"] == 5.0 and shown["ssh"].endswith(f":{info['ssh_port']}")
+
+
+async def test_the_daemon_side_caps_say_deadline_or_cost_ahead_of_the_cap(make_driver, fake: FakeRunpod) -> None:
+    driver = make_driver(max_hours=2.0, max_cost_usd=1.0)
+    info = {"started_at": 1000.0, "cost_per_hr": 1.0, "max_hours": 2.0, "max_cost_usd": 1.0}
+    # cost reaches $1 at 1 h, before the 2 h deadline
+    assert await driver.check_caps(info, 1000.0 + 3600 - 901) is None
+    assert await driver.check_caps(info, 1000.0 + 3600 - 899) == "cost"
+    assert await driver.cap_reached(info, 1000.0 + 3599) is None
+    assert await driver.cap_reached(info, 1000.0 + 3601) == "cost"
+    no_cost = {**info, "max_cost_usd": None}
+    assert await driver.check_caps(no_cost, 1000.0 + 7200 - 899) == "deadline"
+    assert await driver.check_caps({**no_cost, "max_hours": None}, 10**12) is None
+
+
+async def test_reconcile_matches_runs_adopts_unsaved_ids_and_reports_orphans(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
+    driver = make_driver()
+    a = await driver.create("a", saves)
+    b = await driver.create("b", saves)
+    c = await driver.create("c", saves)
+    fake.add_foreign_pod("obd-someone-else", {"OBD_RUN_ID": "x", "OBD_OWNER": "another-install"})
+    fake.add_foreign_pod("my-notebook")
+    known = {
+        "a": a,  # matched
+        "b": {"pod_name": "obd-b", "pod_id": None},  # crashed after the create, before saving its id
+        "z": {"pod_name": "obd-z", "pod_id": None},  # crashed before the create call
+    }
+    found = {f["run_id"]: f for f in await driver.reconcile(known)}
+    assert found["a"]["kind"] == "matched"
+    assert found["b"]["kind"] == "adopted" and found["b"]["pod_id"] == b["pod_id"]
+    assert found["b"]["target_info"]["ssh_port"] == b["ssh_port"]
+    assert found["z"]["kind"] == "not_created"
+    assert found["c"]["kind"] == "orphan" and found["c"]["pod_id"] == c["pod_id"]
+    assert found["c"]["remote_dir"].endswith("/c") and found["c"]["target_info"]["host_key"] == c["host_key"]
+    assert "x" not in found and len(found) == 4  # pods of others are never touched
+
+
+async def test_an_orphan_found_by_reconcile_can_be_retrieved_and_terminated(
+    make_driver, fake: FakeRunpod, saves: Saves, tmp_path: Path
+) -> None:
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    remote_dir = write_outputs(driver, "r1")
+    fresh = make_driver(state_dir=tmp_path / "state")  # a restarted daemon: same state dir
+    [orphan] = await fresh.reconcile({})
+    assert orphan["kind"] == "orphan"
+    ok, message = await fresh.finish("r1", orphan["remote_dir"], orphan["target_info"], tmp_path / "orphan")
+    assert ok, message
+    assert orphan["remote_dir"] == remote_dir and fake.live_pods() == []
+
+
+async def test_the_watchdog_started_beside_the_job_deletes_a_pod_whose_job_never_started(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
+    driver = make_driver(boot_grace=1.0)
+    info = await driver.create("r1", saves)
+    remote_dir = f"{driver.target.workdir}/r1"
+    ex = driver.executor(info)
+    try:
+        await driver.start_watchdog(ex, remote_dir, info)
+    finally:
+        await ex.aclose()
+    with anyio.fail_after(15):
+        while fake.live_pods():
+            await anyio.sleep(0.1)
+    events = [json.loads(line) for line in Path(remote_dir, "watchdog.log").read_text().splitlines()]
+    assert [e["event"] for e in events][:1] == ["start"]
+    assert ("pod_deleted", "never_started") in [(e["event"], e["reason"]) for e in events]
+    config = json.loads(Path(remote_dir, "watchdog.json").read_text())
+    assert "test-key" not in json.dumps(config) and "test-key" not in Path(remote_dir, "watchdog.log").read_text()
+
+
+async def test_the_watchdog_stays_off_while_the_daemon_renews_its_lease(make_driver, fake: FakeRunpod, saves: Saves) -> None:
+    driver = make_driver(boot_grace=1.0)
+    info = await driver.create("r1", saves)
+    remote_dir = f"{driver.target.workdir}/r1"
+    ex = driver.executor(info)
+    try:
+        await driver.renew_lease(ex, remote_dir, ttl=30.0)
+        lease = float(Path(remote_dir, "lease").read_text())
+        assert time.time() < lease <= time.time() + 30.0
+        await driver.start_watchdog(ex, remote_dir, info)
+        await anyio.sleep(1.5)
+        assert len(fake.live_pods()) == 1  # past boot grace, but the daemon is in charge
+        await driver.renew_lease(ex, remote_dir, ttl=-1.0)  # the daemon is gone: its lease lapsed
+        with anyio.fail_after(15):
+            while fake.live_pods():  # the lease lapses: the watchdog acts
+                await anyio.sleep(0.1)
+    finally:
+        await ex.aclose()
