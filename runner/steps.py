@@ -61,7 +61,10 @@ def read_metrics_jsonl(path: Path) -> StepLog:
                 log.begin = event
             elif kind == "end":
                 log.end = event
-            elif kind == "log" and _finite(event.get("step")) is not None and _finite(event.get("time")) is not None:
+            elif kind == "log":
+                if _finite(event.get("step")) is None or _finite(event.get("time")) is None:
+                    log.bad_lines += 1  # a log line without a finite step and time cannot be placed
+                    continue
                 log.log_lines += 1
                 if log.first_log is None:
                     log.first_log = event

@@ -108,8 +108,14 @@ def read_torch_summary(path: Path, warnings: list[str], label: str | None = None
         return value if isinstance(value, dict) else {}
 
     device, steps, model = section("device"), section("steps"), section("model")
-    period, inner, gap = (steps.get(k) if isinstance(steps.get(k), dict) else {}
-                          for k in ("period", "in_step", "wait_between"))
+    period, inner, gap, clean_period, clean_gap = (
+        steps.get(k) if isinstance(steps.get(k), dict) else {}
+        for k in ("period", "in_step", "wait_between", "period_unprofiled", "wait_between_unprofiled"))
+    # Steps the profiler did not touch give the undisturbed pace; the profiled ones are the fallback.
+    if (_num(clean_period.get("count")) or 0) >= 1:
+        period = clean_period
+    if (_num(clean_gap.get("count")) or 0) >= 1:
+        gap = clean_gap
     window = section("window").get("profiled_steps")
     errors = data.get("errors")
     count = _num(device.get("count"))

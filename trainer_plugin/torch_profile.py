@@ -80,6 +80,11 @@ class StepProfiler:
         self._inner = _Stats()  # step_begin to step_end
         self._gap = _Stats()  # step_end to the next step_begin: batch fetch and trainer overhead
         self._window_inner = _Stats()
+        # The same two series over steps the profiler did not touch (its start, trace processing
+        # and stop slow the steps around the window): the undisturbed pace of the run.
+        self._clean_period = _Stats()
+        self._clean_gap = _Stats()
+        self._last_step_profiled = False
         self._last_begin: float | None = None
         self._last_end: float | None = None
         self._pending_gap: float | None = None
@@ -100,11 +105,16 @@ class StepProfiler:
     def step_begin(self, step: int) -> None:
         try:
             now = time.perf_counter()
+            clean = not self._last_step_profiled and self.state != "profiling"
             if self._last_begin is not None:
                 self._period.add(now - self._last_begin)
+                if clean:
+                    self._clean_period.add(now - self._last_begin)
             self._pending_gap = None if self._last_end is None else now - self._last_end
             if self._pending_gap is not None:
                 self._gap.add(self._pending_gap)
+                if clean:
+                    self._clean_gap.add(self._pending_gap)
             self._last_begin = now
             self._begin_step = step
             if self._first_step is None:
@@ -117,6 +127,7 @@ class StepProfiler:
     def step_end(self, step: int) -> None:
         try:
             in_window = self.state == "profiling"
+            self._last_step_profiled = in_window
             if in_window and self._cuda():
                 self._torch.cuda.synchronize()  # only inside the window: the step's real duration
             now = time.perf_counter()
@@ -278,7 +289,9 @@ class StepProfiler:
                 "host_peak_rss_bytes": _peak_rss(),
                 "steps": {"first": self._first_step, "last": self._last_step,
                           "period": self._period.as_dict(), "in_step": self._inner.as_dict(),
-                          "wait_between": self._gap.as_dict(), "window_in_step": self._window_inner.as_dict()},
+                          "wait_between": self._gap.as_dict(), "window_in_step": self._window_inner.as_dict(),
+                          "period_unprofiled": self._clean_period.as_dict(),
+                          "wait_between_unprofiled": self._clean_gap.as_dict()},
                 "device_time_per_window_step_s": (self._device_time_us / 1e6 / len(self._window)
                                                   if self._device_time_us and self._window else None),
                 "kernel_rows": self._kernel_rows,
