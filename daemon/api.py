@@ -27,6 +27,7 @@ class StartRequest(_Req):
     target: str = "local"
     name: str | None = None
     cwd: str | None = None
+    client_cwd: str | None = None  # where `obd train start` ran: a local job's default cwd
     env: dict[str, str] = Field(default_factory=dict)
     secrets: dict[str, str] = Field(default_factory=dict, repr=False)
     resume_from: str | None = None

@@ -187,6 +187,7 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             target=args.target,
             name=args.name,
             cwd=cwd,
+            client_cwd=os.getcwd(),
             env=_env_pairs(args.env),
             secrets=_secrets(args.secret),
             resume_from=args.resume_from,

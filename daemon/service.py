@@ -409,7 +409,7 @@ class Daemon:
             name=req.name,
             target=req.target,
             command=req.command,
-            cwd=req.cwd,
+            cwd=req.cwd or (req.client_cwd if isinstance(target_cfg, LocalTarget) else None),
             env=req.env,
             secret_names=sorted(req.secrets),
             resumed_from=source.id if source else None,
@@ -435,6 +435,8 @@ class Daemon:
         try:
             await self._upload_plugin(executor, rd)
             cwd = req.cwd
+            if cwd is None and isinstance(executor, LocalExecutor) and req.client_cwd and Path(req.client_cwd).is_dir():
+                cwd = req.client_cwd
             if cwd and not isinstance(executor, LocalExecutor):
                 await executor.upload(Path(cwd), f"{rd}/src")
                 cwd = f"{rd}/src"

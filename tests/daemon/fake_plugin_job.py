@@ -1,0 +1,47 @@
+"""A stand-in job that speaks the snapshot protocol badly on purpose, for the daemon's stop tests.
+
+    fake_plugin_job.py MODE
+    ignore      announces snapshots, then never answers a request (a hung step)
+    hang-after  answers a request with a valid proof and checkpoint, then hangs
+    proof=JSON  answers a request with this exact snapshot.json, then exits 0
+    no-plugin   never announces snapshots; runs until killed
+"""
+
+import json
+import os
+import sys
+import time
+
+mode = sys.argv[1]
+rd = os.environ["OBD_RUN_DIR"]
+
+
+def write(path: str, data: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+if mode != "no-plugin":
+    with open(os.environ["OBD_METRICS_FILE"], "a") as f:
+        f.write(json.dumps({"event": "begin", "time": time.time(), "max_steps": 1000, "snapshots": True, "version": "fake"}) + "\n")
+print("fake job up", flush=True)
+step = 0
+while True:
+    step += 1
+    time.sleep(0.05)
+    if mode in ("ignore", "no-plugin") or not os.path.exists(os.environ["OBD_SNAPSHOT_REQUEST"]):
+        continue
+    if mode == "hang-after":
+        os.makedirs(f"{rd}/output/checkpoint-{step}")
+        write(os.environ["OBD_SNAPSHOT_FILE"], json.dumps({"checkpoint": f"output/checkpoint-{step}", "step": step, "time": time.time(), "reason": "requested"}))
+        print("proof written; now hanging", flush=True)
+        time.sleep(3600)
+    if mode.startswith("proof="):
+        os.makedirs(f"{rd}/output/checkpoint-{step}", exist_ok=True)
+        proof = mode[len("proof="):]
+        if proof == "@huge":
+            proof = json.dumps({"checkpoint": f"output/checkpoint-{step}", "step": step, "pad": "x" * 70000})
+        write(os.environ["OBD_SNAPSHOT_FILE"], proof.replace("STEP", str(step)))
+        sys.exit(0)

@@ -1,0 +1,203 @@
+"""Snapshot and stop under the real daemon: proofs, the stop fallback, requests from anyone, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
+
+FAKE = str(Path(__file__).with_name("fake_plugin_job.py"))
+PY = sys.executable
+WORKLOAD = str(REPO / "workloads" / "train_qwen_lora.py")
+
+STOP_CONFIG = FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "3s"').replace('end_timeout = "30s"', 'end_timeout = "2s"')
+
+
+@pytest.fixture
+def sd(make_daemon) -> DaemonProc:
+    d = make_daemon(STOP_CONFIG)
+    d.start()
+    return d
+
+
+def start(d: DaemonProc, *command: str, opts: tuple[str, ...] = ()) -> str:
+    out = d.cli("train", "start", *opts, "--", *command)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def announced(d: DaemonProc, rid: str, step: int = 0) -> dict:
+    def check() -> dict | None:
+        r = d.record(rid)
+        if r["state"] != "running" and r["state"] != "preparing":
+            raise AssertionError(f"run ended early: {r['message']}")
+        return r if r["snapshots"] and (r["progress"]["step"] or 0) >= step else None
+
+    return wait_for(check, 120, 0.1, f"run {rid} to announce snapshots and reach step {step}")
+
+
+def test_a_stop_with_no_snapshot_in_time_cancels_the_job(sd: DaemonProc) -> None:
+    rid = start(sd, PY, FAKE, "ignore")
+    announced(sd, rid)
+    out = sd.cli("train", "stop", rid, "--wait")
+    assert out.returncode == 3, out.stdout + out.stderr  # documented: the stop fell back to a cancel
+    record = sd.record(rid)
+    assert record["state"] == "cancelled"
+    assert record["message"] == "cancelled by the stop fallback: no snapshot within 3 s of the request"
+    assert record["snapshot"] is None
+    requested = record["stop"]["requested_at"]
+    assert record["history"][-1]["time"] - requested >= 3
+
+
+def test_a_job_that_hangs_after_its_proof_is_cancelled_and_recorded_stopped(sd: DaemonProc) -> None:
+    rid = start(sd, PY, FAKE, "hang-after")
+    announced(sd, rid)
+    out = sd.cli("train", "stop", rid, "--wait", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    record = json.loads(out.stdout)
+    assert record["state"] == "stopped"
+    assert record["snapshot"]["checkpoint"] == f"output/checkpoint-{record['snapshot']['step']}"
+    assert "still ran 2 s after its snapshot" in record["message"]
+    assert (Path(record["remote_dir"]) / "cancelled").exists()
+
+
+@pytest.mark.parametrize(
+    "proof, why",
+    [
+        ('{"checkpoint": "output/checkpoint-STEP/../../../etc", "step": STEP}', "other than"),
+        ('{"checkpoint": "/etc/passwd", "step": STEP}', "other than"),
+        ('{"checkpoint": "output/checkpoint-999999", "step": STEP}', "other than"),
+        ('{"checkpoint": "output/checkpoint-STEP", "step": "STEP"}', "no valid step"),
+        ('{"checkpoint": "output/checkpoint-STEP", "step": true}', "no valid step"),
+        ("not json at all", "not valid JSON"),
+        ('["output/checkpoint-STEP"]', "not a JSON object"),
+        ("@huge", "larger than 64 KiB"),
+    ],
+)
+def test_an_invalid_proof_fails_the_run_and_no_path_of_it_is_used(sd: DaemonProc, proof: str, why: str) -> None:
+    rid = start(sd, PY, FAKE, f"proof={proof}")
+    announced(sd, rid)
+    sd.cli("train", "stop", rid)
+    record = sd.wait_state(rid, "failed", "stopped", "succeeded")
+    assert record["state"] == "failed"
+    assert why in record["message"] and "invalid snapshot proof" in record["message"]
+    assert record["snapshot"] is None
+
+
+def test_a_run_without_the_plugin_cannot_be_stopped_and_is_pointed_to_cancel(sd: DaemonProc) -> None:
+    rid = start(sd, PY, FAKE, "no-plugin")
+    sd.wait_state(rid, "running")
+    out = sd.cli("train", "stop", rid)
+    assert out.returncode == 1
+    assert "cannot snapshot" in out.stderr and f"obd train cancel {rid}" in out.stderr
+
+
+def test_a_request_from_elsewhere_never_gets_a_job_without_the_plugin_cancelled(sd: DaemonProc) -> None:
+    rid = start(sd, PY, FAKE, "no-plugin")
+    record = sd.wait_state(rid, "running")
+    (Path(record["remote_dir"]) / "snapshot.request").write_text("cost\n")
+    wait_for(lambda: sd.record(rid)["stop"]["requested_at"], 10, what="the request to be seen")
+    time.sleep(4.5)  # past proof_timeout (3 s)
+    record = sd.record(rid)
+    assert record["state"] == "running" and record["stop"]["reason"] == "cost"
+    sd.cli("train", "cancel", rid, "--wait")
+
+
+def test_a_hand_written_request_is_seen_at_once_and_the_fallback_counts_from_then(sd: DaemonProc) -> None:
+    rid = start(sd, PY, FAKE, "ignore")
+    record = announced(sd, rid)
+    written = time.time()
+    (Path(record["remote_dir"]) / "snapshot.request").write_text("garbage-word")
+    seen = wait_for(lambda: sd.record(rid)["stop"]["requested_at"], 10, 0.05, "the request to be seen")
+    assert seen - written < 1.0  # a local target sees a hand-written request within a poll
+    assert sd.record(rid)["stop"]["reason"] == "requested"  # any unknown word means `requested`
+    record = sd.wait_state(rid, "cancelled", timeout=30)
+    assert "no snapshot within 3 s" in record["message"]
+
+
+def test_a_sigkill_between_request_and_proof_keeps_the_fallback_counted_from_the_request(sd: DaemonProc) -> None:
+    rid = start(sd, PY, FAKE, "ignore")
+    announced(sd, rid)
+    assert sd.cli("train", "stop", rid).returncode == 0
+    requested = sd.record(rid)["stop"]["requested_at"]
+    sd.kill()
+    time.sleep(1.5)
+    sd.start()
+    record = sd.wait_state(rid, "cancelled", timeout=30)
+    assert record["stop"]["requested_at"] == requested
+    cancelled_at = record["history"][-1]["time"]
+    assert 3 <= cancelled_at - requested < 3 + 2 + 3  # the timeout, the grace and a few polls
+
+
+def test_asking_again_only_changes_the_reason(sd: DaemonProc) -> None:
+    rid = start(sd, PY, FAKE, "ignore")
+    record = announced(sd, rid)
+    sd.cli("train", "stop", rid, "--reason", "deadline")
+    first = sd.record(rid)["stop"]
+    sd.cli("train", "stop", rid, "--reason", "disk")
+    second = sd.record(rid)["stop"]
+    assert second["requested_at"] == first["requested_at"] and second["reason"] == "disk"
+    assert (Path(record["remote_dir"]) / "snapshot.request").read_text().strip() == "disk"
+    sd.cli("train", "cancel", rid, "--wait")
+
+
+def test_a_run_dir_file_that_would_block_a_read_never_holds_up_the_follow(sd: DaemonProc) -> None:
+    slow = start(sd, PY, FAKE, "ignore")
+    record = announced(sd, slow)
+    os.mkfifo(Path(record["remote_dir"]) / "snapshot.json")  # a reader that opened it would block
+    quick = start(sd, "sh", "-c", "sleep 0.5")
+    assert sd.wait_state(quick, "succeeded", timeout=20)["exit_code"] == 0
+    assert sd.record(slow)["state"] == "running"
+    sd.cli("train", "cancel", slow, "--wait")
+
+
+# --- with the real tiny LoRA workload ---------------------------------------------------
+
+
+def test_the_tiny_lora_run_stops_at_a_step_boundary_with_a_proof_and_resumes_to_the_end(sd: DaemonProc) -> None:
+    rid = start(sd, PY, WORKLOAD, "--tiny", "--max_steps", "400", opts=("--name", "lora"))
+    announced(sd, rid, step=2)
+    status = sd.cli("train", "status", rid).stdout
+    assert "step " in status and "/400" in status  # progress from metrics.jsonl
+    out = sd.cli("train", "stop", rid, "--wait", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    record = json.loads(out.stdout)
+    snap = record["snapshot"]
+    assert record["state"] == "stopped" and snap["reason"] == "requested"
+    ckpt = Path(record["remote_dir"]) / snap["checkpoint"]
+    for name in ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"):
+        assert (ckpt / name).exists(), name
+    assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == snap["step"]
+
+    resumed = start(sd, PY, WORKLOAD, "--tiny", "--max_steps", str(snap["step"] + 3), opts=("--resume-from", rid))
+    final = sd.wait_state(resumed, "succeeded", "failed", "stopped", timeout=180)
+    assert final["state"] == "succeeded", final["message"]
+    assert final["resumed_from"] == rid
+    lines = [json.loads(x) for x in (Path(final["remote_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    begin = lines[0]
+    logs = [x for x in lines if x["event"] == "log" and "loss" in x]
+    assert begin["start_step"] == snap["step"]
+    assert logs[0]["step"] == snap["step"] + 1 and logs[-1]["step"] == snap["step"] + 3
+
+
+def test_only_a_stopped_run_with_a_proof_can_be_resumed(sd: DaemonProc) -> None:
+    rid = start(sd, "true")
+    sd.wait_state(rid, "succeeded")
+    out = sd.cli("train", "start", "--resume-from", rid, "--", "true")
+    assert out.returncode == 2 and "not stopped with a snapshot" in out.stderr
+
+
+def test_a_sigterm_to_a_job_started_with_snapshot_on_sigterm_becomes_a_preempted_snapshot(sd: DaemonProc) -> None:
+    rid = start(sd, PY, WORKLOAD, "--tiny", "--max_steps", "400", opts=("--snapshot-on-sigterm",))
+    record = announced(sd, rid, step=1)
+    os.killpg(record["job"]["pid"], signal.SIGTERM)  # what a preempting scheduler does
+    record = sd.wait_state(rid, "stopped", "failed", "cancelled", "succeeded", timeout=120)
+    assert record["state"] == "stopped", record["message"]
+    assert record["snapshot"]["reason"] == "preempted"
