@@ -316,6 +316,7 @@ class Daemon:
             if record.state != RunState.running:
                 return
             record.exit_code = status.exit_code
+            record.progress.eta_seconds = None
             record.transition(state, message)
             self._save_quietly(record)
         log.info("run_finished", run_id=record.id, state=state.value, exit_code=status.exit_code, message=message)
