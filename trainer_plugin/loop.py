@@ -45,6 +45,8 @@ def _writer() -> runtime.MetricsWriter:
     path = env.metrics_path if env.active and ranks.is_zero else None
     key = (path, os.getpid())
     if _metrics is None or _metrics_key != key:
+        if _metrics is not None:
+            _metrics.close()
         _metrics, _metrics_key = runtime.MetricsWriter(path), key
     return _metrics
 

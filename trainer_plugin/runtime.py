@@ -91,11 +91,10 @@ def read_request(path: str | None) -> str | None:
         st = os.stat(path)
     except OSError:
         return None
-    if st.st_size == 0:
+    if st.st_size == 0 or not stat.S_ISREG(st.st_mode):
+        # Only a regular file is a request (as for the daemon's reader): a FIFO or device
+        # someone put there is never opened, since opening it could block the training step.
         return None
-    if not stat.S_ISREG(st.st_mode):
-        # A FIFO or device someone put there is never opened (it could block): still a request.
-        return DEFAULT_REASON
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:

@@ -1,0 +1,63 @@
+"""The Trainer under torchrun (2 ranks, gloo on CPU): rank 0 decides, both ranks stop at the same step, one proof."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.plugin.conftest import PY, SCRIPTS, WORKLOAD, RunDir, assert_exit_zero
+
+
+def torchrun(*argv: str) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv]
+
+
+def final_steps(log: str) -> list[tuple[int, int]]:
+    """(rank, step) each rank reports once its train() returned."""
+    return sorted((int(r), int(s)) for s, r in re.findall(r"trained to step (\d+) of \d+ \(rank (\d+)\)", log))
+
+
+def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    argv = torchrun(str(SCRIPTS / "plain_trainer.py"), "--output_dir", str(tmp_path / "mine"), "--write-at", "3", "--write-file", f"{run_dir.request}=cost")
+    job = start_job(run_dir, argv, run_dir.env())
+    assert_exit_zero(job, job.wait())
+    assert final_steps(job.log_text()) == [(0, 3), (1, 3)]
+    proof = run_dir.proof()
+    assert proof is not None and (proof["step"], proof["reason"]) == (3, "cost")
+    checkpoint = run_dir.output / "checkpoint-3"
+    # Each rank's share (its RNG state) was on disk before the proof.
+    assert (checkpoint / "rng_state_0.pth").is_file() and (checkpoint / "rng_state_1.pth").is_file()
+    metrics = run_dir.metrics()
+    assert sum(m["event"] == "begin" for m in metrics) == 1 and metrics[0]["world_size"] == 2
+    logs = [m for m in metrics if m["event"] == "log"]
+    assert [m["step"] for m in logs] == [1, 2, 3]
+    # Tokens count both ranks: 4 samples x 8 features per rank and step.
+    assert [m["tokens"] for m in logs] == [64, 128, 192]
+    assert job.log_text().count("obd: snapshot at step") == 1
+
+
+@pytest.mark.slow
+def test_a_sigterm_on_one_rank_is_a_preempted_snapshot_of_all_ranks(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    argv = torchrun(str(SCRIPTS / "plain_trainer.py"), "--output_dir", str(tmp_path / "mine"), "--sigterm-at", "4", "--sigterm-rank", "1")
+    job = start_job(run_dir, argv, run_dir.env(on_sigterm=True))
+    assert_exit_zero(job, job.wait())
+    assert final_steps(job.log_text()) == [(0, 4), (1, 4)]
+    assert run_dir.proof()["reason"] == "preempted"  # type: ignore[index]
+    assert run_dir.request.read_text().strip() == "preempted"
+
+
+@pytest.mark.slow
+def test_the_tiny_lora_workload_under_torchrun_snapshots_and_resumes(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    run_dir.request.write_text("requested")  # there before the start: the first step end takes it
+    argv = torchrun(str(WORKLOAD), "--tiny", "--max_steps", "6", "--batch_size", "2", "--output_dir", str(tmp_path / "mine"))
+    job = start_job(run_dir, argv, run_dir.env())
+    assert_exit_zero(job, job.wait())
+    proof = run_dir.proof()
+    assert proof is not None and proof["step"] == 1
+    resumed = RunDir(tmp_path / "resumed")
+    job = start_job(resumed, argv, resumed.env(resume_from=run_dir.output / "checkpoint-1"))
+    assert_exit_zero(job, job.wait())
+    assert [m["step"] for m in resumed.logs()] == [2, 3, 4, 5, 6]
+    assert resumed.proof() is None

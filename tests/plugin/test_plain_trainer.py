@@ -1,0 +1,127 @@
+"""A plain Trainer script of the user's (tests/plugin/scripts/plain_trainer.py) under obd, as real processes.
+
+The script's "test" options write the request file or send SIGTERM at an exact step, standing
+in for the outside world, so no test depends on timing.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero
+
+SCRIPT = SCRIPTS / "plain_trainer.py"
+MODEL_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
+
+
+def plain(output_dir: Path, *opts: str) -> list[str]:
+    return [PY, str(SCRIPT), "--output_dir", str(output_dir), *opts]
+
+
+@dataclass
+class Done:
+    run: RunDir
+    job: Job
+    code: int
+
+
+@pytest.fixture(scope="module")
+def garbage_request(tmp_path_factory: pytest.TempPathFactory) -> Done:
+    """A Trainer subclass with SnapshotCallback added by hand twice; at step 3 someone writes nonsense in the request."""
+    root = tmp_path_factory.mktemp("plain")
+    run = RunDir(root / "run")
+    (root / "cwd").mkdir()
+    argv = plain(root / "mine", "--subclass", "--callback-by-hand", "--write-at", "3", "--write-file", f"{run.request}=stop it now please")
+    job = Job(run, argv, run.env(), root / "cwd")
+    return Done(run, job, job.wait())
+
+
+def test_a_request_that_is_not_a_reason_word_snapshots_with_reason_requested(garbage_request: Done) -> None:
+    assert_exit_zero(garbage_request.job, garbage_request.code)
+    assert garbage_request.run.proof() == {
+        "checkpoint": "output/checkpoint-3",
+        "step": 3,
+        "time": garbage_request.run.proof()["time"],  # type: ignore[index]
+        "reason": "requested",
+    }
+    checkpoint = garbage_request.run.output / "checkpoint-3"
+    for name in MODEL_FILES:
+        assert (checkpoint / name).is_file(), name
+    assert "trained to step 3 of 8" in garbage_request.job.log_text()
+
+
+def test_a_callback_added_by_hand_is_not_doubled_by_the_injected_one(garbage_request: Done) -> None:
+    log = garbage_request.job.log_text()
+    callbacks = [line for line in log.splitlines() if line.startswith("callbacks: ")][0]
+    assert callbacks.count("SnapshotCallback") == 1
+    metrics = garbage_request.run.metrics()
+    assert sum(m["event"] == "begin" for m in metrics) == 1
+    assert sum(m["event"] == "end" for m in metrics) == 1
+    assert log.count("obd: snapshot at step") == 1
+
+
+def test_resume_from_checkpoint_true_in_the_script_resumes_from_obds_checkpoint(garbage_request: Done, tmp_path: Path) -> None:
+    # The script asks for "the last checkpoint in output_dir"; under obd that is OBD_RESUME_FROM.
+    run = RunDir(tmp_path / "run2")
+    (tmp_path / "cwd").mkdir()
+    checkpoint = garbage_request.run.output / "checkpoint-3"
+    job = Job(run, plain(tmp_path / "mine", "--resume", "true"), run.env(resume_from=checkpoint), tmp_path / "cwd")
+    assert_exit_zero(job, job.wait())
+    steps = [m["step"] for m in run.logs()]
+    assert steps == [4, 5, 6, 7, 8]
+    assert run.metrics()[0]["start_step"] == 3
+    assert run.proof() is None
+
+
+def test_a_request_at_the_last_step_lets_the_run_end_as_usual_without_a_proof(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    job = start_job(run_dir, plain(tmp_path / "mine", "--save_steps", "3", "--write-at", "8", "--write-file", f"{run_dir.request}=requested"), run_dir.env())
+    assert_exit_zero(job, job.wait())
+    assert run_dir.proof() is None
+    assert run_dir.metrics()[-1] == {**run_dir.metrics()[-1], "event": "end", "step": 8}
+    # The script's own saves still happened, in the run's output/.
+    assert sorted(p.name for p in run_dir.output.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6", "checkpoint-8"]
+    assert "obd: snapshot" not in job.log_text()
+
+
+def test_outside_obd_the_plugin_on_the_path_writes_nothing_and_changes_nothing(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    mine = tmp_path / "mine"
+    request = tmp_path / "stray.request"
+    job = start_job(run_dir, plain(mine, "--callback-by-hand", "--write-at", "2", "--write-file", f"{request}=requested"), run_dir.env(obd=False))
+    assert_exit_zero(job, job.wait())
+    assert sorted(p.name for p in run_dir.root.iterdir()) == ["job.log", "plugin"]
+    assert "trained to step 8 of 8" in job.log_text()
+    assert (mine / "model.safetensors").is_file() is False  # the script saves no final model...
+    assert mine.is_dir()  # ...but Trainer made its own output_dir, untouched by obd
+
+
+def test_sigterm_with_snapshot_on_sigterm_is_a_preempted_snapshot_at_that_step(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    job = start_job(run_dir, plain(tmp_path / "mine", "--sigterm-at", "4"), run_dir.env(on_sigterm=True))
+    assert_exit_zero(job, job.wait())
+    proof = run_dir.proof()
+    assert proof is not None and proof["step"] == 4 and proof["reason"] == "preempted"
+    assert proof["checkpoint"] == "output/checkpoint-4"
+    # The daemon learns of it through the request file, like any other request.
+    assert run_dir.request.read_text().strip() == "preempted"
+    assert run_dir.metrics()[0]["snapshot_on_sigterm"] is True
+
+
+def test_without_snapshot_on_sigterm_a_sigterm_ends_the_job_as_usual(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    job = start_job(run_dir, plain(tmp_path / "mine", "--sigterm-at", "4"), run_dir.env())
+    assert job.wait() == -signal.SIGTERM
+    assert run_dir.proof() is None
+    assert not run_dir.request.exists()
+
+
+def test_an_existing_request_reason_wins_over_a_sigterm_in_the_same_step(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    argv = plain(tmp_path / "mine", "--sigterm-at", "2", "--write-at", "2", "--write-file", f"{run_dir.request}=cost")
+    job = start_job(run_dir, argv, run_dir.env(on_sigterm=True))
+    assert_exit_zero(job, job.wait())
+    proof = run_dir.proof()
+    assert proof is not None and (proof["step"], proof["reason"]) == (2, "cost")
+    assert run_dir.request.read_text() == "cost"  # not overwritten
+    assert json.loads(run_dir.metrics_path.read_text().splitlines()[-1])["reason"] == "cost"
