@@ -1,0 +1,133 @@
+"""Runners: the fake one is canned and says so everywhere; the live one measures, caches, and fails loudly."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import runner
+from runner.cache import BenchmarkCache, cache_key
+from runner.format import format_metrics
+from runner.metrics import RunMetrics
+from runner.runners import FakeRunner, LiveRunner, RunnerFailed, choose_scenario, get_runner, load_scenarios
+from runner.workload import WorkloadConfig
+
+SCENARIOS = Path(runner.__file__).resolve().parents[1] / "workloads" / "synthetic"
+
+
+def test_every_shipped_scenario_is_valid_and_self_consistent():
+    scenarios = load_scenarios(SCENARIOS)
+    assert {s.name for s, _ in scenarios} >= {"default"}
+    for scenario, path in scenarios:
+        metrics = RunMetrics.model_validate(scenario.metrics)
+        assert metrics.runner_kind == "fake", path
+        assert sum(k.pct_time for k in metrics.top_kernels) + metrics.other_kernels_pct == pytest.approx(100), path
+        assert metrics.waste_budget.known_total() == pytest.approx(metrics.waste_budget.step_time_s), path
+
+
+def test_the_most_specific_matching_scenario_is_chosen():
+    scenarios = load_scenarios(SCENARIOS)
+    pick = lambda **kw: choose_scenario(WorkloadConfig(**kw), scenarios)[0].name  # noqa: E731
+    assert pick(model="Qwen/Qwen2.5-0.5B-Instruct", method="lora", gpu="MI300X") == "Qwen2.5-0.5B LoRA on one MI300X"
+    assert pick(model="Qwen/Qwen2.5-0.5B", method="lora", gpu="mi300x") == "Qwen2.5-0.5B LoRA on one MI300X"
+    assert pick(attention="eager") == "Eager (unfused) attention"
+    assert pick(model="meta-llama/Llama-3.2-1B", gpu="MI250X") == "default"
+
+
+def test_ties_between_equally_specific_scenarios_go_to_the_first_name(tmp_path):
+    for name in ("b_second", "a_first"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "scenario.json").write_text(json.dumps(
+            {"name": name, "match": {"precision": "bf16"}, "metrics": {"steps": 1}}))
+    assert choose_scenario(WorkloadConfig(), load_scenarios(tmp_path))[0].name == "a_first"
+
+
+def test_the_fake_runner_marks_its_numbers_fake_in_the_metrics_the_sources_the_warnings_and_the_text():
+    metrics = FakeRunner(SCENARIOS).run(WorkloadConfig(attention="eager"), steps=50)
+    assert metrics.runner_kind == "fake" and metrics.profiler == "fake"
+    assert metrics.warnings[0].startswith("FAKE: canned numbers")
+    assert all(text.startswith("fake: canned scenario") for key, text in metrics.sources.items()
+               if key != "scenario_match")
+    dumped = metrics.model_dump(mode="json")
+    assert dumped["runner_kind"] == "fake"
+    text = format_metrics(dumped)
+    assert text.splitlines()[0].startswith("runner_kind: fake")
+    assert text.rstrip().splitlines()[-1].startswith("runner_kind: fake")
+    assert "NOTHING WAS MEASURED" in text
+
+
+def test_the_fake_runner_is_only_used_when_asked_for_by_name(tmp_path):
+    assert isinstance(get_runner("fake"), FakeRunner)
+    assert isinstance(get_runner("live", work_dir=tmp_path), LiveRunner)
+    with pytest.raises(ValueError):
+        get_runner("auto")  # type: ignore[arg-type]
+    assert isinstance(get_runner("fake"), runner.Runner)
+
+
+def test_a_failing_live_run_raises_with_its_log_and_never_returns_canned_numbers(tmp_path):
+    failing = lambda config, steps, python: [python, "-c", "import sys; print('boom'); sys.exit(4)"]  # noqa: E731
+    live = LiveRunner(work_dir=tmp_path, command_builder=failing)
+    with pytest.raises(RunnerFailed, match="status 4") as info:
+        live.run(WorkloadConfig(), steps=2)
+    log = Path(str(info.value).rsplit(" ", 1)[-1])
+    assert log.name == "job.log" and "boom" in log.read_text()
+
+
+TINY_WORKLOAD = '''
+import json, os, time
+path = os.environ["OBD_METRICS_FILE"]
+t = time.time()
+lines = [{"event": "begin", "time": t, "max_steps": 3, "snapshots": True, "start_step": 0, "world_size": 1}]
+lines += [{"event": "log", "time": t + s, "step": s, "tokens": 1000 * s} for s in (1, 2, 3)]
+open(path, "w").write("".join(json.dumps(l) + "\\n" for l in lines))
+'''
+
+
+def test_a_live_run_is_measured_once_and_then_served_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OBD_ROCPROFV3", "")
+    monkeypatch.setenv("OBD_AMD_SMI", "")
+    monkeypatch.setenv("OBD_KFD_TOPOLOGY", str(tmp_path / "none"))
+    calls = []
+
+    def builder(config, steps, python):
+        calls.append(steps)
+        return [python, "-c", TINY_WORKLOAD]
+
+    cache = BenchmarkCache(tmp_path / "cache")
+    live = LiveRunner(work_dir=tmp_path / "runs", cache=cache, command_builder=builder, rocm_image="rocm/pytorch:test")
+    first = live.run(WorkloadConfig(), steps=3)
+    assert first.runner_kind == "live" and first.steps == 3
+    assert first.tokens_per_sec == pytest.approx(1000.0)
+    second = live.run(WorkloadConfig(), steps=3)
+    assert calls == [3]
+    assert second.tokens_per_sec == first.tokens_per_sec and "benchmark cache" in second.sources["cache"]
+
+
+def test_the_cache_key_changes_with_each_of_its_inputs(tmp_path):
+    script, wrapper = tmp_path / "train.py", tmp_path / "wrap.py"
+    script.write_text("print(1)")
+    wrapper.write_text("print(2)")
+    base = cache_key(WorkloadConfig(), 10, "img:1", script, wrapper).digest
+    assert cache_key(WorkloadConfig(), 10, "img:1", script, wrapper).digest == base
+    assert cache_key(WorkloadConfig(seq_len=1024), 10, "img:1", script, wrapper).digest != base
+    assert cache_key(WorkloadConfig(), 11, "img:1", script, wrapper).digest != base
+    assert cache_key(WorkloadConfig(), 10, "img:2", script, wrapper).digest != base
+    script.write_text("print(1) ")
+    assert cache_key(WorkloadConfig(), 10, "img:1", script, wrapper).digest != base
+    script.write_text("print(1)")
+    wrapper.write_text("print(3)")
+    assert cache_key(WorkloadConfig(), 10, "img:1", script, wrapper).digest != base
+
+
+def test_the_cache_refuses_fake_metrics_and_ignores_corrupt_entries(tmp_path):
+    cache = BenchmarkCache(tmp_path)
+    key = cache_key(WorkloadConfig(), 1, "img", Path(sys.executable), Path(sys.executable))
+    with pytest.raises(ValueError):
+        cache.put(key, RunMetrics(runner_kind="fake"))
+    cache.put(key, RunMetrics(steps=1))
+    assert cache.get(key).steps == 1
+    cache.path(key).write_text("{not json")
+    assert cache.get(key) is None
