@@ -114,9 +114,14 @@ def gpu_types(target: RunpodTarget) -> list[str]:
 def spend(target_info: dict[str, Any], now: float) -> float | None:
     """Dollars spent on the pod so far: hourly rate × hours since it was created."""
     rate, started = target_info.get("cost_per_hr"), target_info.get("started_at")
-    if not rate or not started:
+    if not rate or started is None:
         return None
     return round(float(rate) * max(0.0, now - float(started)) / 3600.0, 4)
+
+
+def snapshot_margin(margin: float, span: float) -> float:
+    """How long ahead of a cap to ask for the snapshot: `margin`, at most a quarter of the span."""
+    return max(0.0, min(margin, span / 4.0))
 
 
 def lease_bytes(now: float, ttl: float) -> bytes:
@@ -283,6 +288,30 @@ class RunpodDriver:
         log.info("runpod.ready", target=self.name, run_id=run_id, pod_id=pod.id, ssh=f"{host}:{port}")
         return dict(info)
 
+    async def resume(self, target_info: dict[str, Any], save: Save) -> dict[str, Any]:
+        """Carry on with a pod whose boot the daemon did not see through (a restart, an adoption).
+
+        Waits for its SSH port for what is left of boot_grace (counted from the pod's start) and pins
+        the host key; a pod that never becomes ready is terminated, as in `create`.
+        """
+        info = dict(target_info)
+        if info.get("phase") == "ready" and info.get("host_key"):
+            return info
+        if not info.get("pod_id"):
+            raise ExecutorError(f"run {info.get('run_id')} has no pod to resume; start the run again")
+        left = float(info.get("started_at") or self.clock()) + self.target.boot_grace - self.clock()
+        try:
+            host, port, key, rate = await self._wait_ssh(info["pod_id"], float(info.get("started_at") or 0), max(left, 0.0))
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self._abandon_boot(info, save, exc)
+            raise
+        info.update(phase="ready", ssh_host=host, ssh_port=port, ssh_user=self.ssh_user, host_key=key)
+        if rate:
+            info["cost_per_hr"] = rate
+        await self._save(save, info)
+        return info
+
     async def _save(self, save: Save, info: dict[str, Any]) -> None:
         await save(dict(info))
         self.book.put(info["run_id"], target_info=dict(info))
@@ -367,9 +396,9 @@ class RunpodDriver:
         except TransientError:
             return None
 
-    async def _wait_ssh(self, pod_id: str, started_at: float) -> tuple[str, int, str, float | None]:
+    async def _wait_ssh(self, pod_id: str, started_at: float, grace: float | None = None) -> tuple[str, int, str, float | None]:
         """Poll until the pod has a public port 22 that answers SSH; pin its host key (TOFU)."""
-        deadline = anyio.current_time() + self.target.boot_grace
+        deadline = anyio.current_time() + (self.target.boot_grace if grace is None else grace)
         last = "the API reported no public port 22 yet"
         while True:
             try:
@@ -553,7 +582,7 @@ class RunpodDriver:
         """Unix times at which each cap is reached, for the caps that apply."""
         points: dict[str, float] = {}
         started = target_info.get("started_at")
-        if not started:
+        if started is None:
             return points
         max_hours = target_info.get("max_hours", self.target.max_hours)
         if max_hours is not None:
@@ -564,9 +593,14 @@ class RunpodDriver:
         return points
 
     async def check_caps(self, target_info: dict[str, Any], now: float) -> str | None:
-        """`deadline` or `cost` once that cap is less than the snapshot margin away, else None."""
+        """`deadline` or `cost` once that cap is less than the snapshot margin away, else None.
+
+        The margin is `cap_margin`, but never more than a quarter of the way from the pod's start
+        to the cap, so a short cap does not ask for a snapshot at once.
+        """
+        started = float(target_info.get("started_at") or 0)
         for reason, at in sorted(self._cap_points(target_info).items(), key=lambda kv: kv[1]):
-            if now >= at - self.cap_margin:
+            if now >= at - snapshot_margin(self.cap_margin, at - started):
                 return reason
         return None
 
@@ -604,7 +638,11 @@ class RunpodDriver:
             rate = pod.cost_per_hr or target_info.get("cost_per_hr")
             cost = f" (it costs ${rate:.2f}/h)" if rate else ""
             log.error("runpod.retrieve_failed", run_id=run_id, pod_id=pod_id, error=str(exc))
-            return False, f"retrieving the outputs of pod {pod_id} failed: {exc}. The pod is left up{cost}: {retry}"
+            return False, (
+                f"retrieving the outputs of pod {pod_id} failed: {exc}. The pod is left up{cost}: {retry}. "
+                f"Its watchdog deletes it once abandon_grace ({self.target.abandon_grace:.0f}s) has passed since the "
+                "job ended and no daemon holds its lease"
+            )
         done = f"retrieved {count} files ({size / 1e6:.1f} MB) into {local_dir}, sha256 verified"
         self.book.put(run_id, retrieved=self.clock())
         if self.target.keep_pod:
@@ -734,7 +772,7 @@ class RunpodDriver:
             pod_id = info.get("pod_id")
             if pod_id and pod_id in by_id:
                 claimed.add(pod_id)
-                out.append({"kind": "matched", "run_id": run_id, "pod_id": pod_id})
+                out.append({"kind": "matched", "run_id": run_id, "pod_id": pod_id, "state": by_id[pod_id].desired_status})
                 continue
             if pod_id:
                 out.append({

@@ -271,9 +271,11 @@ class RunpodApi:
             with anyio.fail_after(self.call_timeout):
                 return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
         except TimeoutError as exc:
-            raise TransientError(f"the Runpod API did not answer {what} within {self.call_timeout:.0f}s") from exc
+            raise TransientError(f"the Runpod API did not answer {what} within {self.call_timeout:g}s") from exc
         except Exception as exc:
-            raise classify(exc, what) from exc
+            err = classify(exc, what)
+            err.args = tuple(redact(str(a), key) for a in err.args)  # whatever the SDK put in, never the key
+            raise err from exc
 
     async def _retrying(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """An idempotent call, retried with exponential backoff and jitter on transient errors."""

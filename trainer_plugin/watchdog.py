@@ -9,7 +9,7 @@ the run's `plugin/trainer_plugin/` and starts it detached before the job:
 
 Every `interval` seconds it looks at the run directory and decides, by these rules:
 - `deadline`: writes `snapshot.request` `deadline` once `max_hours` is less than `snapshot_margin`
-  away, and cancels the job at `max_hours` (TERM, grace, KILL), unless the daemon holds a fresh lease;
+  away (at most a quarter of the way from the pod's start, so a short cap is not asked at once), and cancels the job at `max_hours` (TERM, grace, KILL), unless the daemon holds a fresh lease;
 - `cost`: the same for the spend (hourly rate x time since the pod started) against `max_cost_usd`
   (the request is written whatever the lease, the cancel only when the lease is stale);
 - `disk`: writes `snapshot.request` `disk` when the workdir's free space falls under
@@ -276,13 +276,16 @@ class Watchdog:
         self.check_caps(now, fresh)
         return False
 
+    def margin(self, span: float) -> float:
+        """How long ahead of a cap to ask: `snapshot_margin`, at most a quarter of the span to it."""
+        return max(0.0, min(float(self.cfg["snapshot_margin"]), span / 4.0))
+
     def check_caps(self, now: float, fresh: bool) -> None:
         cfg = self.cfg
-        margin = float(cfg["snapshot_margin"])
         started_at = cfg["started_at"]
         if cfg["max_hours"] is not None and started_at is not None:
             deadline = float(started_at) + float(cfg["max_hours"]) * 3600.0
-            if not fresh and now >= deadline - margin:
+            if not fresh and now >= deadline - self.margin(deadline - float(started_at)):
                 self.request("deadline", deadline=deadline)
             if not fresh and now >= deadline:
                 self.hard_stop("deadline", deadline=deadline)
@@ -290,7 +293,7 @@ class Watchdog:
         if cfg["max_cost_usd"] is not None and started_at is not None and rate:
             cap_at = float(started_at) + float(cfg["max_cost_usd"]) / float(rate) * 3600.0
             spend = round(float(rate) * (now - float(started_at)) / 3600.0, 4)
-            if now >= cap_at - margin:
+            if now >= cap_at - self.margin(cap_at - float(started_at)):
                 self.request("cost", spend_usd=spend, max_cost_usd=cfg["max_cost_usd"])
             if not fresh and now >= cap_at:
                 self.hard_stop("cost", spend_usd=spend)

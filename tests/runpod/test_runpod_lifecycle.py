@@ -61,6 +61,17 @@ def write_outputs(driver: RunpodDriver, run_id: str) -> str:
     return str(remote_dir)
 
 
+def cmdlines() -> list[str]:
+    """Every process's command line on this machine (the pod's and obd's alike)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            out.append(entry.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return out
+
+
 def tree(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -174,6 +185,37 @@ async def test_the_daemon_side_caps_say_deadline_or_cost_ahead_of_the_cap(make_d
     assert await driver.check_caps({**no_cost, "max_hours": None}, 10**12) is None
 
 
+async def test_a_short_cap_is_not_asked_for_at_once(make_driver, fake: FakeRunpod) -> None:
+    driver = make_driver()
+    info = {"started_at": 0.0, "cost_per_hr": 1.0, "max_hours": 0.2, "max_cost_usd": None}  # a 12 min cap
+    assert await driver.check_caps(info, 60.0) is None
+    assert await driver.check_caps(info, 720.0 - 181) is None
+    assert await driver.check_caps(info, 720.0 - 179) == "deadline"
+
+
+async def test_a_pod_whose_boot_the_daemon_did_not_see_through_is_resumed(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    booting = {k: v for k, v in info.items() if k not in ("host_key", "ssh_host", "ssh_port")} | {"phase": "booting"}
+    resumed = await make_driver().resume(booting, saves)
+    assert resumed["host_key"] == info["host_key"] and resumed["phase"] == "ready"
+    assert saves.last == resumed
+
+
+async def test_resuming_a_pod_past_its_boot_grace_terminates_it(make_driver, fake: FakeRunpod, saves: Saves) -> None:
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    fake.ssh_endpoint = None
+    for pod in fake.pods.values():
+        pod["ssh"] = None
+    stale = {**info, "phase": "booting", "host_key": None, "started_at": time.time() - 3600}
+    with pytest.raises(Exception, match="boot_grace"):
+        await driver.resume(stale, saves)
+    assert fake.live_pods() == [] and saves.last["phase"] == "terminated"
+
+
 async def test_reconcile_matches_runs_adopts_unsaved_ids_and_reports_orphans(
     make_driver, fake: FakeRunpod, saves: Saves
 ) -> None:
@@ -223,6 +265,7 @@ async def test_the_watchdog_started_beside_the_job_deletes_a_pod_whose_job_never
         await driver.start_watchdog(ex, remote_dir, info)
     finally:
         await ex.aclose()
+    assert not any("test-key" in line for line in cmdlines()), "the API key is on a command line"
     with anyio.fail_after(15):
         while fake.live_pods():
             await anyio.sleep(0.1)

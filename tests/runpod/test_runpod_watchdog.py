@@ -108,6 +108,17 @@ def test_the_deadline_request_is_written_ahead_of_max_hours(world) -> None:
     assert w.cancelled == []
 
 
+def test_a_short_deadline_is_asked_for_a_quarter_of_the_way_before_it_not_at_once(world) -> None:
+    w = world(max_hours=0.1)  # 6 minutes: the 15 min margin would ask at the start
+    w.start_job()
+    w.at(10)
+    assert w.request() is None
+    w.at(360 - 91)
+    assert w.request() is None
+    w.at(360 - 89)
+    assert w.request() == "deadline"
+
+
 def test_the_job_is_cancelled_at_the_deadline_when_no_daemon_holds_the_lease(world) -> None:
     w = world(max_hours=1)
     w.start_job()
