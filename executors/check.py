@@ -58,10 +58,10 @@ async def _run_python(executor: Executor, argv: list[str], timeout: float) -> tu
             return 127, b"", str(exc).encode()
         return r.returncode, r.stdout, r.stderr
     run_command = getattr(executor, "run_command", None)
-    python = getattr(executor, "python", None)
-    if run_command is None or python is None:
+    interpreter: str | None = getattr(executor, "python", None)
+    if run_command is None or interpreter is None:
         return None
-    result: tuple[int, bytes, bytes] = await run_command([python, *argv], timeout=timeout)
+    result: tuple[int, bytes, bytes] = await run_command([interpreter, *argv], timeout=timeout)
     return result
 
 
@@ -95,8 +95,13 @@ async def _reach(executor: Executor, items: list[dict[str, Any]]) -> str | None:
         items.append(_item("reachable", False, str(exc)))
         return None
     took = time.monotonic() - started
-    items.append(_item("reachable", True, f"{executor.address} as {executor.target.user or '(default user)'}, "
-                                          f"connected in {took:.2f}s"))
+    items.append(
+        _item(
+            "reachable",
+            True,
+            f"{executor.address} as {executor.target.user or '(default user)'}, connected in {took:.2f}s",
+        )
+    )
     items.append(_item("host key known", True, _host_key_detail(executor.host_key_status)))
     return workdir
 
@@ -120,7 +125,9 @@ async def check_target(executor: Executor, *, min_free_gb: float = 1.0, timeout:
             await executor.put_file(probe, stamp)
             back = await executor.read_from(probe, 0, 4096)
             ok = back == stamp
-            items.append(_item("workdir writable", ok, workdir if ok else f"{probe} did not read back what was written"))
+            items.append(
+                _item("workdir writable", ok, workdir if ok else f"{probe} did not read back what was written")
+            )
         except ExecutorError as exc:
             items.append(_item("workdir writable", False, str(exc)))
     if workdir is not None:
@@ -154,9 +161,19 @@ async def _python_checks(
     if info.get("torch"):
         items.append(_item("torch found", True, f"{info['torch']} ({info.get('accelerator', '?')})"))
     else:
-        items.append(_item("torch found", False, f"not installed ({info.get('torch_error')}); install torch in "
-                                                 "that Python or set `venv`"))
+        items.append(
+            _item(
+                "torch found",
+                False,
+                f"not installed ({info.get('torch_error')}); install torch in that Python or set `venv`",
+            )
+        )
     free_gb = info["free"] / 1e9
-    items.append(_item("free disk", free_gb >= min_free_gb,
-                       f"{free_gb:.1f} GB free of {info['total'] / 1e9:.1f} GB at {workdir}"
-                       + ("" if free_gb >= min_free_gb else f" (less than {min_free_gb:g} GB)")))
+    items.append(
+        _item(
+            "free disk",
+            free_gb >= min_free_gb,
+            f"{free_gb:.1f} GB free of {info['total'] / 1e9:.1f} GB at {workdir}"
+            + ("" if free_gb >= min_free_gb else f" (less than {min_free_gb:g} GB)"),
+        )
+    )

@@ -198,7 +198,9 @@ class SshExecutor:
                 self._last_error = (type(exc), str(exc))
                 if self.unreachable_since is None:
                     self.unreachable_since = time.time()
-                log.warning("ssh.connect_failed", target=self.name, address=self.address, error=str(exc), retry_in=delay)
+                log.warning(
+                    "ssh.connect_failed", target=self.name, address=self.address, error=str(exc), retry_in=delay
+                )
                 raise self._stamp(exc)
             was_down = self.unreachable_since
             self._failures, self._last_error, self.unreachable_since = 0, None, None
@@ -331,8 +333,13 @@ class SshExecutor:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(line)
             self.host_key_status = "accepted"
-            log.warning("ssh.host_key_recorded", target=self.name, address=self.address, known_hosts=str(path),
-                        fingerprint=key.get_fingerprint())
+            log.warning(
+                "ssh.host_key_recorded",
+                target=self.name,
+                address=self.address,
+                known_hosts=str(path),
+                fingerprint=key.get_fingerprint(),
+            )
         except OSError as exc:
             log.warning("ssh.host_key_not_recorded", target=self.name, known_hosts=str(path), error=str(exc))
 
@@ -344,7 +351,9 @@ class SshExecutor:
                 self.round_trips += 1
                 result = await conn.run(script, input=remote.JOBCTL_SOURCE, encoding=None, check=False)
         except (TimeoutError, *_LOST) as exc:
-            raise TargetUnreachable(f"{self.address} stopped answering while obd set up its workdir: {_why(exc)}") from exc
+            raise TargetUnreachable(
+                f"{self.address} stopped answering while obd set up its workdir: {_why(exc)}"
+            ) from exc
         err = _tail(result.stderr)
         if result.returncode == 3:
             raise WorkdirError(
@@ -353,8 +362,8 @@ class SshExecutor:
             )
         if result.returncode == 4:
             raise WorkdirError(
-                f"obd could not write its job-control script under {t.workdir!r} on {self.address}: {err or 'write failed'}"
-                " (is the disk full? check `df -h` there)"
+                f"obd could not write its job-control script under {t.workdir!r} on {self.address}: "
+                f"{err or 'write failed'} (is the disk full? check `df -h` there)"
             )
         info = remote.parse_setup(_text(result.stdout))
         if result.returncode != 0 or "workdir" not in info:
@@ -419,7 +428,9 @@ class SshExecutor:
                     raise ExecutorError(f"{self.address} refused a new SSH channel for {what}: {exc.reason}") from exc
                 self._drop(session, exc)
                 if not (retry and attempt == 0):
-                    raise self._stamp(TargetUnreachable(f"lost the connection to {self.address} during {what}")) from exc
+                    raise self._stamp(
+                        TargetUnreachable(f"lost the connection to {self.address} during {what}")
+                    ) from exc
             except _LOST as exc:
                 self._drop(session, exc)
                 if not (retry and attempt == 0):
@@ -432,7 +443,9 @@ class SshExecutor:
         self.round_trips += 1
         return await session.conn.run(command, input=stdin, encoding=None, check=False)
 
-    async def run_command(self, argv: list[str], stdin: bytes = b"", timeout: float | None = None) -> tuple[int, bytes, bytes]:
+    async def run_command(
+        self, argv: list[str], stdin: bytes = b"", timeout: float | None = None
+    ) -> tuple[int, bytes, bytes]:
         """Run `argv` on the host (every word quoted): (exit status, stdout, stderr)."""
 
         async def op(s: _Session) -> tuple[int, bytes, bytes]:
@@ -441,7 +454,9 @@ class SshExecutor:
 
         return await self._remote(f"`{argv[0]}`", op, timeout=timeout)
 
-    async def run_shell(self, script: str, stdin: bytes = b"", timeout: float | None = None) -> tuple[int, bytes, bytes]:
+    async def run_shell(
+        self, script: str, stdin: bytes = b"", timeout: float | None = None
+    ) -> tuple[int, bytes, bytes]:
         """Run a shell script built by the caller with `remote.q` (for checks): (exit, stdout, stderr)."""
 
         async def op(s: _Session) -> tuple[int, bytes, bytes]:
@@ -454,8 +469,9 @@ class SshExecutor:
         """The interpreter the target's jobs and jobctl run with (a name or a path there)."""
         return (await self._ensure()).python
 
-    async def _jobctl(self, what: str, args: list[str], stdin: bytes = b"", *, timeout: float | None = None,
-                      retry: bool = True) -> bytes:
+    async def _jobctl(
+        self, what: str, args: list[str], stdin: bytes = b"", *, timeout: float | None = None, retry: bool = True
+    ) -> bytes:
         async def op(s: _Session) -> bytes:
             await self._require_python(s)
             r = await self._run(s, remote.jobctl_command(s.python, s.jobctl, *args), stdin)
@@ -470,8 +486,12 @@ class SshExecutor:
             return
         # Look again (one round trip): it may have been installed since the connection opened.
         self.round_trips += 1
-        r = await s.conn.run(remote.setup_script(self.target.workdir, self.target.python, self.target.venv),
-                             input=remote.JOBCTL_SOURCE, encoding=None, check=False)
+        r = await s.conn.run(
+            remote.setup_script(self.target.workdir, self.target.python, self.target.venv),
+            input=remote.JOBCTL_SOURCE,
+            encoding=None,
+            check=False,
+        )
         s.python_version = remote.parse_setup(_text(r.stdout)).get("python-version")
         self.python_version = s.python_version
         if s.python_version is None:
@@ -513,7 +533,9 @@ class SshExecutor:
         try:
             handle = JobHandle.model_validate_json(out.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
-            raise ExecutorError(f"the job wrapper on {self.address} printed no handle; see {run_dir}/job.log there") from exc
+            raise ExecutorError(
+                f"the job wrapper on {self.address} printed no handle; see {run_dir}/job.log there"
+            ) from exc
         handle.host = self.address
         log.info("ssh.spawned", target=self.name, run_id=job.run_id, pid=handle.pid, remote_dir=run_dir)
         return handle
@@ -550,8 +572,14 @@ class SshExecutor:
                         s.sftp = await s.conn.start_sftp_client()
         return s.sftp
 
-    async def _sftp_op(self, what: str, op: Callable[[asyncssh.SFTPClient, _Session], Awaitable[T]], *,
-                       retry: bool = True, timeout: float | None = None) -> T:
+    async def _sftp_op(
+        self,
+        what: str,
+        op: Callable[[asyncssh.SFTPClient, _Session], Awaitable[T]],
+        *,
+        retry: bool = True,
+        timeout: float | None = None,
+    ) -> T:
         async def run(s: _Session) -> T:
             return await op(await self._sftp(s), s)
 
@@ -592,7 +620,7 @@ class SshExecutor:
             try:
                 await self._write_new(sftp, tmp, data)
             except asyncssh.SFTPNoSuchFile:
-                await self._mkdirs(s, [parent])
+                await self._mkdir(sftp, s, parent)
                 await self._write_new(sftp, tmp, data)
             try:
                 self.round_trips += 1
@@ -626,6 +654,16 @@ class SshExecutor:
             raise
         self.round_trips += 1
         await f.close()
+
+    async def _mkdir(self, sftp: asyncssh.SFTPClient, s: _Session, path: str) -> None:
+        """Create a directory whose parent exists with one SFTP request; else `mkdir -p`."""
+        try:
+            self.round_trips += 1
+            await sftp.mkdir(path)
+            return
+        except asyncssh.SFTPError:
+            pass  # missing parent, exists already, or refused: `mkdir -p` sorts it out and says why
+        await self._mkdirs(s, [path])
 
     async def _mkdirs(self, s: _Session, dirs: list[str]) -> None:
         """`mkdir -p` on the host, in as few commands as the line length allows."""
@@ -664,6 +702,7 @@ class SshExecutor:
 
         async def put(rel: Path) -> None:
             async with self._files:
+
                 async def op(sftp: asyncssh.SFTPClient, s: _Session) -> None:
                     self.round_trips += 1
                     await sftp.put(str(local / rel), dest(rel), preserve=True)
@@ -686,11 +725,8 @@ class SshExecutor:
                     tg.start_soon(put, rel)
                 for rel in links:
                     tg.start_soon(link, rel)
-        except* asyncssh.SFTPError as group:
-            exc = group.exceptions[0]
-            raise ExecutorError(f"upload of {local} to {base} on {self.address} failed: {exc.reason}") from exc
-        except* ExecutorError as group:
-            raise group.exceptions[0] from None
+        except BaseExceptionGroup as group:
+            raise self._transfer_error(f"upload of {local} to {base} on {self.address}", _leaf(group)) from None
 
     async def _upload_file(self, local: Path, remote_path: str) -> None:
         parent = str(PurePosixPath(remote_path).parent)
@@ -732,11 +768,21 @@ class SshExecutor:
                 await self._download_link(remote_path, local)
             else:
                 await self._download_file(remote_path, local)
-        except* asyncssh.SFTPError as group:
-            exc = group.exceptions[0]
-            raise ExecutorError(f"download of {remote_path} from {self.address} failed: {exc.reason}") from exc
-        except* ExecutorError as group:
-            raise group.exceptions[0] from None
+        except BaseExceptionGroup as group:
+            raise self._transfer_error(f"download of {remote_path} from {self.address}", _leaf(group)) from None
+        except (asyncssh.SFTPError, OSError) as exc:
+            raise self._transfer_error(f"download of {remote_path} from {self.address}", exc) from exc
+
+    @staticmethod
+    def _transfer_error(what: str, exc: BaseException) -> BaseException:
+        """The one error to report for a failed transfer of many files."""
+        if isinstance(exc, ExecutorError):
+            return exc
+        if isinstance(exc, asyncssh.SFTPError):
+            return ExecutorError(f"{what} failed: {exc.reason or type(exc).__name__}")
+        if isinstance(exc, OSError):
+            return ExecutorError(f"{what} failed on this machine: {exc}")
+        return exc
 
     async def _download_file(self, remote_path: str, local: Path) -> None:
         """Fetch one file into a temporary name beside `local`, then rename it into place."""
@@ -786,6 +832,14 @@ class SshExecutor:
 
 
 # --- small helpers --------------------------------------------------------------------------
+
+
+def _leaf(group: BaseExceptionGroup) -> BaseException:  # type: ignore[type-arg]
+    """The first real exception inside (nested) exception groups."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _handle_json(handle: JobHandle) -> str:

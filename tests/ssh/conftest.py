@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `sshd`
-
-from sshd import SshServer, sshd_skip_reason  # noqa: E402
-
-from daemon.config import SshTarget  # noqa: E402
-from executors.ssh import SshExecutor  # noqa: E402
+from executors.ssh import SshExecutor
+from tests.ssh.helpers import make_target
+from tests.sshd import SshServer, sshd_skip_reason
 
 SKIP = sshd_skip_reason()
 
@@ -34,20 +30,6 @@ def own_sshd() -> Iterator[SshServer]:
         pytest.skip(SKIP)
     with SshServer() as server:
         yield server
-
-
-def make_target(server: SshServer, workdir: Path | str, **overrides: object) -> SshTarget:
-    """An SshTarget for `server` with short timeouts, as a test wants them."""
-    fields: dict[str, object] = {
-        "kind": "ssh",
-        "workdir": str(workdir),
-        "connect_timeout": 5,
-        "keepalive": 5,
-        "python": sys.executable,
-        **server.target_fields(),
-    }
-    fields.update(overrides)
-    return SshTarget.model_validate(fields)
 
 
 @pytest.fixture

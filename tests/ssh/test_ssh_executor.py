@@ -11,45 +11,12 @@ from pathlib import Path
 
 import anyio
 import pytest
-from conftest import make_target
-from sshd import SshServer
 
 from executors.base import ExecutorError, JobHandle, JobSpec, JobState, JobStatus
 from executors.check import check_target
 from executors.ssh import SshExecutor
-
-
-async def wait_state(ex: SshExecutor, handle: JobHandle, run_dir: str, timeout: float = 10) -> JobStatus:
-    """Poll until the job is no longer running."""
-    with anyio.fail_after(timeout):
-        while True:
-            status = await ex.status(handle, run_dir)
-            if status.state != JobState.running:
-                return status
-            await anyio.sleep(0.05)
-
-
-async def wait_file(path: Path, timeout: float = 10) -> None:
-    with anyio.fail_after(timeout):
-        while not path.exists():
-            await anyio.sleep(0.02)
-
-
-def group_environs(pgid: int) -> list[bytes]:
-    """The environments of the processes of a process group."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_bytes()
-            if int(stat[stat.rfind(b")") + 2 :].split()[2]) == pgid:
-                out.append(Path(f"/proc/{pid}/environ").read_bytes())
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def job(run_dir: Path, script: str, **kw: object) -> JobSpec:
-    return JobSpec(run_id=run_dir.name, remote_dir=str(run_dir), command=["sh", "-c", script], **kw)
+from tests.ssh.helpers import group_environs, job, make_target, wait_file, wait_state
+from tests.sshd import SshServer
 
 
 async def test_a_job_runs_to_its_exit_code_and_its_log_is_read_by_offset_with_nothing_read_twice(
@@ -58,7 +25,11 @@ async def test_a_job_runs_to_its_exit_code_and_its_log_is_read_by_offset_with_no
     run = workdir / "r1"
     gate = run / "go"
     handle = await executor.spawn(
-        job(run, f"echo one; while [ ! -e {gate} ]; do sleep 0.02; done; echo two; echo $OBD_X; exit 7", env={"OBD_X": "three"})
+        job(
+            run,
+            f"echo one; while [ ! -e {gate} ]; do sleep 0.02; done; echo two; echo $OBD_X; exit 7",
+            env={"OBD_X": "three"},
+        )
     )
     assert handle.host == f"{executor.target.host}:{executor.target.port}"
     assert (await executor.status(handle, str(run))).state == JobState.running
@@ -97,9 +68,21 @@ async def test_upload_copies_a_tree_but_leaves_out_vcs_caches_and_virtual_enviro
     executor: SshExecutor, workdir: Path, tmp_path: Path
 ) -> None:
     src = tmp_path / "project"
-    for rel in ["train.py", "pkg/mod.py", "data/a b.txt", "pkg/__pycache__/mod.pyc", ".git/HEAD", ".venv/bin/python",
-                "venv/x", "env/pyvenv.cfg", "env/lib/x.py", "node_modules/m.js", ".pytest_cache/v", ".mypy_cache/c",
-                "deep/a/b/c/d.txt"]:
+    for rel in [
+        "train.py",
+        "pkg/mod.py",
+        "data/a b.txt",
+        "pkg/__pycache__/mod.pyc",
+        ".git/HEAD",
+        ".venv/bin/python",
+        "venv/x",
+        "env/pyvenv.cfg",
+        "env/lib/x.py",
+        "node_modules/m.js",
+        ".pytest_cache/v",
+        ".mypy_cache/c",
+        "deep/a/b/c/d.txt",
+    ]:
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text(rel)
     (src / "train.py").chmod(0o755)
@@ -118,7 +101,11 @@ async def test_upload_copies_a_tree_but_leaves_out_vcs_caches_and_virtual_enviro
 
 async def test_download_copies_a_file_and_a_tree_back(executor: SshExecutor, workdir: Path, tmp_path: Path) -> None:
     out = workdir / "run" / "output"
-    for rel, data in {"checkpoint-2/model.bin": b"\0" * 300_000, "checkpoint-2/cfg.json": b"{}", "log.txt": b"x"}.items():
+    for rel, data in {
+        "checkpoint-2/model.bin": b"\0" * 300_000,
+        "checkpoint-2/cfg.json": b"{}",
+        "log.txt": b"x",
+    }.items():
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(data)
     (out / "latest").symlink_to("checkpoint-2")
@@ -163,11 +150,14 @@ async def test_cancel_never_signals_a_finished_job(executor: SshExecutor, workdi
 
 
 async def test_probe_of_many_runs_costs_one_round_trip(executor: SshExecutor, workdir: Path) -> None:
-    runs = []
-    for i in range(12):
-        run = workdir / f"many-{i}"
-        handle = await executor.spawn(job(run, "sleep 30" if i % 2 else "exit 3"))
-        runs.append((handle, str(run)))
+    runs: list[tuple[JobHandle | None, str]] = [(None, str(workdir / f"many-{i}")) for i in range(12)]
+
+    async def start(i: int) -> None:
+        runs[i] = (await executor.spawn(job(workdir / f"many-{i}", "sleep 30" if i % 2 else "exit 3")), runs[i][1])
+
+    async with anyio.create_task_group() as tg:  # concurrent spawns share the one connection
+        for i in range(12):
+            tg.start_soon(start, i)
     (workdir / "many-4" / "snapshot.request").write_text("disk")
     runs.append((None, str(workdir / "never-started")))
     await anyio.sleep(0.3)
@@ -179,9 +169,11 @@ async def test_probe_of_many_runs_costs_one_round_trip(executor: SshExecutor, wo
     assert states[:12] == [JobState.exited if i % 2 == 0 else JobState.running for i in range(12)]
     assert states[12] == JobState.lost
     assert probes[4].request == "disk"
-    for handle, run in runs[1:12:2]:
-        assert handle is not None
-        await executor.cancel(handle, run, grace=0.2)
+    async with anyio.create_task_group() as tg:
+        for handle, run in runs[1:12:2]:
+            assert handle is not None
+            tg.start_soon(executor.cancel, handle, run, 0.2)
+    assert executor.connects == 1
 
 
 async def test_hostile_paths_and_arguments_are_passed_through_literally(
@@ -192,8 +184,11 @@ async def test_hostile_paths_and_arguments_are_passed_through_literally(
     run = workdir / nasty
     args = [f"$(touch {canary})", "; rm -rf /", "it's", '"x"', "a b", "*", "$HOME", "\\n"]
     handle = await executor.spawn(
-        JobSpec(run_id="nasty", remote_dir=str(run), command=[sys.executable, "-c",
-                "import sys, json; print(json.dumps(sys.argv[1:]))", *args])
+        JobSpec(
+            run_id="nasty",
+            remote_dir=str(run),
+            command=[sys.executable, "-c", "import sys, json; print(json.dumps(sys.argv[1:]))", *args],
+        )
     )
     status = await wait_state(executor, handle, str(run))
     assert status.exit_code == 0
@@ -296,7 +291,14 @@ async def test_a_venv_target_runs_the_job_with_the_venv_first_on_path(
 
 async def test_check_target_reports_each_check(executor: SshExecutor, workdir: Path) -> None:
     checks = {c["check"]: c for c in await check_target(executor)}
-    assert list(checks) == ["reachable", "host key known", "workdir writable", "python found", "torch found", "free disk"]
+    assert list(checks) == [
+        "reachable",
+        "host key known",
+        "workdir writable",
+        "python found",
+        "torch found",
+        "free disk",
+    ]
     for name in ["reachable", "host key known", "workdir writable", "python found", "free disk"]:
         assert checks[name]["ok"], checks[name]
     assert checks["python found"]["detail"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}")

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import anyio
 import pytest
-from conftest import make_target
-from sshd import SshServer, free_port, write_key_pair
-from test_ssh_executor import job, wait_file, wait_state
 
 from executors.base import ExecutorError, JobState, TargetUnreachable
 from executors.check import check_target
 from executors.ssh import AuthError, HostKeyError, SshExecutor, WorkdirError
+from tests.ssh.helpers import job, make_target, wait_file, wait_state
+from tests.sshd import SshServer, _children, free_port, write_key_pair
 
 
 async def test_a_closed_port_raises_target_unreachable_fast_and_backs_off(own_sshd: SshServer, workdir: Path) -> None:
@@ -113,7 +112,9 @@ async def test_a_workdir_that_cannot_be_created_is_a_clear_error(shared_sshd: Ss
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     ex = SshExecutor("box", make_target(shared_sshd, blocker / "obd"))
-    with pytest.raises(WorkdirError, match=r"workdir .* cannot be created .*Not a directory.*Set workdir in \[targets.box\]"):
+    with pytest.raises(
+        WorkdirError, match=r"workdir .* cannot be created .*Not a directory.*Set workdir in \[targets.box\]"
+    ):
         await ex.connect()
     checks = {c["check"]: c for c in await check_target(ex)}
     assert checks["reachable"]["ok"] and not checks["workdir writable"]["ok"]
@@ -132,7 +133,9 @@ def tiny_disk(tmp_path: Path) -> object:
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-async def test_a_full_disk_fails_put_file_and_leaves_the_old_file_intact(shared_sshd: SshServer, tiny_disk: Path) -> None:
+async def test_a_full_disk_fails_put_file_and_leaves_the_old_file_intact(
+    shared_sshd: SshServer, tiny_disk: Path
+) -> None:
     ex = SshExecutor("box", make_target(shared_sshd, tiny_disk / "wd"))
     try:
         path = tiny_disk / "wd" / "run" / "snapshot.request"
@@ -179,12 +182,13 @@ async def test_a_job_survives_the_connection_closing_and_sshd_being_killed_and_r
     assert await ex.read_from(str(run / "job.log"), 0, 100) == b"started\ndone\n"
 
 
-async def test_concurrent_callers_share_one_reconnect_attempt(
-    own_executor: SshExecutor, own_sshd: SshServer, workdir: Path
-) -> None:
-    ex = own_executor
+async def test_concurrent_callers_share_one_reconnect_attempt(own_sshd: SshServer, workdir: Path) -> None:
+    ex = SshExecutor("box", make_target(own_sshd, workdir), backoff_base=1.0, backoff_cap=1.0)
     await ex.connect()
     own_sshd.kill()
+    with anyio.fail_after(5):  # let the client notice, so no caller retries on the dead connection
+        while ex._session is not None and ex._session.alive:
+            await anyio.sleep(0.02)
     connects = ex.connects
     errors: list[BaseException] = []
 
@@ -200,7 +204,7 @@ async def test_concurrent_callers_share_one_reconnect_attempt(
     assert len(errors) == 20
     assert ex.connects - connects == 1
     own_sshd.start()
-    await anyio.sleep(0.6)  # past the (test-sized) backoff
+    await anyio.sleep(1.05)  # past the backoff
     results: list[bytes] = []
 
     async def ok() -> None:
@@ -211,6 +215,7 @@ async def test_concurrent_callers_share_one_reconnect_attempt(
             tg.start_soon(ok)
     assert results == [b""] * 20
     assert ex.connects - connects == 2
+    await ex.aclose()
 
 
 async def test_an_operation_that_hangs_is_abandoned_and_reported_unreachable(
@@ -220,7 +225,7 @@ async def test_an_operation_that_hangs_is_abandoned_and_reported_unreachable(
     await ex.connect()
     pid = own_sshd.pid
     assert pid is not None
-    stopped = [pid, *_descendants(pid)]
+    stopped = [pid, *_children(pid)]
     for p in stopped:  # freeze sshd and its sessions: the host stops answering, the TCP stays up
         os.kill(p, 19)
     try:
@@ -232,9 +237,3 @@ async def test_an_operation_that_hangs_is_abandoned_and_reported_unreachable(
         for p in stopped:
             os.kill(p, 18)
         await ex.aclose()
-
-
-def _descendants(pid: int) -> list[int]:
-    from sshd import _children
-
-    return _children(pid)

@@ -1,0 +1,1 @@
+"""Tests of the SSH executor against a real sshd on loopback."""
