@@ -9,6 +9,7 @@ raises for bad input. A missing input leaves its numbers `None`.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from runner import amdsmi, hardware, kernels, rocprof, steps, torchprof
@@ -284,6 +285,12 @@ def _versions(metrics: RunMetrics, runner_info: dict, summary: torchprof.TorchSu
             metrics.sources["pytorch_version"] = "runner.json: torch.__version__ of the wrapper's Python"
 
 
+def _positive(value: object) -> bool:
+    """A finite number above zero (JSON booleans, NaN and infinity are not)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
 def _mfu(metrics: RunMetrics, log: steps.StepLog, world_size: int | None, agents: list[rocprof.GpuAgent],
          summary: torchprof.TorchSummary | None, workload: WorkloadConfig | None) -> None:
     if metrics.device_kind == "cpu":
@@ -303,10 +310,11 @@ def _mfu(metrics: RunMetrics, log: steps.StepLog, world_size: int | None, agents
 
     begin = log.begin or {}
     flops, flops_source = None, ""
-    if isinstance(begin.get("flops_per_token"), (int, float)) and begin["flops_per_token"] > 0:
+    if _positive(begin.get("flops_per_token")):
         flops, flops_source = float(begin["flops_per_token"]), "metrics.jsonl begin line: flops_per_token"
-    elif isinstance(begin.get("model_params"), (int, float)):
-        flops = hardware.flops_per_token(begin["model_params"], begin.get("trainable_params"))
+    elif _positive(begin.get("model_params")):
+        trainable = begin.get("trainable_params")
+        flops = hardware.flops_per_token(begin["model_params"], trainable if _positive(trainable) else None)
         flops_source = "metrics.jsonl begin line: model_params, trainable_params"
     elif summary and summary.model_params:
         flops = hardware.flops_per_token(summary.model_params, summary.trainable_params)

@@ -10,6 +10,7 @@ gradients (6N for full fine-tuning, less for LoRA); recomputation is not counted
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -94,4 +95,5 @@ def mfu_pct(tokens_per_sec: float | None, model_flops_per_token: float | None, p
     """Model FLOPs utilisation in percent, or None when any input is unknown."""
     if not tokens_per_sec or not model_flops_per_token or not peak_tflops or not gpus:
         return None
-    return 100.0 * tokens_per_sec * model_flops_per_token / (peak_tflops * 1e12 * gpus)
+    value = 100.0 * tokens_per_sec * model_flops_per_token / (peak_tflops * 1e12 * gpus)
+    return value if math.isfinite(value) else None

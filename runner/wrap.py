@@ -325,8 +325,11 @@ def main(argv: list[str]) -> int:
     _write(report_path, report)
 
     # The job's process group gets TERM on a cancel; the wrapper outlives the job to record its end.
+    # A signal the wrapper was started ignoring (SIGHUP under nohup/jobctl) stays ignored, so the
+    # job inherits the same disposition it would have had without the wrapper.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: report.setdefault("signals", []).append(signum))
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: report.setdefault("signals", []).append(signum))
     try:
         child = subprocess.Popen(argv_run, env=env, restore_signals=True)
     except OSError as exc:

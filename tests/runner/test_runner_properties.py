@@ -82,3 +82,33 @@ def test_busy_time_stays_bounded_when_rows_arrive_later_than_the_merge_window(tm
     assert trace.late == 2
     assert trace.busy_ns[""] <= trace.kernel_ns == 20 * 50
     assert any("out of order" in w for w in trace.warnings)
+
+
+cells = st.one_of(st.integers(-10**18, 10**18).map(str), st.sampled_from(["N/A", "nan", "", "inf", "KERNEL_DISPATCH",
+                                                                           '"', '""', "Agent 2", "1e309", "-0"]),
+                  st.text(max_size=12))
+lines = st.lists(st.lists(cells, max_size=8).map(",".join), max_size=25)
+TRACE_HEADER = '"Kind","Agent_Id","Queue_Id","Kernel_Name","Start_Timestamp","End_Timestamp"'
+MONITOR_HEADER = "gpu,power_usage,gfx,vram_used,vram_total"
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=40, deadline=None)
+@given(lines, lines, st.lists(st.text(max_size=40), max_size=10), st.booleans())
+def test_arbitrary_garbage_in_every_input_never_crashes_the_parsers(tmp_path_factory, trace, monitor, jsonl, headers):
+    from runner.assemble import parse_run
+
+    root = tmp_path_factory.mktemp("garbage")
+    profile = root / "profile"
+    (profile / "host").mkdir(parents=True)
+    (profile / "host" / "1_kernel_trace.csv").write_text("\n".join(([TRACE_HEADER] if headers else []) + trace))
+    (profile / "host" / "1_kernel_stats.csv").write_text("\n".join(trace))
+    (profile / "host" / "1_agent_info.csv").write_text("\n".join((["Agent_Type,Name,Cu_Count"] if headers else [])
+                                                                 + monitor))
+    (profile / "amdsmi_monitor.csv").write_text("\n".join(([MONITOR_HEADER] if headers else []) + monitor))
+    (profile / "amdsmi_metric.jsonl").write_text("\n".join(jsonl))
+    (profile / "torch_profile.json").write_text("".join(jsonl))
+    (profile / "runner.json").write_text("".join(jsonl))
+    (root / "metrics.jsonl").write_text("\n".join(jsonl))
+    metrics = parse_run(profile, root / "metrics.jsonl")
+    assert not [w for w in metrics.warnings if "internal error" in w]
+    assert sum(k.pct_time for k in metrics.top_kernels) + metrics.other_kernels_pct in (0, pytest.approx(100))

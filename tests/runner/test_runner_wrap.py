@@ -5,9 +5,11 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -183,3 +185,32 @@ def test_with_rocprofv3_and_amd_smi_the_job_is_traced_and_sampled_with_the_first
     assert metrics.attention_kernel_loaded is True
     assert metrics.hbm_peak_gb is not None and 20.0 <= metrics.hbm_peak_gb < 40.0
     assert metrics.gpu_util_pct is not None and 90 <= metrics.gpu_util_pct <= 94
+
+
+def test_a_signal_ignored_by_the_wrappers_parent_stays_ignored_for_the_job(tmp_path):
+    probe = "import signal, sys; sys.exit(0 if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else 1)"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    argv = runner.wrap_command([sys.executable, "-c", probe], str(WRAP.parent), str(run_dir), python=sys.executable)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OBD_")}, **NO_ROCM}
+    ignore_hup = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731 - what jobctl does
+    assert subprocess.run(argv, env=env, preexec_fn=ignore_hup, timeout=60).returncode == 0
+
+
+def test_the_wrapper_outlives_a_term_sent_to_the_whole_group_and_records_the_jobs_end(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    job = "import time; time.sleep(30)"
+    argv = runner.wrap_command([sys.executable, "-c", job], str(WRAP.parent), str(run_dir), python=sys.executable)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OBD_")}, **NO_ROCM}
+    process = subprocess.Popen(argv, env=env, start_new_session=True)
+    report = run_dir / "profile" / "runner.json"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (not report.exists() or '"running"' not in report.read_text()):
+        time.sleep(0.05)
+    time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGTERM)
+    assert process.wait(20) == 128 + signal.SIGTERM
+    final = json.loads(report.read_text())
+    assert final["state"] == "finished" and final["exit_code"] == 128 + signal.SIGTERM
+    assert final["signals"] == [signal.SIGTERM]
