@@ -50,7 +50,9 @@ def driver_for(config: Config, name: str | None, **kwargs: Any) -> RunpodDriver:
     """The driver of the named runpod target, else of the first one, else of the defaults."""
     targets = {n: t for n, t in config.targets.items() if isinstance(t, RunpodTarget)}
     if name is not None and name not in targets:
-        raise _Usage(f"obd pods: {name!r} is not a runpod target; the runpod targets are: {', '.join(targets) or 'none'}")
+        raise _Usage(
+            f"obd pods: {name!r} is not a runpod target; the runpod targets are: {', '.join(targets) or 'none'}"
+        )
     if name is None:
         name = next(iter(targets), "runpod")
     target = targets.get(name) or RunpodTarget(kind="runpod")
@@ -79,7 +81,7 @@ def format_pods(pods: list[dict[str, Any]], now: float) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
 def _duration(seconds: float | None) -> str:
@@ -130,7 +132,9 @@ async def _retrieve(driver: RunpodDriver, run_id: str, to: Path | None, out: Tex
     return 0 if ok else 1
 
 
-def pods_main(argv: list[str], config: Config, *, out: TextIO | None = None, err: TextIO | None = None, **driver_kwargs: Any) -> int:
+def pods_main(
+    argv: list[str], config: Config, *, out: TextIO | None = None, err: TextIO | None = None, **driver_kwargs: Any
+) -> int:
     """Run `obd pods ARGV...` with this config; returns the exit code."""
     out, err = out or sys.stdout, err or sys.stderr
     try:

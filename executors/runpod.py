@@ -119,6 +119,12 @@ def spend(target_info: dict[str, Any], now: float) -> float | None:
     return round(float(rate) * max(0.0, now - float(started)) / 3600.0, 4)
 
 
+def _ssh_address(target_info: dict[str, Any], user: str) -> str | None:
+    if not target_info.get("ssh_host"):
+        return None
+    return f"{target_info.get('ssh_user', user)}@{target_info['ssh_host']}:{target_info.get('ssh_port')}"
+
+
 def snapshot_margin(margin: float, span: float) -> float:
     """How long ahead of a cap to ask for the snapshot: `margin`, at most a quarter of the span."""
     return max(0.0, min(margin, span / 4.0))
@@ -221,8 +227,8 @@ class RunpodDriver:
                 raise ExecutorError(
                     f"target {self.name!r} has max_cost_usd = {t.max_cost_usd} but no hourly rate is known for "
                     f"{', '.join(unknown)} ({t.cloud_type} cloud), so the cap could not be enforced: nothing was "
-                    f"created. Pick a gpu_type with a listed price (`python -c 'import runpod; print(runpod.get_gpus())'`)"
-                    " or remove max_cost_usd"
+                    "created. Pick a gpu_type with a listed price "
+                    "(`python -c 'import runpod; print(runpod.get_gpus())'`) or remove max_cost_usd"
                 )
             raise ExecutorError(
                 f"none of the GPU types of target {self.name!r} exists: {', '.join(unknown)}; nothing was created. "
@@ -274,7 +280,14 @@ class RunpodDriver:
             max_cost_usd=self.target.max_cost_usd,
         )
         await self._save(save, info)
-        log.info("runpod.created", target=self.name, run_id=run_id, pod_id=pod.id, gpu_type=gpu, cost_per_hr=info["cost_per_hr"])
+        log.info(
+            "runpod.created",
+            target=self.name,
+            run_id=run_id,
+            pod_id=pod.id,
+            gpu_type=gpu,
+            cost_per_hr=info["cost_per_hr"],
+        )
         try:
             host, port, key, rate_now = await self._wait_ssh(pod.id, started_at)
         except BaseException as exc:
@@ -301,7 +314,9 @@ class RunpodDriver:
             raise ExecutorError(f"run {info.get('run_id')} has no pod to resume; start the run again")
         left = float(info.get("started_at") or self.clock()) + self.target.boot_grace - self.clock()
         try:
-            host, port, key, rate = await self._wait_ssh(info["pod_id"], float(info.get("started_at") or 0), max(left, 0.0))
+            host, port, key, rate = await self._wait_ssh(
+                info["pod_id"], float(info.get("started_at") or 0), max(left, 0.0)
+            )
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._abandon_boot(info, save, exc)
@@ -316,7 +331,9 @@ class RunpodDriver:
         await save(dict(info))
         self.book.put(info["run_id"], target_info=dict(info))
 
-    async def _create_pod(self, run_id: str, name: str, plan: list[tuple[str, float | None]]) -> tuple[Pod, str, float | None, float]:
+    async def _create_pod(
+        self, run_id: str, name: str, plan: list[tuple[str, float | None]]
+    ) -> tuple[Pod, str, float | None, float]:
         """Try each GPU type; after any failure that may have created a pod, look it up by its tag first."""
         t = self.target
         refused: list[str] = []
@@ -352,7 +369,9 @@ class RunpodDriver:
                     break
                 except TransientError as exc:
                     failures += 1
-                    log.warning("runpod.create_ambiguous", run_id=run_id, gpu_type=gpu, error=str(exc), attempt=failures)
+                    log.warning(
+                        "runpod.create_ambiguous", run_id=run_id, gpu_type=gpu, error=str(exc), attempt=failures
+                    )
                     if failures > self.create_retries:
                         await anyio.sleep(self.settle)
                         found = await self._find_tagged(run_id, name)
@@ -369,7 +388,7 @@ class RunpodDriver:
         raise ExecutorError(
             f"no capacity on Runpod for any GPU type of target {self.name!r} ({t.cloud_type} cloud): "
             f"{'; '.join(refused)}. Nothing was created and nothing is billed. Retry later, add GPU types to "
-            "gpu_type, or set cloud_type = \"ALL\""
+            'gpu_type, or set cloud_type = "ALL"'
         )
 
     async def _find_tagged(self, run_id: str, name: str) -> Pod | None:
@@ -396,7 +415,9 @@ class RunpodDriver:
         except TransientError:
             return None
 
-    async def _wait_ssh(self, pod_id: str, started_at: float, grace: float | None = None) -> tuple[str, int, str, float | None]:
+    async def _wait_ssh(
+        self, pod_id: str, started_at: float, grace: float | None = None
+    ) -> tuple[str, int, str, float | None]:
         """Poll until the pod has a public port 22 that answers SSH; pin its host key (TOFU)."""
         deadline = anyio.current_time() + (self.target.boot_grace if grace is None else grace)
         last = "the API reported no public port 22 yet"
@@ -553,9 +574,7 @@ class RunpodDriver:
             "started_at": target_info.get("started_at"),
             "max_hours": target_info.get("max_hours", self.target.max_hours),
             "max_cost_usd": target_info.get("max_cost_usd", self.target.max_cost_usd),
-            "ssh": f"{target_info.get('ssh_user', self.ssh_user)}@{target_info.get('ssh_host')}:{target_info.get('ssh_port')}"
-            if target_info.get("ssh_host")
-            else None,
+            "ssh": _ssh_address(target_info, self.ssh_user),
         }
         pod_id = target_info.get("pod_id")
         if not pod_id:
@@ -613,7 +632,9 @@ class RunpodDriver:
 
     # --- finish ------------------------------------------------------------------------------------
 
-    async def finish(self, run_id: str, remote_dir: str, target_info: dict[str, Any], local_dir: Path) -> tuple[bool, str]:
+    async def finish(
+        self, run_id: str, remote_dir: str, target_info: dict[str, Any], local_dir: Path
+    ) -> tuple[bool, str]:
         """Retrieve and verify the outputs, then terminate the pod (unless keep_pod).
 
         Returns (outputs safe locally, message). A failed retrieval leaves the pod up and says how
@@ -692,7 +713,9 @@ class RunpodDriver:
         source = (PLUGIN_DIR / "watchdog.py").read_bytes()
         code, out, err = await run_command([python, "-", "manifest", remote_dir], stdin=source, timeout=1800)
         if code != 0:
-            raise ExecutorError(f"listing the outputs on the pod failed (exit {code}): {err.decode(errors='replace')[-300:]}")
+            raise ExecutorError(
+                f"listing the outputs on the pod failed (exit {code}): {err.decode(errors='replace')[-300:]}"
+            )
         try:
             manifest = json.loads(out)
         except ValueError as exc:
@@ -772,7 +795,9 @@ class RunpodDriver:
             pod_id = info.get("pod_id")
             if pod_id and pod_id in by_id:
                 claimed.add(pod_id)
-                out.append({"kind": "matched", "run_id": run_id, "pod_id": pod_id, "state": by_id[pod_id].desired_status})
+                out.append(
+                    {"kind": "matched", "run_id": run_id, "pod_id": pod_id, "state": by_id[pod_id].desired_status}
+                )
                 continue
             if pod_id:
                 out.append({
@@ -785,7 +810,14 @@ class RunpodDriver:
             if tagged:
                 pod = tagged[0]
                 claimed.add(pod.id)
-                out.append({"kind": "adopted", "run_id": run_id, "pod_id": pod.id, "target_info": self._info_from_pod(pod, info)})
+                out.append(
+                    {
+                        "kind": "adopted",
+                        "run_id": run_id,
+                        "pod_id": pod.id,
+                        "target_info": self._info_from_pod(pod, info),
+                    }
+                )
                 continue
             out.append({
                 "kind": "not_created", "run_id": run_id, "pod_id": None,
@@ -838,5 +870,8 @@ class RunpodDriver:
             return target_info
         key = await self._host_key(target_info["ssh_host"], int(target_info["ssh_port"]))
         if key is None:
-            raise ExecutorError(f"pod {target_info.get('pod_id')} does not answer SSH at {target_info['ssh_host']}:{target_info['ssh_port']}")
+            raise ExecutorError(
+                f"pod {target_info.get('pod_id')} does not answer SSH at "
+                f"{target_info['ssh_host']}:{target_info['ssh_port']}"
+            )
         return {**target_info, "host_key": key}

@@ -223,7 +223,9 @@ def classify(exc: BaseException, what: str) -> RunpodApiError:
     if isinstance(exc, (KeyError, TypeError)):
         return TransientError(f"the Runpod API answered {what} without data (HTTP 429 or 5xx?)")
     if isinstance(exc, ValueError) and "No GPU found" in str(exc):
-        return UnknownGpu(f"unknown GPU type ({what}); list the valid ids with `python -c 'import runpod; print(runpod.get_gpus())'`")
+        return UnknownGpu(
+            f"unknown GPU type ({what}); list the valid ids with `python -c 'import runpod; print(runpod.get_gpus())'`"
+        )
     return RunpodApiError(f"the Runpod API call {what} failed: {type(exc).__name__}: {exc}")
 
 
@@ -382,4 +384,3 @@ __all__ = [
     "rate_from_gpu",
     "resolve_api_key",
 ]
-

@@ -9,7 +9,8 @@ the run's `plugin/trainer_plugin/` and starts it detached before the job:
 
 Every `interval` seconds it looks at the run directory and decides, by these rules:
 - `deadline`: writes `snapshot.request` `deadline` once `max_hours` is less than `snapshot_margin`
-  away (at most a quarter of the way from the pod's start, so a short cap is not asked at once), and cancels the job at `max_hours` (TERM, grace, KILL), unless the daemon holds a fresh lease;
+  away (at most a quarter of the way from the pod's start, so a short cap is not asked at once),
+  and cancels the job at `max_hours` (TERM, grace, KILL), unless the daemon holds a fresh lease;
 - `cost`: the same for the spend (hourly rate x time since the pod started) against `max_cost_usd`
   (the request is written whatever the lease, the cancel only when the lease is stale);
 - `disk`: writes `snapshot.request` `disk` when the workdir's free space falls under
@@ -101,7 +102,11 @@ def delete_pod_http(base_url: str, api_key: str, pod_id: str, timeout: float = 3
     req = urllib.request.Request(
         base_url.rstrip("/") + "/graphql",
         data=json.dumps({"query": query}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}", "User-Agent": "obd-watchdog"},
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {api_key}",
+            "User-Agent": "obd-watchdog",
+        },
         method="POST",
     )
     try:
@@ -197,7 +202,9 @@ class Watchdog:
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         usable = used + st.f_bavail * st.f_frsize
         used_pct = 100.0 * used / usable if usable else 0.0
-        if (min_free is not None and free_gb < float(min_free)) or (max_used is not None and used_pct > float(max_used)):
+        if (min_free is not None and free_gb < float(min_free)) or (
+            max_used is not None and used_pct > float(max_used)
+        ):
             return {"free_gb": round(free_gb, 3), "used_pct": round(used_pct, 2)}
         return None
 
@@ -312,7 +319,10 @@ class Watchdog:
             "",
             pod_id=self.pod_id,
             pid=os.getpid(),
-            **{k: self.cfg[k] for k in ("max_hours", "max_cost_usd", "cost_per_hr", "started_at", "boot_grace", "abandon_grace")},
+            **{
+                k: self.cfg[k]
+                for k in ("max_hours", "max_cost_usd", "cost_per_hr", "started_at", "boot_grace", "abandon_grace")
+            },
         )
         steps = 0
         while max_steps is None or steps < max_steps:

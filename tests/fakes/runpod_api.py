@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-NO_CAPACITY = "There are no longer any instances available with the requested specifications. Please refresh and try again."
+NO_CAPACITY = (
+    "There are no longer any instances available with the requested specifications. Please refresh and try again."
+)
 
 
 # --- a small GraphQL parser (the subset the SDK sends) ---------------------------------------
@@ -285,8 +287,15 @@ class FakeRunpod:
     def add_foreign_pod(self, name: str, env: dict[str, str] | None = None) -> str:
         """A pod obd did not create (another tool, another obd install)."""
         with self.lock:
-            return self._new_pod({"name": name, "imageName": "x", "gpuTypeId": "NVIDIA A40", "gpuCount": 1,
-                                  "cloudType": ("enum", "SECURE"), "env": [{"key": k, "value": v} for k, v in (env or {}).items()]})  # fmt: skip
+            spec = {
+                "name": name,
+                "imageName": "x",
+                "gpuTypeId": "NVIDIA A40",
+                "gpuCount": 1,
+                "cloudType": ("enum", "SECURE"),
+            }
+            spec["env"] = [{"key": k, "value": v} for k, v in (env or {}).items()]
+            return self._new_pod(spec)
 
     def ops(self) -> list[str]:
         with self.lock:
@@ -370,7 +379,9 @@ class FakeRunpod:
 
     def _send_fault(self, req: BaseHTTPRequestHandler, kind: str, op: str) -> None:
         if kind == "429":
-            return self._send(req, 429, b"<html><body>429 Too Many Requests</body></html>", "text/html", op, {"Retry-After": "1"})
+            return self._send(
+                req, 429, b"<html><body>429 Too Many Requests</body></html>", "text/html", op, {"Retry-After": "1"}
+            )
         if kind == "500":
             return self._send_json(req, 500, {"errors": [{"message": "Internal server error"}]}, op)
         if kind == "nodata":
@@ -389,7 +400,15 @@ class FakeRunpod:
     def _send_json(self, req: BaseHTTPRequestHandler, status: int, payload: Any, op: str) -> None:
         self._send(req, status, json.dumps(payload).encode(), "application/json", op)
 
-    def _send(self, req: BaseHTTPRequestHandler, status: int, body: bytes, ctype: str, op: str, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def _send(
+        self,
+        req: BaseHTTPRequestHandler,
+        status: int,
+        body: bytes,
+        ctype: str,
+        op: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         with self.lock:
             self.calls.append((op, status))
         try:
@@ -460,10 +479,16 @@ class FakeRunpod:
         spec = f.args.get("input") or {}
         for required in ("name", "imageName", "gpuTypeId", "cloudType"):
             if required not in spec:
-                raise QueryFailure(f'Field "PodFindAndDeployOnDemandInput.{required}" of required type was not provided.')
+                raise QueryFailure(
+                    f'Field "PodFindAndDeployOnDemandInput.{required}" of required type was not provided.'
+                )
         env = spec.get("env") or []
         for item in env:
-            if not isinstance(item, dict) or not isinstance(item.get("key"), str) or not isinstance(item.get("value"), str):
+            if (
+                not isinstance(item, dict)
+                or not isinstance(item.get("key"), str)
+                or not isinstance(item.get("value"), str)
+            ):
                 raise QueryFailure("Expected type EnvironmentVariableInput.")
         gpu = self.gpus.get(spec["gpuTypeId"])
         if gpu is None or gpu.capacity < int(spec.get("gpuCount") or 1):

@@ -83,7 +83,9 @@ async def test_a_bad_api_key_is_a_clear_error_naming_where_the_key_comes_from(fa
     assert "wrong-key" not in str(info.value)
 
 
-async def test_no_api_key_anywhere_is_a_clear_error(fake: FakeRunpod, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+async def test_no_api_key_anywhere_is_a_clear_error(
+    fake: FakeRunpod, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
     monkeypatch.delenv("RUNPOD_API_KEY")
     import runpod.cli.groups.config.functions as creds
 
@@ -93,7 +95,9 @@ async def test_no_api_key_anywhere_is_a_clear_error(fake: FakeRunpod, monkeypatc
     assert fake.calls == []
 
 
-def test_the_key_is_read_from_the_sdk_config_file_when_the_variable_is_unset(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_the_key_is_read_from_the_sdk_config_file_when_the_variable_is_unset(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
     import runpod.cli.groups.config.functions as creds
 
     path = tmp_path / "config.toml"
@@ -160,4 +164,3 @@ def test_the_hourly_rate_comes_from_the_cloud_price_times_the_gpu_count() -> Non
     assert rate_from_gpu(gpu, 1, "COMMUNITY") == pytest.approx(0.44)
     assert rate_from_gpu(gpu, 1, "ALL") == pytest.approx(0.69)
     assert rate_from_gpu({"securePrice": None, "communityPrice": None, "lowestPrice": None}, 1, "SECURE") is None
-

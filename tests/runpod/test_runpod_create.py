@@ -21,7 +21,7 @@ async def test_a_pod_is_created_tagged_and_reached_over_ssh_with_its_host_key_pi
     info = await driver.create("r1", saves)
     [pod] = fake.live_pods()
     assert info["pod_id"] == pod["id"] and info["pod_name"] == "obd-r1" == pod["name"]
-    assert f"OBD_RUN_ID=r1" in pod["env"] and f"OBD_OWNER={driver.owner}" in pod["env"]
+    assert "OBD_RUN_ID=r1" in pod["env"] and f"OBD_OWNER={driver.owner}" in pod["env"]
     assert any(e.startswith("PUBLIC_KEY=ssh-ed25519 ") for e in pod["env"])
     assert (info["ssh_host"], info["ssh_port"]) == (pod_sshd.host, pod_sshd.port)
     assert info["host_key"] == " ".join(pod_sshd.host_key_line.split()[:2])
@@ -87,7 +87,9 @@ async def test_a_create_that_failed_ambiguously_never_leaves_two_pods(
     assert len(fake.creates) == 1
 
 
-async def test_a_create_that_keeps_failing_gives_up_without_leaving_a_pod(make_driver, fake: FakeRunpod, saves: Saves) -> None:
+async def test_a_create_that_keeps_failing_gives_up_without_leaving_a_pod(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
     fake.inject("502", op="podFindAndDeployOnDemand", times=20)
     with pytest.raises(ExecutorError, match="kept failing"):
         await make_driver().create("r1", saves)
@@ -115,7 +117,9 @@ async def test_a_public_port_where_no_sshd_answers_is_not_taken_for_a_ready_pod(
     assert fake.live_pods() == []
 
 
-async def test_a_pod_terminated_from_outside_while_booting_is_reported(make_driver, fake: FakeRunpod, saves: Saves) -> None:
+async def test_a_pod_terminated_from_outside_while_booting_is_reported(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
     fake.ssh_endpoint = None
     fake.ready_after = 10**6
 
@@ -138,13 +142,17 @@ async def test_a_cost_cap_with_no_known_hourly_rate_is_refused_before_anything_i
     assert saves.records == [] and fake.creates == [] and "podFindAndDeployOnDemand" not in fake.ops()
 
 
-async def test_a_cost_cap_skips_gpu_types_without_a_rate_and_uses_the_next(make_driver, fake: FakeRunpod, saves: Saves) -> None:
+async def test_a_cost_cap_skips_gpu_types_without_a_rate_and_uses_the_next(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
     fake.add_gpu(Gpu("NVIDIA Mystery", secure_price=None, community_price=None))
     info = await make_driver(gpu_type=["NVIDIA Mystery", A40], max_cost_usd=10).create("r1", saves)
     assert info["gpu_type"] == A40 and info["cost_per_hr"] == pytest.approx(0.40)
 
 
-async def test_a_bad_api_key_is_a_clear_error_before_anything_is_recorded(make_driver, fake: FakeRunpod, saves: Saves, monkeypatch) -> None:
+async def test_a_bad_api_key_is_a_clear_error_before_anything_is_recorded(
+    make_driver, fake: FakeRunpod, saves: Saves, monkeypatch
+) -> None:
     monkeypatch.setenv("RUNPOD_API_KEY", "not-a-key")
     with pytest.raises(AuthError, match="refused the API key") as info:
         await make_driver().create("r1", saves)

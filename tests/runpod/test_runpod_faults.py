@@ -95,7 +95,9 @@ fault_lists = st.lists(st.tuples(st.sampled_from(KINDS), st.sampled_from(OPS), s
 
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(faults=fault_lists, capacity=st.sampled_from([0, 10]), ssh_ready=st.booleans())
-def test_no_sequence_of_api_faults_leaves_a_pod_obd_does_not_know_about(pod_sshd: SshServer, faults, capacity, ssh_ready) -> None:
+def test_no_sequence_of_api_faults_leaves_a_pod_obd_does_not_know_about(
+    pod_sshd: SshServer, faults, capacity, ssh_ready
+) -> None:
     fake, saves, driver, outcome = scenario(pod_sshd, faults, capacity=capacity, ssh_ready=ssh_ready)
     try:
         check_no_unknown_pod(fake, saves, driver, outcome)
@@ -107,7 +109,10 @@ def test_no_sequence_of_api_faults_leaves_a_pod_obd_does_not_know_about(pod_sshd
 
 
 EXPLICIT = {
-    "a create that times out, then a list that fails": [("timeout", "podFindAndDeployOnDemand", 1), ("503", "myself", 2)],
+    "a create that times out, then a list that fails": [
+        ("timeout", "podFindAndDeployOnDemand", 1),
+        ("503", "myself", 2),
+    ],
     "a create dropped after it ran, twice": [("drop", "podFindAndDeployOnDemand", 2)],
     "every list fails after an ambiguous create": [("drop", "podFindAndDeployOnDemand", 1), ("502", "myself", 20)],
     "the terminate of a pod that never booted fails": [("500", "podTerminate", 20)],

@@ -40,7 +40,12 @@ async def run_job(driver: RunpodDriver, info: dict, run_id: str, command: list[s
     remote_dir = f"{driver.target.workdir}/{run_id}"
     ex = driver.executor(info)
     try:
-        job = JobSpec(run_id=run_id, remote_dir=remote_dir, command=command or [sys.executable, "-c", JOB], env={"RUN_DIR": remote_dir})
+        job = JobSpec(
+            run_id=run_id,
+            remote_dir=remote_dir,
+            command=command or [sys.executable, "-c", JOB],
+            env={"RUN_DIR": remote_dir},
+        )
         handle = await ex.spawn(job)
         if command is None:
             with anyio.fail_after(20):
@@ -244,7 +249,7 @@ async def test_an_orphan_found_by_reconcile_can_be_retrieved_and_terminated(
     make_driver, fake: FakeRunpod, saves: Saves, tmp_path: Path
 ) -> None:
     driver = make_driver()
-    info = await driver.create("r1", saves)
+    await driver.create("r1", saves)
     remote_dir = write_outputs(driver, "r1")
     fresh = make_driver(state_dir=tmp_path / "state")  # a restarted daemon: same state dir
     [orphan] = await fresh.reconcile({})
@@ -276,7 +281,9 @@ async def test_the_watchdog_started_beside_the_job_deletes_a_pod_whose_job_never
     assert "test-key" not in json.dumps(config) and "test-key" not in Path(remote_dir, "watchdog.log").read_text()
 
 
-async def test_the_watchdog_stays_off_while_the_daemon_renews_its_lease(make_driver, fake: FakeRunpod, saves: Saves) -> None:
+async def test_the_watchdog_stays_off_while_the_daemon_renews_its_lease(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
     driver = make_driver(boot_grace=1.0)
     info = await driver.create("r1", saves)
     remote_dir = f"{driver.target.workdir}/r1"

@@ -26,7 +26,9 @@ def cli(config: Config, driver, *argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def test_pods_list_shows_only_the_pods_this_obd_created_with_rate_and_spend(make_driver, fake: FakeRunpod, tmp_path: Path) -> None:
+def test_pods_list_shows_only_the_pods_this_obd_created_with_rate_and_spend(
+    make_driver, fake: FakeRunpod, tmp_path: Path
+) -> None:
     driver = make_driver()
     info = anyio.run(driver.create, "r1", Saves(fake))
     fake.add_foreign_pod("obd-other", {"OBD_OWNER": "someone-else", "OBD_RUN_ID": "x"})
@@ -42,7 +44,9 @@ def test_pods_list_shows_only_the_pods_this_obd_created_with_rate_and_spend(make
     assert pod["pod_id"] == info["pod_id"] and pod["run_id"] == "r1" and pod["spend_usd"] is not None
 
 
-def test_pods_rm_terminates_one_of_obd_s_pods_and_refuses_anyone_else_s(make_driver, fake: FakeRunpod, tmp_path: Path) -> None:
+def test_pods_rm_terminates_one_of_obd_s_pods_and_refuses_anyone_else_s(
+    make_driver, fake: FakeRunpod, tmp_path: Path
+) -> None:
     driver = make_driver()
     info = anyio.run(driver.create, "r1", Saves(fake))
     other = fake.add_foreign_pod("notebook")
@@ -57,7 +61,9 @@ def test_pods_rm_terminates_one_of_obd_s_pods_and_refuses_anyone_else_s(make_dri
     assert code == 1 and "does not exist" in err
 
 
-def test_pods_retrieve_fetches_a_run_s_outputs_after_a_failed_finish(make_driver, fake: FakeRunpod, tmp_path: Path) -> None:
+def test_pods_retrieve_fetches_a_run_s_outputs_after_a_failed_finish(
+    make_driver, fake: FakeRunpod, tmp_path: Path
+) -> None:
     driver = make_driver()
     info = anyio.run(driver.create, "r1", Saves(fake))
     remote = Path(driver.target.workdir) / "r1"
@@ -73,7 +79,9 @@ def test_pods_retrieve_fetches_a_run_s_outputs_after_a_failed_finish(make_driver
     assert fake.live_pods() == []
 
 
-def test_pods_usage_errors_exit_2_and_api_errors_exit_1(make_driver, fake: FakeRunpod, tmp_path: Path, monkeypatch) -> None:
+def test_pods_usage_errors_exit_2_and_api_errors_exit_1(
+    make_driver, fake: FakeRunpod, tmp_path: Path, monkeypatch
+) -> None:
     driver = make_driver()
     config = config_for(driver, tmp_path / "state")
     assert cli(config, driver, "frobnicate")[0] == 2

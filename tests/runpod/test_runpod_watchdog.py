@@ -42,7 +42,9 @@ class World:
         config = {"run_dir": str(run_dir), "pod_id": "pod1", "started_at": T0, "boot_grace": 600, "abandon_grace": 1800,
                   "snapshot_margin": 900, "kill_grace": 0}  # fmt: skip
         config.update(cfg)
-        self.dog = Watchdog(config, clock=self.clock, statvfs=lambda p: self.disk, delete_pod=self._delete, cancel_job=self._cancel)
+        self.dog = Watchdog(
+            config, clock=self.clock, statvfs=lambda p: self.disk, delete_pod=self._delete, cancel_job=self._cancel
+        )
 
     def _delete(self, pod_id: str) -> None:
         if self.delete_error:
@@ -281,7 +283,9 @@ def test_a_second_watchdog_on_the_same_run_exits_at_once(tmp_path: Path) -> None
     config = tmp_path / "watchdog.json"
     config.write_text(json.dumps({"run_dir": str(tmp_path), "pod_id": "p", "interval": 0.05, "boot_grace": 3600}))
     script = Path(watchdog.__file__)
-    first = subprocess.Popen([sys.executable, str(script), "run", "--config", str(config)], env={**os.environ, "RUNPOD_API_KEY": "k"})
+    first = subprocess.Popen(
+        [sys.executable, str(script), "run", "--config", str(config)], env={**os.environ, "RUNPOD_API_KEY": "k"}
+    )
     try:
         deadline = time.monotonic() + 10
         while not (tmp_path / "watchdog.log").exists() and time.monotonic() < deadline:
@@ -316,5 +320,7 @@ def test_the_watchdog_uses_only_the_standard_library() -> None:
 
     tree = ast.parse(Path(watchdog.__file__).read_text())
     modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    modules |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+    modules |= {
+        n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+    }
     assert modules <= set(sys.stdlib_module_names) | {"jobctl", "__future__"}
