@@ -41,7 +41,7 @@ log = structlog.get_logger("obd.runpod")
 POD_PREFIX = "obd-"
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PLUGIN_DIR = Path(__file__).resolve().parent.parent / "trainer_plugin"
-GONE_STATES = ("TERMINATED", "EXITED", "gone")
+_NO_ANSWER = object()
 Save = Callable[[dict[str, Any]], Awaitable[None]]
 
 
@@ -81,6 +81,8 @@ class PodBook:
         self.dir = Path(state_dir) / "runpod" / "pods"
 
     def put(self, run_id: str, **fields: Any) -> dict[str, Any]:
+        if not RUN_ID_RE.match(run_id):
+            raise ExecutorError(f"invalid run id {run_id!r}; see `obd train list`")
         entry = {**(self.get(run_id) or {}), **fields}
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f".{run_id}.json.{secrets.token_hex(4)}"
@@ -89,6 +91,8 @@ class PodBook:
         return entry
 
     def get(self, run_id: str) -> dict[str, Any] | None:
+        if not RUN_ID_RE.match(run_id):
+            return None
         try:
             return json.loads((self.dir / f"{run_id}.json").read_text())
         except (OSError, ValueError):
@@ -173,6 +177,7 @@ class RunpodDriver:
         settle: float = 2.0,
         ssh_probe_timeout: float = 10.0,
         watchdog_interval: float = 30.0,
+        describe_timeout: float = 10.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.name = name
@@ -186,6 +191,7 @@ class RunpodDriver:
         self.settle = settle
         self.ssh_probe_timeout = ssh_probe_timeout
         self.watchdog_interval = watchdog_interval
+        self.describe_timeout = describe_timeout
         self.clock = clock
         self.book = PodBook(self.state_dir)
         self._owner: str | None = None
@@ -580,10 +586,15 @@ class RunpodDriver:
         if not pod_id:
             out.update(state=target_info.get("phase", "creating"), spend_usd=None)
             return out
+        pod: Any = _NO_ANSWER
         try:
-            pod = await self.api.get_pod(pod_id)
+            with anyio.move_on_after(self.describe_timeout):
+                pod = await self.api.get_pod(pod_id)
         except RunpodApiError as exc:
             out.update(state="unknown", error=str(exc), spend_usd=spend(target_info, now))
+            return out
+        if pod is _NO_ANSWER:
+            out.update(state="unknown", error="the Runpod API did not answer in time", spend_usd=spend(target_info, now))
             return out
         if pod is None:
             out.update(state="gone", spend_usd=spend(target_info, now))

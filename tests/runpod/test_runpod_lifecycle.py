@@ -177,6 +177,19 @@ async def test_describe_shows_the_pod_state_rate_and_spend_so_far(make_driver, f
     assert shown["max_cost_usd"] == 5.0 and shown["ssh"].endswith(f":{info['ssh_port']}")
 
 
+async def test_describe_answers_quickly_with_an_unknown_state_when_the_api_hangs(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    driver.describe_timeout = 0.3
+    fake.inject("timeout", op="pod", times=5, delay=2.0)
+    start = time.monotonic()
+    shown = await driver.describe(info)
+    assert shown["state"] == "unknown" and shown["spend_usd"] is not None
+    assert time.monotonic() - start < 1.5
+
+
 async def test_the_daemon_side_caps_say_deadline_or_cost_ahead_of_the_cap(make_driver, fake: FakeRunpod) -> None:
     driver = make_driver(max_hours=2.0, max_cost_usd=1.0)
     info = {"started_at": 1000.0, "cost_per_hr": 1.0, "max_hours": 2.0, "max_cost_usd": 1.0}
