@@ -70,12 +70,12 @@ async def _fetch_metrics(executor, remote: str, local: Path, warnings: list[str]
         pass
     try:
         offset = 0
-        with open(local, "wb") as out:
+        async with await anyio.open_file(local, "wb") as out:
             while offset < METRICS_LIMIT:
                 chunk = await executor.read_from(remote, offset, READ_CHUNK)
                 if not chunk:
                     break
-                out.write(chunk)
+                await out.write(chunk)
                 offset += len(chunk)
         if offset == 0:
             local.unlink(missing_ok=True)

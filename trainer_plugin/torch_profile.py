@@ -257,7 +257,7 @@ class StepProfiler:
         torch = self._torch
         if torch is None:
             try:
-                import torch  # noqa: F811
+                import torch
             except Exception:  # noqa: BLE001
                 return {"kind": "unknown", "torch_version": None}
         info: dict = {"torch_version": torch.__version__, "hip_version": getattr(torch.version, "hip", None),
