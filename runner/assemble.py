@@ -128,6 +128,9 @@ def _kernels(metrics: RunMetrics, files: ProfileFiles | None, step_count: int | 
             metrics.kernel_time_s = trace.kernel_ns / 1e9
             busy = [ns for ns in trace.busy_ns.values() if ns > 0]
             metrics.gpu_busy_s = sum(busy) / len(busy) / 1e9 if busy else None
+            if busy:
+                metrics.gpu_count = len(busy)
+                metrics.sources["gpu_count"] = "kernel traces: GPU agents that ran kernels"
             layouts = ", ".join(sorted(set(trace.layouts)))
             where = f"{len(trace.files)} kernel trace file(s), {trace.dispatches} dispatches; layout: {layouts}"
             metrics.sources["top_kernels"] = f"rocprofv3 {where}; % of summed kernel durations"
@@ -198,8 +201,7 @@ def _agents(metrics: RunMetrics, files: ProfileFiles | None) -> list[rocprof.Gpu
         metrics.files.append(files.label(path))
     if agents:
         metrics.gpu_name = agents[0].product or agents[0].name
-        metrics.gpu_count = len(agents)
-        metrics.sources["gpu_name"] = "agent_info.csv"
+        metrics.sources["gpu_name"] = f"agent_info.csv ({len(agents)} GPU(s) on the node)"
     return agents
 
 
@@ -237,6 +239,9 @@ def _telemetry(metrics: RunMetrics, files: ProfileFiles | None, runner_info: dic
         metrics.sources["power_avg_w"] = f"{where}; mean power_usage"
     if metrics.device_kind is None:
         metrics.device_kind = "amd"
+    if metrics.gpu_count is None and summary.active_gpus:
+        metrics.gpu_count = len(summary.active_gpus)
+        metrics.sources["gpu_count"] = "amd-smi: GPUs whose VRAM or activity moved during the run"
     return summary
 
 
@@ -252,7 +257,6 @@ def _torch_fields(metrics: RunMetrics, summary: torchprof.TorchSummary | None,
         metrics.profiler = "torch.profiler"
     if metrics.gpu_name is None and summary.device_name:
         metrics.gpu_name = summary.device_name
-        metrics.gpu_count = summary.device_count
         metrics.sources["gpu_name"] = "torch_profile.json: torch.cuda.get_device_name()"
     if summary.device_kind == "cpu":
         metrics.warn("CPU run: no GPU, so HBM, GPU utilisation, MFU and the GPU buckets do not apply")
@@ -326,7 +330,10 @@ def _mfu(metrics: RunMetrics, log: steps.StepLog, world_size: int | None, agents
         metrics.flops_per_token = flops
         metrics.sources["flops_per_token"] = f"{flops_source}; 4N + 2 x trainable parameters"
 
-    gpus = world_size or metrics.gpu_count
+    if world_size:
+        metrics.gpu_count = world_size
+        metrics.sources["gpu_count"] = "metrics.jsonl begin line: world_size"
+    gpus = metrics.gpu_count
     metrics.mfu_pct = hardware.mfu_pct(metrics.tokens_per_sec, flops, metrics.peak_tflops, gpus)
     if metrics.mfu_pct is not None:
         metrics.sources["mfu_pct"] = (f"tokens/s x {flops:.3g} FLOPs/token / ({metrics.peak_tflops:.1f} TFLOPs x "

@@ -19,7 +19,7 @@ Category = Literal["comm", "precision", "shape", "useful"]
 # PyTorch's memory-efficient and flash SDPA back-ends.
 _ATTENTION = re.compile(
     r"flash_?attn|flash_?attention|flash_fwd|flash_bwd|fmha|attn_fwd|attn_bwd|efficient_attention"
-    r"|mha_fwd|mha_bwd|paged_attention|attention_kernel|attention_fwd|attention_bwd",
+    r"|mha_fwd|mha_bwd|paged_attention|attention_kernel|attention_fwd|attention_bwd|native_sdpa|_sdpa_",
     re.IGNORECASE,
 )
 # PyTorch operators (the torch.profiler CPU path): `aten::scaled_dot_product_attention` is the

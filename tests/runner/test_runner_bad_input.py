@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import STEPS
+from runner_fixture_numbers import STEPS
 
 from runner import rocprof
 from runner.assemble import parse_run

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import BUSY_NS_PER_STEP, GEMM_SHARE, KERNEL_NS_PER_STEP, STEPS
+from runner_fixture_numbers import BUSY_NS_PER_STEP, GEMM_SHARE, KERNEL_NS_PER_STEP, STEPS
 
 from runner import rocprof
 from runner.assemble import parse_run
