@@ -440,8 +440,19 @@ class SshExecutor:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _run(self, session: _Session, command: str, stdin: bytes = b"") -> asyncssh.SSHCompletedProcess:
-        self.round_trips += 1
-        return await session.conn.run(command, input=stdin, encoding=None, check=False)
+        """One remote command. A channel the server refuses (it may free a finished session's slot
+        a moment after closing it, and MaxSessions counts slots) is asked for again, briefly;
+        nothing has run when a channel open fails, so this never runs a command twice."""
+        for delay in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, None):
+            try:
+                self.round_trips += 1
+                return await session.conn.run(command, input=stdin, encoding=None, check=False)
+            except asyncssh.ChannelOpenError:
+                if delay is None or not session.alive:
+                    raise
+                log.debug("ssh.channel_refused", target=self.name, retry_in=delay)
+                await anyio.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def run_command(
         self, argv: list[str], stdin: bytes = b"", timeout: float | None = None
