@@ -46,6 +46,14 @@ class IdRequest(_Req):
     id: str
 
 
+class WaitRequest(_Req):
+    """Answer once the run is final, or after `timeout` seconds with the record as it is."""
+
+    op: Literal["wait"]
+    id: str
+    timeout: float = Field(default=30.0, ge=0, le=300)
+
+
 class ListRequest(_Req):
     op: Literal["list", "ping", "targets"]
 
@@ -68,4 +76,5 @@ REQUESTS = {
     "ping": ListRequest,
     "targets": ListRequest,
     "read": ReadRequest,
+    "wait": WaitRequest,
 }

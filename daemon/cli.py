@@ -230,10 +230,9 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
 
 def _wait(client: Client, run_id: str) -> dict[str, Any]:
     while True:
-        record = client.call("status", id=run_id)
+        record = client.call("wait", id=run_id, timeout=20)
         if record["state"] in FINAL:
             return record
-        time.sleep(0.2)
 
 
 def _metrics(result: dict[str, Any], as_json: bool) -> int:

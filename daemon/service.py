@@ -57,6 +57,7 @@ class Daemon:
         self._loops: set[str] = set()
         self._cancelling: set[str] = set()
         self._dirty: set[str] = set()
+        self._final: dict[str, anyio.Event] = {}
         self._tg: TaskGroup | None = None
         self._lock_fd: int | None = None
 
@@ -151,6 +152,7 @@ class Daemon:
             for record in list(self.records.values()):
                 if record.state == RunState.running:
                     self._ensure_loop(record)
+                    self._watch_exit(record)
             tg.start_soon(self.notifier.watchdog_loop)
             active = sum(r.state == RunState.running for r in self.records.values())
             self.notifier.ready(f"following {active} running runs")
@@ -206,6 +208,7 @@ class Daemon:
             record.transition(RunState.running, "launched; re-attached after a daemon restart")
             self._save_quietly(record)
             self._ensure_loop(record)
+            self._watch_exit(record)
             return
         record.transition(
             RunState.failed,
@@ -227,6 +230,22 @@ class Daemon:
             return
         self._loops.add(key)
         self._tg.start_soon(self._follow, key, self.poll_interval(record))
+
+    def _watch_exit(self, record: RunRecord) -> None:
+        """On a local target, wake the follow the moment the job exits instead of at the next poll."""
+        executor = self.executor_for(record)
+        handle = self._handle(record)
+        if self._tg is None or handle is None or not hasattr(executor, "wait_exit"):
+            return
+
+        async def watch() -> None:
+            await executor.wait_exit(handle)
+            self.wake(self.executor_key(record))
+
+        self._tg.start_soon(watch)
+
+    def final_event(self, run_id: str) -> anyio.Event:
+        return self._final.setdefault(run_id, anyio.Event())
 
     def wake(self, key: str) -> None:
         event = self._wake.get(key)
@@ -319,6 +338,7 @@ class Daemon:
             record.progress.eta_seconds = None
             record.transition(state, message)
             self._save_quietly(record)
+        self.final_event(record.id).set()
         log.info("run_finished", run_id=record.id, state=state.value, exit_code=status.exit_code, message=message)
 
     async def _collect_metrics(self, record: RunRecord, executor: Executor) -> None:
@@ -376,6 +396,12 @@ class Daemon:
             return (await self.cancel(request)).public()
         if op == "status":
             return self.get(request.id).public()
+        if op == "wait":
+            record = self.get(request.id)
+            if not record.state.final:
+                with anyio.move_on_after(request.timeout):
+                    await self.final_event(record.id).wait()
+            return record.public()
         if op == "metrics":
             record = self.get(request.id)
             return {"id": record.id, "state": record.state.value, "metrics": record.metrics, "profile": record.profile}
@@ -455,6 +481,7 @@ class Daemon:
                 if record.stop.cancel_by == "user":
                     record.transition(RunState.cancelled, "cancelled by the user before the job started")
                     self._save_quietly(record)
+                    self.final_event(record.id).set()
                     return
             spec = JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
             handle = await executor.spawn(spec)
@@ -462,6 +489,7 @@ class Daemon:
             async with self.lock(record.id):
                 record.transition(RunState.failed, f"launch failed: {exc}")
                 self._save_quietly(record)
+                self.final_event(record.id).set()
             log.error("launch_failed", run_id=record.id, error=str(exc))
             return
         async with self.lock(record.id):
@@ -470,6 +498,7 @@ class Daemon:
             self._save_quietly(record)
         log.info("run_started", run_id=record.id, pid=handle.pid)
         self._ensure_loop(record)
+        self._watch_exit(record)
         if record.stop.cancel_by == "user":
             self._start_cancel(record)
 

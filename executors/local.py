@@ -105,6 +105,21 @@ class LocalExecutor:
     async def download(self, remote: str, local: Path) -> None:
         await anyio.to_thread.run_sync(_copy, Path(remote), local)
 
+    async def wait_exit(self, handle: JobHandle) -> None:
+        """Return when the job's wrapper has exited (pidfd: woken by the kernel, no polling)."""
+        if not jobctl.handle_alive(handle.model_dump()):
+            return
+        try:
+            fd = os.pidfd_open(handle.pid)
+        except OSError:
+            return  # gone already, or no pidfd here: the follow's polling still sees the exit
+        try:
+            # The pid may have been reused between the check and the open: check again.
+            if jobctl.handle_alive(handle.model_dump()):
+                await anyio.wait_readable(fd)
+        finally:
+            os.close(fd)
+
     async def aclose(self) -> None:
         return None
 
