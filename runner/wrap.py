@@ -274,7 +274,12 @@ def parse_args(argv: list[str]) -> tuple[str, float, list[str]]:
 def main(argv: list[str]) -> int:
     run_dir, interval, command = parse_args(argv)
     profile_dir = os.path.join(run_dir, "profile")
-    os.makedirs(profile_dir, exist_ok=True)
+    try:
+        os.makedirs(profile_dir, exist_ok=True)
+    except OSError as exc:  # nowhere to profile into: the job still runs, unprofiled
+        print(f"obd wrap: cannot create {profile_dir} ({exc}); running the job unprofiled", file=sys.stderr,
+              flush=True)
+        return _run_plain(command)
     report_path = os.path.join(profile_dir, "runner.json")
     report: dict = {"version": VERSION, "host": socket.gethostname(), "started": time.time(), "command": command,
                     "state": "starting", "missing": [], "notes": []}
@@ -359,6 +364,16 @@ def main(argv: list[str]) -> int:
     report.update(state="finished", ended=time.time(), exit_code=code)
     _write(report_path, report)
     return code
+
+
+def _run_plain(command: list[str]) -> int:
+    """Run the command with nothing around it and return its exit status (shell convention)."""
+    try:
+        code = subprocess.call(command)
+    except OSError as exc:
+        print(f"obd wrap: could not start {command[0]!r}: {exc}", file=sys.stderr, flush=True)
+        return 127
+    return 128 - code if code < 0 else code
 
 
 def _count_traces(directory: str) -> int:

@@ -214,3 +214,12 @@ def test_the_wrapper_outlives_a_term_sent_to_the_whole_group_and_records_the_job
     final = json.loads(report.read_text())
     assert final["state"] == "finished" and final["exit_code"] == 128 + signal.SIGTERM
     assert final["signals"] == [signal.SIGTERM]
+
+
+def test_when_the_profile_directory_cannot_be_made_the_job_still_runs(tmp_path):
+    (tmp_path / "run").write_text("a file where the run directory should be")
+    argv = runner.wrap_command([sys.executable, "-c", "raise SystemExit(5)"], str(WRAP.parent), str(tmp_path / "run"),
+                               python=sys.executable)
+    done = subprocess.run(argv, env={**os.environ, **NO_ROCM}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 5
+    assert "running the job unprofiled" in done.stderr
