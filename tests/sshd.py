@@ -5,8 +5,7 @@ as the current user, a known_hosts file that pins the host key, the config and t
 Nothing on the machine's own sshd or ~/.ssh is touched. Standard library plus asyncssh (for key
 generation) only, so any test module can use it:
 
-    import sys, pathlib; sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))  # tests/
-    from sshd import SshServer, sshd_skip_reason
+    from tests.sshd import SshServer, sshd_skip_reason   # or `from sshd import ...` with tests/ on sys.path
 
     with SshServer() as server:          # or server = SshServer(); server.start(); ...; server.stop()
         server.host, server.port, server.user, server.identity_file, server.known_hosts
@@ -18,6 +17,8 @@ generation) only, so any test module can use it:
 
 The server refuses passwords and allows only `identity_file`. It keeps OpenSSH's default
 `MaxSessions 10` (channels per connection) so clients are tested against a stock server.
+sshd runs under a small subreaper parent (see _REAPER), so jobs that detach from their SSH
+session are reaped at once when they end, as on a real host; `server.pid` is sshd's own pid.
 """
 
 from __future__ import annotations
