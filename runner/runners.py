@@ -49,17 +49,27 @@ class Runner(Protocol):
 
 
 def default_command(config: WorkloadConfig, steps: int, python: str) -> list[str]:
-    """The workload script's command line; scripts that want other flags get a `command_builder`."""
-    argv = [python, str(REPO_ROOT / config.script), "--model", config.model, "--max-steps", str(steps),
-            "--seq-len", str(config.seq_len), "--batch-size", str(config.batch_size),
-            "--grad-accum", str(config.grad_accum), "--precision", config.precision,
-            "--attention", config.attention, "--method", config.method,
-            "--dataloader-workers", str(config.dataloader_workers)]
+    """The command line of `workloads/train_qwen_lora.py` for `config`.
+
+    Settings that script has no flag for must stay at their defaults: benchmarking something
+    other than the config would file a wrong result under the config's cache key. Other scripts
+    get a `command_builder` of their own.
+    """
+    unsupported = {name: getattr(config, name) for name, default in _SCRIPT_FIXED.items()
+                   if getattr(config, name) != default}
+    if unsupported:
+        raise ValueError(f"{config.script} has no flag for {unsupported}; give LiveRunner a command_builder")
+    argv = [python, str(REPO_ROOT / config.script), "--model", config.model, "--max_steps", str(steps),
+            "--seq_len", str(config.seq_len), "--batch_size", str(config.batch_size),
+            "--precision", config.precision, "--output_dir", "output"]
     if config.lora_r is not None:
-        argv += ["--lora-r", str(config.lora_r)]
-    if config.gradient_checkpointing:
-        argv.append("--gradient-checkpointing")
+        argv += ["--lora_rank", str(config.lora_r)]
     return argv + list(config.args)
+
+
+# WorkloadConfig fields train_qwen_lora.py cannot change, with the value it always runs with.
+_SCRIPT_FIXED = {"method": "lora", "attention": "sdpa", "grad_accum": 1, "gradient_checkpointing": False,
+                 "dataloader_workers": 0, "num_gpus": 1}
 
 
 @dataclass
@@ -79,9 +89,9 @@ class LiveRunner:
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             hit.sources["cache"] = f"benchmark cache {self.cache.path(key).name} (measured earlier, same inputs)"
             return hit
+        command = self.command_builder(config, steps, self.python)
         run_dir = Path(self.work_dir) / f"{key.digest[:12]}-{int(time.time())}"
         (run_dir / "output").mkdir(parents=True, exist_ok=True)
-        command = self.command_builder(config, steps, self.python)
         wrapped = [self.python, str(WRAP_SCRIPT), "--run-dir", str(run_dir), "--", *command]
         env = dict(os.environ)
         env.update(OBD_RUN_DIR=str(run_dir), OBD_OUTPUT_DIR=str(run_dir / "output"),
@@ -91,7 +101,7 @@ class LiveRunner:
         log_path = run_dir / "job.log"
         try:
             with open(log_path, "wb") as log:
-                done = subprocess.run(wrapped, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                done = subprocess.run(wrapped, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                       stderr=subprocess.STDOUT, timeout=self.timeout_s, check=False)
         except subprocess.TimeoutExpired as exc:
             raise RunnerFailed(f"the workload ran past {self.timeout_s:.0f} s; logs kept in {log_path}") from exc

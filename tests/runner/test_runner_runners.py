@@ -131,3 +131,27 @@ def test_the_cache_refuses_fake_metrics_and_ignores_corrupt_entries(tmp_path):
     assert cache.get(key).steps == 1
     cache.path(key).write_text("{not json")
     assert cache.get(key) is None
+
+
+def test_the_default_command_refuses_settings_the_workload_script_cannot_apply():
+    from runner.runners import default_command
+
+    argv = default_command(WorkloadConfig(seq_len=64, args=["--tiny"]), 5, "python3")
+    assert argv[2:] == ["--model", "Qwen/Qwen2.5-0.5B", "--max_steps", "5", "--seq_len", "64", "--batch_size", "1",
+                        "--precision", "bf16", "--output_dir", "output", "--lora_rank", "16", "--tiny"]
+    with pytest.raises(ValueError, match="attention"):
+        default_command(WorkloadConfig(attention="eager"), 5, "python3")
+
+
+@pytest.mark.slow
+def test_a_live_run_of_the_tiny_qwen_workload_on_the_cpu_measures_steps_and_tokens(tmp_path, monkeypatch):
+    """The real workload script (--tiny: offline, CPU) under the wrapper and the obd plugin; ~20 s."""
+    pytest.importorskip("peft")
+    for name, value in (("OBD_ROCPROFV3", ""), ("OBD_AMD_SMI", ""), ("OBD_KFD_TOPOLOGY", str(tmp_path / "none"))):
+        monkeypatch.setenv(name, value)
+    config = WorkloadConfig(args=["--tiny"], precision="fp32", seq_len=64, batch_size=4)
+    metrics = LiveRunner(work_dir=tmp_path).run(config, steps=4)
+    assert metrics.runner_kind == "live"
+    assert metrics.steps == 4
+    assert metrics.tokens_per_sec and metrics.tokens_per_sec > 0
+    assert any("OBD_TORCH_PROFILE=1" in w for w in metrics.warnings)
