@@ -171,6 +171,13 @@ class Daemon:
 
     async def reconcile(self) -> None:
         """Re-attach to every run left preparing or running; finish those whose job ended."""
+        for record in [r for r in self.records.values() if r.state == RunState.preparing and not r.remote_dir]:
+            record.transition(
+                RunState.failed,
+                "the daemon stopped while launching this run and its job never started; "
+                "start it again with `obd train start`",
+            )
+            self._save_quietly(record)
         pending = [r for r in self.records.values() if r.state in (RunState.preparing, RunState.running)]
         groups: dict[str, list[RunRecord]] = {}
         for record in pending:
@@ -445,7 +452,9 @@ class Daemon:
         )
         record.transition(RunState.preparing, "created")
         executor = self.executor_for(record)
-        record.remote_dir = f"{executor.workdir.rstrip('/')}/{run_id}"
+        # An SSH workdir like ~/obd is resolved on the target when the launch connects.
+        if executor.workdir.startswith("/"):
+            record.remote_dir = f"{executor.workdir.rstrip('/')}/{run_id}"
         try:
             self.save(record)
         except StoreError as exc:
@@ -458,8 +467,14 @@ class Daemon:
 
     async def _launch(self, record: RunRecord, req: StartRequest, source: RunRecord | None) -> None:
         executor = self.executor_for(record)
-        rd = record.remote_dir
         try:
+            if not record.remote_dir:
+                with anyio.fail_after(self.config.daemon.probe_timeout * 3):
+                    workdir = await executor.resolve_workdir()  # type: ignore[attr-defined]
+                async with self.lock(record.id):
+                    record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
+                    self._save_quietly(record)
+            rd = record.remote_dir
             await self._upload_plugin(executor, rd)
             cwd = req.cwd
             if cwd is None and isinstance(executor, LocalExecutor) and req.client_cwd and Path(req.client_cwd).is_dir():
@@ -485,9 +500,10 @@ class Daemon:
                     return
             spec = JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
             handle = await executor.spawn(spec)
-        except (ExecutorError, OSError, ApiError) as exc:
+        except (ExecutorError, OSError, ApiError, TimeoutError) as exc:
+            why = str(exc) or "the target did not answer in time"
             async with self.lock(record.id):
-                record.transition(RunState.failed, f"launch failed: {exc}")
+                record.transition(RunState.failed, f"launch failed: {why}")
                 self._save_quietly(record)
                 self.final_event(record.id).set()
             log.error("launch_failed", run_id=record.id, error=str(exc))

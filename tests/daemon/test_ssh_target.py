@@ -1,0 +1,175 @@
+"""The local target's scenarios on an SSH target, under the real daemon, against a real sshd."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, kill_leftover_jobs, wait_for
+from tests.sshd import SshServer, sshd_skip_reason
+
+PY = sys.executable
+FAKE = str(Path(__file__).with_name("fake_plugin_job.py"))
+WORKLOAD = str(REPO / "workloads" / "train_qwen_lora.py")
+
+
+def ssh_config(server: SshServer, workdir: Path, extra: str = "") -> str:
+    f = server.target_fields()
+    return FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "4s"') + (
+        f'\n[targets.box]\nkind = "ssh"\nhost = "{f["host"]}"\nport = {f["port"]}\nuser = "{f["user"]}"\n'
+        f'identity_file = "{f["identity_file"]}"\nknown_hosts = "{f["known_hosts"]}"\n'
+        f'workdir = "{workdir}"\npython = "{PY}"\nconnect_timeout = 3\nkeepalive = 3\n{extra}'
+    )
+
+
+@pytest.fixture
+def sshd() -> Iterator[SshServer]:
+    reason = sshd_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with SshServer() as server:
+        yield server
+
+
+@pytest.fixture
+def box(make_daemon, sshd: SshServer, short_tmp: Path) -> DaemonProc:
+    workdir = short_tmp / "remote"
+    d = make_daemon(ssh_config(sshd, workdir))
+    d.start()
+    d.remote_workdir = workdir  # type: ignore[attr-defined]
+    yield d
+    for rd in workdir.glob("*/job.pid"):
+        kill_leftover_jobs_dir(rd.parent)
+
+
+def kill_leftover_jobs_dir(rd: Path) -> None:
+    import signal
+
+    from trainer_plugin import jobctl
+
+    handle = jobctl.read_handle(str(rd))
+    if handle and jobctl.handle_alive(handle):
+        try:
+            os.killpg(int(handle["pid"]), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def start(d: DaemonProc, *command: str, opts: tuple[str, ...] = (), env: dict | None = None) -> str:
+    out = d.cli("train", "start", "--target", "box", *opts, "--", *command, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_job_on_an_ssh_target_runs_logs_and_succeeds(box: DaemonProc) -> None:
+    rid = start(box, "sh", "-c", "for i in 1 2 3; do echo ssh line $i; sleep 0.3; done; echo \"cwd=$(pwd)\"")
+    out = box.cli("train", "logs", rid, "--follow", timeout=60)
+    lines = out.stdout.splitlines()
+    assert lines[:3] == ["ssh line 1", "ssh line 2", "ssh line 3"]
+    record = box.wait_state(rid, "succeeded", "failed")
+    assert record["state"] == "succeeded" and record["target"] == "box"
+    assert record["remote_dir"] == f"{box.remote_workdir}/{rid}"
+    assert (Path(record["remote_dir"]) / "plugin" / "sitecustomize.py").exists()
+
+
+def test_a_failing_job_on_an_ssh_target_is_failed_with_its_last_lines(box: DaemonProc) -> None:
+    rid = start(box, "sh", "-c", "echo 'CUDA out of memory. Tried to allocate 2.00 GiB'; exit 1")
+    record = box.wait_state(rid, "failed", "succeeded")
+    assert record["exit_code"] == 1 and "ran out of memory" in record["message"]
+
+
+def test_cwd_is_uploaded_without_git_venvs_and_caches(box: DaemonProc, short_tmp: Path) -> None:
+    src = short_tmp / "project"
+    (src / ".git").mkdir(parents=True)
+    (src / ".git" / "HEAD").write_text("ref")
+    (src / "env").mkdir()
+    (src / "env" / "pyvenv.cfg").write_text("home = /usr")
+    (src / "__pycache__").mkdir()
+    (src / "pkg").mkdir()
+    (src / "pkg" / "data.txt").write_text("payload")
+    (src / "train.py").write_text("import os; print(sorted(os.listdir('.'))); print(open('pkg/data.txt').read())")
+    rid = start(box, PY, "train.py", opts=("--cwd", str(src)))
+    record = box.wait_state(rid, "succeeded", "failed")
+    assert record["state"] == "succeeded", record["message"]
+    log = box.cli("train", "logs", rid).stdout.splitlines()
+    assert log[0] == str(["pkg", "train.py"]) and log[1] == "payload"
+
+
+def test_a_stop_on_an_ssh_target_falls_back_to_cancel_when_no_proof_comes(box: DaemonProc) -> None:
+    rid = start(box, PY, FAKE, "ignore")
+    wait_for(lambda: box.record(rid)["snapshots"], 30, what="the plugin's begin line")
+    out = box.cli("train", "stop", rid, "--wait")
+    assert out.returncode == 3
+    assert "no snapshot within 4 s" in box.record(rid)["message"]
+
+
+def test_a_request_written_on_the_host_by_someone_else_is_seen_and_honoured(box: DaemonProc) -> None:
+    rid = start(box, PY, FAKE, "hang-after")
+    record = wait_for(lambda: (r := box.record(rid))["snapshots"] and r, 30, what="the plugin's begin line")
+    (Path(record["remote_dir"]) / "snapshot.request").write_text("disk\n")
+    record = box.wait_state(rid, "stopped", "failed", "cancelled", timeout=60)
+    assert record["state"] == "stopped" and record["stop"]["reason"] == "disk"
+
+
+def test_the_tiny_lora_run_snapshots_and_resumes_on_an_ssh_target(box: DaemonProc) -> None:
+    rid = start(box, PY, WORKLOAD, "--tiny", "--max_steps", "400")
+    wait_for(lambda: (r := box.record(rid))["snapshots"] and (r["progress"]["step"] or 0) >= 2, 180, 0.2, "step 2")
+    out = box.cli("train", "stop", rid, "--wait", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    snap = json.loads(out.stdout)["snapshot"]
+    resumed = start(box, PY, WORKLOAD, "--tiny", "--max_steps", str(snap["step"] + 2), opts=("--resume-from", rid))
+    final = box.wait_state(resumed, "succeeded", "failed", timeout=180)
+    assert final["state"] == "succeeded", final["message"]
+    assert final["resume_checkpoint"].endswith(f"{rid}/output/checkpoint-{snap['step']}")
+    begin = json.loads((Path(final["remote_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
+    assert begin["start_step"] == snap["step"]
+
+
+def test_a_host_that_goes_away_mid_follow_leaves_the_run_running_and_it_is_picked_up_again(box: DaemonProc, sshd: SshServer) -> None:
+    rid = start(box, "sh", "-c", "sleep 3; echo done")
+    box.wait_state(rid, "running")
+    sshd.kill()
+    since = wait_for(lambda: box.record(rid)["unreachable_since"], 30, 0.1, "the host to be seen unreachable")
+    assert box.record(rid)["state"] == "running"
+    assert "unreachable since" in box.cli("train", "status", rid).stdout
+    time.sleep(3.5)  # the job ends while the host cannot be reached
+    sshd.start()
+    record = box.wait_state(rid, "succeeded", "failed", timeout=60)
+    assert record["state"] == "succeeded" and record["unreachable_since"] is None
+    assert since > 0
+
+
+def test_an_unreachable_host_at_start_fails_the_run_clearly(make_daemon, short_tmp: Path) -> None:
+    from tests.sshd import free_port
+
+    d = make_daemon(FAST_CONFIG + f'\n[targets.gone]\nkind = "ssh"\nhost = "127.0.0.1"\nport = {free_port()}\nconnect_timeout = 2\n')
+    d.start()
+    out = d.cli("train", "start", "--target", "gone", "--", "true")
+    rid = out.stdout.strip()
+    record = d.wait_state(rid, "failed", timeout=60)
+    assert "launch failed" in record["message"] and "127.0.0.1" in record["message"]
+
+
+def test_a_secret_reaches_the_job_but_no_command_line_on_either_side(box: DaemonProc, short_tmp: Path) -> None:
+    secret = "s3cr3t-" + os.urandom(6).hex()
+    out_file = short_tmp / "seen"
+    script = f"import os, time; open({str(out_file)!r}, 'w').write(os.environ['HF_TOKEN']); time.sleep(3)"
+    rid = start(box, PY, "-c", script, opts=("--secret", "HF_TOKEN"), env={"HF_TOKEN": secret})
+    wait_for(out_file.exists, 30, what="the job to see its secret")
+    assert out_file.read_text() == secret
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            assert secret.encode() not in cmdline.read_bytes(), cmdline
+        except OSError:
+            continue
+    record = box.wait_state(rid, "succeeded", "failed")
+    assert record["secret_names"] == ["HF_TOKEN"]
+    assert secret not in json.dumps(record)
+    assert secret not in box.log_path.read_text()
+    assert secret not in (box.state_dir / "runs" / rid / "run.json").read_text()
