@@ -9,6 +9,7 @@ it as an orphan the moment the daemon looks.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -106,6 +107,7 @@ def test_no_sequence_of_api_faults_leaves_a_pod_obd_does_not_know_about(
             assert not live or saves.last["phase"] in ("terminate_failed", "create_failed")
     finally:
         fake.stop()
+        shutil.rmtree(driver.state_dir, ignore_errors=True)
 
 
 EXPLICIT = {
@@ -130,3 +132,4 @@ def test_each_listed_fault_sequence_leaves_no_unknown_pod(pod_sshd: SshServer, f
         assert len(fake.live_pods()) <= 1
     finally:
         fake.stop()
+        shutil.rmtree(driver.state_dir, ignore_errors=True)
