@@ -594,7 +594,9 @@ class RunpodDriver:
             out.update(state="unknown", error=str(exc), spend_usd=spend(target_info, now))
             return out
         if pod is _NO_ANSWER:
-            out.update(state="unknown", error="the Runpod API did not answer in time", spend_usd=spend(target_info, now))
+            out.update(
+                state="unknown", error="the Runpod API did not answer in time", spend_usd=spend(target_info, now)
+            )
             return out
         if pod is None:
             out.update(state="gone", spend_usd=spend(target_info, now))
