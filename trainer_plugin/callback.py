@@ -32,6 +32,12 @@ from .runtime import (
 # The Trainer writes trainer_state.json last in _save_checkpoint: its presence marks a
 # checkpoint the Trainer can resume from.
 REQUIRED_FILES = ("trainer_state.json",)
+
+# Set once this process has written its proof. A script that goes on training (a second
+# stage, a second Trainer) must not overwrite that proof with another checkpoint: the
+# request still stands, so every later training stops after its first step, unsaved. A
+# resumed run re-runs the script from the proven checkpoint and reaches the later stages.
+_process_snapshot: str | None = None
 LOG_FIELDS = ("loss", "learning_rate", "grad_norm", "epoch")
 
 
@@ -70,6 +76,8 @@ class SnapshotCallback(TrainerCallback):
         self._metrics.close()
         self._metrics = MetricsWriter(self.env.metrics_path if self._ranks.is_zero else None)
         self._pending, self._proven, self._local_tokens = None, False, 0
+        if _process_snapshot is not None:
+            log_error(f"obd: this job already saved its snapshot ({_process_snapshot}); training stops after one step")
         self._start_token_count(args, model)
         if self.env.snapshot_on_sigterm:
             self._sigterm.install()
@@ -115,6 +123,9 @@ class SnapshotCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.env.active:
             return
+        if _process_snapshot is not None:
+            control.should_training_stop = True
+            return
         # Rank 0 alone looks at the file (the run directory is on its node); one stat() when absent.
         reason = read_request(self.env.request_path) if self._ranks.is_zero else None
         preempted = self._sigterm.consume()
@@ -140,6 +151,13 @@ class SnapshotCallback(TrainerCallback):
         control.should_save = True
         control.should_training_stop = True
 
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # A save asked for at the step end can be cancelled when an evaluation in the same
+        # step decides it (save_strategy="best"); the epoch-end save of the same step is the
+        # second chance, before training ends.
+        if self.env.active and self._pending is not None and not self._proven:
+            control.should_save = True
+
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.env.active or self._pending is None or self._proven:
             return
@@ -152,6 +170,8 @@ class SnapshotCallback(TrainerCallback):
             proof = write_proof(self.env, step, reason, required=REQUIRED_FILES)
             log_error(f"obd: snapshot at step {step} ({reason}): {proof['checkpoint']}")
         self._proven = True
+        global _process_snapshot
+        _process_snapshot = checkpoint_relpath(step)
 
     def _check_output_dir(self, args: Any) -> None:
         actual = os.path.realpath(str(args.output_dir))

@@ -125,3 +125,15 @@ def test_an_existing_request_reason_wins_over_a_sigterm_in_the_same_step(run_dir
     assert proof is not None and (proof["step"], proof["reason"]) == (2, "cost")
     assert run_dir.request.read_text() == "cost"  # not overwritten
     assert json.loads(run_dir.metrics_path.read_text().splitlines()[-1])["reason"] == "cost"
+
+
+def test_a_later_training_in_the_same_job_never_replaces_the_proof(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Two stages, a new Trainer each, same output_dir; the request (still there) came in stage 1.
+    argv = plain(tmp_path / "mine", "--stages", "2", "--write-at", "3", "--write-file", f"{run_dir.request}=requested")
+    job = start_job(run_dir, argv, run_dir.env())
+    assert_exit_zero(job, job.wait())
+    log = job.log_text()
+    assert "trained to step 3 of 8" in log and "trained to step 1 of 8" in log
+    assert run_dir.proof()["checkpoint"] == "output/checkpoint-3"  # type: ignore[index]
+    assert sorted(p.name for p in run_dir.output.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert log.count("obd: snapshot at step") == 1

@@ -81,6 +81,7 @@ def main() -> int:
     p.add_argument("--sigterm-at", type=int, default=0, help="test: SIGTERM ourselves at this step")
     p.add_argument("--sigterm-rank", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--stages", type=int, default=1, help="train this many times in a row, a new Trainer each")
     opts = p.parse_args()
 
     torch.manual_seed(0)
@@ -103,15 +104,18 @@ def main() -> int:
         dataloader_num_workers=0,
     )
     cls = MyTrainer if opts.subclass else Trainer
-    trainer = cls(model=Regression(), args=args, train_dataset=Points(), callbacks=callbacks)
-    if opts.callback_by_hand:
-        from trainer_plugin import SnapshotCallback
+    model = Regression()
+    for stage in range(opts.stages):
+        trainer = cls(model=model, args=args, train_dataset=Points(), callbacks=list(callbacks))
+        if opts.callback_by_hand:
+            from trainer_plugin import SnapshotCallback
 
-        trainer.add_callback(SnapshotCallback())
-    result = trainer.train(resume_from_checkpoint=True if opts.resume == "true" else None)
-    print(f"trained to step {trainer.state.global_step} of {trainer.state.max_steps} (rank {os.environ.get('RANK', '0')})")
-    print(f"callbacks: {[type(cb).__name__ for cb in trainer.callback_handler.callbacks]}")
-    print(f"train_loss {result.training_loss}", flush=True)
+            trainer.add_callback(SnapshotCallback())
+        resume = True if opts.resume == "true" and stage == 0 else None
+        result = trainer.train(resume_from_checkpoint=resume)
+        print(f"trained to step {trainer.state.global_step} of {trainer.state.max_steps} (rank {os.environ.get('RANK', '0')})")
+        print(f"callbacks: {[type(cb).__name__ for cb in trainer.callback_handler.callbacks]}")
+        print(f"train_loss {result.training_loss}", flush=True)
     return 0
 
 
