@@ -61,6 +61,7 @@ class SnapshotCallback(TrainerCallback):
         self._local_tokens = 0
         self._pending: tuple[int, str] | None = None  # (step, reason) of a snapshot under way
         self._proven = False
+        self._profiler: Any = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -79,6 +80,7 @@ class SnapshotCallback(TrainerCallback):
         if _process_snapshot is not None:
             log_error(f"obd: this job already saved its snapshot ({_process_snapshot}); training stops after one step")
         self._start_token_count(args, model)
+        self._start_profiler(model)
         if self.env.snapshot_on_sigterm:
             self._sigterm.install()
         self._metrics.write(
@@ -112,6 +114,9 @@ class SnapshotCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._profiler is not None:
+            self._profiler.close()
+            self._profiler = None
         self._sigterm.restore()
         if self._pending is not None and not self._proven:
             # Training stopped for a snapshot that was never saved: exiting 0 would read as
@@ -120,9 +125,15 @@ class SnapshotCallback(TrainerCallback):
 
     # --- the request --------------------------------------------------------------------
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._profiler is not None:
+            self._profiler.step_begin(state.global_step + 1)
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.env.active:
             return
+        if self._profiler is not None:
+            self._profiler.step_end(state.global_step)
         if _process_snapshot is not None:
             control.should_training_stop = True
             return
@@ -211,6 +222,19 @@ class SnapshotCallback(TrainerCallback):
         register = getattr(model, "register_forward_pre_hook", None)
         if register is not None:
             self._hook = register(self._count_forward, with_kwargs=True)
+
+    def _start_profiler(self, model: Any) -> None:
+        """With OBD_TORCH_PROFILE=1, time every step and profile a few with torch_profile.StepProfiler."""
+        if self._profiler is not None or not (self.env.torch_profile and self.env.profile_dir):
+            return
+        try:
+            from .torch_profile import StepProfiler
+        except ImportError as exc:  # profiling is optional; training goes on without it
+            log_error(f"obd: torch profiling unavailable ({exc})")
+            return
+        self._profiler = StepProfiler(self.env.profile_dir)
+        if model is not None:
+            self._profiler.note_model(model)
 
     def _count_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         if not getattr(module, "training", True):

@@ -39,6 +39,8 @@ class RunEnv:
     metrics_path: str | None
     resume_from: str | None
     snapshot_on_sigterm: bool
+    profile_dir: str | None = None  # OBD_PROFILE_DIR, when the run is profiled
+    torch_profile: bool = False  # OBD_TORCH_PROFILE=1: the callback drives torch_profile.StepProfiler
 
     @property
     def active(self) -> bool:
@@ -64,8 +66,14 @@ class RunEnv:
             proof_path=path("OBD_SNAPSHOT_FILE", "snapshot.json"),
             metrics_path=path("OBD_METRICS_FILE", "metrics.jsonl"),
             resume_from=env.get("OBD_RESUME_FROM") or None,
-            snapshot_on_sigterm=env.get("OBD_SNAPSHOT_ON_SIGTERM", "").strip().lower() in ("1", "true", "yes"),
+            snapshot_on_sigterm=_flag(env.get("OBD_SNAPSHOT_ON_SIGTERM")),
+            profile_dir=env.get("OBD_PROFILE_DIR") or None,
+            torch_profile=_flag(env.get("OBD_TORCH_PROFILE")),
         )
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
 
 
 # --- the request ------------------------------------------------------------------------

@@ -137,3 +137,14 @@ def test_a_later_training_in_the_same_job_never_replaces_the_proof(run_dir: RunD
     assert run_dir.proof()["checkpoint"] == "output/checkpoint-3"  # type: ignore[index]
     assert sorted(p.name for p in run_dir.output.glob("checkpoint-*")) == ["checkpoint-3"]
     assert log.count("obd: snapshot at step") == 1
+
+
+def test_with_obd_torch_profile_the_callback_drives_the_step_profiler(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    env = {**run_dir.env(), "OBD_TORCH_PROFILE": "1", "OBD_PROFILE_DIR": str(run_dir.root / "profile")}
+    job = start_job(run_dir, plain(tmp_path / "mine", "--max_steps", "6"), env)
+    assert_exit_zero(job, job.wait())
+    summary = json.loads((run_dir.root / "profile" / "torch_profile.json").read_text())
+    assert [s["step"] for s in summary["step_records"]] == [1, 2, 3, 4, 5, 6]
+    assert summary["state"] == "done" and summary["window"]["profiled_steps"]
+    assert summary["model"]["params"] == 8 * 16 + 16 + 16 + 1  # note_model saw the Trainer's model
+    assert (run_dir.root / "profile" / "torch_kernels.csv").is_file()
