@@ -82,12 +82,13 @@ def _flag(value: str | None) -> bool:
 def parse_request(data: bytes) -> str | None:
     """The reason a request file's content names: None when empty, `requested` for any unknown word.
 
-    Any non-empty content is a request (even whitespace), because the daemon counts a
-    non-empty file as one and starts its stop fallback: the job must not ignore it.
+    The same reading as the daemon's (daemon.models.normalise_reason), so job and daemon always
+    agree on whether there is a request: surrounding whitespace is ignored, whitespace alone is
+    no request, and words are matched exactly (`DEADLINE` is an unknown word: `requested`).
     """
-    if not data:
+    word = data.decode("utf-8", "replace").strip()
+    if not word:
         return None
-    word = data.decode("utf-8", "replace").strip().lower()
     return word if word in REASONS else DEFAULT_REASON
 
 

@@ -108,6 +108,7 @@ def torchrun(script: Path, *opts: str) -> list[str]:
     return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *opts]
 
 
+@pytest.mark.slow  # the Trainer's torchrun test covers a request under torchrun by default
 def test_under_torchrun_a_request_stops_both_ranks_at_the_same_step_with_one_proof(run_dir: RunDir, start_job) -> None:  # type: ignore[no-untyped-def]
     job = start_job(run_dir, torchrun(SCRIPT, "--write-at", "4", "--write-file", f"{run_dir.request}=disk"), run_dir.env())
     assert_exit_zero(job, job.wait())

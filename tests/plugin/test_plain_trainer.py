@@ -148,3 +148,15 @@ def test_with_obd_torch_profile_the_callback_drives_the_step_profiler(run_dir: R
     assert summary["state"] == "done" and summary["window"]["profiled_steps"]
     assert summary["model"]["params"] == 8 * 16 + 16 + 16 + 1  # note_model saw the Trainer's model
     assert (run_dir.root / "profile" / "torch_kernels.csv").is_file()
+
+
+def test_a_callback_added_by_hand_works_without_obds_sitecustomize(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Only the package on the path, no sitecustomize: importing SnapshotCallback patches Trainer itself.
+    (run_dir.plugin / "sitecustomize.py").unlink()
+    mine = tmp_path / "mine"
+    argv = plain(mine, "--callback-by-hand", "--write-at", "2", "--write-file", f"{run_dir.request}=disk")
+    job = start_job(run_dir, argv, run_dir.env())
+    assert_exit_zero(job, job.wait())
+    assert run_dir.proof()["checkpoint"] == "output/checkpoint-2"  # type: ignore[index]
+    assert run_dir.metrics()[0]["output_dir_requested"] == str(mine)
+    assert not mine.exists()
