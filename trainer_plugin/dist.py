@@ -6,6 +6,7 @@ uses it (and every job outside obd) pays nothing.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,13 @@ class Ranks:
 
         backend = str(self._dist.get_backend()).lower()
         if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+            index = torch.cuda.current_device()
+            # A loop that never called torch.cuda.set_device() is still on device 0 on every
+            # rank; NCCL needs each rank on its own GPU, which torchrun names in LOCAL_RANK.
+            local = os.environ.get("LOCAL_RANK", "")
+            if index == 0 and local.isdigit() and int(local) < torch.cuda.device_count():
+                index = int(local)
+            return torch.device("cuda", index)
         return torch.device("cpu")
 
     def _sum(self, values: list[int]) -> list[int]:

@@ -231,9 +231,16 @@ def write_proof(env: RunEnv, step: int, reason: str, required: tuple[str, ...] =
 
 
 def write_request(env: RunEnv, reason: str) -> None:
-    """Write `snapshot.request` (atomically), e.g. so the daemon sees a preemption the job noticed."""
-    if env.request_path:
+    """Write `snapshot.request` (atomically), e.g. so the daemon sees a preemption the job noticed.
+
+    A failure is reported, not raised: the snapshot itself goes on.
+    """
+    if not env.request_path:
+        return
+    try:
         atomic_write(env.request_path, f"{reason}\n".encode())
+    except OSError as exc:
+        log_error(f"obd: cannot write {env.request_path} ({exc})")
 
 
 # --- metrics.jsonl ----------------------------------------------------------------------
@@ -281,9 +288,16 @@ class MetricsWriter:
         record.update(sanitize(fields))
         line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
         with self._lock:
-            if self._file is None:
-                self._file = open(self.path, "a", buffering=1, encoding="utf-8")
-            self._file.write(line)
+            try:
+                if self._file is None:
+                    self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+                self._file.write(line)
+            except OSError as exc:
+                # Metrics must never stop training (a full disk, a vanished directory): say so
+                # once in the job log and stop writing them.
+                log_error(f"obd: cannot write {self.path} ({exc}); no more metrics from this job")
+                self.path = None
+                return
             if event == "begin":
                 self.began = True
 
