@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .loop import begin, checkpoint_dir, end, log_metrics, resume_from, snapshot_requested, write_proof
+from .loop import (
+    begin,
+    checkpoint_dir,
+    end,
+    log_metrics,
+    resume_from,
+    snapshot_requested,
+    write_proof,
+)
 from .runtime import REASONS, VERSION, IncompleteCheckpoint
 
 __version__ = VERSION

@@ -11,9 +11,10 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .runtime import RunEnv, log_error
 
@@ -86,7 +87,7 @@ def patch_module(module: ModuleType) -> None:
         return
     try:
         patch_trainer_class(trainer)
-    except Exception as exc:  # the job must still train without snapshots rather than crash
+    except Exception as exc:  # noqa: BLE001 - the job must still train, without snapshots, rather than crash
         log_error(f"obd: could not patch transformers.Trainer ({type(exc).__name__}: {exc}); no snapshots")
 
 

@@ -15,9 +15,10 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 VERSION = "0.1.0"
 
@@ -47,7 +48,7 @@ class RunEnv:
         return bool(self.run_dir)
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "RunEnv":
+    def from_environ(cls, environ: dict[str, str] | None = None) -> RunEnv:
         """Read the environment now; paths obd did not set default to their place in OBD_RUN_DIR."""
         env = os.environ if environ is None else environ
         run_dir = env.get("OBD_RUN_DIR") or None
@@ -290,7 +291,7 @@ class MetricsWriter:
         with self._lock:
             try:
                 if self._file is None:
-                    self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+                    self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - kept open, closed in close()
                 self._file.write(line)
             except OSError as exc:
                 # Metrics must never stop training (a full disk, a vanished directory): say so

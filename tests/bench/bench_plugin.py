@@ -47,7 +47,7 @@ def run_once(root: Path, with_plugin: bool, steps: int) -> float:
         install_plugin(run / "plugin")
         env.update(PYTHONPATH=str(run / "plugin"), OBD_RUN_ID="bench", OBD_RUN_DIR=str(run), OBD_OUTPUT_DIR=str(run / "output"))
     argv = [sys.executable, str(WORKLOAD), "--tiny", "--max_steps", str(steps), "--batch_size", "8", "--output_dir", str(run / "mine")]
-    out = subprocess.run(argv, env=env, cwd=run, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(argv, env=env, cwd=run, capture_output=True, text=True, timeout=600, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"workload failed ({out.returncode}):\n{out.stderr[-3000:]}")
     line = next(line for line in out.stdout.splitlines() if line.startswith("train_metrics "))
@@ -120,7 +120,10 @@ def main() -> int:
     if opts.json:
         print(json.dumps(result, indent=1))
         return 0
-    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+
+    def fmt(xs: list[float]) -> str:
+        return ", ".join(f"{x:.1f}" for x in xs)
+
     print(f"tiny LoRA workload, {opts.steps} steps, {opts.reps} interleaved runs each")
     print(f"  without plugin: {fmt(result['without_plugin_steps_per_s'])} steps/s (median {result['median_without']:.1f})")
     print(f"  with plugin:    {fmt(result['with_plugin_steps_per_s'])} steps/s (median {result['median_with']:.1f})")

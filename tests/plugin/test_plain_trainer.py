@@ -57,7 +57,7 @@ def test_a_request_that_is_not_a_reason_word_snapshots_with_reason_requested(gar
 
 def test_a_callback_added_by_hand_is_not_doubled_by_the_injected_one(garbage_request: Done) -> None:
     log = garbage_request.job.log_text()
-    callbacks = [line for line in log.splitlines() if line.startswith("callbacks: ")][0]
+    callbacks = next(line for line in log.splitlines() if line.startswith("callbacks: "))
     assert callbacks.count("SnapshotCallback") == 1
     metrics = garbage_request.run.metrics()
     assert sum(m["event"] == "begin" for m in metrics) == 1

@@ -139,15 +139,15 @@ def test_a_metrics_writer_without_a_path_writes_nothing(tmp_path: Path) -> None:
 def test_sigterm_only_sets_a_flag_while_installed_and_is_redelivered_if_never_handled() -> None:
     # In a child process: the redelivered SIGTERM must end it with the default action.
     code = (
-        "import os, signal, sys; sys.path.insert(0, %r)\n"
+        f"import os, signal, sys; sys.path.insert(0, {str(REPO)!r})\n"
         "from trainer_plugin.runtime import SigtermFlag\n"
         "flag = SigtermFlag(); flag.install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "print('alive', flag.pending, flush=True)\n"
         "flag.restore()\n"
         "print('not reached', flush=True)\n"
-    ) % str(REPO)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False)
     assert out.stdout.split("\n")[0] == "alive True"
     assert "not reached" not in out.stdout
     assert out.returncode == -signal.SIGTERM
@@ -155,15 +155,15 @@ def test_sigterm_only_sets_a_flag_while_installed_and_is_redelivered_if_never_ha
 
 def test_a_consumed_sigterm_is_not_redelivered() -> None:
     code = (
-        "import os, signal, sys; sys.path.insert(0, %r)\n"
+        f"import os, signal, sys; sys.path.insert(0, {str(REPO)!r})\n"
         "from trainer_plugin.runtime import SigtermFlag\n"
         "flag = SigtermFlag(); flag.install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "assert flag.consume() and not flag.consume()\n"
         "flag.restore()\n"
         "print('exited normally', flush=True)\n"
-    ) % str(REPO)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "exited normally"
 

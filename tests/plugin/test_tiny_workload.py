@@ -5,13 +5,21 @@ The workload knows nothing of obd; only the environment and PYTHONPATH differ fr
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.plugin.conftest import PY, WORKLOAD, Job, RunDir, assert_exit_zero, wait_until
+from tests.plugin.conftest import (
+    PY,
+    WORKLOAD,
+    Job,
+    RunDir,
+    assert_exit_zero,
+    wait_until,
+)
 
 MAX_STEPS = 400  # far more than the run gets to: the request stops it
 CHECKPOINT_FILES = ("adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "scheduler.pt", "trainer_state.json")
@@ -92,7 +100,7 @@ def test_metrics_start_with_begin_log_every_step_with_tokens_and_end(snapshot: S
         assert {"time", "loss", "learning_rate", "grad_norm", "epoch", "tokens"} <= set(m)
         assert isinstance(m["loss"], float)
     tokens = [m["tokens"] for m in logs]
-    assert tokens[0] > 0 and all(b > a for a, b in zip(tokens, tokens[1:]))
+    assert tokens[0] > 0 and all(b > a for a, b in itertools.pairwise(tokens))
     assert metrics[-1]["event"] == "end" and metrics[-1]["step"] == logs[-1]["step"]
     assert sum(m["event"] == "begin" for m in metrics) == 1
 
@@ -120,7 +128,7 @@ def test_a_resumed_run_continues_from_the_checkpoint_step_to_max_steps(snapshot:
     assert logs[0]["tokens"] > checkpoint_tokens > 0  # the token count carries on from the checkpoint
     # The scheduler came back too: a fresh linear schedule would start at the initial 2e-4,
     # the restored one is already below the learning rate of the snapshot's own step.
-    lr_at_snapshot = [m for m in snapshot.run.logs() if m["step"] == first["step"]][0]["learning_rate"]
+    lr_at_snapshot = next(m for m in snapshot.run.logs() if m["step"] == first["step"])["learning_rate"]
     assert 0 < logs[0]["learning_rate"] < lr_at_snapshot < 2e-4
     assert metrics[-1]["event"] == "end" and metrics[-1]["step"] == max_steps
     assert run.proof() is None  # it ended as usual

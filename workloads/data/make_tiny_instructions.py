@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 COLORS = ["red", "blue", "green", "yellow", "black", "white", "orange", "purple"]
 ANIMALS = ["cat", "dog", "horse", "bird", "fish", "mouse", "tiger", "rabbit"]
