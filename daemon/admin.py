@@ -12,6 +12,9 @@ def admin_main(args: argparse.Namespace) -> int:
     import anyio
 
     from daemon.config import ConfigError, load_config
+    from daemon.log import configure
+
+    configure("warning")  # log lines go to stderr, so --json output stays clean
 
     try:
         config = load_config(Path(args.config) if args.config else None)

@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("daemon", help="run the daemon in the foreground")
+    # Accepted after `daemon` too, as SPEC's `obd daemon [--config FILE] [--socket PATH]` has them.
+    d.add_argument("--config", default=argparse.SUPPRESS)
+    d.add_argument("--socket", default=argparse.SUPPRESS)
     d.add_argument("--state-dir")
     d.add_argument("--log-level")
 

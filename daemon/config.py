@@ -103,9 +103,14 @@ class RunpodTarget(_Strict):
     boot_grace: Duration = 600.0
     abandon_grace: Duration = 1800.0
     identity_file: Path | None = None
+    ssh_user: str = "root"
     workdir: str = "/workspace/obd"
     python: str = "python3"
     secrets: list[str] = Field(default_factory=list)
+    snapshot_margin: Duration = 900.0  # ask for the snapshot this long before a cap
+    watchdog_interval: Duration = 30.0
+    lease_ttl: Duration = 300.0  # the daemon's lease the watchdog honours
+    api_poll_interval: Duration = 5.0  # how often a booting pod is looked at
 
 
 Target = Annotated[LocalTarget | SshTarget | RunpodTarget, Field(discriminator="kind")]

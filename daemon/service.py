@@ -27,6 +27,7 @@ from anyio.abc import TaskGroup
 from daemon.api import ApiError, IdRequest, ReadRequest, StartRequest, StopRequest
 from daemon.config import Config, LocalTarget
 from daemon.hints import hint, last_lines
+from daemon.pods import PodSupervisor
 from daemon.models import InvalidRunId, RunRecord, RunState, check_run_id, normalise_reason
 from daemon.store import RunStore, StoreError
 from daemon.supervise import apply_probe, final_state
@@ -51,11 +52,13 @@ class Daemon:
         self.records: dict[str, RunRecord] = {}
         self.bad_records: dict[str, str] = {}
         self.notifier = Notifier()
+        self.pods = PodSupervisor(config, self.state_dir)
         self._executors: dict[str, Executor] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self._wake: dict[str, anyio.Event] = {}
         self._loops: set[str] = set()
         self._cancelling: set[str] = set()
+        self._launching: set[str] = set()  # runs this daemon is launching right now
         self._dirty: set[str] = set()
         self._final: dict[str, anyio.Event] = {}
         self._tg: TaskGroup | None = None
@@ -94,13 +97,24 @@ class Daemon:
     # --- executors ---------------------------------------------------------------------
 
     def executor_key(self, record: RunRecord) -> str:
-        return record.target
+        # A pod is one run's own machine: each pod run is followed on its own.
+        return f"{record.target}/{record.id}" if self.pods.is_pod(record) else record.target
 
     def executor_for(self, record: RunRecord) -> Executor:
         key = self.executor_key(record)
         if key not in self._executors:
-            self._executors[key] = self._make_executor(record.target)
+            if self.pods.is_pod(record):
+                self._executors[key] = self.pods.executor(record)
+            else:
+                self._executors[key] = self._make_executor(record.target)
         return self._executors[key]
+
+    async def _drop_executor(self, record: RunRecord) -> None:
+        if self.pods.is_pod(record):
+            executor = self._executors.pop(self.executor_key(record), None)
+            if executor is not None:
+                with contextlib.suppress(Exception):
+                    await executor.aclose()
 
     def _make_executor(self, target_name: str) -> Executor:
         cfg = self.config.target(target_name)
@@ -153,6 +167,8 @@ class Daemon:
                 if record.state == RunState.running:
                     self._ensure_loop(record)
                     self._watch_exit(record)
+                elif record.state == RunState.preparing:
+                    self._ensure_loop(record)  # its target did not answer yet: the follow decides
             tg.start_soon(self.notifier.watchdog_loop)
             active = sum(r.state == RunState.running for r in self.records.values())
             self.notifier.ready(f"following {active} running runs")
@@ -171,6 +187,7 @@ class Daemon:
 
     async def reconcile(self) -> None:
         """Re-attach to every run left preparing or running; finish those whose job ended."""
+        await self._reconcile_pods()
         for record in [r for r in self.records.values() if r.state == RunState.preparing and not r.remote_dir]:
             record.transition(
                 RunState.failed,
@@ -186,13 +203,65 @@ class Daemon:
             for runs in groups.values():
                 tg.start_soon(self._reconcile_group, runs)
 
+    async def _reconcile_pods(self) -> None:
+        """Match the pods obd created with the runs; fail runs whose pod is gone, empty orphan pods."""
+        targets = sorted({n for n, t in self.config.targets.items() if t.kind == "runpod"})
+        for name in targets:
+            live = {
+                r.id: r.target_info
+                for r in self.records.values()
+                if r.target == name and r.state in (RunState.preparing, RunState.running)
+            }
+            try:
+                with anyio.fail_after(self.config.daemon.probe_timeout * 3):
+                    findings = await self.pods.reconcile(name, live)
+            except Exception as exc:  # the API is down: decide nothing now, the follow retries
+                log.warning("pod_reconcile_deferred", target=name, error=str(exc))
+                continue
+            for item in findings:
+                await self._apply_pod_finding(item)
+
+    async def _apply_pod_finding(self, item: dict[str, Any]) -> None:
+        record = self.records.get(item.get("run_id") or "")
+        kind = item["kind"]
+        if kind == "orphan":
+            local = self.state_dir / "orphans" / str(item["pod_id"])
+            driver = self.pods.driver(item["target_info"].get("target") or "")
+            log.warning("pod_orphan", pod_id=item["pod_id"], run_id=item.get("run_id"))
+            with contextlib.suppress(Exception):
+                ok, msg = await driver.finish(item.get("run_id") or f"orphan-{item['pod_id']}", item.get("remote_dir") or "", item["target_info"], local)
+                log.warning("pod_orphan_finished", pod_id=item["pod_id"], outputs_safe=ok, message=msg)
+            return
+        if record is None:
+            return
+        async with self.lock(record.id):
+            if kind in ("gone", "not_created"):
+                record.transition(RunState.failed, item["reason"])
+                self._save_quietly(record)
+                self.final_event(record.id).set()
+            elif kind == "adopted":
+                record.target_info = item["target_info"]
+                record.note(f"pod {item['pod_id']} found by its tag and adopted")
+                self._save_quietly(record)
+
     async def _reconcile_group(self, runs: list[RunRecord]) -> None:
         try:
+            await self._reconcile_runs(runs)
+        except Exception:  # one target's surprise must not stop the daemon; the follow retries
+            log.exception("reconcile_failed", target=runs[0].target if runs else None)
+
+    async def _reconcile_runs(self, runs: list[RunRecord]) -> None:
+        runs = [r for r in runs if r.state in (RunState.preparing, RunState.running)]
+        if not runs:
+            return
+        try:
+            if self.pods.is_pod(runs[0]) and runs[0].target_info.get("phase") != "ready":
+                runs[0].target_info = await self.pods.resume(runs[0], self._pod_saver(runs[0]))
             executor = self.executor_for(runs[0])
             with anyio.fail_after(self.config.daemon.probe_timeout):
                 probes = await executor.probe([(self._handle(r), r.remote_dir) for r in runs])
         except (ExecutorError, TimeoutError, ApiError, OSError) as exc:
-            log.warning("reconcile_deferred", target=runs[0].target, error=str(exc))
+            log.warning("reconcile_deferred", target=runs[0].target, error=f"{type(exc).__name__}: {exc}")
             now = time.time()
             for record in runs:
                 if record.state == RunState.preparing:
@@ -200,13 +269,16 @@ class Daemon:
                 record.unreachable_since = record.unreachable_since or now
             return
         for record, probe in zip(runs, probes):
-            async with self.lock(record.id):
-                if record.state == RunState.preparing:
-                    self._adopt_or_fail(record, probe)
-                    continue
+            if record.state == RunState.preparing:
+                async with self.lock(record.id):
+                    failed = self._adopt_or_fail(record, probe)
+                if failed:
+                    await self._end_pod_quietly(record)
+                continue
             await self._apply(record, probe)
 
-    def _adopt_or_fail(self, record: RunRecord, probe: RunProbe) -> None:
+    def _adopt_or_fail(self, record: RunRecord, probe: RunProbe) -> bool:
+        """Re-attach a run whose launch an earlier daemon began; True when it is failed instead."""
         if probe.handle and probe.status.state != JobState.lost or probe.status.state in (
             JobState.exited,
             JobState.cancelled,
@@ -216,13 +288,37 @@ class Daemon:
             self._save_quietly(record)
             self._ensure_loop(record)
             self._watch_exit(record)
-            return
+            return False
         record.transition(
             RunState.failed,
             "the daemon stopped while launching this run and its job never started; "
             f"start it again with `obd train start`",
         )
         self._save_quietly(record)
+        self.final_event(record.id).set()
+        return True
+
+    async def _end_pod(self, record: RunRecord) -> str:
+        """Retrieve a pod run's outputs and terminate its pod, once; the message says how it went."""
+        if not self.pods.is_pod(record) or not record.target_info.get("pod_id"):
+            return ""
+        if record.target_info.get("ended"):
+            return ""
+        local = self.store.run_dir(record.id) / "retrieved"
+        try:
+            message = await self.pods.finish(record, local)
+        except Exception as exc:  # the record's final state must not wait on the pod
+            message = f"the pod could not be emptied and ended: {exc} (see `obd pods list`)"
+        record.target_info["ended"] = True
+        await self._drop_executor(record)
+        return message
+
+    async def _end_pod_quietly(self, record: RunRecord) -> None:
+        message = await self._end_pod(record)
+        if message:
+            async with self.lock(record.id):
+                record.note(message)
+                self._save_quietly(record)
 
     # --- the follow --------------------------------------------------------------------
 
@@ -268,6 +364,14 @@ class Daemon:
                 runs = [r for r in self.records.values() if r.state == RunState.running and self.executor_key(r) == key]
                 if runs:
                     await self._poll(key, runs)
+                # Runs left `preparing` by an earlier daemon whose target did not answer at start.
+                stranded = [
+                    r
+                    for r in self.records.values()
+                    if r.state == RunState.preparing and r.id not in self._launching and self.executor_key(r) == key
+                ]
+                if stranded:
+                    await self._reconcile_group(stranded)
                 for rid in list(self._dirty):
                     if rid in self.records:
                         self._save_quietly(self.records[rid])
@@ -277,11 +381,15 @@ class Daemon:
             self._loops.discard(key)
 
     async def _poll(self, key: str, runs: list[RunRecord]) -> None:
-        executor = self.executor_for(runs[0])
         try:
+            executor = self.executor_for(runs[0])
+            if self.pods.is_pod(runs[0]):
+                await self._pod_tick(runs[0], executor)
             with anyio.fail_after(self.config.daemon.probe_timeout):
                 probes = await executor.probe([(self._handle(r), r.remote_dir) for r in runs])
         except (ExecutorError, TimeoutError, OSError) as exc:
+            if self.pods.is_pod(runs[0]) and await self._pod_gone(runs[0]):
+                return
             now = time.time()
             for record in runs:
                 if record.unreachable_since is None:
@@ -292,6 +400,49 @@ class Daemon:
             return
         for record, probe in zip(runs, probes):
             await self._apply(record, probe)
+
+    async def _pod_tick(self, record: RunRecord, executor: Executor) -> None:
+        """Renew the pod's lease; enforce its caps from this side too (snapshot, then cancel)."""
+        with anyio.fail_after(self.config.daemon.probe_timeout):
+            request, cancel = await self.pods.tick(record, executor)
+        if await self.pods.due_for_check(record) and await self._pod_gone(record):
+            return
+        if request and record.stop.requested_at is None and record.snapshots:
+            await self._request_snapshot(record, request, "the pod's cap")
+        if cancel and record.id not in self._cancelling and not record.stop.fallback:
+            async with self.lock(record.id):
+                record.stop.fallback = cancel
+                record.stop.cancel_by = "fallback"
+                record.note(f"cancelling: {cancel}")
+                self._save_quietly(record)
+            self._start_cancel(record)
+
+    async def _pod_gone(self, record: RunRecord) -> bool:
+        try:
+            with anyio.fail_after(self.config.daemon.probe_timeout):
+                why = await self.pods.gone(record)
+        except Exception:
+            return False
+        if not why:
+            return False
+        async with self.lock(record.id):
+            if record.state.final:
+                return True
+            record.transition(RunState.failed, why)
+            self._save_quietly(record)
+        self.final_event(record.id).set()
+        await self._drop_executor(record)
+        log.error("pod_gone", run_id=record.id, reason=why)
+        return True
+
+    def _pod_saver(self, record: RunRecord):  # type: ignore[no-untyped-def]
+        async def save(info: dict[str, Any]) -> None:
+            # Raises on a failed save: a pod is never created without a record of it on disk.
+            async with self.lock(record.id):
+                record.target_info = dict(info)
+                self.save(record)
+
+        return save
 
     async def _apply(self, record: RunRecord, probe: RunProbe) -> None:
         async with self.lock(record.id):
@@ -338,6 +489,9 @@ class Daemon:
                 )
         if record.profile:
             await self._collect_metrics(record, executor)
+        pod_message = await self._end_pod(record)
+        if pod_message:
+            message += "; " + pod_message
         async with self.lock(record.id):
             if record.state != RunState.running:
                 return
@@ -402,7 +556,12 @@ class Daemon:
         if op == "cancel":
             return (await self.cancel(request)).public()
         if op == "status":
-            return self.get(request.id).public()
+            record = self.get(request.id)
+            out = record.public()
+            if self.pods.is_pod(record) and record.target_info.get("pod_id") and not record.state.final:
+                with anyio.move_on_after(10):
+                    out["pod"] = await self.pods.describe(record)
+            return out
         if op == "wait":
             record = self.get(request.id)
             if not record.state.final:
@@ -451,10 +610,10 @@ class Daemon:
             snapshot_on_sigterm=req.snapshot_on_sigterm,
         )
         record.transition(RunState.preparing, "created")
-        executor = self.executor_for(record)
+        workdir = str(target_cfg.workdir) if self.pods.is_pod(record) else self.executor_for(record).workdir
         # An SSH workdir like ~/obd is resolved on the target when the launch connects.
-        if executor.workdir.startswith("/"):
-            record.remote_dir = f"{executor.workdir.rstrip('/')}/{run_id}"
+        if workdir.startswith("/"):
+            record.remote_dir = f"{workdir.rstrip('/')}/{run_id}"
         try:
             self.save(record)
         except StoreError as exc:
@@ -462,12 +621,22 @@ class Daemon:
         self.records[run_id] = record
         log.info("run_created", run_id=run_id, target=record.target, command=record.command[:1])
         assert self._tg is not None
+        self._launching.add(run_id)
         self._tg.start_soon(self._launch, record, req, source)
         return record
 
     async def _launch(self, record: RunRecord, req: StartRequest, source: RunRecord | None) -> None:
-        executor = self.executor_for(record)
         try:
+            await self._launch_job(record, req, source)
+        finally:
+            self._launching.discard(record.id)
+
+    async def _launch_job(self, record: RunRecord, req: StartRequest, source: RunRecord | None) -> None:
+        try:
+            if self.pods.is_pod(record):
+                executor = await self.pods.prepare(record, self._pod_saver(record))
+                self._executors[self.executor_key(record)] = executor
+            executor = self.executor_for(record)
             if not record.remote_dir:
                 with anyio.fail_after(self.config.daemon.probe_timeout * 3):
                     workdir = await executor.resolve_workdir()  # type: ignore[attr-defined]
@@ -492,20 +661,24 @@ class Daemon:
 
                 command = wrap_command(command, f"{rd}/plugin", rd)
                 env["OBD_PROFILE_DIR"] = f"{rd}/profile"
-            async with self.lock(record.id):
-                if record.stop.cancel_by == "user":
+            if record.stop.cancel_by == "user":
+                async with self.lock(record.id):
                     record.transition(RunState.cancelled, "cancelled by the user before the job started")
                     self._save_quietly(record)
-                    self.final_event(record.id).set()
-                    return
+                self.final_event(record.id).set()
+                await self._end_pod_quietly(record)
+                return
             spec = JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
             handle = await executor.spawn(spec)
-        except (ExecutorError, OSError, ApiError, TimeoutError) as exc:
+        except Exception as exc:  # whatever broke, the run must not stay `preparing`
+            if not isinstance(exc, (ExecutorError, OSError, ApiError, TimeoutError, StoreError)):
+                log.exception("launch_crashed", run_id=record.id)
             why = str(exc) or "the target did not answer in time"
             async with self.lock(record.id):
                 record.transition(RunState.failed, f"launch failed: {why}")
                 self._save_quietly(record)
                 self.final_event(record.id).set()
+            await self._end_pod_quietly(record)
             log.error("launch_failed", run_id=record.id, error=str(exc))
             return
         async with self.lock(record.id):
@@ -583,22 +756,26 @@ class Daemon:
                 f"Use `obd train cancel {record.id}` to end it",
                 "state",
             )
-        executor = self.executor_for(record)
         try:
-            await executor.put_file(f"{record.remote_dir}/snapshot.request", reason.encode() + b"\n")
+            await self._request_snapshot(record, reason, "`obd train stop`")
         except ExecutorError as exc:
             raise ApiError(f"could not write the snapshot request: {exc}") from exc
+        return record
+
+    async def _request_snapshot(self, record: RunRecord, reason: str, by: str) -> None:
+        """Write `snapshot.request` in the run directory, then record that it was asked for."""
+        executor = self.executor_for(record)
+        await executor.put_file(f"{record.remote_dir}/snapshot.request", reason.encode() + b"\n")
         async with self.lock(record.id):
             if record.stop.requested_at is None:
                 record.stop.requested_at = time.time()
-                record.note(f"snapshot requested ({reason}) by `obd train stop`")
+                record.note(f"snapshot requested ({reason}) by {by}")
             elif record.stop.reason != reason:
                 record.note(f"snapshot request reason changed to {reason}")
             record.stop.reason = reason
             self._save_quietly(record)
-        log.info("snapshot_requested", run_id=record.id, reason=reason)
+        log.info("snapshot_requested", run_id=record.id, reason=reason, by=by)
         self.wake(self.executor_key(record))
-        return record
 
     async def cancel(self, req: IdRequest) -> RunRecord:
         record = self.get(req.id)

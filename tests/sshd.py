@@ -191,6 +191,9 @@ class SshServer:
                     "UseDNS no",
                     "MaxStartups 100:30:200",
                     "Subsystem sftp internal-sftp",
+                    # This machine's ~/.bashrc runs `pyenv rehash`, which waits up to 60 s on a lock
+                    # that a session killed by a fault test can leave behind: give up at once instead.
+                    "SetEnv PYENV_REHASH_TIMEOUT=0",
                     f"LogLevel {self.log_level}",
                     "",
                 ]

@@ -149,14 +149,32 @@ def handle_alive(handle: dict | None) -> bool:
 
 
 def group_exists(pgid: int) -> bool:
-    # Linux never hands out a pid that is still some group's id, so a live group is ours.
+    """True while a process of the group is alive (zombies waiting to be reaped do not count).
+
+    Linux never hands out a pid that is still some group's id, so a live group is ours.
+    """
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        rest = data[data.rfind(b")") + 2 :].split()
+        if len(rest) > 2 and rest[2] == str(pgid).encode() and rest[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def read_handle(run_dir: str) -> dict | None:

@@ -74,3 +74,26 @@ def test_the_daemon_refuses_to_start_on_a_bad_config_with_exit_2(short_tmp: Path
 def test_a_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_obd_daemon_takes_its_flags_after_the_subcommand(short_tmp: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, wait_for
+
+    cfg = short_tmp / "my.toml"
+    cfg.write_text("[stop]\ncancel_grace = 1\n")
+    sock = short_tmp / "flag.sock"
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OBD_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(cfg), "--state-dir", str(short_tmp / "st"), "--socket", str(sock)],
+        cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(sock.exists, 20, what="the socket named by --socket")
+        assert (short_tmp / "st" / "runs").is_dir()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0

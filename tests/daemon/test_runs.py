@@ -248,3 +248,36 @@ def test_a_job_whose_pid_was_reused_while_the_daemon_was_down_is_recorded_lost(d
     finally:
         impostor.kill()
         impostor.wait()
+
+
+def test_logs_follow_on_a_terminal_shows_a_live_progress_line(daemon: DaemonProc) -> None:
+    import pty
+    import subprocess
+
+    script = (
+        "import json, os, time; f = open(os.environ['OBD_METRICS_FILE'], 'a'); "
+        "f.write(json.dumps({'event': 'begin', 'time': time.time(), 'max_steps': 10, 'snapshots': True}) + '\\n'); f.flush(); "
+        "[(f.write(json.dumps({'event': 'log', 'time': time.time(), 'step': s, 'loss': 1.5}) + '\\n'), f.flush(), time.sleep(0.3)) for s in range(1, 8)]; "
+        "print('done', flush=True)"
+    )
+    rid = start(daemon, PY, "-c", script)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [PY, "-m", "daemon.cli", "train", "logs", rid, "--follow"],
+        env=daemon.env, stdout=follower, stderr=follower, cwd=daemon.env["PYTHONPATH"],
+    )
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait(60) == 0
+    os.close(leader)
+    text = seen.decode(errors="replace")
+    assert "/10 loss 1.5" in text and "[" in text  # the progress bar and line
+    assert "done" in text

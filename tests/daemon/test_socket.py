@@ -142,3 +142,30 @@ def test_fuzzed_requests_always_get_a_json_answer_and_the_daemon_lives(daemon: D
     if reply:
         assert isinstance(json.loads(reply)["ok"], bool)
     assert daemon.call("ping")["pid"] == daemon.proc.pid
+
+
+def test_members_of_the_configured_group_may_use_the_socket(make_daemon) -> None:
+    import grp
+    import pwd
+
+    import pytest
+
+    from tests.conftest import FAST_CONFIG
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as another uid")
+    nobody = pwd.getpwnam("nobody")
+    group = grp.getgrgid(nobody.pw_gid).gr_name
+    d = make_daemon(FAST_CONFIG.replace("[daemon]", f'[daemon]\nsocket_group = "{group}"'))
+    d.start()
+    os.chmod(d.socket.parent, 0o755)
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o660
+    assert os.stat(d.socket).st_gid == nobody.pw_gid
+    code = (
+        f"import os, socket, sys; os.setgid({nobody.pw_gid}); os.setuid({nobody.pw_uid}); "
+        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+        "s.sendall(b'{\"op\": \"ping\"}\\n'); print(s.recv(4096).decode())"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(d.socket)], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ok"] is True

@@ -1,0 +1,140 @@
+"""Runpod targets under the real daemon: a loopback fake of the API, a real sshd as the pod."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.store import RunStore
+from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+from tests.fakes.runpod_api import FakeRunpod
+from tests.runpod.conftest import kill_jobs
+from tests.sshd import SshServer, sshd_skip_reason
+
+PY = sys.executable
+FAKE_JOB = str(Path(__file__).with_name("fake_plugin_job.py"))
+KEY = "pod-test-key"
+
+
+@pytest.fixture
+def pod_sshd() -> Iterator[SshServer]:
+    reason = sshd_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with SshServer() as server:
+        yield server
+
+
+@pytest.fixture
+def fake(pod_sshd: SshServer) -> Iterator[FakeRunpod]:
+    server = FakeRunpod(api_keys=(KEY,)).start()
+    server.ssh_endpoint = (pod_sshd.host, pod_sshd.port)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pods(make_daemon, fake: FakeRunpod, pod_sshd: SshServer, short_tmp: Path) -> Iterator[DaemonProc]:
+    yield make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
+    kill_jobs(short_tmp / "pod")
+
+
+def make_pods_daemon(make_daemon, fake: FakeRunpod, sshd: SshServer, root: Path, extra: str = "") -> DaemonProc:
+    workdir = root / "pod"
+    workdir.mkdir(exist_ok=True)
+    config = FAST_CONFIG + (
+        f'\n[targets.pods]\nkind = "runpod"\ngpu_type = ["NVIDIA GeForce RTX 4090"]\n'
+        f'identity_file = "{sshd.identity_file}"\nssh_user = "{sshd.user}"\nworkdir = "{workdir}"\n'
+        f'python = "{PY}"\nboot_grace = 20\napi_poll_interval = 0.2\nwatchdog_interval = 0.5\n{extra}'
+    )
+    d = make_daemon(config)
+    d.env.update(RUNPOD_API_BASE_URL=fake.url, RUNPOD_API_KEY=KEY)
+    d.start()
+    return d
+
+
+def start(d: DaemonProc, *command: str) -> str:
+    out = d.cli("train", "start", "--target", "pods", "--", *command)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def known_pod_ids(d: DaemonProc) -> set[str]:
+    records, _ = RunStore(d.state_dir).load_all()
+    return {r.target_info.get("pod_id") for r in records.values() if r.target_info.get("pod_id")}
+
+
+def test_a_run_on_a_pod_retrieves_verified_outputs_then_terminates_the_pod(pods: DaemonProc, fake: FakeRunpod) -> None:
+    rid = start(pods, "sh", "-c", "mkdir -p $OBD_OUTPUT_DIR && echo weights > $OBD_OUTPUT_DIR/adapter.bin; echo trained")
+    record = pods.wait_state(rid, "succeeded", "failed", timeout=90)
+    assert record["state"] == "succeeded", record["message"]
+    pod_id = record["target_info"]["pod_id"]
+    assert "sha256 verified" in record["message"] and f"pod {pod_id} terminated" in record["message"]
+    assert fake.live_pods() == []
+    local = pods.state_dir / "runs" / rid / "retrieved"
+    assert (local / "output" / "adapter.bin").read_text() == "weights\n"
+    assert (local / "job.log").read_text().strip() == "trained"
+    created = fake.creates[0]
+    assert any(e.get("key") == "OBD_RUN_ID" and e.get("value") == rid for e in created.get("env", [])) or rid in json.dumps(created)
+
+
+def test_status_shows_the_pod_its_rate_and_the_spend_so_far(pods: DaemonProc) -> None:
+    rid = start(pods, "sleep", "30")
+    wait_for(lambda: pods.record(rid)["state"] == "running", 60, what="the job to run on the pod")
+    record = pods.record(rid)
+    assert record["pod"]["pod_id"] == record["target_info"]["pod_id"]
+    assert record["pod"]["cost_per_hr"] == pytest.approx(0.69)
+    assert record["pod"]["spend_usd"] >= 0
+    assert "/h" in pods.cli("train", "status", rid).stdout
+    pods.cli("train", "cancel", rid, "--wait")
+
+
+def test_the_cost_cap_asks_for_a_snapshot_and_the_run_ends_stopped(make_daemon, fake, pod_sshd, short_tmp) -> None:
+    # $0.69/h and a $0.001 cap: the cap is ~5 s after the pod starts; the snapshot is asked ahead of it.
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, "max_cost_usd = 0.001\nsnapshot_margin = 3\n")
+    try:
+        rid = start(d, PY, FAKE_JOB, "proof=" + json.dumps({"checkpoint": "output/checkpoint-STEP", "step": "STEP"}).replace('"STEP"}', "STEP}"))
+        record = d.wait_state(rid, "stopped", "failed", "cancelled", "succeeded", timeout=90)
+        assert record["state"] == "stopped", record["message"]
+        assert record["stop"]["reason"] == "cost"
+        assert fake.live_pods() == []
+    finally:
+        kill_jobs(short_tmp / "pod")
+
+
+def test_a_pod_terminated_from_outside_fails_its_run_with_that_reason(pods: DaemonProc, fake: FakeRunpod) -> None:
+    rid = start(pods, "sleep", "60")
+    record = pods.wait_state(rid, "running", timeout=60)
+    fake.terminate_from_outside(record["target_info"]["pod_id"])
+    record = pods.wait_state(rid, "failed", timeout=30)
+    assert "no longer exists" in record["message"]
+
+
+def test_no_capacity_for_any_gpu_type_fails_clearly_and_creates_nothing(pods: DaemonProc, fake: FakeRunpod) -> None:
+    fake.set_capacity("NVIDIA GeForce RTX 4090", 0)
+    rid = start(pods, "true")
+    record = pods.wait_state(rid, "failed", timeout=60)
+    assert "launch failed" in record["message"]
+    assert fake.live_pods() == []
+
+
+def test_a_daemon_killed_while_creating_pods_leaves_no_pod_it_does_not_know(pods: DaemonProc, fake: FakeRunpod) -> None:
+    c = pods.client()
+    ids = [c.call("start", command=["sleep", "20"], target="pods")["id"] for _ in range(3)]
+    c.close()
+    time.sleep(0.4)
+    pods.kill()
+    live = {p["id"] for p in fake.live_pods()}
+    assert live <= known_pod_ids(pods)  # every pod was recorded before its create call answered
+    pods.start()
+    for rid in ids:
+        pods.wait_state(rid, "running", "failed", timeout=60)
+    assert {p["id"] for p in fake.live_pods()} <= known_pod_ids(pods)
+    for rid in ids:
+        pods.cli("train", "cancel", rid, "--wait")
+    wait_for(lambda: fake.live_pods() == [], 60, what="every pod to be terminated")
