@@ -8,13 +8,13 @@ new one, never half of one; a full disk leaves the old record and raises `StoreE
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from daemon.models import RunRecord, check_run_id
+from trainer_plugin.jobctl import atomic_write
 
 RECORD_LIMIT = 16 * 1024 * 1024
 
@@ -51,27 +51,13 @@ class RunStore:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         data = record.model_dump_json(indent=1).encode() + b"\n"
         path = directory / "run.json"
-        tmp = directory / f".run.json.tmp.{os.getpid()}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            atomic_write(str(path), data, 0o600)
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             raise StoreError(
                 f"could not save the record of run {record.id} ({exc.strerror or exc}); "
                 f"the previous record in {path} is intact. Free space in {self.state_dir} and retry"
             ) from exc
-        _fsync_dir(directory)
 
     def load(self, run_id: str) -> RunRecord:
         return parse_record(self.record_path(run_id), run_id)
@@ -122,16 +108,3 @@ def parse_record(path: Path, run_id: str) -> RunRecord:
     if record.id != run_id:
         raise StoreError(f"{path}: the record names run {record.id!r}, not {run_id!r}")
     return record
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

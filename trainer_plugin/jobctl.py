@@ -19,6 +19,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 PROOF_LIMIT = 64 * 1024
@@ -30,7 +31,7 @@ METRICS_TAIL = 64 * 1024
 def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:
     """Write a file whole or not at all: a temporary file in the same directory, then rename."""
     directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}.{threading.get_ident()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         view = memoryview(data)
@@ -43,10 +44,11 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:
         raise
     os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make a directory's entries durable; filesystems that refuse fsync on a directory are skipped."""
     try:
         dfd = os.open(directory, os.O_RDONLY)
     except OSError:

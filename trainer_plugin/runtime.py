@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TextIO
 
+# One implementation of the atomic write for everything obd puts on a target.
+from .jobctl import atomic_write, fsync_dir
+
 VERSION = "0.1.0"
 
 # The reason words of SPEC.md; their position (1-based) is the code sent between ranks.
@@ -133,41 +136,6 @@ def reason_from_code(code: int) -> str | None:
 
 # --- durable files ----------------------------------------------------------------------
 
-
-def fsync_dir(directory: str) -> None:
-    """Make a directory's entries durable; filesystems that refuse fsync on a directory are skipped."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Write `path` whole or not at all: temp file in the same directory, fsync, rename, fsync the directory."""
-    directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}.{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(directory)
 
 
 def fsync_tree(root: str) -> None:
