@@ -173,3 +173,18 @@ def test_a_secret_reaches_the_job_but_no_command_line_on_either_side(box: Daemon
     assert secret not in json.dumps(record)
     assert secret not in box.log_path.read_text()
     assert secret not in (box.state_dir / "runs" / rid / "run.json").read_text()
+
+
+def test_a_run_stopped_on_this_machine_resumes_on_an_ssh_target_with_its_checkpoint_copied(box: DaemonProc) -> None:
+    job = str(REPO / "tests" / "bench" / "custom_loop_job.py")
+    local = box.cli("train", "start", "--", PY, job, "0.05").stdout.strip()
+    wait_for(lambda: box.record(local)["snapshots"], 30, what="the plugin's begin line")
+    assert box.cli("train", "stop", local, "--wait").returncode == 0
+    snap = box.record(local)["snapshot"]
+    script = "import os; p = os.environ['OBD_RESUME_FROM']; print(p); print(sorted(os.listdir(p)))"
+    resumed = start(box, PY, "-c", script, opts=("--resume-from", local))
+    record = box.wait_state(resumed, "succeeded", "failed", timeout=60)
+    assert record["state"] == "succeeded", record["message"]
+    path, files = box.cli("train", "logs", resumed).stdout.splitlines()[:2]
+    assert path == f"{record['remote_dir']}/resume/checkpoint-{snap['step']}"
+    assert files == str(["state.bin"])
