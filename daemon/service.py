@@ -342,7 +342,8 @@ class Daemon:
             return
 
         async def watch() -> None:
-            await executor.wait_exit(handle)
+            with contextlib.suppress(Exception):  # the follow's polling sees the exit anyway
+                await executor.wait_exit(handle)
             self.wake(self.executor_key(record))
 
         self._tg.start_soon(watch)
@@ -361,24 +362,30 @@ class Daemon:
         try:
             while True:
                 self._wake[key] = anyio.Event()
-                runs = [r for r in self.records.values() if r.state == RunState.running and self.executor_key(r) == key]
-                if runs:
-                    await self._poll(key, runs)
-                # Runs left `preparing` by an earlier daemon whose target did not answer at start.
-                stranded = [
-                    r
-                    for r in self.records.values()
-                    if r.state == RunState.preparing and r.id not in self._launching and self.executor_key(r) == key
-                ]
-                if stranded:
-                    await self._reconcile_group(stranded)
-                for rid in list(self._dirty):
-                    if rid in self.records:
-                        self._save_quietly(self.records[rid])
+                try:
+                    await self._follow_once(key)
+                except Exception:  # a surprise in one poll must not end the follow, or the daemon
+                    bound.exception("follow_poll_failed")
                 with anyio.move_on_after(interval):
                     await self._wake[key].wait()
         finally:
             self._loops.discard(key)
+
+    async def _follow_once(self, key: str) -> None:
+        runs = [r for r in self.records.values() if r.state == RunState.running and self.executor_key(r) == key]
+        if runs:
+            await self._poll(key, runs)
+        # Runs left `preparing` by an earlier daemon whose target did not answer at start.
+        stranded = [
+            r
+            for r in self.records.values()
+            if r.state == RunState.preparing and r.id not in self._launching and self.executor_key(r) == key
+        ]
+        if stranded:
+            await self._reconcile_group(stranded)
+        for rid in list(self._dirty):
+            if rid in self.records:
+                self._save_quietly(self.records[rid])
 
     async def _poll(self, key: str, runs: list[RunRecord]) -> None:
         try:
@@ -526,7 +533,7 @@ class Daemon:
                 return
             executor = self.executor_for(record)
             await executor.cancel(handle, record.remote_dir, self.config.stop.cancel_grace)
-        except (ExecutorError, OSError) as exc:
+        except Exception as exc:  # retried on the next poll; never fatal to the daemon
             log.error("cancel_failed", run_id=record.id, error=str(exc))
             async with self.lock(record.id):
                 record.note(f"cancel failed, will retry: {exc}")
