@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field, ValidationError
 
+from runner import TARGET_FILES, wrap_command
 from runner.assemble import parse_run
 from runner.cache import BenchmarkCache, cache_key
 from runner.metrics import RunMetrics
@@ -29,6 +31,26 @@ from runner.workload import WorkloadConfig
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WRAP_SCRIPT = Path(__file__).resolve().parent / "wrap.py"
 SCENARIOS_DIR = REPO_ROOT / "workloads" / "synthetic"
+PLUGIN_SRC = REPO_ROOT / "trainer_plugin"
+
+
+def stage_plugin(plugin_dir: Path) -> Path:
+    """Lay out `plugin_dir` as the daemon lays out a run's `plugin/` (daemon.service `_plugin_stage`).
+
+    `trainer_plugin/*.py` go into `plugin_dir/trainer_plugin/`, `sitecustomize.py` also to the
+    top, and `TARGET_FILES` (the wrapper) to the top. With `plugin_dir` first on PYTHONPATH the
+    job imports the plugin as the `trainer_plugin` package only: its modules (`runtime`, `dist`,
+    `loop`, ...) never become top-level names that could shadow the job's own packages.
+    """
+    package = plugin_dir / "trainer_plugin"
+    package.mkdir(parents=True, exist_ok=True)
+    for source in sorted(PLUGIN_SRC.glob("*.py")):
+        shutil.copy2(source, package / source.name)
+    if (PLUGIN_SRC / "sitecustomize.py").exists():
+        shutil.copy2(PLUGIN_SRC / "sitecustomize.py", plugin_dir / "sitecustomize.py")
+    for source in TARGET_FILES:
+        shutil.copy2(source, plugin_dir / Path(source).name)
+    return plugin_dir
 
 
 class RunnerFailed(RuntimeError):
@@ -92,12 +114,13 @@ class LiveRunner:
         command = self.command_builder(config, steps, self.python)
         run_dir = Path(self.work_dir) / f"{key.digest[:12]}-{int(time.time())}"
         (run_dir / "output").mkdir(parents=True, exist_ok=True)
-        wrapped = [self.python, str(WRAP_SCRIPT), "--run-dir", str(run_dir), "--", *command]
+        # The run's plugin/, as obd gives a job on a target: the wrapper runs from there too.
+        plugin_dir = stage_plugin(run_dir / "plugin")
+        wrapped = wrap_command(command, str(plugin_dir), str(run_dir), python=self.python)
         env = dict(os.environ)
         env.update(OBD_RUN_DIR=str(run_dir), OBD_OUTPUT_DIR=str(run_dir / "output"),
                    OBD_METRICS_FILE=str(run_dir / "metrics.jsonl"),
-                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT / "trainer_plugin"), str(REPO_ROOT),
-                                                          env.get("PYTHONPATH", "")) if p))
+                   PYTHONPATH=os.pathsep.join(p for p in (str(plugin_dir), env.get("PYTHONPATH", "")) if p))
         log_path = run_dir / "job.log"
         try:
             with open(log_path, "wb") as log:

@@ -1,9 +1,13 @@
 """Step time, tokens per second and step counts from the plugin's `metrics.jsonl`.
 
 The plugin (rank 0) writes a `begin` line, a `log` line every logging step with the global step,
-the wall time and the cumulative input tokens of all ranks, and an `end` line. Rates are taken
-between the first and the last `log` lines, so model loading and the first step's warm-up stay
-out of them whenever there are two log lines or more. The file is read line by line.
+the wall time and the cumulative input tokens of all ranks, and an `end` line. Between Trainer
+logs it also writes heartbeat `log` lines (`"heartbeat": true`, no `loss`) at a step end, at most
+every OBD_PROGRESS_INTERVAL seconds: they carry the same step, time and cumulative tokens, taken
+at a step end like the Trainer's, so they are pace points like any other `log` line (only the
+loss, which nothing here reads, is missing). Rates are taken between the first and the last `log`
+lines, so model loading and the first step's warm-up stay out of them whenever there are two log
+lines or more. The file is read line by line.
 """
 
 from __future__ import annotations

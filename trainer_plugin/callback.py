@@ -8,6 +8,7 @@ writes `snapshot.json`. It also writes `metrics.jsonl`. Outside obd every hook r
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from transformers import TrainerCallback
@@ -62,6 +63,8 @@ class SnapshotCallback(TrainerCallback):
         self._pending: tuple[int, str] | None = None  # (step, reason) of a snapshot under way
         self._proven = False
         self._profiler: Any = None
+        self._last_progress = 0.0  # time.monotonic() of the last `log` line, Trainer's or heartbeat
+        self._heartbeats = True
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -77,6 +80,7 @@ class SnapshotCallback(TrainerCallback):
         self._metrics.close()
         self._metrics = MetricsWriter(self.env.metrics_path if self._ranks.is_zero else None)
         self._pending, self._proven, self._local_tokens = None, False, 0
+        self._last_progress, self._heartbeats = time.monotonic(), True
         if _process_snapshot is not None:
             log_error(f"obd: this job already saved its snapshot ({_process_snapshot}); training stops after one step")
         self._start_token_count(args, model)
@@ -144,8 +148,12 @@ class SnapshotCallback(TrainerCallback):
         decision = self._ranks.decide(reason_code(reason), preempted, tokens)
         if self._count_tokens:
             state.num_input_tokens_seen += decision.tokens
-        if decision.code == 0 and not decision.preempted:
-            return
+        if decision.code != 0 or decision.preempted:
+            self._arm_snapshot(state, control, decision.code, preempted)
+        self._heartbeat(state, control)
+
+    def _arm_snapshot(self, state: Any, control: Any, code: int, preempted: bool) -> None:
+        """A request or a SIGTERM reached this step end: make the Trainer save now and stop."""
         if state.global_step >= state.max_steps:
             # A request at the last step lets the run end as usual (no proof); a SIGTERM
             # stays pending and keeps its usual meaning once training is over.
@@ -154,8 +162,8 @@ class SnapshotCallback(TrainerCallback):
             return
         if self._pending is not None:
             return
-        reason = reason_from_code(decision.code) or "preempted"
-        if decision.code == 0 and self._ranks.is_zero:
+        reason = reason_from_code(code) or "preempted"
+        if code == 0 and self._ranks.is_zero:
             write_request(self.env, "preempted")  # so the daemon sees the preemption too
         self._pending = (state.global_step, reason)
         control.should_log = True  # the last log line is then the snapshot's step
@@ -192,6 +200,28 @@ class SnapshotCallback(TrainerCallback):
 
     # --- metrics ------------------------------------------------------------------------
 
+    def _heartbeat(self, state: Any, control: Any) -> None:
+        """Rank 0: a `log` line without `loss` when no `log` line came for `progress_interval` seconds.
+
+        It keeps the daemon's step and ETA fresh between Trainer logs (`logging_steps` is 500 by
+        default). One monotonic-clock comparison per step; nothing when the Trainer is about to
+        log this step anyway (`should_log`: its line, with the loss, follows at once). Never
+        raises into training: a failure is said once in the job log and heartbeats stop.
+        """
+        if not self._heartbeats or not self._metrics.path:
+            return
+        now = time.monotonic()
+        if now - self._last_progress < self.env.progress_interval or control.should_log:
+            return
+        try:
+            self._metrics.write(
+                "log", step=state.global_step, epoch=state.epoch, tokens=state.num_input_tokens_seen, heartbeat=True
+            )
+            self._last_progress = now
+        except Exception as exc:  # noqa: BLE001 - progress lines must never stop training
+            self._heartbeats = False
+            log_error(f"obd: progress heartbeat failed ({exc!r}); no more heartbeat lines from this job")
+
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not self.env.active or not self._metrics.path:
             return
@@ -206,6 +236,8 @@ class SnapshotCallback(TrainerCallback):
         fields["tokens"] = state.num_input_tokens_seen
         fields.update(logs)
         self._metrics.write(event, **fields)
+        if event == "log":
+            self._last_progress = time.monotonic()  # the next heartbeat is due progress_interval from now
 
     def _start_token_count(self, args: Any, model: Any) -> None:
         """Count input tokens with a forward pre-hook unless the Trainer already does.

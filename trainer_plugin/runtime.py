@@ -29,6 +29,8 @@ VERSION = "0.1.0"
 REASONS: tuple[str, ...] = ("requested", "deadline", "cost", "disk", "preempted")
 DEFAULT_REASON = "requested"
 REQUEST_LIMIT = 256  # a reason is one word: never read more than this of a request file
+# At most one heartbeat `log` line (step, time, tokens; no loss) this often between Trainer logs.
+DEFAULT_PROGRESS_INTERVAL = 10.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class RunEnv:
     snapshot_on_sigterm: bool
     profile_dir: str | None = None  # OBD_PROFILE_DIR, when the run is profiled
     torch_profile: bool = False  # OBD_TORCH_PROFILE=1: the callback drives torch_profile.StepProfiler
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL  # OBD_PROGRESS_INTERVAL: seconds between heartbeat lines
 
     @property
     def active(self) -> bool:
@@ -73,11 +76,30 @@ class RunEnv:
             snapshot_on_sigterm=_flag(env.get("OBD_SNAPSHOT_ON_SIGTERM")),
             profile_dir=env.get("OBD_PROFILE_DIR") or None,
             torch_profile=_flag(env.get("OBD_TORCH_PROFILE")),
+            progress_interval=progress_interval(env.get("OBD_PROGRESS_INTERVAL")),
         )
 
 
 def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes")
+
+
+def progress_interval(value: str | None) -> float:
+    """Seconds between heartbeat lines from OBD_PROGRESS_INTERVAL: 0 is every step, `inf` none.
+
+    Unset, empty, negative or not a number: the default (a bad value is said in the job log).
+    """
+    text = (value or "").strip()
+    if not text:
+        return DEFAULT_PROGRESS_INTERVAL
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if math.isnan(seconds) or seconds < 0:
+        log_error(f"obd: OBD_PROGRESS_INTERVAL={text!r} is not a number of seconds >= 0; using {DEFAULT_PROGRESS_INTERVAL:g}")
+        return DEFAULT_PROGRESS_INTERVAL
+    return seconds
 
 
 # --- the request ------------------------------------------------------------------------

@@ -106,6 +106,39 @@ def test_a_live_run_is_measured_once_and_then_served_from_the_cache(tmp_path, mo
     assert second.tokens_per_sec == first.tokens_per_sec and "benchmark cache" in second.sources["cache"]
 
 
+LAYOUT_PROBE = '''
+import importlib.util, json, os, sys, sitecustomize, trainer_plugin
+first = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+found = {"first": first, "sitecustomize": sitecustomize.__file__, "trainer_plugin": trainer_plugin.__file__,
+         "top_level": [m for m in ("runtime", "dist", "loop", "inject", "callback", "jobctl")
+                       if importlib.util.find_spec(m) is not None],
+         "listing": sorted(n for n in os.listdir(first) if n != "__pycache__"),
+         "package": sorted(os.listdir(os.path.join(first, "trainer_plugin")))}
+open("layout.json", "w").write(json.dumps(found))
+path = os.environ["OBD_METRICS_FILE"]
+open(path, "w").write(json.dumps({"event": "begin", "time": 1.0, "max_steps": 1, "start_step": 0}) + "\\n")
+'''
+
+
+def test_the_live_job_gets_a_plugin_dir_laid_out_like_the_daemons_first_on_its_pythonpath(tmp_path, monkeypatch):
+    monkeypatch.setenv("OBD_ROCPROFV3", "")
+    monkeypatch.setenv("OBD_AMD_SMI", "")
+    monkeypatch.setenv("OBD_KFD_TOPOLOGY", str(tmp_path / "none"))
+    live = LiveRunner(work_dir=tmp_path / "runs", command_builder=lambda config, steps, python: [python, "-c", LAYOUT_PROBE])
+    metrics = live.run(WorkloadConfig(), steps=1)
+    run_dir = Path(metrics.sources["run_dir"])
+    found = json.loads((run_dir / "layout.json").read_text())
+    plugin = run_dir / "plugin"
+    assert Path(found["first"]) == plugin
+    assert Path(found["sitecustomize"]).resolve() == (plugin / "sitecustomize.py").resolve()
+    assert Path(found["trainer_plugin"]).resolve() == (plugin / "trainer_plugin" / "__init__.py").resolve()
+    assert found["top_level"] == []  # the plugin's modules are not top-level names in the job
+    assert set(found["listing"]) == {"trainer_plugin", "sitecustomize.py", *(p.name for p in runner.TARGET_FILES)}
+    repo_plugin = Path(runner.__file__).resolve().parents[1] / "trainer_plugin"
+    assert set(found["package"]) >= {p.name for p in repo_plugin.glob("*.py")}
+    assert json.loads((run_dir / "profile" / "runner.json").read_text())  # the wrapper ran, from plugin/
+
+
 def test_the_cache_key_changes_with_each_of_its_inputs(tmp_path):
     script, wrapper = tmp_path / "train.py", tmp_path / "wrap.py"
     script.write_text("print(1)")

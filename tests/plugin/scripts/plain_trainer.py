@@ -73,6 +73,7 @@ def main() -> int:
     p.add_argument("--output_dir", required=True)
     p.add_argument("--max_steps", type=int, default=8)
     p.add_argument("--save_steps", type=int, default=0)
+    p.add_argument("--logging_steps", type=int, default=1)
     p.add_argument("--resume", choices=("none", "true"), default="none", help="resume_from_checkpoint passed to train()")
     p.add_argument("--subclass", action="store_true")
     p.add_argument("--callback-by-hand", action="store_true", help="pass SnapshotCallback and add another one")
@@ -95,7 +96,7 @@ def main() -> int:
         max_steps=opts.max_steps,
         per_device_train_batch_size=4,
         learning_rate=1e-2,
-        logging_steps=1,
+        logging_steps=opts.logging_steps,
         save_strategy="steps" if opts.save_steps else "no",
         save_steps=opts.save_steps or 500,
         report_to="none",
