@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 REQUEST_REASONS = ("requested", "deadline", "cost", "disk", "preempted")
+HISTORY_NOTES_LIMIT = 500
 
 
 class RunState(str, Enum):
@@ -122,7 +123,13 @@ class RunRecord(BaseModel):
         self.history.append(Transition(state=state, time=at or time.time(), reason=reason))
 
     def note(self, event: str, at: float | None = None) -> None:
-        """An event that is not a state change (a request seen, a proof, a retry) kept in history."""
+        """An event that is not a state change (a request seen, a proof, a retry) kept in history.
+
+        Notes stop at HISTORY_NOTES_LIMIT entries (state changes never do), so a job that keeps
+        rewriting its request cannot grow its record without bound.
+        """
+        if len(self.history) >= HISTORY_NOTES_LIMIT:
+            return
         self.history.append(Transition(state=self.state, time=at or time.time(), reason=event))
 
     def public(self) -> dict[str, Any]:

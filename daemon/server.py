@@ -29,7 +29,20 @@ from daemon.config import DaemonSection
 
 log = structlog.get_logger("obd.server")
 IDLE_TIMEOUT = 60.0
+MAX_CONNECTIONS = 256  # beyond this a new caller is told the daemon is busy and dropped
 Handler = Callable[[Any, int], Awaitable[Any]]
+
+
+def raise_fd_limit() -> None:
+    """Lift the soft limit on open files to the hard one: each caller and job watch holds one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
+        except (ValueError, OSError):
+            pass
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -94,15 +107,42 @@ class ControlServer:
         if self.gid is not None:
             os.chown(self.path, -1, self.gid)
         os.chmod(self.path, self.mode if self.gid is None else (self.mode | 0o060))
+        raise_fd_limit()
         task_status.started()
         try:
-            async with listener:
-                await listener.serve(self._connection)
+            async with listener, anyio.create_task_group() as tg:
+                await self._accept_loop(listener, tg)
         finally:
             try:
                 self.path.unlink()
             except OSError:
                 pass
+
+    async def _accept_loop(self, listener: Any, tg: Any) -> None:
+        """Accept callers for ever: running out of descriptors or a flood of callers never ends it."""
+        active = 0
+
+        async def serve_one(stream: SocketStream) -> None:
+            nonlocal active
+            try:
+                await self._connection(stream)
+            finally:
+                active -= 1
+
+        while True:
+            try:
+                stream = await listener.accept()
+            except (OSError, anyio.BrokenResourceError) as exc:
+                log.warning("accept_failed", error=str(exc.__cause__ or exc))
+                await anyio.sleep(0.1)  # e.g. EMFILE: let connections close, then go on
+                continue
+            if active >= MAX_CONNECTIONS:
+                with anyio.move_on_after(1):
+                    await _send(stream, {"ok": False, "kind": "busy", "error": "the daemon is busy; retry"})
+                await stream.aclose()
+                continue
+            active += 1
+            tg.start_soon(serve_one, stream)
 
     async def _connection(self, stream: SocketStream) -> None:
         async with stream:

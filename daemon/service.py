@@ -59,6 +59,7 @@ class Daemon:
         self._loops: set[str] = set()
         self._cancelling: set[str] = set()
         self._launching: set[str] = set()  # runs this daemon is launching right now
+        self._finishing: set[str] = set()  # runs whose end is being recorded (outputs, metrics)
         self._dirty: set[str] = set()
         self._final: dict[str, anyio.Event] = {}
         self._tg: TaskGroup | None = None
@@ -460,9 +461,16 @@ class Daemon:
             if verdict.changed:
                 self._save_quietly(record)
         if verdict.final is not None:
-            if record.id in self._cancelling:
+            if record.id in self._cancelling or record.id in self._finishing:
                 return  # the cancel under way writes `cancelled` last; finish after it
-            await self._finish(record, verdict.final, probe)
+            # Collecting metrics or a pod's outputs can take minutes: never in the follow's way.
+            self._finishing.add(record.id)
+            assert self._tg is not None
+            self._tg.start_soon(self._finish_task, record, verdict.final, probe)
+        elif record.stop.cancel_by and not verdict.cancel and record.id not in self._cancelling:
+            # A cancel asked for earlier (by the user or the fallback) that did not complete,
+            # e.g. the daemon was killed during the grace: cancel is idempotent, so do it again.
+            self._start_cancel(record)
         elif verdict.cancel and record.id not in self._cancelling:
             async with self.lock(record.id):
                 record.stop.fallback = verdict.cancel
@@ -471,6 +479,15 @@ class Daemon:
                 self._save_quietly(record)
             log.warning("stop_fallback_cancel", run_id=record.id, reason=verdict.cancel)
             self._start_cancel(record)
+
+    async def _finish_task(self, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
+        try:
+            await self._finish(record, status, probe)
+        except Exception:  # the next poll tries again
+            log.exception("finish_failed", run_id=record.id)
+        finally:
+            self._finishing.discard(record.id)
+            self.wake(self.executor_key(record))
 
     async def _finish(self, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
         executor = self.executor_for(record)
@@ -533,11 +550,10 @@ class Daemon:
                 return
             executor = self.executor_for(record)
             await executor.cancel(handle, record.remote_dir, self.config.stop.cancel_grace)
-        except Exception as exc:  # retried on the next poll; never fatal to the daemon
+        except Exception as exc:  # retried on the next poll (cancel_by stays set); never fatal
             log.error("cancel_failed", run_id=record.id, error=str(exc))
             async with self.lock(record.id):
                 record.note(f"cancel failed, will retry: {exc}")
-                record.stop.fallback = None if record.stop.cancel_by == "fallback" else record.stop.fallback
                 self._save_quietly(record)
         finally:
             self._cancelling.discard(record.id)
@@ -764,22 +780,41 @@ class Daemon:
                 "state",
             )
         try:
-            await self._request_snapshot(record, reason, "`obd train stop`")
-        except ExecutorError as exc:
-            raise ApiError(f"could not write the snapshot request: {exc}") from exc
+            with anyio.fail_after(self.config.daemon.probe_timeout):
+                await self._request_snapshot(record, reason, "`obd train stop`")
+        except (ExecutorError, TimeoutError, OSError) as exc:
+            raise ApiError(
+                f"could not write the snapshot request on target {record.target}: {exc or 'no answer in time'}; "
+                f"retry `obd train stop {record.id}`, or `obd train cancel {record.id}`",
+                "unavailable",
+            ) from exc
         return record
 
     async def _request_snapshot(self, record: RunRecord, reason: str, by: str) -> None:
         """Write `snapshot.request` in the run directory, then record that it was asked for."""
         executor = self.executor_for(record)
-        await executor.put_file(f"{record.remote_dir}/snapshot.request", reason.encode() + b"\n")
+        # Recorded before the file is written, so a daemon killed in between still counts the
+        # fallback from the request; undone if the write fails.
         async with self.lock(record.id):
-            if record.stop.requested_at is None:
+            first = record.stop.requested_at is None
+            before = record.stop.model_copy()
+            if first:
                 record.stop.requested_at = time.time()
-                record.note(f"snapshot requested ({reason}) by {by}")
-            elif record.stop.reason != reason:
-                record.note(f"snapshot request reason changed to {reason}")
             record.stop.reason = reason
+            self._save_quietly(record)
+        try:
+            await executor.put_file(f"{record.remote_dir}/snapshot.request", reason.encode() + b"\n")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                async with self.lock(record.id):
+                    record.stop = before
+                    self._save_quietly(record)
+            raise
+        async with self.lock(record.id):
+            if first:
+                record.note(f"snapshot requested ({reason}) by {by}")
+            elif before.reason != reason:
+                record.note(f"snapshot request reason changed to {reason}")
             self._save_quietly(record)
         log.info("snapshot_requested", run_id=record.id, reason=reason, by=by)
         self.wake(self.executor_key(record))

@@ -99,6 +99,8 @@ def parse_record(path: Path, run_id: str) -> RunRecord:
             f"{path}: malformed JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); "
             "the record was left as it is"
         ) from exc
+    except RecursionError as exc:
+        raise StoreError(f"{path}: JSON nested too deeply to be a run record; the record was left as it is") from exc
     try:
         record = RunRecord.model_validate(raw)
     except ValidationError as exc:

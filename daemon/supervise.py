@@ -25,7 +25,7 @@ def validate_proof(raw: str, too_large: bool = False) -> Snapshot | str:
         return "snapshot.json is larger than 64 KiB"
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return "snapshot.json is not valid JSON"
     if not isinstance(data, dict):
         return "snapshot.json is not a JSON object"
@@ -158,6 +158,9 @@ def final_state(record: RunRecord, status: JobStatus) -> tuple[RunState, str]:
     """The run's final state and message from how the job ended and what proof it left."""
     rid = record.id
     snap = record.snapshot
+    if record.stop.invalid_proof and status.state in (JobState.cancelled, JobState.exited):
+        # An invalid proof fails the run however the job then ended, and no path of it is used.
+        return RunState.failed, f"invalid snapshot proof: {record.stop.invalid_proof}; see `obd train logs {rid}`"
     if status.state == JobState.cancelled:
         if snap is not None:
             why = f"; then cancelled: {record.stop.fallback}" if record.stop.fallback else "; then cancelled"
@@ -174,8 +177,6 @@ def final_state(record: RunRecord, status: JobStatus) -> tuple[RunState, str]:
         )
     code = status.exit_code
     if code == 0:
-        if record.stop.invalid_proof:
-            return RunState.failed, f"invalid snapshot proof: {record.stop.invalid_proof}; see `obd train logs {rid}`"
         if snap is not None:
             return RunState.stopped, f"snapshot {snap.checkpoint} at step {snap.step} ({snap.reason})"
         return RunState.succeeded, "exit 0"

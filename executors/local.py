@@ -71,7 +71,7 @@ class LocalExecutor:
             raise ExecutorError(f"the job wrapper printed no handle; see {run_dir}/job.log") from exc
 
     async def status(self, handle: JobHandle, remote_dir: str) -> JobStatus:
-        raw = await anyio.to_thread.run_sync(jobctl.job_status, remote_dir, handle.model_dump())
+        raw = await anyio.to_thread.run_sync(jobctl.job_status, remote_dir, handle.model_dump(), abandon_on_cancel=True)
         return JobStatus.model_validate(raw)
 
     async def cancel(self, handle: JobHandle, remote_dir: str, grace: float) -> JobStatus:
@@ -83,10 +83,11 @@ class LocalExecutor:
         def probe_all() -> list[dict]:
             return [jobctl.probe_dir(d, h.model_dump() if h else None) for h, d in runs]
 
-        return [RunProbe.model_validate(p) for p in await anyio.to_thread.run_sync(probe_all)]
+        # abandon_on_cancel: a read stuck in the kernel (NFS, FUSE) is left behind, not waited for.
+        return [RunProbe.model_validate(p) for p in await anyio.to_thread.run_sync(probe_all, abandon_on_cancel=True)]
 
     async def read_from(self, path: str, offset: int, limit: int) -> bytes:
-        data = await anyio.to_thread.run_sync(jobctl.read_regular, path, limit, offset)
+        data = await anyio.to_thread.run_sync(jobctl.read_regular, path, limit, offset, abandon_on_cancel=True)
         return data or b""
 
     async def put_file(self, path: str, data: bytes) -> None:

@@ -223,13 +223,13 @@ def read_metric_json(path: Path, telemetry: Telemetry, label: str | None = None)
     body = text[start:]
     try:
         documents.append(json.loads(body))
-    except ValueError:
+    except (ValueError, RecursionError):
         for line in body.splitlines():
             if not line.strip():
                 continue
             try:
                 documents.append(json.loads(line))
-            except ValueError:
+            except (ValueError, RecursionError):
                 bad += 1
     read = 0
     for document in documents:

@@ -90,7 +90,7 @@ def _read_runner_json(files: ProfileFiles, metrics: RunMetrics) -> dict:
         return {}
     try:
         info = json.loads(files.runner_json.read_text(encoding="utf-8", errors="replace"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         metrics.warn(f"runner.json unreadable ({exc})")
         return {}
     if not isinstance(info, dict):

@@ -54,7 +54,7 @@ def read_metrics_jsonl(path: Path) -> StepLog:
                 continue
             try:
                 event = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 log.bad_lines += 1  # a line cut short by a kill, or garbage
                 continue
             if not isinstance(event, dict):

@@ -96,7 +96,7 @@ def read_torch_summary(path: Path, warnings: list[str], label: str | None = None
     label = label or path.name
     try:
         data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         warnings.append(f"{label}: unreadable ({exc})")
         return None
     if not isinstance(data, dict):

@@ -70,7 +70,7 @@ class DaemonProc:
     def write_config(self, text: str) -> None:
         self.config_path.write_text(text)
 
-    def start(self, extra_env: dict[str, str] | None = None, wait: bool = True) -> None:
+    def start(self, extra_env: dict[str, str] | None = None, wait: bool = True, preexec_fn: Callable[[], None] | None = None) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "daemon.cli", "daemon", "--log-level", "debug"],
@@ -78,6 +78,7 @@ class DaemonProc:
                 stdout=log,
                 stderr=log,
                 cwd=REPO,
+                preexec_fn=preexec_fn,
             )
         if wait:
             wait_for(self.ready, 20, 0.05, "the daemon to answer")

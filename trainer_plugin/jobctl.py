@@ -19,7 +19,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 PROOF_LIMIT = 64 * 1024
@@ -31,8 +30,15 @@ METRICS_TAIL = 64 * 1024
 def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:
     """Write a file whole or not at all: a temporary file in the same directory, then rename."""
     directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}.{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    # A fresh name opened with O_EXCL|O_NOFOLLOW: a link planted in the run directory under a
+    # guessable temporary name can never redirect the write elsewhere.
+    while True:
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}.{os.urandom(6).hex()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+            break
+        except FileExistsError:
+            continue
     try:
         view = memoryview(data)
         while view:
@@ -179,13 +185,34 @@ def group_exists(pgid: int) -> bool:
     return False
 
 
+def group_alive(handle: dict | None) -> bool:
+    """True while any process of the job's process group lives, even if its wrapper died.
+
+    The group is ours only if its leader is the job's wrapper or gone: a leader with another
+    start time is a reused pid, which the kernel hands out only once the old group emptied.
+    """
+    if not handle:
+        return False
+    try:
+        pgid = int(handle["pid"])
+        start = int(handle["start_time"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if pgid <= 1 or (handle.get("boot_id") and handle["boot_id"] != boot_id()):
+        return False
+    leader = _proc_stat(pgid)
+    if leader is not None and leader[1] != start:
+        return False
+    return group_exists(pgid)
+
+
 def read_handle(run_dir: str) -> dict | None:
     data = read_regular(os.path.join(run_dir, "job.pid"), 4096)
     if not data:
         return None
     try:
         handle = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return handle if isinstance(handle, dict) else None
 
@@ -205,16 +232,17 @@ def job_status(run_dir: str, handle: dict | None = None) -> dict:
     code = read_int(os.path.join(run_dir, "exit_code"))
     if os.path.exists(os.path.join(run_dir, "cancelled")):
         return {"state": "cancelled", "exit_code": code}
-    if code is not None:
-        return {"state": "exited", "exit_code": code}
-    if handle_alive(handle or read_handle(run_dir)):
+    handle = handle or read_handle(run_dir)
+    # A job whose wrapper died but whose processes live on is still running (and cancellable).
+    if code is None and (handle_alive(handle) or group_alive(handle)):
         return {"state": "running", "exit_code": None}
     # The wrapper may have just written exit_code and exited: read once more.
     code = read_int(os.path.join(run_dir, "exit_code"))
+    if os.path.exists(os.path.join(run_dir, "cancelling")):
+        # A cancel was under way (its canceller may have died before writing `cancelled`).
+        return {"state": "cancelled", "exit_code": code}
     if code is not None:
         return {"state": "exited", "exit_code": code}
-    if os.path.exists(os.path.join(run_dir, "cancelling")):
-        return {"state": "cancelled", "exit_code": None}
     return {"state": "lost", "exit_code": None}
 
 
@@ -315,7 +343,7 @@ def cancel(run_dir: str, grace: float, handle: dict | None = None) -> dict:
     now = time.time()
     atomic_write(os.path.join(run_dir, "cancelling"), f"{now}\n".encode())
     killed = False
-    if handle_alive(handle):
+    if handle_alive(handle) or group_alive(handle):
         pgid = int(handle["pid"])
         _killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -344,7 +372,7 @@ def _killpg(pgid: int, sig: int) -> None:
 def _parse_json_line(line: bytes) -> dict | None:
     try:
         value = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -381,7 +409,10 @@ def _checkpoints(output_dir: str) -> list[str]:
 
 
 def probe_dir(run_dir: str, handle: dict | None = None) -> dict:
-    """One read of a run directory: job status, request, proof, metrics summary, log size."""
+    """One read of a run directory: job status, request, proof, metrics summary, log size.
+
+    Never raises: whatever a run directory holds, the probe of the others goes on.
+    """
     result: dict = {"remote_dir": run_dir}
     try:
         result["status"] = job_status(run_dir, handle)
@@ -396,7 +427,7 @@ def probe_dir(run_dir: str, handle: dict | None = None) -> dict:
         result["log_size"] = file_size(os.path.join(run_dir, "job.log"))
         result["handle"] = read_handle(run_dir)
         result["checkpoints"] = _checkpoints(os.path.join(run_dir, "output"))
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - one hostile directory must not fail the batch
         result.setdefault("status", {"state": "running", "exit_code": None})
         result["error"] = f"{type(exc).__name__}: {exc}"
     return result

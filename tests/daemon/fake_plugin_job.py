@@ -4,6 +4,8 @@
     ignore      announces snapshots, then never answers a request (a hung step)
     hang-after  answers a request with a valid proof and checkpoint, then hangs
     proof=JSON  answers a request with this exact snapshot.json, then exits 0
+    bad-proof-hang  answers a request with an invalid proof, then hangs
+    nested-metrics  writes a metrics.jsonl first line nested 100,000 deep, then runs
     no-plugin   never announces snapshots; runs until killed
 """
 
@@ -23,6 +25,10 @@ def write(path: str, data: str) -> None:
     os.replace(tmp, path)
 
 
+if mode == "nested-metrics":
+    with open(os.environ["OBD_METRICS_FILE"], "w") as f:
+        f.write("[" * 100000 + "\n")
+    time.sleep(3600)
 if mode != "no-plugin":
     with open(os.environ["OBD_METRICS_FILE"], "a") as f:
         f.write(json.dumps({"event": "begin", "time": time.time(), "max_steps": 1000, "snapshots": True, "version": "fake"}) + "\n")
@@ -37,6 +43,9 @@ while True:
         os.makedirs(f"{rd}/output/checkpoint-{step}")
         write(os.environ["OBD_SNAPSHOT_FILE"], json.dumps({"checkpoint": f"output/checkpoint-{step}", "step": step, "time": time.time(), "reason": "requested"}))
         print("proof written; now hanging", flush=True)
+        time.sleep(3600)
+    if mode == "bad-proof-hang":
+        write(os.environ["OBD_SNAPSHOT_FILE"], json.dumps({"checkpoint": "../../etc", "step": step}))
         time.sleep(3600)
     if mode.startswith("proof="):
         os.makedirs(f"{rd}/output/checkpoint-{step}", exist_ok=True)

@@ -104,3 +104,33 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(daemon: DaemonProc, sh
     other.start(wait=False)
     assert other.proc.wait(15) != 0
     assert "another daemon" in other.log_path.read_text()
+
+
+@pytest.mark.parametrize("on_term", ["ignore", "exit"])
+def test_a_cancel_cut_short_by_a_sigkill_of_the_daemon_is_finished_after_the_restart(daemon: DaemonProc, on_term: str) -> None:
+    trap = "trap '' TERM" if on_term == "ignore" else "trap 'sleep 1; exit 143' TERM"
+    rid = daemon.cli("train", "start", "--", "bash", "-c", f"{trap}; while true; do sleep 0.1; done").stdout.strip()
+    record = daemon.wait_state(rid, "running")
+    daemon.cli("train", "cancel", rid)
+    time.sleep(0.3)  # within the 2 s grace: the TERM was sent, the KILL not yet
+    daemon.kill()
+    daemon.start()
+    record = daemon.wait_state(rid, "cancelled", "failed", timeout=30)
+    assert record["state"] == "cancelled" and "by the user" in record["message"]
+    assert not jobctl.group_alive(record["job"])
+
+
+def test_a_job_whose_wrapper_was_killed_is_still_running_and_cancel_reaches_its_processes(daemon: DaemonProc) -> None:
+    import os
+
+    rid = daemon.cli("train", "start", "--", "bash", "-c", "sleep 600; true").stdout.strip()
+    record = daemon.wait_state(rid, "running")
+    wait_for(lambda: len(list(Path(record["remote_dir"]).glob("job.log"))) == 1, 10)
+    time.sleep(0.5)
+    os.kill(record["job"]["pid"], signal.SIGKILL)  # the wrapper only; bash and sleep live on
+    time.sleep(1.0)
+    assert daemon.record(rid)["state"] == "running"
+    assert jobctl.group_alive(record["job"])
+    assert daemon.cli("train", "cancel", rid, "--wait").returncode == 0
+    assert daemon.record(rid)["state"] == "cancelled"
+    assert not jobctl.group_alive(record["job"])

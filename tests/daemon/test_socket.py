@@ -169,3 +169,23 @@ def test_members_of_the_configured_group_may_use_the_socket(make_daemon) -> None
     out = subprocess.run([sys.executable, "-c", code, str(d.socket)], capture_output=True, text=True, timeout=20)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["ok"] is True
+
+
+def test_running_out_of_file_descriptors_never_ends_the_daemon(make_daemon) -> None:
+    import resource
+
+    d = make_daemon()
+    d.start(preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)))
+    held = []
+    try:
+        for _ in range(200):  # more callers than the daemon can hold open
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(d.socket))
+            held.append(s)
+        time.sleep(0.5)
+        assert d.proc.poll() is None
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.5)
+    assert d.call("ping")["pid"] == d.proc.pid

@@ -201,3 +201,23 @@ def test_a_sigterm_to_a_job_started_with_snapshot_on_sigterm_becomes_a_preempted
     record = sd.wait_state(rid, "stopped", "failed", "cancelled", "succeeded", timeout=120)
     assert record["state"] == "stopped", record["message"]
     assert record["snapshot"]["reason"] == "preempted"
+
+
+def test_an_invalid_proof_fails_the_run_even_when_the_job_then_hangs_and_is_cancelled(sd: DaemonProc) -> None:
+    rid = start(sd, PY, FAKE, "bad-proof-hang")
+    announced(sd, rid)
+    out = sd.cli("train", "stop", rid, "--wait")
+    assert out.returncode == 4  # ended without a (valid) snapshot
+    record = sd.record(rid)
+    assert record["state"] == "failed" and "invalid snapshot proof" in record["message"]
+
+
+def test_a_run_directory_with_absurdly_nested_json_harms_no_other_run(sd: DaemonProc) -> None:
+    hostile = start(sd, PY, FAKE, "nested-metrics")
+    sd.wait_state(hostile, "running")
+    time.sleep(0.5)
+    quick = start(sd, "sh", "-c", "sleep 0.5")
+    assert sd.wait_state(quick, "succeeded", "failed", timeout=30)["state"] == "succeeded"
+    assert "follow_poll_failed" not in sd.log_path.read_text()
+    sd.cli("train", "cancel", hostile, "--wait")
+    assert sd.record(hostile)["state"] == "cancelled"

@@ -84,3 +84,24 @@ def test_a_full_disk_during_a_save_raises_and_leaves_the_old_record_intact(tiny_
     assert store.record_path(r.id).read_bytes() == before
     assert json.loads(before)["command"] == ["true"]
     assert not [p for p in store.run_dir(r.id).iterdir() if p.name.startswith(".run.json.tmp")]
+
+
+def test_a_record_nested_too_deeply_is_reported_not_fatal(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    bad_dir = store.runs_dir / "20260101-000000-nested"
+    bad_dir.mkdir(parents=True)
+    (bad_dir / "run.json").write_text("[" * 100000)
+    records, bad = store.load_all()
+    assert records == {} and "nested too deeply" in bad[0].error
+
+
+def test_an_atomic_write_replaces_a_planted_link_instead_of_writing_through_it(tmp_path: Path) -> None:
+    from trainer_plugin.jobctl import atomic_write
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    link = tmp_path / "snapshot.request"
+    link.symlink_to(victim)
+    atomic_write(str(link), b"requested\n")
+    assert victim.read_text() == "precious"
+    assert not link.is_symlink() and link.read_text() == "requested\n"
