@@ -60,6 +60,7 @@ class Daemon:
         self._cancelling: set[str] = set()
         self._launching: set[str] = set()  # runs this daemon is launching right now
         self._finishing: set[str] = set()  # runs whose end is being recorded (outputs, metrics)
+        self._dir_watchers: set[str] = set()
         self._dirty: set[str] = set()
         self._final: dict[str, anyio.Event] = {}
         self._tg: TaskGroup | None = None
@@ -336,11 +337,17 @@ class Daemon:
         self._tg.start_soon(self._follow, key, self.poll_interval(record))
 
     def _watch_exit(self, record: RunRecord) -> None:
-        """On a local target, wake the follow the moment the job exits instead of at the next poll."""
+        """On a local target, wake the follow the moment the job exits, or anyone writes a
+        request or a proof (inotify), instead of at the next poll."""
         executor = self.executor_for(record)
         handle = self._handle(record)
         if self._tg is None or handle is None or not hasattr(executor, "wait_exit"):
             return
+        key = self.executor_key(record)
+        executor.watch_dir(record.remote_dir)  # type: ignore[attr-defined]
+        if key not in self._dir_watchers:
+            self._dir_watchers.add(key)
+            self._tg.start_soon(self._watch_dirs, key, executor)
 
         async def watch() -> None:
             with contextlib.suppress(Exception):  # the follow's polling sees the exit anyway
@@ -348,6 +355,17 @@ class Daemon:
             self.wake(self.executor_key(record))
 
         self._tg.start_soon(watch)
+
+    async def _watch_dirs(self, key: str, executor: Any) -> None:
+        wanted = {"snapshot.request", "snapshot.json", "exit_code", "cancelled"}
+        while True:
+            try:
+                names = await executor.changed_files()
+            except OSError as exc:
+                log.warning("dir_watch_failed", target=key, error=str(exc))
+                return  # polling still sees everything
+            if names & wanted:
+                self.wake(key)
 
     def final_event(self, run_id: str) -> anyio.Event:
         return self._final.setdefault(run_id, anyio.Event())
@@ -521,6 +539,8 @@ class Daemon:
                 return
             record.exit_code = status.exit_code
             record.progress.eta_seconds = None
+            if hasattr(executor, "unwatch_dir"):
+                executor.unwatch_dir(record.remote_dir)
             record.transition(state, message)
             self._save_quietly(record)
         self.final_event(record.id).set()

@@ -9,9 +9,11 @@ kills no job.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -22,6 +24,58 @@ from executors.base import ExecutorError, JobHandle, JobSpec, JobState, JobStatu
 from trainer_plugin import jobctl
 
 JOBCTL = Path(jobctl.__file__).resolve()
+
+
+class DirWatch:
+    """inotify on run directories, so a request or proof written by anyone is seen at once.
+
+    Where inotify cannot be had, `available` is False and the follow's polling still sees it.
+    """
+
+    IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE = 0x8, 0x80, 0x100
+    _HEADER = struct.Struct("iIII")
+
+    def __init__(self) -> None:
+        self._wds: dict[str, int] = {}
+        self._fd = -1
+        try:
+            self._libc = ctypes.CDLL(None, use_errno=True)
+            self._fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, AttributeError):
+            self._fd = -1
+
+    @property
+    def available(self) -> bool:
+        return self._fd >= 0
+
+    def add(self, directory: str) -> None:
+        if not self.available or directory in self._wds:
+            return
+        mask = self.IN_CLOSE_WRITE | self.IN_MOVED_TO | self.IN_CREATE
+        wd = self._libc.inotify_add_watch(self._fd, os.fsencode(directory), mask)
+        if wd >= 0:
+            self._wds[directory] = wd
+
+    def remove(self, directory: str) -> None:
+        wd = self._wds.pop(directory, None)
+        if wd is not None and self.available:
+            self._libc.inotify_rm_watch(self._fd, wd)
+
+    async def names(self) -> set[str]:
+        """Wait for events; the names of the files they were about."""
+        await anyio.wait_readable(self._fd)
+        names: set[str] = set()
+        try:
+            data = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return names
+        pos = 0
+        while pos + self._HEADER.size <= len(data):
+            _wd, _mask, _cookie, length = self._HEADER.unpack_from(data, pos)
+            pos += self._HEADER.size
+            names.add(data[pos : pos + length].rstrip(b"\0").decode(errors="replace"))
+            pos += length
+        return names
 
 
 def systemd_scope_prefix(run_id: str) -> list[str]:
@@ -42,6 +96,7 @@ class LocalExecutor:
         self.name = name
         self.workdir = str(workdir)
         self.python = python or sys.executable
+        self.dir_watch = DirWatch()
 
     async def spawn(self, job: JobSpec) -> JobHandle:
         run_dir = Path(job.remote_dir)
@@ -120,6 +175,18 @@ class LocalExecutor:
                 await anyio.wait_readable(fd)
         finally:
             os.close(fd)
+
+    def watch_dir(self, remote_dir: str) -> None:
+        self.dir_watch.add(remote_dir)
+
+    def unwatch_dir(self, remote_dir: str) -> None:
+        self.dir_watch.remove(remote_dir)
+
+    async def changed_files(self) -> set[str]:
+        """Names of files just written in a watched run directory (blocks until there are some)."""
+        if not self.dir_watch.available:
+            await anyio.sleep_forever()
+        return await self.dir_watch.names()
 
     async def aclose(self) -> None:
         return None

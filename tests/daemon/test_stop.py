@@ -221,3 +221,18 @@ def test_a_run_directory_with_absurdly_nested_json_harms_no_other_run(sd: Daemon
     assert "follow_poll_failed" not in sd.log_path.read_text()
     sd.cli("train", "cancel", hostile, "--wait")
     assert sd.record(hostile)["state"] == "cancelled"
+
+
+def test_on_a_local_target_a_hand_written_request_is_seen_at_once_even_between_slow_polls(make_daemon) -> None:
+    d = make_daemon(STOP_CONFIG.replace("poll_interval = 0.2", "poll_interval = 30"))
+    d.start()
+    rid = start(d, PY, FAKE, "hang-after")
+    # The first poll (at start) sees the begin line; no poll comes again for 30 s.
+    record = wait_for(lambda: (r := d.record(rid))["snapshots"] and r, 40, 0.1, "the begin line")
+    written = time.time()
+    (Path(record["remote_dir"]) / "snapshot.request").write_text("deadline\n")
+    seen = wait_for(lambda: d.record(rid)["stop"]["requested_at"], 10, 0.02, "the request to be seen")
+    assert seen - written < 2.0  # inotify, not the 30 s poll
+    assert d.record(rid)["stop"]["reason"] == "deadline"
+    wait_for(lambda: d.record(rid)["snapshot"], 10, 0.05, "the proof to be seen at once too")
+    d.cli("train", "cancel", rid, "--wait")
