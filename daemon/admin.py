@@ -51,7 +51,7 @@ async def _check(config, name: str, as_json: bool) -> int:
 
         executor = SshExecutor(name, target)
     else:
-        print(f"obd: `targets check` covers local and ssh targets; for pods use `obd pods list`", file=sys.stderr)
+        print("obd: `targets check` covers local and ssh targets; for pods use `obd pods list`", file=sys.stderr)
         return 2
     try:
         results = await check_target(executor)

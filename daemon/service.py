@@ -294,7 +294,7 @@ class Daemon:
         record.transition(
             RunState.failed,
             "the daemon stopped while launching this run and its job never started; "
-            f"start it again with `obd train start`",
+            "start it again with `obd train start`",
         )
         self._save_quietly(record)
         self.final_event(record.id).set()

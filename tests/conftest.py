@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,17 +150,21 @@ class DaemonProc:
                 self.proc.wait()
 
 
-def kill_leftover_jobs(state_dir: Path) -> None:
-    """Tests end with no job left behind: KILL every job group still alive."""
+def kill_job_groups(pidfiles: Iterable[Path]) -> None:
+    """Tests end with no job left behind: KILL the group of every job.pid whose job still lives."""
     from trainer_plugin import jobctl
 
-    for pidfile in state_dir.glob("jobs/*/job.pid"):
+    for pidfile in pidfiles:
         handle = jobctl.read_handle(str(pidfile.parent))
-        if handle and jobctl.handle_alive(handle):
+        if handle and (jobctl.handle_alive(handle) or jobctl.group_alive(handle)):
             try:
                 os.killpg(int(handle["pid"]), signal.SIGKILL)
             except OSError:
                 pass
+
+
+def kill_leftover_jobs(state_dir: Path) -> None:
+    kill_job_groups(state_dir.glob("jobs/*/job.pid"))
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_CONFIG, REPO, DaemonProc, kill_leftover_jobs, wait_for
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, kill_job_groups, wait_for
 from tests.sshd import SshServer, sshd_skip_reason
 
 PY = sys.executable
@@ -44,21 +44,7 @@ def box(make_daemon, sshd: SshServer, short_tmp: Path) -> DaemonProc:
     d.start()
     d.remote_workdir = workdir  # type: ignore[attr-defined]
     yield d
-    for rd in workdir.glob("*/job.pid"):
-        kill_leftover_jobs_dir(rd.parent)
-
-
-def kill_leftover_jobs_dir(rd: Path) -> None:
-    import signal
-
-    from trainer_plugin import jobctl
-
-    handle = jobctl.read_handle(str(rd))
-    if handle and jobctl.handle_alive(handle):
-        try:
-            os.killpg(int(handle["pid"]), signal.SIGKILL)
-        except OSError:
-            pass
+    kill_job_groups(workdir.glob("*/job.pid"))
 
 
 def start(d: DaemonProc, *command: str, opts: tuple[str, ...] = (), env: dict | None = None) -> str:

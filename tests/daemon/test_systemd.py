@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
-import sys
 from pathlib import Path
 
 from daemon.systemd import Notifier
 from executors.local import systemd_scope_prefix
-from tests.conftest import REPO, DaemonProc, wait_for
+from tests.conftest import REPO, DaemonProc
 
 
 def _listen(path: Path) -> socket.socket:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,15 +88,9 @@ def make_driver(tmp_path: Path, pod_sshd: SshServer, fake: FakeRunpod) -> Iterat
 
 def kill_jobs(workdir: Path) -> None:
     """KILL every job group (jobs and watchdogs) a test left running under the pod's workdir."""
-    from trainer_plugin import jobctl
+    from tests.conftest import kill_job_groups
 
-    for pidfile in list(workdir.glob("*/job.pid")) + list(workdir.glob("*/watchdog/job.pid")):
-        handle = jobctl.read_handle(str(pidfile.parent))
-        if handle and jobctl.handle_alive(handle):
-            try:
-                os.killpg(int(handle["pid"]), signal.SIGKILL)
-            except OSError:
-                pass
+    kill_job_groups(list(workdir.glob("*/job.pid")) + list(workdir.glob("*/watchdog/job.pid")))
 
 
 class Saves:
