@@ -227,12 +227,9 @@ class Daemon:
         record = self.records.get(item.get("run_id") or "")
         kind = item["kind"]
         if kind == "orphan":
-            local = self.state_dir / "orphans" / str(item["pod_id"])
-            driver = self.pods.driver(item["target_info"].get("target") or "")
             log.warning("pod_orphan", pod_id=item["pod_id"], run_id=item.get("run_id"))
-            with contextlib.suppress(Exception):
-                ok, msg = await driver.finish(item.get("run_id") or f"orphan-{item['pod_id']}", item.get("remote_dir") or "", item["target_info"], local)
-                log.warning("pod_orphan_finished", pod_id=item["pod_id"], outputs_safe=ok, message=msg)
+            assert self._tg is not None
+            self._tg.start_soon(self._empty_orphan, item)
             return
         if record is None:
             return
@@ -245,6 +242,27 @@ class Daemon:
                 record.target_info = item["target_info"]
                 record.note(f"pod {item['pod_id']} found by its tag and adopted")
                 self._save_quietly(record)
+
+    async def _empty_orphan(self, item: dict[str, Any]) -> None:
+        """A pod obd created that no run knows: wait for its SSH, retrieve its outputs, terminate it.
+
+        A pod that never answers within its boot grace is terminated by `resume`; one whose
+        retrieval fails is left up and reported (its outputs come first).
+        """
+        info = item["target_info"]
+        driver = self.pods.driver(info.get("target") or "")
+        run_id = item.get("run_id") or f"orphan-{item['pod_id']}"
+
+        async def keep(_info: dict[str, Any]) -> None:
+            return None
+
+        try:
+            info = await driver.resume(info, keep)
+            local = self.state_dir / "orphans" / str(item["pod_id"])
+            ok, message = await driver.finish(run_id, item.get("remote_dir") or "", info, local)
+        except Exception as exc:
+            ok, message = False, str(exc)
+        log.warning("pod_orphan_finished", pod_id=item["pod_id"], outputs_safe=ok, message=message)
 
     async def _reconcile_group(self, runs: list[RunRecord]) -> None:
         try:

@@ -138,3 +138,22 @@ def test_a_daemon_killed_while_creating_pods_leaves_no_pod_it_does_not_know(pods
     for rid in ids:
         pods.cli("train", "cancel", rid, "--wait")
     wait_for(lambda: fake.live_pods() == [], 60, what="every pod to be terminated")
+
+
+def test_a_pod_obd_created_that_no_run_knows_is_emptied_and_terminated_at_start(make_daemon, fake, pod_sshd, short_tmp) -> None:
+    state = short_tmp / "state"
+    (state / "runpod").mkdir(parents=True)
+    (state / "runpod" / "owner").write_text("ownerfortest0001\n")
+    # A pod of this obd install whose run record is gone, and a pod of someone else's.
+    orphan = fake.add_foreign_pod("obd-20260101-000000-0rphan", {"OBD_RUN_ID": "20260101-000000-0rphan", "OBD_OWNER": "ownerfortest0001"})
+    foreign = fake.add_foreign_pod("someone-elses-pod", {})
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
+    try:
+        try:
+            wait_for(lambda: orphan not in {p["id"] for p in fake.live_pods()}, 60, what="the orphan pod to be terminated")
+        except AssertionError:
+            raise AssertionError(d.log_path.read_text()[-3000:]) from None
+        assert foreign in {p["id"] for p in fake.live_pods()}  # never touched
+        assert "pod_orphan" in d.log_path.read_text()
+    finally:
+        kill_jobs(short_tmp / "pod")
