@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from daemon.models import RunRecord, RunState  # noqa: E402
 from daemon.store import RunStore  # noqa: E402
-from tests.conftest import DaemonProc, kill_leftover_jobs, wait_for  # noqa: E402
+from tests.conftest import DaemonProc, kill_job_groups, kill_leftover_jobs, wait_for  # noqa: E402
 
 CONFIG = '[daemon]\npoll_interval = "1s"\n[stop]\ncancel_grace = "2s"\n'
 
@@ -127,15 +127,62 @@ def bench_stop(root: Path, stops: int) -> None:
         kill_leftover_jobs(d.state_dir)
 
 
+def bench_ssh_follow(root: Path, jobs: int) -> None:
+    """The daemon following `jobs` runs on one SSH target (a real loopback sshd)."""
+    from tests.sshd import SshServer
+
+    with SshServer(root / "sshd") as server:
+        f = server.target_fields()
+        config = CONFIG.replace("[stop]", "remote_poll_interval = \"1s\"\n[stop]") + (
+            f'\n[targets.box]\nkind = "ssh"\nhost = "{f["host"]}"\nport = {f["port"]}\nuser = "{f["user"]}"\n'
+            f'identity_file = "{f["identity_file"]}"\nknown_hosts = "{f["known_hosts"]}"\n'
+            f'workdir = "{root / "remote"}"\npython = "{sys.executable}"\n'
+        )
+        d = DaemonProc(root, config)
+        d.start()
+        try:
+            c = d.client()
+            ids = [c.call("start", target="box", command=["sh", "-c", f"sleep {25 + (i % 10)}"])["id"] for i in range(jobs)]
+            wait_for(lambda: all(d.record(r)["state"] == "running" for r in ids), 300, 0.5, "all jobs running")
+            time.sleep(2)
+            before = server.log_tail(10**8).count("Starting session: command")
+            t0 = time.monotonic()
+            time.sleep(10)
+            commands = server.log_tail(10**8).count("Starting session: command") - before
+            polls = (time.monotonic() - t0) / 1.0
+            records = wait_for(
+                lambda: [d.record(x) for x in ids] if all(d.record(x)["state"] in ("succeeded", "failed") for x in ids) else None,
+                300, 1, "all jobs to end",
+            )
+            lags = [r["history"][-1]["time"] - (Path(r["remote_dir"]) / "exit_code").stat().st_mtime for r in records]
+            print(f"following {jobs} runs on one SSH target (remote_poll_interval 1 s): {commands} remote commands in {polls:.0f} s "
+                  f"of steady state, i.e. one per poll cycle (each cycle: one probe of all {jobs} runs, then the interval); "
+                  f"exit → final state median {statistics.median(lags)*1000:.0f} ms, p99 {pct(lags, 99)*1000:.0f} ms")
+            c.close()
+        finally:
+            d.stop()
+            kill_job_groups((root / "remote").glob("*/job.pid"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=1000)
     p.add_argument("--jobs", type=int, default=200)
     p.add_argument("--stops", type=int, default=20)
+    p.add_argument("--ssh-jobs", type=int, default=50)
+    p.add_argument("--only", help="comma-separated: list,stop,follow,ssh")
     a = p.parse_args()
     import tempfile
 
-    for name, fn, n in (("list", bench_list, a.runs), ("stop", bench_stop, a.stops), ("follow", bench_follow, a.jobs)):
+    only = set(a.only.split(",")) if a.only else None
+    for name, fn, n in (
+        ("list", bench_list, a.runs),
+        ("stop", bench_stop, a.stops),
+        ("follow", bench_follow, a.jobs),
+        ("ssh", bench_ssh_follow, a.ssh_jobs),
+    ):
+        if only and name not in only:
+            continue
         root = Path(tempfile.mkdtemp(prefix=f"obdb-{name}-", dir="/tmp"))
         fn(root, n)
 
