@@ -21,7 +21,7 @@ WORKLOAD = str(REPO / "workloads" / "train_qwen_lora.py")
 
 def ssh_config(server: SshServer, workdir: Path, extra: str = "") -> str:
     f = server.target_fields()
-    return FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "4s"') + (
+    return FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "4s"').replace('end_timeout = "30s"', 'end_timeout = "3s"') + (
         f'\n[targets.box]\nkind = "ssh"\nhost = "{f["host"]}"\nport = {f["port"]}\nuser = "{f["user"]}"\n'
         f'identity_file = "{f["identity_file"]}"\nknown_hosts = "{f["known_hosts"]}"\n'
         f'workdir = "{workdir}"\npython = "{PY}"\nconnect_timeout = 3\nkeepalive = 3\n{extra}'
