@@ -99,6 +99,18 @@ class PodSupervisor:
             return f"pod {record.target_info.get('pod_id')} no longer exists (terminated outside obd, or reclaimed)"
         return None
 
+    async def cap_reached(self, record: RunRecord) -> str | None:
+        """`deadline` or `cost` once the pod's cap has passed (needs only the clock and the rate)."""
+        return await self.driver(record.target).cap_reached(record.target_info, time.time())
+
+    async def terminate(self, record: RunRecord) -> None:
+        await self.driver(record.target).terminate(record.target_info["pod_id"])
+
+    def retrieved_at(self, record: RunRecord) -> float | None:
+        """When the run's outputs were retrieved and verified (the driver's book), if they were."""
+        entry = self.driver(record.target).book.get(record.id) or {}
+        return entry.get("retrieved")
+
     async def describe(self, record: RunRecord) -> dict[str, Any]:
         return await self.driver(record.target).describe(record.target_info)
 

@@ -34,9 +34,12 @@ from daemon.supervise import apply_probe, final_state
 from daemon.systemd import Notifier
 from executors.base import Executor, ExecutorError, JobHandle, JobSpec, JobState, JobStatus, RunProbe
 from executors.local import LocalExecutor
+from trainer_plugin import jobctl
 
 log = structlog.get_logger("obd")
 PLUGIN_SRC = Path(__file__).resolve().parent.parent / "trainer_plugin"
+SETTLED_POD_PHASES = frozenset({"terminated", "terminate_failed", "create_failed"})
+POD_RECONCILE_INTERVAL = 300.0  # how often pods are matched with runs while the daemon runs
 
 
 def new_run_id() -> str:
@@ -172,6 +175,8 @@ class Daemon:
                 elif record.state == RunState.preparing:
                     self._ensure_loop(record)  # its target did not answer yet: the follow decides
             tg.start_soon(self.notifier.watchdog_loop)
+            if any(t.kind == "runpod" for t in self.config.targets.values()):
+                tg.start_soon(self._pods_periodically)
             active = sum(r.state == RunState.running for r in self.records.values())
             self.notifier.ready(f"following {active} running runs")
             log.info("daemon_ready", socket=str(self.config.daemon.socket), running=active)
@@ -212,7 +217,7 @@ class Daemon:
             live = {
                 r.id: r.target_info
                 for r in self.records.values()
-                if r.target == name and r.state in (RunState.preparing, RunState.running)
+                if r.target == name and r.state in (RunState.preparing, RunState.running) and r.id not in self._launching
             }
             try:
                 with anyio.fail_after(self.config.daemon.probe_timeout * 3):
@@ -223,9 +228,35 @@ class Daemon:
             for item in findings:
                 await self._apply_pod_finding(item)
 
+    async def _reconcile_pods_soon(self, delay: float = 20.0) -> None:
+        await anyio.sleep(delay)
+        try:
+            await self._reconcile_pods()
+        except Exception:
+            log.exception("pod_reconcile_failed")
+
+    async def _pods_periodically(self) -> None:
+        """Match pods with runs now and then: a pod whose create looked failed is found and ended."""
+        while True:
+            await anyio.sleep(POD_RECONCILE_INTERVAL)
+            try:
+                await self._reconcile_pods()
+            except Exception:
+                log.exception("pod_reconcile_failed")
+
     async def _apply_pod_finding(self, item: dict[str, Any]) -> None:
         record = self.records.get(item.get("run_id") or "")
         kind = item["kind"]
+        if record is not None and record.id in self._launching:
+            return  # its launch is under way and decides
+        if kind == "orphan" and record is not None and not record.state.final:
+            return  # a live run's pod, not yet in its record
+        if kind == "gone" and record is not None and record.state == RunState.running and self.pods.retrieved_at(record):
+            # Its outputs were retrieved and verified before the pod went: finish from the local copy.
+            local = self.store.run_dir(record.id) / "retrieved"
+            raw = await anyio.to_thread.run_sync(jobctl.probe_dir, str(local), None)
+            await self._apply(record, RunProbe.model_validate(raw))
+            return
         if kind == "orphan":
             log.warning("pod_orphan", pod_id=item["pod_id"], run_id=item.get("run_id"))
             assert self._tg is not None
@@ -274,9 +305,9 @@ class Daemon:
         runs = [r for r in runs if r.state in (RunState.preparing, RunState.running)]
         if not runs:
             return
+        if self.pods.is_pod(runs[0]) and not await self._pod_ready(runs[0]):
+            return
         try:
-            if self.pods.is_pod(runs[0]) and runs[0].target_info.get("phase") != "ready":
-                runs[0].target_info = await self.pods.resume(runs[0], self._pod_saver(runs[0]))
             executor = self.executor_for(runs[0])
             with anyio.fail_after(self.config.daemon.probe_timeout):
                 probes = await executor.probe([(self._handle(r), r.remote_dir) for r in runs])
@@ -296,6 +327,35 @@ class Daemon:
                     await self._end_pod_quietly(record)
                 continue
             await self._apply(record, probe)
+
+    async def _pod_ready(self, record: RunRecord) -> bool:
+        """Make sure a pod run left by an earlier daemon has a ready, pinned pod; fail it if it cannot."""
+        info = record.target_info
+        if info.get("phase") in SETTLED_POD_PHASES:
+            await self._fail_pod_run(record, f"its pod was never ready ({info.get('phase')}: {info.get('error') or 'no detail'})")
+            return False
+        if info.get("phase") == "ready" and info.get("host_key"):
+            return True
+        if not info.get("pod_id"):
+            return False  # reconcile adopts it by its tag, or fails it as never created
+        try:
+            record.target_info = await self.pods.resume(record, self._pod_saver(record))
+            return True
+        except Exception as exc:
+            if record.target_info.get("phase") in SETTLED_POD_PHASES:  # `resume` ended the pod
+                await self._fail_pod_run(record, f"its pod never became ready: {exc}")
+            else:
+                log.warning("pod_resume_deferred", run_id=record.id, error=str(exc))
+            return False
+
+    async def _fail_pod_run(self, record: RunRecord, why: str) -> None:
+        async with self.lock(record.id):
+            if record.state.final:
+                return
+            record.transition(RunState.failed, why)
+            self._save_quietly(record)
+        self.final_event(record.id).set()
+        await self._drop_executor(record)
 
     def _adopt_or_fail(self, record: RunRecord, probe: RunProbe) -> bool:
         """Re-attach a run whose launch an earlier daemon began; True when it is failed instead."""
@@ -326,7 +386,12 @@ class Daemon:
             return ""
         local = self.store.run_dir(record.id) / "retrieved"
         try:
-            message = await self.pods.finish(record, local)
+            if self.pods.retrieved_at(record):
+                with contextlib.suppress(Exception):
+                    await self.pods.terminate(record)
+                message = f"outputs retrieved and verified into {local}; pod {record.target_info['pod_id']} ended"
+            else:
+                message = await self.pods.finish(record, local)
         except Exception as exc:  # the record's final state must not wait on the pod
             message = f"the pod could not be emptied and ended: {exc} (see `obd pods list`)"
         record.target_info["ended"] = True
@@ -432,7 +497,7 @@ class Daemon:
             with anyio.fail_after(self.config.daemon.probe_timeout):
                 probes = await executor.probe([(self._handle(r), r.remote_dir) for r in runs])
         except (ExecutorError, TimeoutError, OSError) as exc:
-            if self.pods.is_pod(runs[0]) and await self._pod_gone(runs[0]):
+            if self.pods.is_pod(runs[0]) and (await self._pod_gone(runs[0]) or await self._cap_on_unreachable_pod(runs[0])):
                 return
             now = time.time()
             for record in runs:
@@ -460,6 +525,31 @@ class Daemon:
                 record.note(f"cancelling: {cancel}")
                 self._save_quietly(record)
             self._start_cancel(record)
+
+    async def _cap_on_unreachable_pod(self, record: RunRecord) -> bool:
+        """A pod past its cap that cannot be reached for a lease's time is terminated: the cap holds
+        even with the pod's SSH and watchdog gone (its outputs are then lost, and the run says so)."""
+        try:
+            reason = await self.pods.cap_reached(record)
+        except Exception:
+            return False
+        since = record.unreachable_since
+        if not reason or since is None or time.time() - since < self.pods.lease_ttl(record):
+            return False
+        try:
+            with anyio.fail_after(self.config.daemon.probe_timeout):
+                await self.pods.terminate(record)
+        except Exception as exc:
+            log.error("pod_cap_terminate_failed", run_id=record.id, error=str(exc))
+            return False
+        record.target_info["ended"] = True
+        await self._fail_pod_run(
+            record,
+            f"the {reason} cap of pod {record.target_info.get('pod_id')} passed while the pod could not be reached; "
+            "the pod was terminated and the outputs on it are lost",
+        )
+        log.error("pod_cap_terminated_unreachable", run_id=record.id, reason=reason)
+        return True
 
     async def _pod_gone(self, record: RunRecord) -> bool:
         try:
@@ -741,6 +831,9 @@ class Daemon:
                 self.final_event(record.id).set()
             await self._end_pod_quietly(record)
             log.error("launch_failed", run_id=record.id, error=str(exc))
+            if self.pods.is_pod(record) and not record.target_info.get("pod_id") and self._tg is not None:
+                # The create may have made a pod after all (an ambiguous answer): look for it soon.
+                self._tg.start_soon(self._reconcile_pods_soon)
             return
         async with self.lock(record.id):
             record.job = handle.model_dump()

@@ -865,7 +865,8 @@ class RunpodDriver:
             "pod_name": pod.name,
             "pod_id": pod.id,
             "owner": self.owner,
-            "phase": "ready" if pod.ssh_host else "booting",
+            # Ready only once its host key is pinned: `resume` waits for SSH and pins it.
+            "phase": "ready" if pod.ssh_host and base.get("host_key") else "booting",
             "gpu_type": pod.gpu_display_name,
             "cost_per_hr": pod.cost_per_hr or base.get("cost_per_hr"),
             "started_at": started,

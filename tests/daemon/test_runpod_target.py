@@ -157,3 +157,38 @@ def test_a_pod_obd_created_that_no_run_knows_is_emptied_and_terminated_at_start(
         assert "pod_orphan" in d.log_path.read_text()
     finally:
         kill_jobs(short_tmp / "pod")
+
+
+def test_a_pod_made_by_a_create_whose_answer_was_lost_in_a_crash_is_found_and_ended(pods: DaemonProc, fake: FakeRunpod) -> None:
+    fake.inject("timeout", "podFindAndDeployOnDemand", delay=20)  # the pod is made; its id never comes back
+    rid = start(pods, "sleep", "5")
+    wait_for(lambda: fake.live_pods(), 20, what="the pod to exist")
+    time.sleep(0.3)
+    pods.kill()
+    on_disk = json.loads((pods.state_dir / "runs" / rid / "run.json").read_text())["target_info"]
+    assert on_disk["pod_id"] is None and on_disk["phase"] == "creating"  # recorded before the create
+    fake.ready_after = 0  # the API already lists the pod with its public port
+    pods.start()
+    record = pods.wait_state(rid, "failed", "succeeded", timeout=60)
+    assert record["target_info"]["pod_id"] and record["target_info"]["host_key"]  # adopted, then pinned
+    wait_for(lambda: fake.live_pods() == [], 30, what="the adopted pod to be ended")
+
+
+def test_the_cost_cap_holds_when_the_pods_ssh_and_watchdog_are_gone(make_daemon, fake, pod_sshd, short_tmp) -> None:
+    import os
+    import signal
+
+    from trainer_plugin import jobctl
+
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, "max_cost_usd = 0.002\nsnapshot_margin = 1\nlease_ttl = 3\n")
+    try:
+        rid = start(d, "sleep", "120")
+        record = d.wait_state(rid, "running", timeout=60)
+        os.killpg(int(jobctl.read_handle(record["remote_dir"] + "/watchdog")["pid"]), signal.SIGKILL)
+        pod_sshd.stop()  # the pod cannot be reached; the API still answers
+        record = d.wait_state(rid, "failed", timeout=60)
+        assert "cost cap" in record["message"] and "terminated" in record["message"]
+        assert fake.live_pods() == []
+    finally:
+        pod_sshd.start()
+        kill_jobs(short_tmp / "pod")
