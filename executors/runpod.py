@@ -294,17 +294,8 @@ class RunpodDriver:
             gpu_type=gpu,
             cost_per_hr=info["cost_per_hr"],
         )
-        try:
-            host, port, key, rate_now = await self._wait_ssh(pod.id, started_at)
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await self._abandon_boot(info, save, exc)
-            raise
-        info.update(phase="ready", ssh_host=host, ssh_port=port, ssh_user=self.ssh_user, host_key=key)
-        if rate_now:
-            info["cost_per_hr"] = rate_now
-        await self._save(save, info)
-        log.info("runpod.ready", target=self.name, run_id=run_id, pod_id=pod.id, ssh=f"{host}:{port}")
+        info = await self._until_ready(info, save, started_at, self.target.boot_grace)
+        log.info("runpod.ready", target=self.name, run_id=run_id, pod_id=pod.id, ssh=f"{info['ssh_host']}:{info['ssh_port']}")
         return dict(info)
 
     async def resume(self, target_info: dict[str, Any], save: Save) -> dict[str, Any]:
@@ -319,10 +310,13 @@ class RunpodDriver:
         if not info.get("pod_id"):
             raise ExecutorError(f"run {info.get('run_id')} has no pod to resume; start the run again")
         left = float(info.get("started_at") or self.clock()) + self.target.boot_grace - self.clock()
+        return await self._until_ready(info, save, float(info.get("started_at") or 0), max(left, 0.0))
+
+    async def _until_ready(self, info: dict[str, Any], save: Save, started_at: float, grace: float) -> dict[str, Any]:
+        """Wait for the pod's SSH within `grace`, pin its host key and save it ready; a pod that
+        never gets there is terminated (`_abandon_boot`) and the error raised."""
         try:
-            host, port, key, rate = await self._wait_ssh(
-                info["pod_id"], float(info.get("started_at") or 0), max(left, 0.0)
-            )
+            host, port, key, rate = await self._wait_ssh(info["pod_id"], started_at, grace)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._abandon_boot(info, save, exc)

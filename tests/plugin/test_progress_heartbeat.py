@@ -87,7 +87,7 @@ def test_without_the_variable_a_fast_run_writes_no_heartbeat(run_dir: RunDir, st
 def test_heartbeats_come_at_most_once_per_interval(run_dir: RunDir, start_job: Callable[..., Job]) -> None:
     train(run_dir, start_job, "--max_steps", "12", "--logging_steps", "100", "--step-sleep", "0.1", interval="0.35")
     beats = heartbeats(run_dir)
-    assert 1 <= len(beats) < 12
+    assert 0 < len(beats) < 12
     begin = run_dir.metrics()[0]
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise([begin, *beats])]
     assert min(gaps) >= 0.3, gaps  # interval measured on the monotonic clock; wall time allows a little slack
