@@ -156,6 +156,27 @@ def handle_alive(handle: dict | None) -> bool:
     return info is not None and info[1] == start and info[0] not in ("Z", "X")
 
 
+def group_members(pgid: int) -> list[int] | None:
+    """Live (not zombie) processes of a process group, or None when /proc cannot be read."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    members = []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        rest = data[data.rfind(b")") + 2 :].split()
+        if len(rest) > 2 and rest[2] == str(pgid).encode() and rest[0] not in (b"Z", b"X"):
+            members.append(int(entry))
+    return members
+
+
 def group_exists(pgid: int) -> bool:
     """True while a process of the group is alive (zombies waiting to be reaped do not count).
 
@@ -167,22 +188,8 @@ def group_exists(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return True
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        rest = data[data.rfind(b")") + 2 :].split()
-        if len(rest) > 2 and rest[2] == str(pgid).encode() and rest[0] not in (b"Z", b"X"):
-            return True
-    return False
+    members = group_members(pgid)
+    return True if members is None else bool(members)
 
 
 def group_alive(handle: dict | None) -> bool:
@@ -319,7 +326,29 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int) -> i
     if code < 0:  # killed by a signal: the shell's convention, 128 + signal number
         code = 128 - code
     _finish(run_dir, code, None)
+    _reap_group(me)
     return 0
+
+
+def _reap_group(me: int, grace: float = 5.0) -> None:
+    """After the command ended, end what it left in the group (stray workers holding a GPU).
+
+    The exit status is already on disk; the wrapper ignores TERM, and a final KILL may take the
+    wrapper with it, which is fine.
+    """
+    if not _others_in_group(me):
+        return
+    _killpg(me, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _others_in_group(me):
+        time.sleep(0.05)
+    if _others_in_group(me):
+        _killpg(me, signal.SIGKILL)
+
+
+def _others_in_group(pgid: int) -> bool:
+    """Whether a live process other than the group leader is in the group."""
+    return any(pid != pgid for pid in group_members(pgid) or [])
 
 
 def _finish(run_dir: str, code: int, ready_fd: int | None) -> None:

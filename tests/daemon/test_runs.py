@@ -281,3 +281,12 @@ def test_logs_follow_on_a_terminal_shows_a_live_progress_line(daemon: DaemonProc
     text = seen.decode(errors="replace")
     assert "/10 loss 1.5" in text and "[" in text  # the progress bar and line
     assert "done" in text
+
+
+def test_processes_a_finished_job_left_behind_in_its_group_are_ended(daemon: DaemonProc, short_tmp: Path) -> None:
+    marker = short_tmp / "stray.pid"
+    rid = start(daemon, "sh", "-c", f"sleep 300 & echo $! > {marker}; exit 0")
+    record = daemon.wait_state(rid, "succeeded", "failed")
+    assert record["state"] == "succeeded"
+    stray = int(marker.read_text())
+    wait_for(lambda: not os.path.exists(f"/proc/{stray}") or open(f"/proc/{stray}/stat").read().split()[2] == "Z", 15, what="the stray sleep to be ended")
