@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import asyncssh
@@ -44,6 +45,17 @@ def sshd_skip_reason() -> str | None:
     if not os.path.exists(SSHD):
         return f"{SSHD} is missing: install it with `apt-get install -y openssh-server` (CI does)"
     return None
+
+
+def running_sshd() -> Iterator["SshServer"]:
+    """For a pytest fixture: a started server, stopped after the test; a clear skip without sshd."""
+    reason = sshd_skip_reason()
+    if reason:
+        import pytest
+
+        pytest.skip(reason)
+    with SshServer() as server:
+        yield server
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -119,17 +119,22 @@ def boot_id() -> str:
     return data.decode().strip() if data else ""
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks since boot) of a process, or None."""
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of /proc/PID/stat from the state on (field 3), or None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
     # The command name may hold spaces and parentheses: the fields start after the last ')'.
-    rest = data[data.rfind(b")") + 2 :].split()
+    return data[data.rfind(b")") + 2 :].split()
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process, or None."""
+    rest = _stat_fields(pid)
     try:
-        return rest[0].decode(), int(rest[19])
+        return (rest[0].decode(), int(rest[19])) if rest else None
     except (IndexError, ValueError):
         return None
 
@@ -139,21 +144,26 @@ def process_start_time(pid: int) -> int | None:
     return info[1] if info else None
 
 
+def _handle_ids(handle: dict | None) -> tuple[int, int] | None:
+    """(pid, start time) of a handle from this boot, or None for a handle that names nothing here."""
+    if not handle:
+        return None
+    try:
+        pid, start = int(handle["pid"]), int(handle["start_time"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if pid <= 1 or (handle.get("boot_id") and handle["boot_id"] != boot_id()):
+        return None
+    return pid, start
+
+
 def handle_alive(handle: dict | None) -> bool:
     """True only if the very process that started the job is still alive (not a reused pid)."""
-    if not handle:
+    ids = _handle_ids(handle)
+    if ids is None:
         return False
-    try:
-        pid = int(handle["pid"])
-        start = int(handle["start_time"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    if pid <= 1:
-        return False
-    if handle.get("boot_id") and handle["boot_id"] != boot_id():
-        return False
-    info = _proc_stat(pid)
-    return info is not None and info[1] == start and info[0] not in ("Z", "X")
+    info = _proc_stat(ids[0])
+    return info is not None and info[1] == ids[1] and info[0] not in ("Z", "X")
 
 
 def group_members(pgid: int) -> list[int] | None:
@@ -164,15 +174,8 @@ def group_members(pgid: int) -> list[int] | None:
         return None
     members = []
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        rest = data[data.rfind(b")") + 2 :].split()
-        if len(rest) > 2 and rest[2] == str(pgid).encode() and rest[0] not in (b"Z", b"X"):
+        rest = _stat_fields(entry) if entry.isdigit() else None
+        if rest and len(rest) > 2 and rest[2] == str(pgid).encode() and rest[0] not in (b"Z", b"X"):
             members.append(int(entry))
     return members
 
@@ -198,15 +201,10 @@ def group_alive(handle: dict | None) -> bool:
     The group is ours only if its leader is the job's wrapper or gone: a leader with another
     start time is a reused pid, which the kernel hands out only once the old group emptied.
     """
-    if not handle:
+    ids = _handle_ids(handle)
+    if ids is None:
         return False
-    try:
-        pgid = int(handle["pid"])
-        start = int(handle["start_time"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    if pgid <= 1 or (handle.get("boot_id") and handle["boot_id"] != boot_id()):
-        return False
+    pgid, start = ids
     leader = _proc_stat(pgid)
     if leader is not None and leader[1] != start:
         return False

@@ -14,7 +14,7 @@ from daemon.store import RunStore
 from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
 from tests.fakes.runpod_api import FakeRunpod
 from tests.runpod.conftest import kill_jobs
-from tests.sshd import SshServer, sshd_skip_reason
+from tests.sshd import SshServer, running_sshd
 
 PY = sys.executable
 FAKE_JOB = str(Path(__file__).with_name("fake_plugin_job.py"))
@@ -23,11 +23,7 @@ KEY = "pod-test-key"
 
 @pytest.fixture
 def pod_sshd() -> Iterator[SshServer]:
-    reason = sshd_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with SshServer() as server:
-        yield server
+    yield from running_sshd()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, kill_job_groups, wait_for
-from tests.sshd import SshServer, sshd_skip_reason
+from tests.sshd import SshServer, running_sshd
 
 PY = sys.executable
 FAKE = str(Path(__file__).with_name("fake_plugin_job.py"))
@@ -30,11 +30,7 @@ def ssh_config(server: SshServer, workdir: Path, extra: str = "") -> str:
 
 @pytest.fixture
 def sshd() -> Iterator[SshServer]:
-    reason = sshd_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with SshServer() as server:
-        yield server
+    yield from running_sshd()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 from fakes.runpod_api import FakeRunpod  # noqa: E402
-from sshd import SshServer, sshd_skip_reason  # noqa: E402
+from sshd import SshServer, running_sshd  # noqa: E402
 
 from daemon.config import RunpodTarget  # noqa: E402
 from executors.runpod import RunpodDriver  # noqa: E402
@@ -40,11 +40,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeRunpod]:
 @pytest.fixture(scope="session")
 def pod_sshd() -> Iterator[SshServer]:
     """One real sshd on loopback standing in for every pod's public port 22."""
-    reason = sshd_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with SshServer() as server:
-        yield server
+    yield from running_sshd()
 
 
 def fast_api(**kwargs: Any) -> RunpodApi:
