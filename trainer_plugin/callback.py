@@ -14,7 +14,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from . import inject
-from .dist import Ranks
+from .dist import Ranks, tear_down_at_exit
 from .runtime import (
     VERSION,
     IncompleteCheckpoint,
@@ -126,6 +126,7 @@ class SnapshotCallback(TrainerCallback):
             # Training stopped for a snapshot that was never saved: exiting 0 would read as
             # "succeeded", so fail loudly instead.
             raise RuntimeError(f"obd: training stopped for a snapshot at step {self._pending[0]} but no checkpoint was saved")
+        tear_down_at_exit(self._ranks)
 
     # --- the request --------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ uses it (and every job outside obd) pays nothing.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from dataclasses import dataclass
@@ -76,3 +77,36 @@ class Ranks:
         """Wait until every rank got here (an all-reduce, so it works on NCCL without device ids)."""
         if self.distributed:
             self._sum([0])
+
+
+_teardown_registered = False
+
+
+def _destroy_gloo_group() -> None:
+    """At exit, destroy a still-initialised gloo-only default process group (see `tear_down_at_exit`)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return  # the script destroyed it itself, or never made one
+    try:
+        backend = str(dist.get_backend()).lower()
+        if "gloo" in backend and "nccl" not in backend:
+            dist.destroy_process_group()
+    except Exception as exc:  # exit must go on: a failed teardown is only worth a line
+        print(f"obd: could not destroy the process group at exit: {exc}", file=sys.stderr)
+
+
+def tear_down_at_exit(ranks: Ranks) -> None:
+    """After a clean train end under gloo, destroy the default process group at interpreter exit.
+
+    A script that never calls `destroy_process_group()` (the stock Trainer does not) leaves
+    gloo's worker threads holding the plugin's and DDP's reduced tensors; freeing them during
+    interpreter finalisation aborts the process (SIGABRT, "terminate called without an active
+    exception") now and then, which would turn a run with a verified snapshot into a failed
+    one. An atexit handler runs while the interpreter is still whole. gloo's teardown is local
+    to the process; NCCL's is collective and can hang when ranks diverge, so NCCL is left to
+    the script.
+    """
+    global _teardown_registered
+    if ranks.distributed and not _teardown_registered:
+        atexit.register(_destroy_gloo_group)
+        _teardown_registered = True

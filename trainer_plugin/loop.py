@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from . import runtime
-from .dist import Ranks
+from .dist import Ranks, tear_down_at_exit
 from .runtime import RunEnv, SigtermFlag
 
 _sigterm = SigtermFlag()
@@ -151,8 +151,12 @@ def log_metrics(step: int, **values: Any) -> None:
 
 
 def end(step: int, **fields: Any) -> None:
-    """Write the `end` line (rank 0) and stop handling SIGTERM (a SIGTERM never handled is re-delivered)."""
+    """Write the `end` line (rank 0) and stop handling SIGTERM (a SIGTERM never handled is re-delivered).
+
+    Under gloo it also destroys a process group the loop left initialised, at exit (see dist.py).
+    """
     if not _env().active:
         return
     _writer().write("end", step=step, **fields)
     _sigterm.restore()
+    tear_down_at_exit(Ranks())

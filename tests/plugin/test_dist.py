@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -50,3 +52,32 @@ def test_without_torch_distributed_a_process_is_rank_0_of_1_and_decides_alone() 
     assert (ranks.rank, ranks.world_size, ranks.distributed) == (0, 1, False)
     decision = ranks.decide(3, True, 17)
     assert (decision.code, decision.preempted, decision.tokens) == (3, True, 17)
+
+
+class GroupAtExit:
+    """A torch.distributed stand-in for the exit teardown: a default group on one backend."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend, self.initialized = backend, True
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def get_backend(self) -> str:
+        return self.backend
+
+    def destroy_process_group(self) -> None:
+        self.initialized = False
+
+
+@pytest.mark.parametrize(("backend", "destroyed"), [("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", False)])
+def test_the_exit_teardown_destroys_a_gloo_group_and_leaves_nccl_to_the_script(monkeypatch: pytest.MonkeyPatch, backend: str, destroyed: bool) -> None:
+    from trainer_plugin import dist
+
+    group = GroupAtExit(backend)
+    monkeypatch.setitem(sys.modules, "torch.distributed", group)
+    dist._destroy_gloo_group()
+    assert group.initialized is not destroyed

@@ -20,7 +20,9 @@ def final_steps(log: str) -> list[tuple[int, int]]:
 
 
 def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    argv = torchrun(str(SCRIPTS / "plain_trainer.py"), "--output_dir", str(tmp_path / "mine"), "--write-at", "3", "--write-file", f"{run_dir.request}=cost")
+    argv = torchrun(
+        str(SCRIPTS / "plain_trainer.py"), "--output_dir", str(tmp_path / "mine"), "--write-at", "3", "--write-file", f"{run_dir.request}=cost", "--report-exit"
+    )
     job = start_job(run_dir, argv, run_dir.env())
     assert_exit_zero(job, job.wait())
     assert final_steps(job.log_text()) == [(0, 3), (1, 3)]
@@ -36,6 +38,9 @@ def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(run
     # Tokens count both ranks: 4 samples x 8 features per rank and step.
     assert [m["tokens"] for m in logs] == [64, 128, 192]
     assert job.log_text().count("obd: snapshot at step") == 1
+    # The script never destroys its gloo group; the plugin does at exit, while the interpreter
+    # is whole, so gloo's threads cannot abort the process during finalisation.
+    assert sorted(re.findall(r"process group at exit: (\w+) \(rank (\d)\)", job.log_text())) == [("destroyed", "0"), ("destroyed", "1")]
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ need no timing; none of them mention obd.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -68,6 +69,13 @@ class MyTrainer(Trainer):
         self.made_by_subclass = True
 
 
+def report_process_group() -> None:
+    import torch.distributed as dist
+
+    up = dist.is_available() and dist.is_initialized()
+    print(f"process group at exit: {'initialised' if up else 'destroyed'} (rank {os.environ.get('RANK', '0')})", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--output_dir", required=True)
@@ -83,7 +91,10 @@ def main() -> int:
     p.add_argument("--sigterm-rank", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--stages", type=int, default=1, help="train this many times in a row, a new Trainer each")
+    p.add_argument("--report-exit", action="store_true", help="test: print at exit whether the process group is still up")
     opts = p.parse_args()
+    if opts.report_exit:
+        atexit.register(report_process_group)  # registered first, so it runs after any handler added later
 
     torch.manual_seed(0)
     callbacks: list[TrainerCallback] = [Outside(opts)]
