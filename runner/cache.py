@@ -1,8 +1,8 @@
 """A content-addressed cache of benchmark results: the same inputs never run twice.
 
 The key is the sha256 of a canonical JSON of everything that decides the result: the workload
-config (sorted keys), the sha256 of the workload script and of the runner script (`wrap.py`),
-the ROCm image tag and the step count. Change any byte of them and the key changes. Only live
+config (sorted keys), the sha256 of the workload script, of the runner script (`wrap.py`) and of
+the trainer plugin's sources (they run inside the job), the ROCm image tag and the step count. Change any byte of them and the key changes. Only live
 results are stored; canned (fake) numbers never enter the cache.
 """
 
@@ -31,12 +31,21 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def sources_sha256(directory: Path) -> str:
+    """sha256 over the names and bytes of a directory's `*.py` files, in name order."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(directory).glob("*.py")):
+        digest.update(f"{source.name}\0{file_sha256(source)}\0".encode())
+    return digest.hexdigest()
+
+
 class CacheKey(BaseModel):
     """The inputs of one benchmark, and their hash."""
 
     config: dict
     workload_sha256: str
     runner_sha256: str
+    plugin_sha256: str
     rocm_image: str
     steps: int
 
@@ -49,11 +58,12 @@ class CacheKey(BaseModel):
 
 
 def cache_key(config: WorkloadConfig, steps: int, rocm_image: str, workload_script: Path,
-              runner_script: Path) -> CacheKey:
+              runner_script: Path, plugin_dir: Path) -> CacheKey:
     return CacheKey(
         config=json.loads(config.canonical_json()),
         workload_sha256=file_sha256(workload_script),
         runner_sha256=file_sha256(runner_script),
+        plugin_sha256=sources_sha256(plugin_dir),
         rocm_image=rocm_image,
         steps=steps,
     )

@@ -107,7 +107,7 @@ class LiveRunner:
     kind: Literal["live", "fake"] = "live"
 
     def run(self, config: WorkloadConfig, steps: int) -> RunMetrics:
-        key = cache_key(config, steps, self.rocm_image, REPO_ROOT / config.script, WRAP_SCRIPT)
+        key = cache_key(config, steps, self.rocm_image, REPO_ROOT / config.script, WRAP_SCRIPT, PLUGIN_SRC)
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             hit.sources["cache"] = f"benchmark cache {self.cache.path(key).name} (measured earlier, same inputs)"
             return hit

@@ -140,24 +140,38 @@ def test_the_live_job_gets_a_plugin_dir_laid_out_like_the_daemons_first_on_its_p
 
 
 def test_the_cache_key_changes_with_each_of_its_inputs(tmp_path):
-    script, wrapper = tmp_path / "train.py", tmp_path / "wrap.py"
+    script, wrapper, plugin = tmp_path / "train.py", tmp_path / "wrap.py", tmp_path / "plugin"
     script.write_text("print(1)")
     wrapper.write_text("print(2)")
-    base = cache_key(WorkloadConfig(), 10, "img:1", script, wrapper).digest
-    assert cache_key(WorkloadConfig(), 10, "img:1", script, wrapper).digest == base
-    assert cache_key(WorkloadConfig(seq_len=1024), 10, "img:1", script, wrapper).digest != base
-    assert cache_key(WorkloadConfig(), 11, "img:1", script, wrapper).digest != base
-    assert cache_key(WorkloadConfig(), 10, "img:2", script, wrapper).digest != base
+    plugin.mkdir()
+    (plugin / "callback.py").write_text("STEP = 1")
+
+    def key(config=WorkloadConfig(), steps=10, image="img:1"):
+        return cache_key(config, steps, image, script, wrapper, plugin).digest
+
+    base = key()
+    assert key() == base
+    assert key(config=WorkloadConfig(seq_len=1024)) != base
+    assert key(steps=11) != base
+    assert key(image="img:2") != base
     script.write_text("print(1) ")
-    assert cache_key(WorkloadConfig(), 10, "img:1", script, wrapper).digest != base
+    assert key() != base
     script.write_text("print(1)")
     wrapper.write_text("print(3)")
-    assert cache_key(WorkloadConfig(), 10, "img:1", script, wrapper).digest != base
+    assert key() != base
+    wrapper.write_text("print(2)")
+    assert key() == base
+    # The plugin runs inside the job: a change to any of its sources is a new benchmark.
+    (plugin / "callback.py").write_text("STEP = 2")
+    assert key() != base
+    (plugin / "callback.py").write_text("STEP = 1")
+    (plugin / "dist.py").write_text("")
+    assert key() != base
 
 
 def test_the_cache_refuses_fake_metrics_and_ignores_corrupt_entries(tmp_path):
     cache = BenchmarkCache(tmp_path)
-    key = cache_key(WorkloadConfig(), 1, "img", Path(sys.executable), Path(sys.executable))
+    key = cache_key(WorkloadConfig(), 1, "img", Path(sys.executable), Path(sys.executable), tmp_path)
     with pytest.raises(ValueError):
         cache.put(key, RunMetrics(runner_kind="fake"))
     cache.put(key, RunMetrics(steps=1))
