@@ -30,8 +30,7 @@ def admin_main(args: argparse.Namespace) -> int:
         return anyio.run(_check, config, args.name, args.json)
     from executors.pods_cli import pods_main
 
-    argv = [args.action] + ([args.id] if args.action == "rm" else []) + (["--json"] if getattr(args, "json", False) else [])
-    return pods_main(argv, config)
+    return pods_main(list(getattr(args, "unknown", [])) + args.rest, config)
 
 
 async def _check(config, name: str, as_json: bool) -> int:

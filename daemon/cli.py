@@ -88,9 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     tc.add_argument("name")
     tc.add_argument("--json", action="store_true")
 
-    pods = sub.add_parser("pods").add_subparsers(dest="action", required=True)
-    pods.add_parser("list").add_argument("--json", action="store_true")
-    pods.add_parser("rm").add_argument("id")
+    # `obd pods` has its own parser (executors/pods_cli.py): list, rm, retrieve and their options.
+    pods = sub.add_parser("pods", add_help=False)
+    pods.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
 
@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     head, command = _split_command(argv)
     parser = _parser()
     try:
-        args = parser.parse_args(head)
+        args, unknown = parser.parse_known_args(head)
+        if unknown and args.cmd != "pods":  # `obd pods` options (--help, --force...) are its own
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else 0
     if args.cmd == "daemon":
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("targets", "pods"):
         from daemon.admin import admin_main
 
+        args.unknown = unknown
         return admin_main(args)
     client = Client(client_socket(args.socket, args.config))
     try:

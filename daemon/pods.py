@@ -92,12 +92,13 @@ class PodSupervisor:
         self._checked[record.id] = now
         return True
 
-    async def gone(self, record: RunRecord) -> str | None:
-        """Why the run's pod is gone (it was terminated or reclaimed), or None while it exists."""
-        state = (await self.driver(record.target).describe(record.target_info)).get("state")
-        if state == "gone":
-            return f"pod {record.target_info.get('pod_id')} no longer exists (terminated outside obd, or reclaimed)"
-        return None
+    async def state(self, record: RunRecord) -> str:
+        """The pod's state as the API tells it: `gone`, `EXITED` (stopped), `RUNNING`, or `unknown`."""
+        return str((await self.driver(record.target).describe(record.target_info)).get("state") or "unknown")
+
+    async def restart_stopped(self, record: RunRecord, save: Save) -> dict[str, Any]:
+        """Start the run's stopped pod again (its volume holds the run directory); the new target_info."""
+        return await self.driver(record.target).restart_stopped(record.target_info, save)
 
     async def cap_reached(self, record: RunRecord) -> str | None:
         """`deadline` or `cost` once the pod's cap has passed (needs only the clock and the rate)."""

@@ -277,8 +277,8 @@ class Daemon:
     async def _empty_orphan(self, item: dict[str, Any]) -> None:
         """A pod obd created that no run knows: wait for its SSH, retrieve its outputs, terminate it.
 
-        A pod that never answers within its boot grace is terminated by `resume`; one whose
-        retrieval fails is left up and reported (its outputs come first).
+        A pod that never answers within its boot grace is terminated by `resume`, and a stopped one
+        is started again; one whose retrieval fails is left up and reported (its outputs come first).
         """
         info = item["target_info"]
         driver = self.pods.driver(info.get("target") or "")
@@ -287,13 +287,19 @@ class Daemon:
         async def keep(_info: dict[str, Any]) -> None:
             return None
 
+        record = self.records.get(run_id)
         try:
             info = await driver.resume(info, keep)
-            local = self.state_dir / "orphans" / str(item["pod_id"])
+            # A run that ended without its outputs (its pod was stopped, say) gets them in its own directory.
+            local = self.store.run_dir(run_id) / "retrieved" if record else self.state_dir / "orphans" / str(item["pod_id"])
             ok, message = await driver.finish(run_id, item.get("remote_dir") or "", info, local)
         except Exception as exc:
             ok, message = False, str(exc)
         log.warning("pod_orphan_finished", pod_id=item["pod_id"], outputs_safe=ok, message=message)
+        if record is not None:
+            async with self.lock(record.id):
+                record.note(f"after the run ended, its pod {item['pod_id']}: {message}")
+                self._save_quietly(record)
 
     async def _reconcile_group(self, runs: list[RunRecord]) -> None:
         try:
@@ -497,7 +503,7 @@ class Daemon:
             with anyio.fail_after(self.config.daemon.probe_timeout):
                 probes = await executor.probe([(self._handle(r), r.remote_dir) for r in runs])
         except (ExecutorError, TimeoutError, OSError) as exc:
-            if self.pods.is_pod(runs[0]) and (await self._pod_gone(runs[0]) or await self._cap_on_unreachable_pod(runs[0])):
+            if self.pods.is_pod(runs[0]) and (await self._pod_ended_outside(runs[0]) or await self._cap_on_unreachable_pod(runs[0])):
                 return
             now = time.time()
             for record in runs:
@@ -514,7 +520,7 @@ class Daemon:
         """Renew the pod's lease; enforce its caps from this side too (snapshot, then cancel)."""
         with anyio.fail_after(self.config.daemon.probe_timeout):
             request, cancel = await self.pods.tick(record, executor)
-        if await self.pods.due_for_check(record) and await self._pod_gone(record):
+        if await self.pods.due_for_check(record) and await self._pod_ended_outside(record):
             return
         if request and record.stop.requested_at is None and record.snapshots:
             await self._request_snapshot(record, request, "the pod's cap")
@@ -551,14 +557,22 @@ class Daemon:
         log.error("pod_cap_terminated_unreachable", run_id=record.id, reason=reason)
         return True
 
-    async def _pod_gone(self, record: RunRecord) -> bool:
+    async def _pod_ended_outside(self, record: RunRecord) -> bool:
+        """Whether the run's pod was terminated or stopped outside obd (the run is failed, or its
+        stopped pod started again to recover its outputs), rather than merely slow to answer."""
+        if record.id in self._finishing:
+            return False  # its finish retrieves the outputs and then ends the pod itself
         try:
             with anyio.fail_after(self.config.daemon.probe_timeout):
-                why = await self.pods.gone(record)
+                state = await self.pods.state(record)
         except Exception:
             return False
-        if not why:
+        if state == "EXITED":
+            await self._restart_stopped_pod(record)
+            return True
+        if state != "gone":
             return False
+        why = f"pod {record.target_info.get('pod_id')} no longer exists (terminated outside obd, or reclaimed)"
         async with self.lock(record.id):
             if record.state.final:
                 return True
@@ -568,6 +582,40 @@ class Daemon:
         await self._drop_executor(record)
         log.error("pod_gone", run_id=record.id, reason=why)
         return True
+
+    async def _restart_stopped_pod(self, record: RunRecord) -> None:
+        """A pod stopped outside obd ended its job, but its volume holds the run directory: start it
+        again so the follow finds the job ended and retrieves the outputs, then ends the pod."""
+        pod_id = record.target_info.get("pod_id")
+        async with self.lock(record.id):
+            if record.state.final:
+                return
+            if not record.target_info.get("stopped_outside"):
+                record.target_info["stopped_outside"] = time.time()
+                record.note(
+                    f"pod {pod_id} was stopped outside obd (EXITED), which ended its job; "
+                    "starting it again to recover the outputs on its volume"
+                )
+                self._save_quietly(record)
+        await self._drop_executor(record)
+        t = self.config.target(record.target)
+        grace = float(getattr(t, "boot_grace", 600.0))
+        try:
+            with anyio.fail_after(grace + 4 * self.config.daemon.probe_timeout):
+                await self.pods.restart_stopped(record, self._pod_saver(record))
+        except Exception as exc:
+            log.error("pod_restart_failed", run_id=record.id, pod_id=pod_id, error=str(exc))
+            await self._fail_pod_run(
+                record,
+                f"pod {pod_id} was stopped outside obd (EXITED), which ended the job, and could not be started "
+                f"again to copy the outputs on its volume: {exc}. obd tries again every few minutes and ends "
+                f"the pod once its outputs are in the run's directory; `obd pods rm {pod_id}` removes it now, "
+                "outputs and all",
+            )
+            return
+        async with self.lock(record.id):
+            record.note(f"pod {pod_id} started again; its job ended with the stop")
+            self._save_quietly(record)
 
     def _pod_saver(self, record: RunRecord):  # type: ignore[no-untyped-def]
         async def save(info: dict[str, Any]) -> None:
@@ -618,6 +666,8 @@ class Daemon:
     async def _finish(self, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
         executor = self.executor_for(record)
         state, message = final_state(record, status)
+        if status.state == JobState.lost and record.target_info.get("stopped_outside"):
+            message = f"pod {record.target_info.get('pod_id')} was stopped outside obd (EXITED), which killed the job; {message}"
         if state == RunState.failed and status.state == JobState.exited:
             tail = b""
             with contextlib.suppress(ExecutorError, TimeoutError, OSError), anyio.fail_after(10):

@@ -18,7 +18,7 @@ import anyio
 
 from daemon.config import Config, RunpodTarget
 from executors.base import ExecutorError
-from executors.runpod import RunpodDriver
+from executors.runpod import RUN_ID_RE, RunpodDriver
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,6 +124,9 @@ async def _retrieve(driver: RunpodDriver, run_id: str, to: Path | None, out: Tex
     info = entry["target_info"]
     remote_dir = entry.get("remote_dir") or f"{driver.target.workdir.rstrip('/')}/{run_id}"
     local = to or (Path(entry["local_dir"]) if entry.get("local_dir") else None)
+    run_dir = driver.state_dir / "runs" / run_id
+    if local is None and RUN_ID_RE.match(run_id) and run_dir.is_dir():
+        local = run_dir / "retrieved"  # where the daemon puts a run's outputs
     if local is None:
         print(f"where should the outputs of {run_id} go? give a directory with --to DIR", file=err)
         return 2

@@ -45,6 +45,10 @@ _NO_ANSWER = object()
 Save = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+async def _keep(_info: dict[str, Any]) -> None:
+    """A Save for callers whose record lives only in the driver's book (which `_save` writes)."""
+
+
 class PodGone(ExecutorError):
     """The pod no longer exists: terminated outside obd, or reclaimed by Runpod."""
 
@@ -309,6 +313,9 @@ class RunpodDriver:
             return info
         if not info.get("pod_id"):
             raise ExecutorError(f"run {info.get('run_id')} has no pod to resume; start the run again")
+        pod = await self._get_pod_soft(info["pod_id"])
+        if pod is not None and pod.desired_status == "EXITED":
+            return await self.restart_stopped(info, save)  # never terminate a volume that holds outputs
         left = float(info.get("started_at") or self.clock()) + self.target.boot_grace - self.clock()
         return await self._until_ready(info, save, float(info.get("started_at") or 0), max(left, 0.0))
 
@@ -322,6 +329,46 @@ class RunpodDriver:
                 await self._abandon_boot(info, save, exc)
             raise
         info.update(phase="ready", ssh_host=host, ssh_port=port, ssh_user=self.ssh_user, host_key=key)
+        if rate:
+            info["cost_per_hr"] = rate
+        await self._save(save, info)
+        return info
+
+    async def restart_stopped(self, target_info: dict[str, Any], save: Save) -> dict[str, Any]:
+        """Start a stopped (EXITED) pod again, to reach the outputs on its volume.
+
+        A stop (the console's Stop button, a spot interruption, a low balance) ends the container
+        and the job in it but keeps the volume, where the run directory lives. The new container
+        has a new SSH port and host key, pinned again: the pod is the same one by its id. A pod that
+        does not get ready within boot_grace is stopped again, not terminated, so the outputs stay.
+        """
+        info = dict(target_info)
+        pod_id = info["pod_id"]
+        pod = await self.api.get_pod(pod_id)
+        if pod is None:
+            raise PodGone(f"pod {pod_id} no longer exists (terminated outside obd, or reclaimed by Runpod)")
+        if pod.desired_status != "EXITED":
+            return info
+        await self.api.resume_pod(pod_id, pod.gpu_count or self.target.gpu_count)
+        started = self.clock()
+        info.update(phase="booting", ssh_host=None, ssh_port=None, host_key=None, restarted_at=started)
+        await self._save(save, info)
+        log.warning("runpod.restarted_stopped_pod", target=self.name, pod_id=pod_id)
+        try:
+            host, port, key, rate = await self._wait_ssh(pod_id, started, self.target.boot_grace)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                try:
+                    with anyio.fail_after(120):
+                        await self.api.stop_pod(pod_id)
+                    info.update(phase="stopped", error=str(exc) or type(exc).__name__)
+                except (RunpodApiError, TimeoutError) as stop_exc:
+                    info.update(phase="booting", error=f"{exc}; stopping it again failed too: {stop_exc}")
+                    log.error("runpod.restart_stop_failed", pod_id=pod_id, error=str(stop_exc))
+                with anyio.move_on_after(30):
+                    await self._save(save, info)
+            raise
+        info.update(phase="ready", ssh_host=host, ssh_port=port, ssh_user=self.ssh_user, host_key=key, error=None)
         if rate:
             info["cost_per_hr"] = rate
         await self._save(save, info)
@@ -659,6 +706,14 @@ class RunpodDriver:
         if pod is None:
             self.book.put(run_id, finished=self.clock(), pod_gone=True)
             return False, f"pod {pod_id} no longer exists (terminated outside obd?): the outputs on it are lost"
+        if pod.desired_status == "EXITED":
+            try:
+                target_info = await self.restart_stopped(target_info, _keep)
+            except (ExecutorError, RunpodApiError) as exc:
+                return False, (
+                    f"pod {pod_id} is stopped (EXITED) and could not be started again to copy its outputs: {exc}. "
+                    f"They stay on its volume, which is billed while the pod exists: {retry}"
+                )
         try:
             target_info = await self.pin_host_key(target_info)
             count, size = await self.retrieve(remote_dir, target_info, Path(local_dir))

@@ -30,7 +30,9 @@ KEY_HELP = (
     "set RUNPOD_API_KEY in the daemon's environment, or store the key with `runpod config` "
     "(the SDK's ~/.runpod/config.toml); obd never reads it from its own config or a command line"
 )
-NO_CAPACITY_RE = re.compile(r"no longer any instances available|no instances? available|not enough capacity", re.I)
+NO_CAPACITY_RE = re.compile(
+    r"no longer any instances available|no instances? available|not enough capacity|not enough free gpus", re.I
+)
 TRANSIENT_RE = re.compile(
     r"too many requests|rate.?limit|internal server error|service unavailable|bad gateway|"
     r"gateway time-?out|temporarily|timed? ?out|try again later|upstream",
@@ -330,6 +332,20 @@ class RunpodApi:
         if not isinstance(raw, dict) or not raw.get("id"):
             raise TransientError("the Runpod API answered create_pod without a pod id")
         return raw
+
+    async def resume_pod(self, pod_id: str, gpu_count: int) -> None:
+        """Start a stopped (EXITED) pod again with `gpu_count` GPUs; NoCapacity when its host has none free."""
+        import runpod
+
+        check_plain("pod id", pod_id)
+        await self._retrying(f"resume_pod({pod_id})", runpod.resume_pod, pod_id, gpu_count)
+
+    async def stop_pod(self, pod_id: str) -> None:
+        """Stop the pod: its GPUs are released, its volume (and the outputs on it) is kept."""
+        import runpod
+
+        check_plain("pod id", pod_id)
+        await self._retrying(f"stop_pod({pod_id})", runpod.stop_pod, pod_id)
 
     async def terminate(self, pod_id: str) -> None:
         """Terminate the pod; a pod already gone counts as terminated."""

@@ -188,3 +188,60 @@ def test_the_cost_cap_holds_when_the_pods_ssh_and_watchdog_are_gone(make_daemon,
     finally:
         pod_sshd.start()
         kill_jobs(short_tmp / "pod")
+
+
+def stop_pod_from_outside(fake: FakeRunpod, pod_id: str, workdir: Path) -> None:
+    """A stop from the console (or a spot interruption): the container ends with every process in
+    it, the pod's port goes away, the volume (the workdir here) stays."""
+    fake.stop_from_outside(pod_id)
+    kill_jobs(workdir)
+
+
+WRITES_A_CHECKPOINT = "mkdir -p $OBD_OUTPUT_DIR/checkpoint-2 && echo weights > $OBD_OUTPUT_DIR/checkpoint-2/adapter.bin && sleep 120"
+
+
+def test_a_pod_stopped_outside_obd_is_started_again_to_retrieve_the_outputs_then_ended(make_daemon, fake, pod_sshd, short_tmp) -> None:
+    fake.relay_ssh = True
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
+    try:
+        rid = start(d, "sh", "-c", WRITES_A_CHECKPOINT)
+        record = d.wait_state(rid, "running", timeout=60)
+        pod_id, first_port = record["target_info"]["pod_id"], record["target_info"]["ssh_port"]
+        wait_for(lambda: (Path(record["remote_dir"]) / "output/checkpoint-2/adapter.bin").exists(), 30, what="the checkpoint")
+        stop_pod_from_outside(fake, pod_id, short_tmp / "pod")
+        record = d.wait_state(rid, "failed", "succeeded", timeout=90)
+        assert record["state"] == "failed"
+        assert "stopped outside obd (EXITED), which killed the job" in record["message"], record["message"]
+        assert "sha256 verified" in record["message"] and f"pod {pod_id} terminated" in record["message"]
+        assert record["target_info"]["ssh_port"] != first_port  # reached again on the resumed pod's new port
+        local = d.state_dir / "runs" / rid / "retrieved"
+        assert (local / "output" / "checkpoint-2" / "adapter.bin").read_text() == "weights\n"
+        assert "podResume" in fake.ops() and fake.live_pods() == []
+    finally:
+        kill_jobs(short_tmp / "pod")
+
+
+def test_a_stopped_pod_with_no_gpu_free_is_kept_with_its_outputs_and_retrieve_gets_them_later(make_daemon, fake, pod_sshd, short_tmp) -> None:
+    fake.relay_ssh = True
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
+    try:
+        rid = start(d, "sh", "-c", WRITES_A_CHECKPOINT)
+        record = d.wait_state(rid, "running", timeout=60)
+        pod_id = record["target_info"]["pod_id"]
+        wait_for(lambda: (Path(record["remote_dir"]) / "output/checkpoint-2/adapter.bin").exists(), 30, what="the checkpoint")
+        fake.set_capacity("NVIDIA GeForce RTX 4090", 0)  # the pod's machine has no GPU free any more
+        stop_pod_from_outside(fake, pod_id, short_tmp / "pod")
+        record = d.wait_state(rid, "failed", timeout=60)
+        assert "could not be started again" in record["message"] and "not enough free GPUs" in record["message"]
+        assert f"obd pods rm {pod_id}" in record["message"]
+        # The pod is kept stopped, not terminated: its volume holds the checkpoint.
+        assert [(p["id"], p["desiredStatus"]) for p in fake.live_pods()] == [(pod_id, "EXITED")]
+        fake.set_capacity("NVIDIA GeForce RTX 4090", 1)
+        out = d.cli("pods", "retrieve", rid)
+        assert out.returncode == 0, out.stderr
+        assert "sha256 verified" in out.stdout and f"pod {pod_id} terminated" in out.stdout
+        local = d.state_dir / "runs" / rid / "retrieved"
+        assert (local / "output" / "checkpoint-2" / "adapter.bin").read_text() == "weights\n"
+        assert fake.live_pods() == []
+    finally:
+        kill_jobs(short_tmp / "pod")

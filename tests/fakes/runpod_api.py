@@ -25,9 +25,13 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.fakes.tcp_relay import TcpRelay
+
 NO_CAPACITY = (
     "There are no longer any instances available with the requested specifications. Please refresh and try again."
 )
+# What podResume answers when the machine the pod's volume lives on has no GPU free.
+NOT_ENOUGH_FREE_GPUS = "There are not enough free GPUs on the host machine to start this pod."
 
 
 # --- a small GraphQL parser (the subset the SDK sends) ---------------------------------------
@@ -241,6 +245,10 @@ class FakeRunpod:
         self.calls: list[tuple[str, int]] = []  # (root field, HTTP status) per request
         self.creates: list[dict[str, Any]] = []  # the decoded input of every create that ran
         self.ssh_endpoint: tuple[str, int] | None = None  # what new pods report for port 22
+        # With relay_ssh each running pod gets its own port relaying to ssh_endpoint, which a stop
+        # closes (cutting its connections) and a resume replaces, as on Runpod.
+        self.relay_ssh = False
+        self.relays: dict[str, TcpRelay] = {}
         self.ready_after = 1  # `pod` queries before a new pod shows its runtime
         self.closing = threading.Event()
         self.server: ThreadingHTTPServer | None = None
@@ -283,6 +291,26 @@ class FakeRunpod:
             pod = self.pods.pop(pod_id, None)
             if pod:
                 self.terminated[pod_id] = pod
+            self._close_ssh(pod_id)
+
+    def stop_from_outside(self, pod_id: str) -> None:
+        """What a user clicking Stop, or Runpod stopping a pod (spot interruption, low balance), does:
+        the container ends, its port goes away, the volume stays. The test ends the processes."""
+        with self.lock:
+            self.pods[pod_id]["desiredStatus"] = "EXITED"
+            self._close_ssh(pod_id)
+
+    def _open_ssh(self, pod: dict[str, Any]) -> None:
+        if self.relay_ssh and self.ssh_endpoint:
+            relay = self.relays[pod["id"]] = TcpRelay(self.ssh_endpoint)
+            pod["ssh"] = relay.address
+        else:
+            pod["ssh"] = self.ssh_endpoint
+
+    def _close_ssh(self, pod_id: str) -> None:
+        relay = self.relays.pop(pod_id, None)
+        if relay is not None:
+            relay.close()
 
     def add_foreign_pod(self, name: str, env: dict[str, str] | None = None) -> str:
         """A pod obd did not create (another tool, another obd install)."""
@@ -323,6 +351,9 @@ class FakeRunpod:
 
     def stop(self) -> None:
         self.closing.set()
+        with self.lock:
+            for pod_id in list(self.relays):
+                self._close_ssh(pod_id)
         if self.server:
             self.server.shutdown()
             self.server.server_close()
@@ -504,6 +535,7 @@ class FakeRunpod:
         if pod_id not in self.pods:
             raise QueryFailure("pod not found to terminate")
         self.terminated[pod_id] = self.pods.pop(pod_id)
+        self._close_ssh(pod_id)
         if f.selections is not None:
             raise QueryFailure('Field "podTerminate" must not have a selection since type "Void" has no subfields.')
         return None
@@ -513,7 +545,23 @@ class FakeRunpod:
         if pod is None:
             raise QueryFailure("pod not found")
         pod["desiredStatus"] = "EXITED"
+        self._close_ssh(pod["id"])
         return self._project(self._pod_view(pod, count_poll=False), f, "Pod")
+
+    def _mutation_podResume(self, f: Field) -> Any:  # noqa: N802
+        args = f.args.get("input") or {}
+        pod = self.pods.get(args.get("podId"))
+        if pod is None:
+            raise QueryFailure("pod not found")
+        if pod["desiredStatus"] != "RUNNING":
+            gpu = self.gpus.get(pod["gpuTypeId"])
+            if gpu is None or gpu.capacity < int(args.get("gpuCount") or 1):
+                raise QueryFailure(NOT_ENOUGH_FREE_GPUS)
+            # A new container: it boots again, with a new public port.
+            pod.update(desiredStatus="RUNNING", polls=0, created=time.time())
+            self._open_ssh(pod)
+        view = {**self._pod_view(pod, count_poll=False), "machine": {"podHostId": pod["id"] + "-host"}}
+        return self._project(view, f, "Pod")
 
     def _new_pod(self, spec: dict[str, Any]) -> str:
         pod_id = "".join(random.choices(string.ascii_lowercase + string.digits, k=14))
@@ -536,13 +584,14 @@ class FakeRunpod:
             "desiredStatus": "RUNNING",
             "created": time.time(),
             "polls": 0,
-            "ssh": self.ssh_endpoint,
+            "ssh": None,
             "containerDiskInGb": spec.get("containerDiskInGb"),
             "volumeInGb": spec.get("volumeInGb"),
             "volumeMountPath": spec.get("volumeMountPath"),
             "dockerArgs": spec.get("dockerArgs", ""),
             "networkVolumeId": spec.get("networkVolumeId"),
         }
+        self._open_ssh(self.pods[pod_id])
         return pod_id
 
     def _pod_view(self, pod: dict[str, Any] | None, count_poll: bool = True) -> dict[str, Any] | None:

@@ -234,6 +234,32 @@ async def test_resuming_a_pod_past_its_boot_grace_terminates_it(make_driver, fak
     assert fake.live_pods() == [] and saves.last["phase"] == "terminated"
 
 
+async def test_a_stopped_pod_found_on_resume_is_started_again_not_terminated(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    fake.stop_from_outside(info["pod_id"])
+    booting = {**info, "phase": "booting", "host_key": None, "started_at": time.time() - 3600}  # long past boot_grace
+    resumed = await driver.resume(booting, saves)
+    assert resumed["phase"] == "ready" and resumed["host_key"] and saves.last == resumed
+    assert [p["desiredStatus"] for p in fake.live_pods()] == ["RUNNING"] and "podResume" in fake.ops()
+
+
+async def test_a_stopped_pod_that_never_gets_ready_again_is_stopped_again_keeping_its_volume(
+    make_driver, fake: FakeRunpod, saves: Saves
+) -> None:
+    driver = make_driver(boot_grace=1.0)
+    info = await driver.create("r1", saves)
+    fake.stop_from_outside(info["pod_id"])
+    fake.ssh_endpoint = None  # the new container never opens its SSH port
+    with pytest.raises(Exception, match="boot_grace"):
+        await driver.restart_stopped(info, saves)
+    assert [p["desiredStatus"] for p in fake.live_pods()] == ["EXITED"]  # stopped, not terminated
+    assert saves.last["phase"] == "stopped" and "boot_grace" in saves.last["error"]
+    assert fake.ops()[-1] == "podStop"
+
+
 async def test_reconcile_matches_runs_adopts_unsaved_ids_and_reports_orphans(
     make_driver, fake: FakeRunpod, saves: Saves
 ) -> None:
