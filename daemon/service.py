@@ -17,6 +17,7 @@ import secrets as pysecrets
 import shutil
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,23 @@ log = structlog.get_logger("obd")
 PLUGIN_SRC = Path(__file__).resolve().parent.parent / "trainer_plugin"
 SETTLED_POD_PHASES = frozenset({"terminated", "terminate_failed", "create_failed"})
 POD_RECONCILE_INTERVAL = 300.0  # how often pods are matched with runs while the daemon runs
+
+
+def target_secrets(target: str, names: list[str], given: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The job's secrets: the client's `--secret`s, plus the target's `secrets` from the daemon's environment.
+
+    A name the target lists that neither has is refused at start, not left for the job to
+    trip over hours later on a remote host.
+    """
+    missing = [n for n in names if n not in given and n not in environ]
+    if missing:
+        raise ApiError(
+            f"target {target} lists secrets the daemon's environment lacks: {', '.join(missing)}; set them "
+            "where the daemon starts (under systemd: an EnvironmentFile= line added with `systemctl edit obd`), "
+            "or pass them with `obd train start --secret NAME` from a shell that has them",
+            "usage",
+        )
+    return {**{n: environ[n] for n in names if n not in given}, **given}
 
 
 def new_run_id() -> str:
@@ -784,6 +802,7 @@ class Daemon:
         for key in req.env:
             if not key or "=" in key or "\0" in key or key.startswith("OBD_"):
                 raise ApiError(f"invalid environment variable name {key!r} (OBD_* names are obd's own)", "usage")
+        req.secrets = target_secrets(req.target, getattr(target_cfg, "secrets", []), req.secrets, os.environ)
         source = None
         if req.resume_from:
             source = self.get(req.resume_from)

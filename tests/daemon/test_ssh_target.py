@@ -157,6 +157,36 @@ def test_a_secret_reaches_the_job_but_no_command_line_on_either_side(box: Daemon
     assert secret not in (box.state_dir / "runs" / rid / "run.json").read_text()
 
 
+def test_a_secret_the_target_lists_comes_from_the_daemons_environment(make_daemon, sshd: SshServer, short_tmp: Path) -> None:
+    secret = "hub-" + os.urandom(6).hex()
+    workdir = short_tmp / "remote"
+    d = make_daemon(ssh_config(sshd, workdir, 'secrets = ["HUB_TOKEN"]\n'))
+    d.env["HUB_TOKEN"] = secret
+    d.start()
+    try:
+        out_file = short_tmp / "seen"
+        script = f"import os; open({str(out_file)!r}, 'w').write(os.environ['HUB_TOKEN'])"
+        rid = start(d, PY, "-c", script)  # no --secret, and the client's environment lacks it
+        record = d.wait_state(rid, "succeeded", "failed")
+        assert record["state"] == "succeeded", record["message"]
+        assert out_file.read_text() == secret and record["secret_names"] == ["HUB_TOKEN"]
+        assert secret not in d.log_path.read_text() and secret not in json.dumps(record)
+    finally:
+        kill_job_groups(workdir.glob("*/job.pid"))
+
+
+def test_a_secret_the_target_lists_but_nobody_has_refuses_the_start() -> None:
+    from daemon.api import ApiError
+    from daemon.service import target_secrets
+
+    with pytest.raises(ApiError, match="HUB_TOKEN.*systemctl edit obd") as err:
+        target_secrets("box", ["HUB_TOKEN"], {}, {})
+    assert err.value.kind == "usage"
+    # The client's --secret wins over the daemon's environment.
+    assert target_secrets("box", ["HUB_TOKEN"], {"HUB_TOKEN": "mine"}, {"HUB_TOKEN": "daemon's"}) == {"HUB_TOKEN": "mine"}
+    assert target_secrets("box", ["A"], {"B": "b"}, {"A": "a"}) == {"A": "a", "B": "b"}
+
+
 def test_a_run_stopped_on_this_machine_resumes_on_an_ssh_target_with_its_checkpoint_copied(box: DaemonProc) -> None:
     job = str(REPO / "tests" / "bench" / "custom_loop_job.py")
     local = box.cli("train", "start", "--", PY, job, "0.05").stdout.strip()
