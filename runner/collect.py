@@ -50,27 +50,38 @@ async def collect_metrics(executor, remote_dir: str, local_dir: Path) -> dict:
 
 
 async def _fetch_profile(executor, remote: str, local: Path, warnings: list[str]) -> None:
-    if local.exists():
-        shutil.rmtree(local, ignore_errors=True)  # a stale copy from an earlier collect would mix in
+    """Download into a staging directory and swap it in only when it came: a copy retrieved
+    earlier (a pod's verified outputs) is never destroyed by a download that fails."""
+    staging = local.with_name(f".{local.name}.collecting")
+    shutil.rmtree(staging, ignore_errors=True)
     try:
-        await executor.download(remote, local)
+        await executor.download(remote, staging)
     except Exception as exc:  # noqa: BLE001 - executors raise their own errors; any is a gap, not a crash
-        warnings.append(f"profile/ could not be downloaded from the target ({type(exc).__name__}: {exc})")
+        shutil.rmtree(staging, ignore_errors=True)
+        kept = "; the copy retrieved earlier is used" if local.is_dir() else ""
+        warnings.append(f"profile/ could not be downloaded from the target ({type(exc).__name__}: {exc}){kept}")
         return
-    if not local.is_dir():
+    if staging.is_dir():
+        shutil.rmtree(local, ignore_errors=True)  # a stale copy from an earlier collect would mix in
+        staging.rename(local)
+    elif not local.is_dir():
         warnings.append("the target has no profile/ directory: the wrapper did not run, or wrote nothing")
 
 
 async def _fetch_metrics(executor, remote: str, local: Path, warnings: list[str]) -> None:
+    """Download (or read in chunks) into a staging file, swapped in only when something came."""
+    staging = local.with_name(f".{local.name}.collecting")
+    staging.unlink(missing_ok=True)
     try:
-        await executor.download(remote, local)
-        if local.is_file():
+        await executor.download(remote, staging)
+        if staging.is_file():
+            staging.replace(local)
             return
     except Exception:  # noqa: BLE001 - fall back to reading it in chunks
         pass
     try:
         offset = 0
-        async with await anyio.open_file(local, "wb") as out:
+        async with await anyio.open_file(staging, "wb") as out:
             while offset < METRICS_LIMIT:
                 chunk = await executor.read_from(remote, offset, READ_CHUNK)
                 if not chunk:
@@ -78,9 +89,12 @@ async def _fetch_metrics(executor, remote: str, local: Path, warnings: list[str]
                 await out.write(chunk)
                 offset += len(chunk)
         if offset == 0:
-            local.unlink(missing_ok=True)
-        elif offset >= METRICS_LIMIT:
+            staging.unlink(missing_ok=True)
+            return
+        staging.replace(local)
+        if offset >= METRICS_LIMIT:
             warnings.append(f"metrics.jsonl is larger than {METRICS_LIMIT >> 20} MiB: read only its start")
     except Exception as exc:  # noqa: BLE001
-        local.unlink(missing_ok=True)
-        warnings.append(f"metrics.jsonl could not be read from the target ({type(exc).__name__}: {exc})")
+        staging.unlink(missing_ok=True)
+        kept = "; the copy retrieved earlier is used" if local.is_file() else ""
+        warnings.append(f"metrics.jsonl could not be read from the target ({type(exc).__name__}: {exc}){kept}")

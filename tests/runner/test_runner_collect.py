@@ -66,3 +66,24 @@ async def test_collect_of_a_run_that_left_nothing_says_what_is_missing(tmp_path)
 async def test_collect_never_raises_even_for_a_broken_executor(tmp_path):
     result = await collect_metrics(object(), "/remote/run", tmp_path / "collected")
     assert result["runner_kind"] == "live" and result["warnings"]
+
+
+class DeadExecutor(CopyExecutor):
+    """A target that went away (a pod terminated after its outputs were retrieved)."""
+
+    async def download(self, remote: str, local: Path) -> None:
+        raise OSError("no route to host")
+
+    async def read_from(self, path: str, offset: int, limit: int) -> bytes:
+        raise OSError("no route to host")
+
+
+async def test_a_collect_from_a_target_that_is_gone_keeps_and_parses_the_copy_retrieved_earlier(fixtures, tmp_path):
+    local = tmp_path / "retrieved"
+    shutil.copytree(fixtures / "run_o_name" / "profile", local / "profile")
+    shutil.copyfile(fixtures / "run_o_name" / "metrics.jsonl", local / "metrics.jsonl")
+    before = sorted(p.relative_to(local) for p in local.rglob("*"))
+    result = await collect_metrics(DeadExecutor(), "/gone/run", local)
+    assert sorted(p.relative_to(local) for p in local.rglob("*")) == before  # nothing deleted
+    assert result["steps"] == 4 and result["dispatch_count"] == 28  # measured from the earlier copy
+    assert any("the copy retrieved earlier is used" in w for w in result["warnings"])
