@@ -33,13 +33,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="obd", description="Supervise fine-tuning runs; stop them with a verified checkpoint.")
     p.add_argument("--socket", help="control socket (default: OBD_SOCKET, the config, or the XDG/system default)")
     p.add_argument("--config", help="config file (for the client: only to find the socket)")
+    p.add_argument("--state-dir", help="the daemon's state directory (the client looks for STATE_DIR/obd.sock)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("daemon", help="run the daemon in the foreground")
     # Accepted after `daemon` too, as SPEC's `obd daemon [--config FILE] [--socket PATH]` has them.
     d.add_argument("--config", default=argparse.SUPPRESS)
     d.add_argument("--socket", default=argparse.SUPPRESS)
-    d.add_argument("--state-dir")
+    d.add_argument("--state-dir", default=argparse.SUPPRESS)
     d.add_argument("--log-level")
 
     train = sub.add_parser("train", help="start, stop and follow runs").add_subparsers(dest="action", required=True)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.unknown = unknown
         return admin_main(args)
-    client = Client(client_socket(args.socket, args.config))
+    client = Client(client_socket(args.socket, args.config, args.state_dir))
     try:
         return _train(args, command, client)
     except UsageError as exc:

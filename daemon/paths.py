@@ -41,21 +41,23 @@ def default_socket(state_dir: Path | None = None) -> Path:
     return default_state_dir() / "obd.sock"
 
 
-def client_socket(flag: str | None, config: str | None = None) -> Path:
-    """The socket the client talks to: flag, OBD_SOCKET, the config file's, the default."""
+def client_socket(flag: str | None, config: str | None = None, state_dir: str | None = None) -> Path:
+    """The socket the client talks to, found as the daemon picks it: --socket, OBD_SOCKET, the
+    config's socket, then STATE_DIR/obd.sock for --state-dir, OBD_STATE_DIR or the config's state_dir."""
     if flag:
         return Path(flag)
     if os.environ.get("OBD_SOCKET"):
         return Path(os.environ["OBD_SOCKET"])
     path = Path(config) if config else default_config_path()
+    section: dict = {}
     try:
         raw = tomllib.loads(path.read_text())
-        sock = raw.get("daemon", {}).get("socket")
-        if sock:
-            return Path(sock)
-        state = raw.get("daemon", {}).get("state_dir")
-        if state and not os.environ.get("OBD_STATE_DIR"):
-            return default_socket(Path(state))
+        section = raw.get("daemon", {}) if isinstance(raw.get("daemon", {}), dict) else {}
     except (OSError, tomllib.TOMLDecodeError, AttributeError):
         pass
+    if section.get("socket"):
+        return Path(section["socket"])
+    state = state_dir or os.environ.get("OBD_STATE_DIR") or section.get("state_dir")
+    if state:
+        return default_socket(Path(state))
     return default_socket()

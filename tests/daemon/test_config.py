@@ -97,3 +97,32 @@ def test_obd_daemon_takes_its_flags_after_the_subcommand(short_tmp: Path) -> Non
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+def test_a_client_given_the_daemons_state_dir_finds_its_socket(short_tmp: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, wait_for
+
+    state = short_tmp / "st"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OBD_")}
+    (short_tmp / "empty.toml").write_text("")
+    env.update(PYTHONPATH=str(REPO), OBD_CONFIG=str(short_tmp / "empty.toml"), XDG_RUNTIME_DIR=str(short_tmp / "xdg"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "daemon", "--state-dir", str(state)], cwd=REPO, env=env, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_for((state / "obd.sock").exists, 20, what="the daemon's socket in its state dir")
+        cli = [sys.executable, "-m", "daemon.cli"]
+        found = subprocess.run([*cli, "--state-dir", str(state), "train", "list"], cwd=REPO, env=env, capture_output=True, text=True)
+        assert found.returncode == 0, found.stderr
+        by_env = subprocess.run([*cli, "train", "list"], cwd=REPO, env={**env, "OBD_STATE_DIR": str(state)}, capture_output=True, text=True)
+        assert by_env.returncode == 0, by_env.stderr
+        lost = subprocess.run([*cli, "train", "list"], cwd=REPO, env=env, capture_output=True, text=True)
+        assert lost.returncode == 69 and "obd daemon" in lost.stderr  # says how to start it
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
