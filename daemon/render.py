@@ -61,6 +61,23 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows)
 
 
+def pod_text(info: dict[str, Any], live: dict[str, Any]) -> str:
+    """The pod line: id, state (Runpod's, while the daemon could ask; else obd's phase), rate, spend."""
+    state = live.get("state") or info.get("phase") or "unknown"
+    rate = live.get("cost_per_hr", info.get("cost_per_hr"))
+    spend = live.get("spend_usd")
+    parts = [f"{info['pod_id']}  {state}"]
+    if live.get("gpu_type") or info.get("gpu_type"):
+        parts.append(str(live.get("gpu_type") or info.get("gpu_type")))
+    if isinstance(rate, (int, float)):
+        parts.append(f"${rate:.2f}/h")
+    if isinstance(spend, (int, float)):
+        parts.append(f"${spend:.2f} spent so far")
+    if live.get("error"):
+        parts.append(f"(API: {live['error']})")
+    return ", ".join(parts)
+
+
 def status(r: dict[str, Any]) -> str:
     lines = [
         f"run       {r['id']}" + (f"  ({r['name']})" if r.get("name") else ""),
@@ -84,13 +101,7 @@ def status(r: dict[str, Any]) -> str:
         lines.append(f"target    unreachable since {_clock(r['unreachable_since'])}; retrying")
     info = r.get("target_info") or {}
     if info.get("pod_id"):
-        rate = info.get("cost_per_hr")
-        spend = info.get("spend_usd")
-        lines.append(
-            f"pod       {info['pod_id']} {info.get('phase') or ''} "
-            + (f"${rate}/h" if rate is not None else "")
-            + (f", ${spend:.2f} so far" if isinstance(spend, (int, float)) else "")
-        )
+        lines.append(f"pod       {pod_text(info, r.get('pod') or {})}")
     lines.append("history")
     for h in r.get("history") or []:
         lines.append(f"  {_clock(h['time'])}  {h['state']:<10} {h['reason']}")

@@ -86,7 +86,10 @@ def test_status_shows_the_pod_its_rate_and_the_spend_so_far(pods: DaemonProc) ->
     assert record["pod"]["pod_id"] == record["target_info"]["pod_id"]
     assert record["pod"]["cost_per_hr"] == pytest.approx(0.69)
     assert record["pod"]["spend_usd"] >= 0
-    assert "/h" in pods.cli("train", "status", rid).stdout
+    text = pods.cli("train", "status", rid).stdout
+    pod_line = next(line for line in text.splitlines() if line.startswith("pod "))
+    assert record["target_info"]["pod_id"] in pod_line and "RUNNING" in pod_line
+    assert "$0.69/h" in pod_line and "spent so far" in pod_line
     pods.cli("train", "cancel", rid, "--wait")
 
 
