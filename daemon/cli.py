@@ -257,10 +257,33 @@ def _metrics(result: dict[str, Any], as_json: bool) -> int:
     return 0
 
 
+def _read(client: Client, run_id: str, offset: int, follow: bool, waiting: list[str], **extra: Any) -> dict[str, Any]:
+    """One `read`; while following, a target that cannot be reached is waited for, not fatal."""
+    while True:
+        try:
+            reply = client.call("read", id=run_id, offset=offset, **extra)
+        except RequestFailed as exc:
+            if not follow or exc.kind != "unavailable":
+                raise
+            if not waiting:
+                sys.stderr.write(f"obd: {exc}; waiting for the target, the follow goes on where it was\n")
+                sys.stderr.flush()
+                waiting.append(str(exc))
+            time.sleep(1.0)
+            continue
+        if waiting:
+            sys.stderr.write("obd: the target answers again\n")
+            sys.stderr.flush()
+            waiting.clear()
+        return reply
+
+
 def _logs(client: Client, run_id: str, follow: bool, tail: int | None) -> int:
     out = sys.stdout.buffer
     live = follow and sys.stdout.isatty()
-    reply = client.call("read", id=run_id, offset=0, tail_lines=tail) if tail is not None else client.call("read", id=run_id, offset=0)
+    waiting: list[str] = []
+    first = {"tail_lines": tail} if tail is not None else {}
+    reply = _read(client, run_id, 0, follow, waiting, **first)
     shown_progress = False
     while True:
         data = base64.b64decode(reply.get("data", ""))
@@ -277,7 +300,7 @@ def _logs(client: Client, run_id: str, follow: bool, tail: int | None) -> int:
         elif not data:
             if reply.get("state") in FINAL:
                 # One more read: the job may have written its last lines before it ended.
-                reply = client.call("read", id=run_id, offset=offset)
+                reply = _read(client, run_id, offset, follow, waiting)
                 if not reply.get("data"):
                     return 0
                 continue
@@ -286,7 +309,7 @@ def _logs(client: Client, run_id: str, follow: bool, tail: int | None) -> int:
                 sys.stderr.flush()
                 shown_progress = True
             time.sleep(0.25)
-        reply = client.call("read", id=run_id, offset=offset)
+        reply = _read(client, run_id, offset, follow, waiting)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,28 @@ def test_a_host_that_goes_away_mid_follow_leaves_the_run_running_and_it_is_picke
     assert since > 0
 
 
+def test_logs_follow_waits_out_a_host_that_goes_away_and_goes_on_where_it_was(box: DaemonProc, sshd: SshServer) -> None:
+    import subprocess
+
+    rid = start(box, "sh", "-c", "for i in $(seq 1 40); do echo line $i; sleep 0.2; done")
+    box.wait_state(rid, "running")
+    follow = subprocess.Popen(
+        [PY, "-m", "daemon.cli", "train", "logs", rid, "--follow"], env=box.env, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(1.0)
+        sshd.kill()
+        time.sleep(3.0)  # reads fail while the host is away; the job writes on
+        sshd.start()
+        out, err = follow.communicate(timeout=90)
+    finally:
+        follow.kill()
+    assert follow.returncode == 0, err
+    assert out.splitlines() == [f"line {i}" for i in range(1, 41)]  # nothing lost, nothing twice
+    assert "waiting for the target" in err and "the target answers again" in err
+
+
 def test_an_unreachable_host_at_start_fails_the_run_clearly(make_daemon, short_tmp: Path) -> None:
     from tests.sshd import free_port
 
