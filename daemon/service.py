@@ -812,8 +812,9 @@ class Daemon:
                     "only a stopped run can be resumed",
                     "usage",
                 )
-        if req.cwd and isinstance(target_cfg, LocalTarget) and not Path(req.cwd).is_dir():
-            raise ApiError(f"--cwd {req.cwd}: no such directory", "usage")
+        if req.cwd and not Path(req.cwd).is_dir():
+            # On a local target it is where the job runs; elsewhere the directory uploaded as the job's src/.
+            raise ApiError(f"--cwd {req.cwd}: no such directory on the daemon's machine", "usage")
         run_id = new_run_id()
         while run_id in self.records:
             run_id = new_run_id()
@@ -879,7 +880,7 @@ class Daemon:
             if req.profile:
                 from runner import wrap_command
 
-                command = wrap_command(command, f"{rd}/plugin", rd)
+                command = wrap_command(command, f"{rd}/plugin", rd, await self._wrapper_python(executor))
                 env["OBD_PROFILE_DIR"] = f"{rd}/profile"
             if record.stop.cancel_by == "user":
                 async with self.lock(record.id):
@@ -927,6 +928,16 @@ class Daemon:
         if record.snapshot_on_sigterm:
             env["OBD_SNAPSHOT_ON_SIGTERM"] = "1"
         return env
+
+    @staticmethod
+    async def _wrapper_python(executor: Executor) -> str:
+        """The interpreter that runs the profiling wrapper: the one the target runs jobctl with
+        (the target's `python`, or this daemon's own on the local target), not whatever `python3` is."""
+        if isinstance(executor, LocalExecutor):
+            return executor.python
+        if hasattr(executor, "python_command"):
+            return await executor.python_command()
+        return "python3"
 
     async def _resume_path(self, record: RunRecord, source: RunRecord, executor: Executor) -> str:
         assert source.snapshot is not None

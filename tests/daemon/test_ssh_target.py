@@ -83,6 +83,20 @@ def test_cwd_is_uploaded_without_git_venvs_and_caches(box: DaemonProc, short_tmp
     assert log[0] == str(["pkg", "train.py"]) and log[1] == "payload"
 
 
+def test_a_cwd_that_does_not_exist_here_is_refused_before_anything_is_sent(box: DaemonProc, short_tmp: Path) -> None:
+    out = box.cli("train", "start", "--target", "box", "--cwd", str(short_tmp / "no-such-project"), "--", "true")
+    assert out.returncode == 2 and "no-such-project: no such directory" in out.stderr
+    assert box.cli("train", "list", "--json").stdout.strip() in ("[]", "")
+
+
+def test_a_profiled_run_on_an_ssh_target_wraps_the_job_with_the_targets_python(box: DaemonProc) -> None:
+    rid = start(box, "sh", "-c", "echo profiled", opts=("--profile",))
+    record = box.wait_state(rid, "succeeded", "failed")
+    assert record["state"] == "succeeded", record["message"]
+    command = json.loads((Path(record["remote_dir"]) / "job.json").read_text())["command"]
+    assert command[0] == PY and command[1].endswith("/plugin/wrap.py")  # the target's `python`, not python3
+
+
 def test_a_stop_on_an_ssh_target_falls_back_to_cancel_when_no_proof_comes(box: DaemonProc) -> None:
     rid = start(box, PY, FAKE, "ignore")
     wait_for(lambda: box.record(rid)["snapshots"], 30, what="the plugin's begin line")
