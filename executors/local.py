@@ -14,14 +14,19 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
+import structlog
 
 from executors.base import ExecutorError, JobHandle, JobSpec, JobState, JobStatus, RunProbe
 from trainer_plugin import jobctl
+
+log = structlog.get_logger("obd.local")
 
 JOBCTL = Path(jobctl.__file__).resolve()
 
@@ -78,6 +83,10 @@ class DirWatch:
         return names
 
 
+def _text(raw: bytes | None) -> str:
+    return (raw or b"").decode(errors="replace").strip()[-2000:]
+
+
 def systemd_scope_prefix(run_id: str) -> list[str]:
     """`systemd-run --scope` when the daemon runs as a systemd service and the tool exists."""
     if not os.environ.get("INVOCATION_ID") or os.environ.get("OBD_NO_SCOPE"):
@@ -108,22 +117,51 @@ class LocalExecutor:
             "pythonpath": [str(run_dir / "plugin")],
         }
         await self.put_file(str(run_dir / "job.json"), json.dumps(spec).encode())
-        argv = [*systemd_scope_prefix(job.run_id), self.python, str(JOBCTL), "start", str(run_dir), "--secrets-stdin"]
-        try:
-            result = await anyio.run_process(
-                argv, input=json.dumps(job.secrets).encode(), check=False, stderr=None
+        wrapper = [self.python, str(JOBCTL), "start", str(run_dir), "--secrets-stdin"]
+        secrets = json.dumps(job.secrets).encode()
+        scope = systemd_scope_prefix(job.run_id)
+        result = await self._run_wrapper([*scope, *wrapper], secrets)
+        if scope and result.returncode != 0 and jobctl.read_handle(str(run_dir)) is None:
+            # No scope could be made (no user manager for a `User=` service, no bus): the wrapper
+            # never ran, so run it in the service's cgroup, which KillMode=process keeps on restart.
+            log.warning(
+                "systemd_scope_failed", run_id=job.run_id, error=_text(result.stderr) or f"exit {result.returncode}"
             )
-        except OSError as exc:
-            raise ExecutorError(f"could not launch the job wrapper ({argv[0]}): {exc}") from exc
+            result = await self._run_wrapper(wrapper, secrets)
         if result.returncode != 0:
             raise ExecutorError(
-                f"the job wrapper failed (exit {result.returncode}): "
-                f"{result.stderr.decode(errors='replace').strip() if result.stderr else ''}"
+                f"the job wrapper failed (exit {result.returncode}): {_text(result.stderr)}; see {run_dir}/job.log"
             )
         try:
             return JobHandle.model_validate_json(result.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
             raise ExecutorError(f"the job wrapper printed no handle; see {run_dir}/job.log") from exc
+
+    @staticmethod
+    async def _run_wrapper(argv: list[str], secrets: bytes) -> subprocess.CompletedProcess[bytes]:
+        """Run the wrapper with the secrets on its stdin; one that exits unread (a systemd-run
+        that could not make the scope) is a failed exit, not a broken pipe."""
+        try:
+            proc = await anyio.open_process(argv)
+        except OSError as exc:
+            raise ExecutorError(f"could not launch the job wrapper ({argv[0]}): {exc}") from exc
+        out, err = bytearray(), bytearray()
+
+        async def drain(stream: Any, buf: bytearray) -> None:
+            async for chunk in stream:
+                buf.extend(chunk)
+
+        async with proc:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drain, proc.stdout, out)
+                tg.start_soon(drain, proc.stderr, err)
+                try:
+                    await proc.stdin.send(secrets)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    pass  # it exited without reading: its exit status and stderr say why
+                await proc.stdin.aclose()
+            code = await proc.wait()
+        return subprocess.CompletedProcess(argv, code, bytes(out), bytes(err))
 
     async def status(self, handle: JobHandle, remote_dir: str) -> JobStatus:
         raw = await anyio.to_thread.run_sync(jobctl.job_status, remote_dir, handle.model_dump(), abandon_on_cancel=True)

@@ -107,6 +107,28 @@ def test_jobs_are_launched_in_their_own_systemd_scope_under_the_service(short_tm
         d.stop()
 
 
+def test_a_scope_that_cannot_be_made_falls_back_to_launching_the_job_directly(short_tmp: Path, monkeypatch) -> None:
+    bin_dir = short_tmp / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "systemd-run"
+    # What systemd-run says for a `User=` service with no user manager to talk to.
+    fake.write_text('#!/bin/sh\necho "Failed to connect to bus: No medium found" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    d = DaemonProc(short_tmp)
+    d.env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", INVOCATION_ID="0123456789abcdef")
+    d.env.pop("OBD_NO_SCOPE")
+    d.start()
+    try:
+        rid = d.cli("train", "start", "--", "sh", "-c", "echo ran").stdout.strip()
+        record = d.wait_state(rid, "succeeded", "failed")
+        assert record["state"] == "succeeded", d.log_path.read_text()[-3000:]
+        assert d.cli("train", "logs", rid).stdout == "ran\n"  # launched once, not twice
+        log = d.log_path.read_text()
+        assert "systemd_scope_failed" in log and "Failed to connect to bus" in log
+    finally:
+        d.stop()
+
+
 def test_the_shipped_unit_is_a_notify_service_that_kills_no_job_on_restart() -> None:
     unit = (REPO / "systemd" / "obd.service").read_text()
     assert "Type=notify" in unit
