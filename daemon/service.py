@@ -33,7 +33,7 @@ from daemon.models import InvalidRunId, RunRecord, RunState, check_run_id, norma
 from daemon.store import RunStore, StoreError
 from daemon.supervise import apply_probe, final_state
 from daemon.systemd import Notifier
-from executors.base import Executor, ExecutorError, JobHandle, JobSpec, JobState, JobStatus, RunProbe
+from executors.base import Executor, ExecutorError, JobHandle, JobSpec, JobState, JobStatus, LaunchUncertain, RunProbe
 from executors.local import LocalExecutor
 from trainer_plugin import jobctl
 
@@ -395,8 +395,8 @@ class Daemon:
             return False
         record.transition(
             RunState.failed,
-            "the daemon stopped while launching this run and its job never started; "
-            "start it again with `obd train start`",
+            "its launch was cut short (the daemon stopped, or the connection went) and its job never "
+            "started; start it again with `obd train start`",
         )
         self._save_quietly(record)
         self.final_event(record.id).set()
@@ -891,6 +891,15 @@ class Daemon:
                 return
             spec = JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
             handle = await executor.spawn(spec)
+        except LaunchUncertain as exc:
+            # The job may be running: stay `preparing` and let the follow look in the run's
+            # directory once the target answers (adopted if it started, failed if not).
+            async with self.lock(record.id):
+                record.note(f"the answer to the start was lost: {exc}; obd looks on the target once it answers")
+                self._save_quietly(record)
+            log.warning("launch_uncertain", run_id=record.id, error=str(exc))
+            self._ensure_loop(record)
+            return
         except Exception as exc:  # whatever broke, the run must not stay `preparing`
             if not isinstance(exc, (ExecutorError, OSError, ApiError, TimeoutError, StoreError)):
                 log.exception("launch_crashed", run_id=record.id)

@@ -82,6 +82,13 @@ class TargetUnreachable(ExecutorError):
     """The target could not be reached; the job may well still be running there."""
 
 
+class LaunchUncertain(TargetUnreachable):
+    """The connection went while the start command ran: the job may or may not have started.
+
+    Never retried (a retry could start it twice); the run's directory says, once the target answers.
+    """
+
+
 @runtime_checkable
 class Executor(Protocol):
     """The target-side operations the daemon needs (cf. submitit's Executor/Job split)."""

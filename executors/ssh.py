@@ -26,7 +26,7 @@ import structlog
 
 from daemon.config import SshTarget
 from executors import remote
-from executors.base import ExecutorError, JobHandle, JobSpec, JobStatus, RunProbe, TargetUnreachable
+from executors.base import ExecutorError, JobHandle, JobSpec, JobStatus, LaunchUncertain, RunProbe, TargetUnreachable
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -532,6 +532,12 @@ class SshExecutor:
         async def op(s: _Session) -> bytes:
             await self._require_python(s)
             r = await self._run(s, remote.start_command(s.python, s.jobctl, run_dir), secrets_json)
+            if r.exit_status is None and r.exit_signal is None:
+                # The channel closed with no exit status: the connection went mid-start.
+                raise LaunchUncertain(
+                    f"the connection to {self.address} closed before the start of run {job.run_id} answered; "
+                    "whether the job started is not known yet"
+                )
             if _returncode(r) != 0:
                 raise ExecutorError(
                     f"starting run {job.run_id} on {self.address} failed (exit {_returncode(r)}): "
@@ -540,7 +546,12 @@ class SshExecutor:
             return _bytes(r.stdout)
 
         # Never retried: had the job started before the connection broke, a retry would start it twice.
-        out = await self._remote(f"the start of run {job.run_id}", op, retry=False)
+        try:
+            out = await self._remote(f"the start of run {job.run_id}", op, retry=False)
+        except LaunchUncertain:
+            raise
+        except TargetUnreachable as exc:
+            raise LaunchUncertain(f"{exc}; whether the job started is not known yet") from exc
         try:
             handle = JobHandle.model_validate_json(out.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:

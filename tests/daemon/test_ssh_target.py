@@ -163,6 +163,44 @@ def test_logs_follow_waits_out_a_host_that_goes_away_and_goes_on_where_it_was(bo
     assert "waiting for the target" in err and "the target answers again" in err
 
 
+CUT_AFTER_START = """#!{py}
+# The target's `python`: the first `jobctl.py start` starts the job, then ends this SSH
+# connection (its sshd process) before the handle is printed, as a network drop would.
+import os, signal, subprocess, sys, time
+REAL, SSHD, MARK = {py!r}, {sshd_pid}, {mark!r}
+if sys.argv[2:3] == ["start"] and not os.path.exists(MARK):
+    open(MARK, "w").close()
+    subprocess.run([REAL, *sys.argv[1:]], stdout=subprocess.DEVNULL)
+    pid = os.getpid()
+    while pid > 1:
+        with open(f"/proc/{{pid}}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        if parent == SSHD:
+            os.kill(pid, signal.SIGKILL)
+        pid = parent
+    time.sleep(30)
+os.execv(REAL, [REAL, *sys.argv[1:]])
+"""
+
+
+def test_a_start_whose_connection_drops_is_adopted_when_the_job_did_start(make_daemon, sshd: SshServer, short_tmp: Path) -> None:
+    workdir = short_tmp / "remote"
+    python = short_tmp / "python-cut"
+    python.write_text(CUT_AFTER_START.format(py=PY, sshd_pid=sshd.pid, mark=str(short_tmp / "cut-once")))
+    python.chmod(0o755)
+    d = make_daemon(ssh_config(sshd, workdir).replace(f'python = "{PY}"', f'python = "{python}"'))
+    d.start()
+    try:
+        rid = start(d, "sh", "-c", "sleep 2; echo the one job")
+        record = d.wait_state(rid, "succeeded", "failed", timeout=90)
+        assert record["state"] == "succeeded", record["message"]
+        notes = " ".join(h["reason"] for h in record["history"])
+        assert "the answer to the start was lost" in notes and "re-attached" in notes
+        assert d.cli("train", "logs", rid).stdout == "the one job\n"  # started once, never twice
+    finally:
+        kill_job_groups(workdir.glob("*/job.pid"))
+
+
 def test_an_unreachable_host_at_start_fails_the_run_clearly(make_daemon, short_tmp: Path) -> None:
     from tests.sshd import free_port
 
