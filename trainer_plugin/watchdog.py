@@ -271,17 +271,28 @@ class Watchdog:
         fresh = self.lease_fresh(now)
         phase, ended_at = self.job_phase(now)
         if phase == "waiting":
-            if not fresh and now - self.started >= float(self.cfg["boot_grace"]):
+            if now - self.started >= float(self.cfg["boot_grace"]):
+                if fresh:
+                    self.held_by_lease("never_started")
+                    return False
                 return self.delete("never_started", waited=round(now - self.started, 1))
             return False
         if phase == "ended":
             assert ended_at is not None
             idle = now - ended_at
-            if not fresh and idle >= float(self.cfg["abandon_grace"]):
+            if idle >= float(self.cfg["abandon_grace"]):
+                if fresh:
+                    self.held_by_lease("abandoned")
+                    return False
                 return self.delete("abandoned", ended_ago=round(idle, 1))
             return False
         self.check_caps(now, fresh)
         return False
+
+    def held_by_lease(self, reason: str) -> None:
+        """Log, once per reason, a decision left to the daemon because it holds a fresh lease."""
+        expiry, _ = read_lease(self.run_dir)
+        self.say("left_to_the_daemon", reason, lease_until=expiry)
 
     def margin(self, span: float) -> float:
         """How long ahead of a cap to ask: `snapshot_margin`, at most a quarter of the span to it."""
@@ -292,8 +303,11 @@ class Watchdog:
         started_at = cfg["started_at"]
         if cfg["max_hours"] is not None and started_at is not None:
             deadline = float(started_at) + float(cfg["max_hours"]) * 3600.0
-            if not fresh and now >= deadline - self.margin(deadline - float(started_at)):
-                self.request("deadline", deadline=deadline)
+            if now >= deadline - self.margin(deadline - float(started_at)):
+                if fresh:
+                    self.held_by_lease("deadline")
+                else:
+                    self.request("deadline", deadline=deadline)
             if not fresh and now >= deadline:
                 self.hard_stop("deadline", deadline=deadline)
         rate = cfg["cost_per_hr"]
@@ -302,8 +316,11 @@ class Watchdog:
             spend = round(float(rate) * (now - float(started_at)) / 3600.0, 4)
             if now >= cap_at - self.margin(cap_at - float(started_at)):
                 self.request("cost", spend_usd=spend, max_cost_usd=cfg["max_cost_usd"])
-            if not fresh and now >= cap_at:
-                self.hard_stop("cost", spend_usd=spend)
+            if now >= cap_at:
+                if fresh:
+                    self.held_by_lease("cost")
+                else:
+                    self.hard_stop("cost", spend_usd=spend)
         disk = self.disk_reason()
         if disk is not None:
             self.request("disk", **disk)

@@ -141,6 +141,21 @@ def test_a_fresh_daemon_lease_keeps_the_watchdog_off_the_deadline(world) -> None
     assert w.cancelled == [T0 + HOUR + 121]
 
 
+def test_a_decision_left_to_the_daemon_under_its_lease_is_logged_once(world) -> None:
+    w = world(max_hours=1, abandon_grace=60)
+    w.start_job()
+    w.lease(expiry=HOUR + 600)
+    w.at(HOUR - 60)
+    w.at(HOUR - 30)
+    assert w.events() == [("left_to_the_daemon", "deadline")]
+    assert w.log()[0]["lease_until"] == pytest.approx(T0 + HOUR + 600)
+    w.end_job(at=HOUR)
+    w.at(HOUR + 120)
+    w.at(HOUR + 180)
+    assert w.events() == [("left_to_the_daemon", "deadline"), ("left_to_the_daemon", "abandoned")]
+    assert w.request() is None and w.cancelled == [] and w.deleted == []
+
+
 def test_a_lease_whose_file_is_too_old_counts_as_stale_whatever_it_says(world) -> None:
     w = world(max_hours=1, lease_max_ttl=600)
     w.start_job()
