@@ -100,6 +100,7 @@ def read_monitor_csv(path: Path, telemetry: Telemetry, label: str | None = None,
             found = find_header(rows, MONITOR_COLUMNS, ("gpu",))
             if found is None:
                 telemetry.warnings.append(f"{label}: no amd-smi monitor header (a 'gpu' column) found; file skipped")
+                reader.warn_cut_tail(label, telemetry.warnings)
                 return
             index, _ = found
             if len(index) < 2:
@@ -111,6 +112,7 @@ def read_monitor_csv(path: Path, telemetry: Telemetry, label: str | None = None,
             bad = _fold_monitor_rows(rows, index, column_unit, telemetry)
             if bad or reader.errors:
                 telemetry.warnings.append(f"{label}: {bad + reader.errors} unreadable amd-smi rows skipped")
+            reader.warn_cut_tail(label, telemetry.warnings)
     except OSError as exc:
         telemetry.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
 
@@ -206,36 +208,64 @@ def fold_metric_document(document: object, telemetry: Telemetry) -> int:
 def read_metric_json(path: Path, telemetry: Telemetry, label: str | None = None) -> None:
     """An `amd-smi metric --json` output: one document, or JSON lines of `{"time", "data"}` samples.
 
+    Read line by line, so a long watch never sits in memory whole: a line that is JSON by
+    itself is one sample; otherwise lines gather into one document (amd-smi's own output is
+    indented over many lines) until a line at the left margin closes it or starts the next.
     Text before the JSON (amd-smi's warnings about groups or drivers) is skipped.
     """
     label = label or path.name
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        telemetry.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
-        return
-    documents: list[object] = []
-    bad = 0
-    start = min((i for i in (text.find("["), text.find("{")) if i >= 0), default=-1)
-    if start < 0:
-        telemetry.warnings.append(f"{label}: no JSON in the amd-smi metric output; file skipped")
-        return
-    body = text[start:]
-    try:
-        documents.append(json.loads(body))
-    except (ValueError, RecursionError):
-        for line in body.splitlines():
-            if not line.strip():
-                continue
-            try:
-                documents.append(json.loads(line))
-            except (ValueError, RecursionError):
-                bad += 1
-    read = 0
-    for document in documents:
+    bad = read = 0
+    seen_json = False
+    pending: list[str] = []  # the lines of a document spread over several lines
+
+    def fold(document: object) -> None:
+        nonlocal read
         if isinstance(document, dict) and "data" in document and "gpu" not in document:
             document = document["data"]
         read += fold_metric_document(document, telemetry)
+
+    def close_pending() -> bool:
+        """Parse the gathered lines as one document; False (lines kept) while they are not JSON yet."""
+        try:
+            document = json.loads("".join(pending))
+        except (ValueError, RecursionError):
+            return False
+        pending.clear()
+        fold(document)
+        return True
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as stream:
+            for line in stream:
+                if not seen_json:
+                    starts = [i for i in (line.find("["), line.find("{")) if i >= 0]
+                    if not starts:
+                        continue  # the preamble
+                    seen_json, line = True, line[min(starts):]
+                if not line.strip():
+                    continue
+                if pending and line[:1] in ("[", "{"):
+                    # A new document starts at the left margin: the gathered lines never closed.
+                    if not close_pending():
+                        bad += sum(1 for text in pending if text.strip())
+                        pending.clear()
+                if not pending:
+                    try:
+                        fold(json.loads(line))
+                        continue
+                    except (ValueError, RecursionError):
+                        pass
+                pending.append(line)
+                if line[:1] in ("]", "}"):
+                    close_pending()  # a closing bracket at the left margin may end the document
+    except OSError as exc:
+        telemetry.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+        return
+    if pending and not close_pending():
+        bad += sum(1 for text in pending if text.strip())
+    if not seen_json:
+        telemetry.warnings.append(f"{label}: no JSON in the amd-smi metric output; file skipped")
+        return
     if read:
         telemetry.files.append(label)
     else:

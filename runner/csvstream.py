@@ -9,7 +9,9 @@ as they go and report what they skipped, so the parsers above them stay simple.
 from __future__ import annotations
 
 import csv
+import io
 import math
+import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -42,28 +44,84 @@ def open_text(path: Path) -> TextIO:
     return open(path, encoding="utf-8", errors="replace", newline="")
 
 
+def ends_with_newline(stream: object) -> bool | None:
+    """Whether the file under `stream` ends with a line break (or is empty); None when it cannot be told.
+
+    Reads the last byte with `os.pread`, so the stream's own position is left alone.
+    """
+    try:
+        fd = stream.fileno()  # type: ignore[attr-defined]
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return True
+        return os.pread(fd, 1, size - 1) in (b"\n", b"\r")
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+class _TailWatch:
+    """The lines of a stream, noting when one arrives without a line break (the file's last line, cut)."""
+
+    def __init__(self, stream: Iterable[str]) -> None:
+        self._stream = stream
+        self.cut = False
+
+    def __iter__(self) -> Iterator[str]:
+        for line in self._stream:
+            if not line.endswith(("\n", "\r")):
+                self.cut = True
+            yield line
+
+
 class RowReader:
-    """Iterate the rows of a CSV file, resuming after malformed lines and counting them."""
+    """Iterate the rows of a CSV file, resuming after malformed lines and counting them.
+
+    A file that does not end with a line break may have been cut off mid-row (a job killed
+    mid-write, a copy taken while the profiler was writing): its last row is dropped, never read
+    as data (`"b",4,40` could be the first digits of 4096), and `cut_tail` is set so the caller
+    can say so (`warn_cut_tail`).
+    """
 
     def __init__(self, stream: Iterable[str]) -> None:
         _raise_field_limit()
+        # Watching every line costs a little, so it is done only when the file does not
+        # visibly end with a line break (or when that cannot be told).
+        self._watch = _TailWatch(stream) if ends_with_newline(stream) is not True else None
         # A line csv cannot read (a NUL-padded tail left by a crash, a broken quote) raises
         # csv.Error; the loop below counts it and carries on with the next line.
-        self._reader = csv.reader(stream)
+        self._reader = csv.reader(self._watch if self._watch is not None else stream)
         self.errors = 0
         self.gave_up = False
+        self.cut_tail = False
 
     def __iter__(self) -> Iterator[list[str]]:
-        reader = self._reader
+        reader, watch = self._reader, self._watch
         while True:
             try:
-                yield from reader
+                if watch is None:
+                    yield from reader
+                    return
+                for row in reader:
+                    if watch.cut:
+                        # The row that holds the unterminated last line: possibly cut short.
+                        self.cut_tail = True
+                        continue
+                    yield row
                 return
             except csv.Error:
+                if watch is not None and watch.cut:
+                    self.cut_tail = True  # the unreadable line is the cut-off last one
+                    return
                 self.errors += 1
                 if self.errors > MAX_CSV_ERRORS:
                     self.gave_up = True
                     return
+
+    def warn_cut_tail(self, label: str, warnings: list[str]) -> None:
+        """Add the warning for a dropped last row to `warnings`, if a row was dropped."""
+        if self.cut_tail:
+            warnings.append(f"{label}: the file does not end with a newline, so its last row may be cut off; "
+                            "that row was dropped")
 
 
 def find_header(rows: Iterator[list[str]], wanted: dict[str, tuple[str, ...]], required: tuple[str, ...],

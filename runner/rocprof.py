@@ -159,6 +159,7 @@ def read_kernel_trace(path: Path, trace: KernelTrace, label: str | None = None) 
             if found is None:
                 trace.warnings.append(f"{label}: no kernel-trace header (Kernel_Name, Start_Timestamp, "
                                       "End_Timestamp) found; file skipped")
+                reader.warn_cut_tail(label, trace.warnings)
                 return
             index, _ = found
             trace.files.append(label)
@@ -167,6 +168,7 @@ def read_kernel_trace(path: Path, trace: KernelTrace, label: str | None = None) 
             trace.csv_errors += reader.errors
             if reader.gave_up:
                 trace.warnings.append(f"{label}: too many malformed lines; read stopped early")
+            reader.warn_cut_tail(label, trace.warnings)
     except OSError as exc:
         trace.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
 
@@ -258,6 +260,7 @@ def read_kernel_stats(path: Path, warnings: list[str], label: str | None = None)
             found = find_header(rows, STATS_COLUMNS, ("name", "total"))
             if found is None:
                 warnings.append(f"{label}: no kernel-stats header (Name, TotalDurationNs) found; file skipped")
+                reader.warn_cut_tail(label, warnings)
                 return out
             index, _ = found
             bad = 0
@@ -276,6 +279,7 @@ def read_kernel_stats(path: Path, warnings: list[str], label: str | None = None)
                 out[name] = (prev_calls + int(calls or 0), prev_total + total)
             if bad or reader.errors:
                 warnings.append(f"{label}: {bad + reader.errors} unreadable rows skipped")
+            reader.warn_cut_tail(label, warnings)
     except OSError as exc:
         warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
     return out
@@ -300,10 +304,12 @@ def read_agent_info(path: Path, warnings: list[str], label: str | None = None) -
     agents: list[GpuAgent] = []
     try:
         with open_text(path) as stream:
-            rows = iter(RowReader(stream))
+            reader = RowReader(stream)
+            rows = iter(reader)
             found = find_header(rows, AGENT_COLUMNS, ("type",))
             if found is None:
                 warnings.append(f"{label}: no agent-info header (Agent_Type) found; file skipped")
+                reader.warn_cut_tail(label, warnings)
                 return agents
             index, _ = found
 
@@ -325,6 +331,7 @@ def read_agent_info(path: Path, warnings: list[str], label: str | None = None) -
                     node_id=cell(row, "node"),
                     logical_node_id=cell(row, "logical"),
                 ))
+            reader.warn_cut_tail(label, warnings)
     except OSError as exc:
         warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
     return agents

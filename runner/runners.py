@@ -9,16 +9,18 @@ fake is used only when a caller asks for it by name (`get_runner("fake")`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import IO, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -103,6 +105,7 @@ class LiveRunner:
     rocm_image: str = field(default_factory=lambda: os.environ.get("OBD_ROCM_IMAGE", "none"))
     python: str = sys.executable
     timeout_s: float = 3600.0
+    kill_grace_s: float = 10.0  # on a timeout: from TERM to the workload's process group to KILL
     command_builder: Callable[[WorkloadConfig, int, str], list[str]] = default_command
     kind: Literal["live", "fake"] = "live"
 
@@ -124,19 +127,72 @@ class LiveRunner:
         log_path = run_dir / "job.log"
         try:
             with open(log_path, "wb") as log:
-                done = subprocess.run(wrapped, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                      stderr=subprocess.STDOUT, timeout=self.timeout_s, check=False)
+                returncode = self._run_in_own_group(wrapped, run_dir, env, log)
         except subprocess.TimeoutExpired as exc:
             raise RunnerFailed(f"the workload ran past {self.timeout_s:.0f} s; logs kept in {log_path}") from exc
         except OSError as exc:
             raise RunnerFailed(f"the workload could not start ({exc}); logs kept in {log_path}") from exc
-        if done.returncode != 0:
-            raise RunnerFailed(f"the workload exited with status {done.returncode}; logs kept in {log_path}")
+        if returncode != 0:
+            raise RunnerFailed(f"the workload exited with status {returncode}; logs kept in {log_path}")
         metrics = parse_run(run_dir / "profile", run_dir / "metrics.jsonl", workload=config)
         metrics.sources["run_dir"] = str(run_dir)
         if self.cache is not None:
             self.cache.put(key, metrics)
         return metrics
+
+    def _run_in_own_group(self, argv: list[str], run_dir: Path, env: dict[str, str], log: IO[bytes]) -> int:
+        """Run the wrapped workload in a session of its own; its exit status, or TimeoutExpired.
+
+        The wrapper starts the training job (under rocprofv3, with an amd-smi sampler beside it)
+        and outlives a TERM itself, so killing it alone would leave the job holding the GPU. On a
+        timeout, or if this call is interrupted, the whole process group gets TERM, then KILL
+        after `kill_grace_s`.
+        """
+        proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=self.timeout_s)
+        finally:
+            if proc.returncode is None:
+                self._kill_group(proc)
+
+    def _kill_group(self, proc: subprocess.Popen) -> None:
+        """TERM the workload's process group, give it `kill_grace_s` to go, KILL what is left, reap the wrapper."""
+        pgid = proc.pid  # start_new_session: the wrapper leads its own group
+        if not _signal_group(pgid, signal.SIGTERM):
+            proc.wait()
+            return
+        deadline = time.monotonic() + self.kill_grace_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=self.kill_grace_s)  # the wrapper ends once the job has
+        # The group can outlive its leader: wait for the rest of it too, within the grace.
+        _wait_group_gone(pgid, deadline)
+        if _signal_group(pgid, signal.SIGKILL):
+            proc.wait()
+            # A killed process is gone a moment later, not at once: wait for that, so the GPU is
+            # free when this returns. Bounded, as exited members stay in the group until their
+            # new parent reaps them.
+            _wait_group_gone(pgid, time.monotonic() + KILL_SETTLE_S)
+        proc.wait()
+
+
+KILL_SETTLE_S = 5.0  # how long to wait for the workload's processes to vanish after SIGKILL
+
+
+def _wait_group_gone(pgid: int, deadline: float) -> None:
+    while _signal_group(pgid, 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to the process group; False when the group is gone."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a member we may not signal (setuid): the group is still there
+    return True
 
 
 class Scenario(BaseModel):

@@ -35,6 +35,7 @@ def read_torch_kernels(path: Path, label: str | None = None) -> TorchKernels:
             found = find_header(rows, KERNEL_COLUMNS, ("name", "total_us"))
             if found is None:
                 out.warnings.append(f"{label}: no header (name, total_us) found; file skipped")
+                reader.warn_cut_tail(label, out.warnings)
                 return out
             index, _ = found
             bad = 0
@@ -55,6 +56,7 @@ def read_torch_kernels(path: Path, label: str | None = None) -> TorchKernels:
                 table[name] = (prev_calls + int(calls or 0), prev_ns + total * 1000.0)
             if bad or reader.errors:
                 out.warnings.append(f"{label}: {bad + reader.errors} unreadable rows skipped")
+            reader.warn_cut_tail(label, out.warnings)
     except OSError as exc:
         out.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
     return out

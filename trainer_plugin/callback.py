@@ -100,6 +100,7 @@ class SnapshotCallback(TrainerCallback):
             world_size=self._ranks.world_size,
             tokens=state.num_input_tokens_seen,
             snapshot_on_sigterm=self.env.snapshot_on_sigterm,
+            **parameter_counts(model),
         )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -281,6 +282,31 @@ class SnapshotCallback(TrainerCallback):
         embeds = kwargs.get("inputs_embeds")
         if embeds is not None and hasattr(embeds, "shape") and len(embeds.shape) >= 2:
             self._local_tokens += int(embeds.numel() // embeds.shape[-1])
+
+
+def parameter_counts(model: Any) -> dict[str, int | None]:
+    """`model_params` and `trainable_params` of the model (what MFU needs); None when unknown.
+
+    One pass over `model.parameters()` summing `numel()`, at train begin only. A parameter
+    partitioned by DeepSpeed ZeRO-3 counts its full size (`ds_numel`), as the Trainer counts it.
+    Never raises into training.
+    """
+    if model is None:
+        return {"model_params": None, "trainable_params": None}
+    try:
+        total = trainable = 0
+        for p in model.parameters():
+            n = getattr(p, "ds_numel", None)
+            n = int(n) if isinstance(n, int) and n > 0 else int(p.numel())
+            total += n
+            if getattr(p, "requires_grad", False):
+                trainable += n
+    except Exception as exc:  # noqa: BLE001 - a count is optional; training goes on without it
+        log_error(f"obd: model parameters not counted ({type(exc).__name__}: {exc}); MFU will need them from elsewhere")
+        return {"model_params": None, "trainable_params": None}
+    if total <= 0:
+        return {"model_params": None, "trainable_params": None}
+    return {"model_params": total, "trainable_params": trainable}
 
 
 # Importing the callback by hand under obd (no sitecustomize, e.g. `python -S`) still gets the

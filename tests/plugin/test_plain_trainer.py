@@ -7,13 +7,15 @@ in for the outside world, so no test depends on timing.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero
+from runner.assemble import parse_run
+from tests.plugin.conftest import PY, REPO, SCRIPTS, Job, RunDir, assert_exit_zero
 
 SCRIPT = SCRIPTS / "plain_trainer.py"
 MODEL_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
@@ -160,3 +162,26 @@ def test_a_callback_added_by_hand_works_without_obds_sitecustomize(run_dir: RunD
     assert run_dir.proof()["checkpoint"] == "output/checkpoint-2"  # type: ignore[index]
     assert run_dir.metrics()[0]["output_dir_requested"] == str(mine)
     assert not mine.exists()
+
+
+def test_a_profiled_trainer_run_reports_mfu_from_the_models_own_parameter_count(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # The first layer frozen, as LoRA freezes the base model: trainable is the second layer only.
+    job = start_job(run_dir, plain(tmp_path / "mine", "--max_steps", "4", "--freeze-first"), run_dir.env())
+    assert_exit_zero(job, job.wait())
+    begin = run_dir.metrics()[0]
+    assert begin["event"] == "begin"
+    params, trainable = 8 * 16 + 16 + 16 + 1, 16 + 1
+    assert (begin["model_params"], begin["trainable_params"]) == (params, trainable)
+
+    # The runner reads this metrics.jsonl as is, with rocprofv3's agent_info.csv of an MI300X.
+    profile = tmp_path / "profile"
+    (profile / "gpuhost").mkdir(parents=True)
+    shutil.copy(REPO / "tests/runner/fixtures/rocm7/gpuhost/4024_agent_info.csv", profile / "gpuhost")
+    metrics = parse_run(profile, run_dir.metrics_path)
+    flops = 4 * params + 2 * trainable
+    assert metrics.flops_per_token == flops
+    assert "begin line" in metrics.sources["flops_per_token"]
+    assert metrics.tokens_per_sec and metrics.gpu_count == 1
+    assert metrics.mfu_pct == pytest.approx(100 * metrics.tokens_per_sec * flops / (metrics.peak_tflops * 1e12))
+    assert metrics.peak_tflops == pytest.approx(1307.4, abs=0.1)
+    assert not [w for w in metrics.warnings if "MFU unknown" in w]

@@ -94,3 +94,17 @@ def test_the_wrappers_metric_jsonl_samples_are_read_one_line_each(tmp_path, fixt
     amdsmi.read_metric_json(path, telemetry)
     assert telemetry.gpus["0"].gfx_pct.count == 3
     assert any("1 unreadable JSON lines" in w for w in telemetry.warnings)
+
+
+def test_metric_json_documents_written_one_after_another_are_each_read(tmp_path, fixtures):
+    # Two polls of `amd-smi metric --json` appended to one file, each indented over many lines,
+    # the second cut off by the end of the run.
+    text = (fixtures / "amdsmi/metric_rocm6.json").read_text().rstrip("\n") + "\n"
+    body = text[text.index("["):]
+    path = tmp_path / "amdsmi_metric.json"
+    path.write_text(text + body + body[: len(body) // 2])
+    telemetry = amdsmi.Telemetry()
+    amdsmi.read_metric_json(path, telemetry)
+    assert telemetry.gpus["0"].gfx_pct.count == 2
+    assert telemetry.gpus["0"].vram_used_gb.high == pytest.approx(61952 / 1024)
+    assert any("unreadable JSON lines" in w for w in telemetry.warnings)

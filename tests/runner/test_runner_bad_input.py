@@ -27,7 +27,8 @@ def test_a_trace_cut_off_in_the_middle_of_a_row_keeps_the_rows_before_it(tmp_pat
     trace = fold(path)
     complete_rows = cut.count("\n") - 1
     assert trace.dispatches == complete_rows
-    assert trace.bad_rows == 1
+    assert trace.bad_rows == 0  # the cut row is dropped as cut, not read
+    assert any("does not end with a newline" in w and "dropped" in w for w in trace.warnings)
 
 
 def test_a_quote_left_open_by_a_crash_does_not_swallow_or_crash(tmp_path, fixtures):
@@ -143,8 +144,73 @@ def test_a_missing_profile_and_a_missing_metrics_file_give_empty_metrics_with_re
 def test_kernel_stats_with_na_and_a_cut_off_row_keep_what_is_readable(tmp_path):
     path = tmp_path / "x_kernel_stats.csv"
     path.write_text('"Name","Calls","TotalDurationNs","AverageNs","Percentage","MinNs","MaxNs","StdDev"\n'
-                    '"a",2,100,50,50,40,60,10\n"b",1,N/A,N/A,N/A,N/A,N/A,N/A\n"c",1,100,100,50,1')
+                    '"a",2,100,50,50,40,60,10\n"b",1,N/A,N/A,N/A,N/A,N/A,N/A\n"c",1,100,100,50,60,140,2\n"d",1,100,100,50,1')
     warnings: list[str] = []
     stats = rocprof.read_kernel_stats(path, warnings)
+    # "d" is the last row of a file without a final newline: possibly cut, so dropped.
     assert stats == {"a": (2, 100.0), "c": (1, 100.0)}
-    assert warnings
+    assert any("1 unreadable rows" in w for w in warnings)
+    assert any("does not end with a newline" in w for w in warnings)
+
+
+STATS_HEADER = '"Name","Calls","TotalDurationNs","AverageNs","Percentage","MinNs","MaxNs","StdDev"\n'
+
+
+def test_a_kernel_stats_row_cut_short_at_the_end_of_the_file_is_dropped_with_a_warning_not_read_as_a_smaller_time(tmp_path):
+    (tmp_path / "host").mkdir()
+    path = tmp_path / "host" / "1_kernel_stats.csv"
+    # rocprofv3 was killed while writing "b": 4 calls, 40... ns (4096? 40960?). Not a number to keep.
+    path.write_text(STATS_HEADER + '"a",2,1000,500,50,400,600,10\n"b",4,40')
+    warnings: list[str] = []
+    assert rocprof.read_kernel_stats(path, warnings) == {"a": (2, 1000.0)}
+    assert warnings == [f"{path.name}: the file does not end with a newline, so its last row may be cut off; "
+                        "that row was dropped"]
+    metrics = parse_run(tmp_path, None)
+    assert [k.name for k in metrics.top_kernels] == ["a"]
+    assert metrics.kernel_time_s == pytest.approx(1000 / 1e9)
+    assert any("host/1_kernel_stats.csv: the file does not end with a newline" in w for w in metrics.warnings)
+
+
+def test_the_same_kernel_stats_ending_with_a_newline_keep_every_row_and_warn_nothing(tmp_path):
+    path = tmp_path / "1_kernel_stats.csv"
+    path.write_text(STATS_HEADER + '"a",2,1000,500,50,400,600,10\n"b",4,40\n')
+    warnings: list[str] = []
+    assert rocprof.read_kernel_stats(path, warnings) == {"a": (2, 1000.0), "b": (4, 40.0)}
+    assert warnings == []
+
+
+def test_a_kernel_trace_whose_last_row_is_cut_after_its_timestamps_drops_that_row_too(tmp_path, fixtures):
+    lines = (fixtures / "rocm7/gpuhost/4024_kernel_trace.csv").read_text().splitlines()
+    last = lines[-1]
+    cut = last[: last.rindex(",")]  # the Grid_Size_Z column lost: the timestamps still read as numbers
+    path = tmp_path / "1_kernel_trace.csv"
+    path.write_text("\n".join(lines[:-1] + [cut]))
+    trace = fold(path)
+    assert trace.dispatches == len(lines) - 2  # every row but the header and the cut one
+    assert trace.bad_rows == 0
+    assert any("does not end with a newline" in w for w in trace.warnings)
+
+
+def test_an_amd_smi_monitor_row_cut_mid_field_is_dropped_with_a_warning(tmp_path):
+    from runner import amdsmi
+
+    path = tmp_path / "amdsmi_monitor.csv"
+    # The last sample was cut inside vram_used (61.5 GB? 615?): no sample is made of it.
+    path.write_text("gpu,gfx,vram_used,vram_total\n0,50,2.0,191.5\n0,97,6")
+    telemetry = amdsmi.Telemetry()
+    amdsmi.read_monitor_csv(path, telemetry)
+    gpu = telemetry.gpus["0"]
+    assert telemetry.samples == 1
+    assert (gpu.vram_used_gb.count, gpu.vram_used_gb.high) == (1, pytest.approx(2.0))
+    assert (gpu.gfx_pct.count, gpu.gfx_pct.high) == (1, 50)
+    assert any("amdsmi_monitor.csv: the file does not end with a newline" in w for w in telemetry.warnings)
+
+
+def test_a_torch_kernel_table_cut_at_its_last_row_keeps_the_complete_rows(tmp_path):
+    from runner import torchprof
+
+    path = tmp_path / "torch_kernels.csv"
+    path.write_text("name,device,calls,total_us\ngemm,gpu,3,30\nsoftmax,gpu,2,1")
+    table = torchprof.read_torch_kernels(path)
+    assert table.gpu == {"gemm": (3, 30000.0)}
+    assert any("does not end with a newline" in w for w in table.warnings)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -137,6 +139,52 @@ def test_the_live_job_gets_a_plugin_dir_laid_out_like_the_daemons_first_on_its_p
     repo_plugin = Path(runner.__file__).resolve().parents[1] / "trainer_plugin"
     assert set(found["package"]) >= {p.name for p in repo_plugin.glob("*.py")}
     assert json.loads((run_dir / "profile" / "runner.json").read_text())  # the wrapper ran, from plugin/
+
+
+# A training job that outlives its wrapper's kill: it starts a worker (standing in for the
+# trainer under rocprofv3) that ignores SIGTERM, and both write their pid and then sleep.
+STUBBORN_JOB = '''
+import os, subprocess, sys, time
+worker = """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open("worker.pid.tmp", "w").write(str(os.getpid()))
+os.rename("worker.pid.tmp", "worker.pid")
+time.sleep(300)
+"""
+open("job.pid", "w").write(str(os.getpid()))
+subprocess.Popen([sys.executable, "-c", worker])
+time.sleep(300)
+'''
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie holds no GPU, only its exit status)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_live_run_that_times_out_leaves_no_process_of_the_workload_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("OBD_ROCPROFV3", "")
+    monkeypatch.setenv("OBD_AMD_SMI", "")
+    monkeypatch.setenv("OBD_KFD_TOPOLOGY", str(tmp_path / "none"))
+    live = LiveRunner(work_dir=tmp_path / "runs", timeout_s=5, kill_grace_s=0.5,
+                      command_builder=lambda config, steps, python: [python, "-c", STUBBORN_JOB])
+    pids: list[int] = []
+    try:
+        with pytest.raises(RunnerFailed, match="ran past 5 s") as info:
+            live.run(WorkloadConfig(), steps=1)
+        run_dir = Path(str(info.value).rsplit(" ", 1)[-1]).parent
+        pids = [int((run_dir / name).read_text()) for name in ("job.pid", "worker.pid")]
+        assert [pid for pid in pids if _running(pid)] == []
+        assert (run_dir / "job.log").is_file()
+    finally:
+        for pid in pids:  # without the fix they would sleep on: end them here
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_the_cache_key_changes_with_each_of_its_inputs(tmp_path):

@@ -92,6 +92,7 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--stages", type=int, default=1, help="train this many times in a row, a new Trainer each")
     p.add_argument("--report-exit", action="store_true", help="test: print at exit whether the process group is still up")
+    p.add_argument("--freeze-first", action="store_true", help="freeze the first layer, as LoRA freezes the base model")
     opts = p.parse_args()
     if opts.report_exit:
         atexit.register(report_process_group)  # registered first, so it runs after any handler added later
@@ -117,6 +118,8 @@ def main() -> int:
     )
     cls = MyTrainer if opts.subclass else Trainer
     model = Regression()
+    if opts.freeze_first:
+        model.net[0].requires_grad_(False)
     for stage in range(opts.stages):
         trainer = cls(model=model, args=args, train_dataset=Points(), callbacks=list(callbacks))
         if opts.callback_by_hand:
