@@ -77,6 +77,8 @@ def test_a_run_on_a_pod_retrieves_verified_outputs_then_terminates_the_pod(pods:
     assert (local / "job.log").read_text().strip() == "trained"
     created = fake.creates[0]
     assert any(e.get("key") == "OBD_RUN_ID" and e.get("value") == rid for e in created.get("env", [])) or rid in json.dumps(created)
+    assert KEY not in pods.log_path.read_text()  # the API key never reaches the daemon's log
+    assert KEY not in (pods.state_dir / "runs" / rid / "run.json").read_text()
 
 
 def test_status_shows_the_pod_its_rate_and_the_spend_so_far(pods: DaemonProc) -> None:
