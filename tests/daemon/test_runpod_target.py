@@ -108,6 +108,28 @@ def test_the_cost_cap_asks_for_a_snapshot_and_the_run_ends_stopped(make_daemon, 
         kill_jobs(short_tmp / "pod")
 
 
+def test_the_daemon_asks_for_the_cost_snapshot_itself_when_the_pods_watchdog_is_gone(make_daemon, fake, pod_sshd, short_tmp) -> None:
+    import os
+    import signal
+
+    from trainer_plugin import jobctl
+
+    # $0.69/h and a $0.002 cap: the cap is ~10 s after the pod starts, the request ~3 s ahead of it.
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, "max_cost_usd = 0.002\nsnapshot_margin = 3\n")
+    try:
+        rid = start(d, PY, FAKE_JOB, "proof=" + json.dumps({"checkpoint": "output/checkpoint-STEP", "step": "STEP"}).replace('"STEP"}', "STEP}"))
+        record = d.wait_state(rid, "running", timeout=60)
+        watchdog = Path(record["remote_dir"]) / "watchdog"
+        os.killpg(int(jobctl.read_handle(str(watchdog))["pid"]), signal.SIGKILL)  # only the daemon is left to ask
+        record = d.wait_state(rid, "stopped", "failed", "cancelled", "succeeded", timeout=90)
+        assert record["state"] == "stopped" and record["stop"]["reason"] == "cost", record["message"]
+        log = (watchdog.parent / "watchdog.log").read_text() if (watchdog.parent / "watchdog.log").exists() else ""
+        assert "snapshot_requested" not in log  # the request was the daemon's
+        assert fake.live_pods() == []
+    finally:
+        kill_jobs(short_tmp / "pod")
+
+
 def test_a_pod_terminated_from_outside_fails_its_run_with_that_reason(pods: DaemonProc, fake: FakeRunpod) -> None:
     rid = start(pods, "sleep", "60")
     record = pods.wait_state(rid, "running", timeout=60)
