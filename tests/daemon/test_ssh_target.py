@@ -60,6 +60,34 @@ def test_a_job_on_an_ssh_target_runs_logs_and_succeeds(box: DaemonProc) -> None:
     assert (Path(record["remote_dir"]) / "plugin" / "sitecustomize.py").exists()
 
 
+def test_a_cancel_on_an_ssh_target_ends_the_job_and_list_shows_the_run(box: DaemonProc) -> None:
+    from trainer_plugin import jobctl
+
+    rid = start(box, "sleep", "120")
+    record = box.wait_state(rid, "running")
+    handle = jobctl.read_handle(record["remote_dir"])
+    assert handle is not None and jobctl.handle_alive(handle)
+    listed = {r["id"]: r["state"] for r in json.loads(box.cli("train", "list", "--json").stdout)}
+    assert listed[rid] == "running"
+    out = box.cli("train", "cancel", rid, "--wait")
+    assert out.returncode == 0, out.stderr
+    assert box.record(rid)["state"] == "cancelled"
+    assert not jobctl.handle_alive(handle)  # the job's process on the host is gone
+    listed = {r["id"]: r["state"] for r in json.loads(box.cli("train", "list", "--json").stdout)}
+    assert listed[rid] == "cancelled"
+
+
+def test_targets_list_and_check_on_the_command_line(box: DaemonProc) -> None:
+    listed = json.loads(box.cli("targets", "list", "--json").stdout)
+    assert {"name": "box", "kind": "ssh"} in listed and {"name": "local", "kind": "local"} in listed
+    out = box.cli("targets", "check", "box", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    checks = {c["check"]: c["ok"] for c in json.loads(out.stdout)}
+    assert checks and all(checks.values()), checks
+    missing = box.cli("targets", "check", "nowhere")
+    assert missing.returncode == 2 and "nowhere" in missing.stderr
+
+
 def test_a_failing_job_on_an_ssh_target_is_failed_with_its_last_lines(box: DaemonProc) -> None:
     rid = start(box, "sh", "-c", "echo 'CUDA out of memory. Tried to allocate 2.00 GiB'; exit 1")
     record = box.wait_state(rid, "failed", "succeeded")
