@@ -227,8 +227,10 @@ def test_on_a_local_target_a_hand_written_request_is_seen_at_once_even_between_s
     d = make_daemon(STOP_CONFIG.replace("poll_interval = 0.2", "poll_interval = 30"))
     d.start()
     rid = start(d, PY, FAKE, "hang-after")
-    # The first poll (at start) sees the begin line; no poll comes again for 30 s.
-    record = wait_for(lambda: (r := d.record(rid))["snapshots"] and r, 40, 0.1, "the begin line")
+    # After the first poll (at start) no poll comes again for 30 s: the request must wake the follow.
+    record = wait_for(lambda: (r := d.record(rid))["remote_dir"] and r, 20, 0.05, "the run's directory")
+    metrics = Path(record["remote_dir"]) / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and '"begin"' in metrics.read_text(), 20, 0.05, "the job's begin line")
     written = time.time()
     (Path(record["remote_dir"]) / "snapshot.request").write_text("deadline\n")
     seen = wait_for(lambda: d.record(rid)["stop"]["requested_at"], 10, 0.02, "the request to be seen")

@@ -112,6 +112,7 @@ def test_sigterm_with_snapshot_on_sigterm_is_a_preempted_snapshot_at_that_step(r
     assert run_dir.metrics()[0]["snapshot_on_sigterm"] is True
 
 
+@pytest.mark.slow  # ~10 s of imports; an edge of the SIGTERM test above
 def test_without_snapshot_on_sigterm_a_sigterm_ends_the_job_as_usual(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     job = start_job(run_dir, plain(tmp_path / "mine", "--sigterm-at", "4"), run_dir.env())
     assert job.wait() == -signal.SIGTERM
@@ -119,6 +120,7 @@ def test_without_snapshot_on_sigterm_a_sigterm_ends_the_job_as_usual(run_dir: Ru
     assert not run_dir.request.exists()
 
 
+@pytest.mark.slow  # ~10 s of imports; an edge of the SIGTERM test above
 def test_an_existing_request_reason_wins_over_a_sigterm_in_the_same_step(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     argv = plain(tmp_path / "mine", "--sigterm-at", "2", "--write-at", "2", "--write-file", f"{run_dir.request}=cost")
     job = start_job(run_dir, argv, run_dir.env(on_sigterm=True))
@@ -129,6 +131,7 @@ def test_an_existing_request_reason_wins_over_a_sigterm_in_the_same_step(run_dir
     assert json.loads(run_dir.metrics_path.read_text().splitlines()[-1])["reason"] == "cost"
 
 
+@pytest.mark.slow  # ~10 s of imports; a multi-stage script: an edge
 def test_a_later_training_in_the_same_job_never_replaces_the_proof(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     # Two stages, a new Trainer each, same output_dir; the request (still there) came in stage 1.
     argv = plain(tmp_path / "mine", "--stages", "2", "--write-at", "3", "--write-file", f"{run_dir.request}=requested")

@@ -55,6 +55,7 @@ def test_steps_the_trainer_does_not_log_get_a_log_line_without_loss(run_dir: Run
     assert metrics[0]["event"] == "begin" and metrics[-1]["event"] == "end" and metrics[-1]["step"] == 8
 
 
+@pytest.mark.slow  # ~10 s of imports; the pace itself is tested on lines in tests/runner
 def test_the_runners_pace_reads_heartbeats_as_pace_points(run_dir: RunDir, start_job: Callable[..., Job]) -> None:
     # With logging_steps far beyond the run, the heartbeats are the only `log` lines.
     train(run_dir, start_job, "--max_steps", "6", "--logging_steps", "100")
@@ -68,6 +69,7 @@ def test_the_runners_pace_reads_heartbeats_as_pace_points(run_dir: RunDir, start
     assert not any("unreadable" in w or "single log line" in w for w in result.warnings), result.warnings
 
 
+@pytest.mark.slow  # ~10 s of imports; the tiny workload's snapshot tests check the last log line
 def test_a_snapshot_still_ends_on_the_trainers_log_line_with_the_loss(run_dir: RunDir, start_job: Callable[..., Job]) -> None:
     train(run_dir, start_job, "--max_steps", "8", "--logging_steps", "100", "--write-at", "3", "--write-file", f"{run_dir.request}=deadline")
     assert run_dir.proof() is not None and run_dir.proof()["step"] == 3  # type: ignore[index]
@@ -77,6 +79,7 @@ def test_a_snapshot_still_ends_on_the_trainers_log_line_with_the_loss(run_dir: R
     assert isinstance(logs[-1]["loss"], float)
 
 
+@pytest.mark.slow  # ~10 s of imports; the interval parsing is tested in-process below
 def test_without_the_variable_a_fast_run_writes_no_heartbeat(run_dir: RunDir, start_job: Callable[..., Job]) -> None:
     # The default interval is 10 s; eight tiny steps take far less.
     train(run_dir, start_job, "--max_steps", "8", "--logging_steps", "4", interval=None)
