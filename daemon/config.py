@@ -12,12 +12,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from daemon.paths import default_config_path, default_socket, default_state_dir
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+# A Runpod network volume id: the SDK pastes it unescaped into GraphQL, so nothing else gets through.
+_NETWORK_VOLUME_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 class ConfigError(Exception):
@@ -111,6 +113,25 @@ class RunpodTarget(_Strict):
     watchdog_interval: Duration = 30.0
     lease_ttl: Duration = 300.0  # the daemon's lease the watchdog honours
     api_poll_interval: Duration = 5.0  # how often a booting pod is looked at
+
+    @field_validator("network_volume_id")
+    @classmethod
+    def _network_volume_id_is_plain(cls, value: str | None) -> str | None:
+        if value is not None and not _NETWORK_VOLUME_ID_RE.match(value):
+            raise ValueError(
+                f"network_volume_id {value!r} is not a Runpod network volume id: it is letters, digits, '-' and '_' "
+                "only (no spaces, quotes or newlines); copy the id from the Storage page of the Runpod console"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_kind_of_volume(self) -> RunpodTarget:
+        if self.network_volume_id is not None and "volume_gb" in self.model_fields_set:
+            raise ValueError(
+                "volume_gb and network_volume_id are both set: a pod gets either its own volume of volume_gb GB "
+                "or the network volume network_volume_id, mounted at /workspace; remove one of the two keys"
+            )
+        return self
 
 
 Target = Annotated[LocalTarget | SshTarget | RunpodTarget, Field(discriminator="kind")]

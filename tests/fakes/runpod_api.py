@@ -521,6 +521,15 @@ class FakeRunpod:
                 or not isinstance(item.get("value"), str)
             ):
                 raise QueryFailure("Expected type EnvironmentVariableInput.")
+        volume_id = spec.get("networkVolumeId")
+        if volume_id is not None:
+            # The pod must be in the volume's data center (the SDK looks it up in `myself`).
+            # The wording of these two errors is the fake's own.
+            volume = next((v for v in self.network_volumes if v["id"] == volume_id), None)
+            if volume is None:
+                raise QueryFailure(f"Network volume {volume_id} was not found on this account.")
+            if spec.get("dataCenterId") not in (None, volume["dataCenterId"]):
+                raise QueryFailure(f"Network volume {volume_id} is in data center {volume['dataCenterId']}.")
         gpu = self.gpus.get(spec["gpuTypeId"])
         if gpu is None or gpu.capacity < int(spec.get("gpuCount") or 1):
             raise QueryFailure(NO_CAPACITY)
