@@ -313,7 +313,7 @@ class Daemon:
             ok, message = await driver.finish(run_id, item.get("remote_dir") or "", info, local)
         except Exception as exc:
             ok, message = False, str(exc)
-        log.warning("pod_orphan_finished", pod_id=item["pod_id"], outputs_safe=ok, message=message)
+        log.warning("pod_orphan_finished", run_id=item.get("run_id"), pod_id=item["pod_id"], outputs_safe=ok, message=message)
         if record is not None:
             async with self.lock(record.id):
                 record.note(f"after the run ended, its pod {item['pod_id']}: {message}")
