@@ -105,7 +105,7 @@ class PodSupervisor:
         return await self.driver(record.target).cap_reached(record.target_info, time.time())
 
     async def terminate(self, record: RunRecord) -> None:
-        await self.driver(record.target).terminate(record.target_info["pod_id"])
+        await self.driver(record.target).terminate(record.target_info["pod_id"], record.id)
 
     def retrieved_at(self, record: RunRecord) -> float | None:
         """When the run's outputs were retrieved and verified (the driver's book), if they were."""

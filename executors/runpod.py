@@ -353,7 +353,7 @@ class RunpodDriver:
         started = self.clock()
         info.update(phase="booting", ssh_host=None, ssh_port=None, host_key=None, restarted_at=started)
         await self._save(save, info)
-        log.warning("runpod.restarted_stopped_pod", target=self.name, pod_id=pod_id)
+        log.warning("runpod.restarted_stopped_pod", target=self.name, run_id=info.get("run_id"), pod_id=pod_id)
         try:
             host, port, key, rate = await self._wait_ssh(pod_id, started, self.target.boot_grace)
         except BaseException as exc:
@@ -364,7 +364,7 @@ class RunpodDriver:
                     info.update(phase="stopped", error=str(exc) or type(exc).__name__)
                 except (RunpodApiError, TimeoutError) as stop_exc:
                     info.update(phase="booting", error=f"{exc}; stopping it again failed too: {stop_exc}")
-                    log.error("runpod.restart_stop_failed", pod_id=pod_id, error=str(stop_exc))
+                    log.error("runpod.restart_stop_failed", run_id=info.get("run_id"), pod_id=pod_id, error=str(stop_exc))
                 with anyio.move_on_after(30):
                     await self._save(save, info)
             raise
@@ -511,10 +511,10 @@ class RunpodDriver:
             with anyio.fail_after(120):
                 await self.api.terminate(pod_id)
             info.update(phase="terminated", error=str(exc) or type(exc).__name__)
-            log.warning("runpod.boot_failed_terminated", pod_id=pod_id, error=str(exc))
+            log.warning("runpod.boot_failed_terminated", run_id=info.get("run_id"), pod_id=pod_id, error=str(exc))
         except (RunpodApiError, TimeoutError) as term_exc:
             info.update(phase="terminate_failed", error=f"{exc}; terminating it failed too: {term_exc}")
-            log.error("runpod.boot_failed_terminate_failed", pod_id=pod_id, error=str(term_exc))
+            log.error("runpod.boot_failed_terminate_failed", run_id=info.get("run_id"), pod_id=pod_id, error=str(term_exc))
             if isinstance(exc, ExecutorError):
                 exc.args = (f"{exc}; terminating pod {pod_id} failed ({term_exc}): run `obd pods rm {pod_id}`",)
         else:
@@ -523,7 +523,7 @@ class RunpodDriver:
         try:
             await self._save(save, info)
         except Exception as save_exc:  # the pod is already settled; the error above is what matters
-            log.error("runpod.save_failed", pod_id=pod_id, error=str(save_exc))
+            log.error("runpod.save_failed", run_id=info.get("run_id"), pod_id=pod_id, error=str(save_exc))
 
     # --- the executor and the watchdog --------------------------------------------------------
 
@@ -601,7 +601,7 @@ class RunpodDriver:
             secrets={"RUNPOD_API_KEY": key},
         )
         handle = await executor.spawn(job)
-        log.info("runpod.watchdog_started", pod_id=target_info.get("pod_id"), remote_dir=remote_dir, pid=handle.pid)
+        log.info("runpod.watchdog_started", run_id=target_info.get("run_id"), pod_id=target_info.get("pod_id"), remote_dir=remote_dir, pid=handle.pid)
         return handle
 
     async def renew_lease(self, executor: Executor, remote_dir: str, ttl: float) -> None:
@@ -732,7 +732,7 @@ class RunpodDriver:
             await self._mark_retrieved(target_info, remote_dir)
             return True, f"{done}; pod {pod_id} kept (keep_pod): remove it with `obd pods rm {pod_id}`"
         try:
-            await self.terminate(pod_id)
+            await self.terminate(pod_id, run_id)
         except RunpodApiError as exc:
             return True, (
                 f"{done}; but terminating pod {pod_id} failed ({exc}): run `obd pods rm {pod_id}` "
@@ -746,7 +746,7 @@ class RunpodDriver:
         try:
             await ex.put_file(f"{remote_dir}/retrieved", f"{self.clock():.3f}\n".encode())
         except ExecutorError as exc:
-            log.warning("runpod.retrieved_marker_failed", remote_dir=remote_dir, error=str(exc))
+            log.warning("runpod.retrieved_marker_failed", run_id=target_info.get("run_id"), remote_dir=remote_dir, error=str(exc))
         finally:
             await ex.aclose()
 
@@ -808,10 +808,10 @@ class RunpodDriver:
 
     # --- pods: list, terminate, reconcile -----------------------------------------------------
 
-    async def terminate(self, pod_id: str) -> None:
+    async def terminate(self, pod_id: str, run_id: str | None = None) -> None:
         """Terminate a pod (a pod already gone counts as terminated)."""
         await self.api.terminate(pod_id)
-        log.info("runpod.terminated", target=self.name, pod_id=pod_id)
+        log.info("runpod.terminated", target=self.name, run_id=run_id, pod_id=pod_id)
 
     async def list_pods(self) -> list[dict[str, Any]]:
         """The pods this obd install created, with their state, rate and spend."""

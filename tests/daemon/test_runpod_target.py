@@ -65,6 +65,14 @@ def known_pod_ids(d: DaemonProc) -> set[str]:
     return {r.target_info.get("pod_id") for r in records.values() if r.target_info.get("pod_id")}
 
 
+def assert_pod_lines_name_the_run(d: DaemonProc, pod_id: str, rid: str) -> None:
+    """Every daemon log line about the run's pod carries the run's id, so `grep RUN_ID` finds them all."""
+    lines = [json.loads(x) for x in d.log_path.read_text().splitlines() if x.startswith("{")]
+    about = [x for x in lines if x.get("pod_id") == pod_id]
+    assert about, "no log line names the pod"
+    assert [x["event"] for x in about if x.get("run_id") != rid] == []
+
+
 def test_a_run_on_a_pod_retrieves_verified_outputs_then_terminates_the_pod(pods: DaemonProc, fake: FakeRunpod) -> None:
     rid = start(pods, "sh", "-c", "mkdir -p $OBD_OUTPUT_DIR && echo weights > $OBD_OUTPUT_DIR/adapter.bin; echo trained")
     record = pods.wait_state(rid, "succeeded", "failed", timeout=90)
@@ -78,6 +86,7 @@ def test_a_run_on_a_pod_retrieves_verified_outputs_then_terminates_the_pod(pods:
     created = fake.creates[0]
     assert any(e.get("key") == "OBD_RUN_ID" and e.get("value") == rid for e in created.get("env", [])) or rid in json.dumps(created)
     assert KEY not in pods.log_path.read_text()  # the API key never reaches the daemon's log
+    assert_pod_lines_name_the_run(pods, pod_id, rid)
     assert KEY not in (pods.state_dir / "runs" / rid / "run.json").read_text()
 
 
@@ -244,6 +253,7 @@ def test_a_pod_stopped_outside_obd_is_started_again_to_retrieve_the_outputs_then
         local = d.state_dir / "runs" / rid / "retrieved"
         assert (local / "output" / "checkpoint-2" / "adapter.bin").read_text() == "weights\n"
         assert "podResume" in fake.ops() and fake.live_pods() == []
+        assert_pod_lines_name_the_run(d, pod_id, rid)
     finally:
         kill_jobs(short_tmp / "pod")
 
