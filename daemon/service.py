@@ -84,6 +84,7 @@ class Daemon:
         self._dir_watchers: set[str] = set()
         self._dirty: set[str] = set()
         self._final: dict[str, anyio.Event] = {}
+        self._unreachable_noted: dict[str, set[str]] = {}  # kinds of failure noted while a run's target is away
         self._tg: TaskGroup | None = None
         self._lock_fd: int | None = None
 
@@ -524,14 +525,20 @@ class Daemon:
             if self.pods.is_pod(runs[0]) and (await self._pod_ended_outside(runs[0]) or await self._cap_on_unreachable_pod(runs[0])):
                 return
             now = time.time()
+            kind = type(exc).__name__
             for record in runs:
-                if record.unreachable_since is None:
-                    record.unreachable_since = now
+                noted = self._unreachable_noted.setdefault(record.id, set())
+                # The first failure, and each new kind of failure after it (a host that comes back
+                # with a changed key), is noted, so `status` says why and what fixes it.
+                if record.unreachable_since is None or kind not in noted:
+                    noted.add(kind)
+                    record.unreachable_since = record.unreachable_since or now
                     record.note(f"target unreachable: {exc}", now)
                     log.warning("target_unreachable", run_id=record.id, target=key, error=str(exc))
                     self._save_quietly(record)
             return
         for record, probe in zip(runs, probes):
+            self._unreachable_noted.pop(record.id, None)
             await self._apply(record, probe)
 
     async def _pod_tick(self, record: RunRecord, executor: Executor) -> None:

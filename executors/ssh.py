@@ -486,6 +486,8 @@ class SshExecutor:
         async def op(s: _Session) -> bytes:
             await self._require_python(s)
             r = await self._run(s, remote.jobctl_command(s.python, s.jobctl, *args), stdin)
+            if r.exit_status is None and r.exit_signal is None:  # the connection went mid-command
+                raise asyncssh.ConnectionLost(f"no exit status for {what}")
             if _returncode(r) != 0:
                 raise ExecutorError(f"{what} on {self.address} failed (exit {_returncode(r)}): {_tail(r.stderr)}")
             return _bytes(r.stdout)
@@ -748,7 +750,9 @@ class SshExecutor:
                 for rel in links:
                     tg.start_soon(link, rel)
         except BaseExceptionGroup as group:
-            raise self._transfer_error(f"upload of {local} to {base} on {self.address}", _leaf(group)) from None
+            raise self._transfer_error(
+                f"upload of {local} to {base} on {self.address}", _leaf(group), _disk_hint(base)
+            ) from None
 
     async def _upload_file(self, local: Path, remote_path: str) -> None:
         parent = str(PurePosixPath(remote_path).parent)
@@ -767,7 +771,10 @@ class SshExecutor:
         try:
             await self._sftp_op(f"an upload to {remote_path}", op, timeout=max(self.op_timeout, 600))
         except asyncssh.SFTPError as exc:
-            raise ExecutorError(f"upload of {local} to {remote_path} on {self.address} failed: {exc.reason}") from exc
+            hint = _disk_hint(parent) if isinstance(exc, asyncssh.SFTPFailure) else ""
+            raise ExecutorError(
+                f"upload of {local} to {remote_path} on {self.address} failed: {exc.reason}{hint}"
+            ) from exc
 
     async def download(self, remote_path: str, local: Path) -> None:
         """Copy a file or tree from the host (links stay links); a missing path copies nothing."""
@@ -796,12 +803,14 @@ class SshExecutor:
             raise self._transfer_error(f"download of {remote_path} from {self.address}", exc) from exc
 
     @staticmethod
-    def _transfer_error(what: str, exc: BaseException) -> BaseException:
-        """The one error to report for a failed transfer of many files."""
+    def _transfer_error(what: str, exc: BaseException, hint: str = "") -> BaseException:
+        """The one error to report for a failed transfer of many files; `hint` follows a generic
+        SFTP failure (OpenSSH's sftp-server reports a full disk as just "Failure")."""
         if isinstance(exc, ExecutorError):
             return exc
         if isinstance(exc, asyncssh.SFTPError):
-            return ExecutorError(f"{what} failed: {exc.reason or type(exc).__name__}")
+            extra = hint if isinstance(exc, asyncssh.SFTPFailure) else ""
+            return ExecutorError(f"{what} failed: {exc.reason or type(exc).__name__}{extra}")
         if isinstance(exc, OSError):
             return ExecutorError(f"{what} failed on this machine: {exc}")
         return exc
@@ -862,6 +871,10 @@ def _leaf(group: BaseExceptionGroup) -> BaseException:  # type: ignore[type-arg]
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
+
+
+def _disk_hint(path: str) -> str:
+    return f" (a full disk? check `df -h {remote.q(path)}` there)"
 
 
 def _handle_json(handle: JobHandle) -> str:
