@@ -80,6 +80,8 @@ class Daemon:
         self._loops: set[str] = set()
         self._cancelling: set[str] = set()
         self._launching: set[str] = set()  # runs this daemon is launching right now
+        # A cancel while a run prepares (a pod booting, an upload) ends the preparation at once.
+        self._preparing: dict[str, anyio.CancelScope] = {}
         self._finishing: set[str] = set()  # runs whose end is being recorded (outputs, metrics)
         self._dir_watchers: set[str] = set()
         self._dirty: set[str] = set()
@@ -861,42 +863,15 @@ class Daemon:
 
     async def _launch_job(self, record: RunRecord, req: StartRequest, source: RunRecord | None) -> None:
         try:
-            if self.pods.is_pod(record):
-                executor = await self.pods.prepare(record, self._pod_saver(record))
-                self._executors[self.executor_key(record)] = executor
-            executor = self.executor_for(record)
-            if not record.remote_dir:
-                with anyio.fail_after(self.config.daemon.probe_timeout * 3):
-                    workdir = await executor.resolve_workdir()  # type: ignore[attr-defined]
-                async with self.lock(record.id):
-                    record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
-                    self._save_quietly(record)
-            rd = record.remote_dir
-            await self._upload_plugin(executor, rd)
-            cwd = req.cwd
-            if cwd is None and isinstance(executor, LocalExecutor) and req.client_cwd and Path(req.client_cwd).is_dir():
-                cwd = req.client_cwd
-            if cwd and not isinstance(executor, LocalExecutor):
-                await executor.upload(Path(cwd), f"{rd}/src")
-                cwd = f"{rd}/src"
-            env = self._job_env(record, rd)
-            if source is not None:
-                env["OBD_RESUME_FROM"] = await self._resume_path(record, source, executor)
-                record.resume_checkpoint = env["OBD_RESUME_FROM"]
-            command = list(req.command)
-            if req.profile:
-                from runner import wrap_command
-
-                command = wrap_command(command, f"{rd}/plugin", rd, await self._wrapper_python(executor))
-                env["OBD_PROFILE_DIR"] = f"{rd}/profile"
-            if record.stop.cancel_by == "user":
-                async with self.lock(record.id):
-                    record.transition(RunState.cancelled, "cancelled by the user before the job started")
-                    self._save_quietly(record)
-                self.final_event(record.id).set()
-                await self._end_pod_quietly(record)
+            with anyio.CancelScope() as preparation:
+                self._preparing[record.id] = preparation
+                try:
+                    executor, spec = await self._prepare_launch(record, req, source)
+                finally:
+                    self._preparing.pop(record.id, None)
+            if preparation.cancelled_caught or record.stop.cancel_by == "user":
+                await self._cancelled_before_start(record)
                 return
-            spec = JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
             handle = await executor.spawn(spec)
         except LaunchUncertain as exc:
             # The job may be running: stay `preparing` and let the follow look in the run's
@@ -930,6 +905,48 @@ class Daemon:
         self._watch_exit(record)
         if record.stop.cancel_by == "user":
             self._start_cancel(record)
+
+    async def _prepare_launch(
+        self, record: RunRecord, req: StartRequest, source: RunRecord | None
+    ) -> tuple[Executor, JobSpec]:
+        """Everything before the job starts: the pod, the run directory, the plugin, the sources."""
+        if self.pods.is_pod(record):
+            executor = await self.pods.prepare(record, self._pod_saver(record))
+            self._executors[self.executor_key(record)] = executor
+        executor = self.executor_for(record)
+        if not record.remote_dir:
+            with anyio.fail_after(self.config.daemon.probe_timeout * 3):
+                workdir = await executor.resolve_workdir()  # type: ignore[attr-defined]
+            async with self.lock(record.id):
+                record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
+                self._save_quietly(record)
+        rd = record.remote_dir
+        await self._upload_plugin(executor, rd)
+        cwd = req.cwd
+        if cwd is None and isinstance(executor, LocalExecutor) and req.client_cwd and Path(req.client_cwd).is_dir():
+            cwd = req.client_cwd
+        if cwd and not isinstance(executor, LocalExecutor):
+            await executor.upload(Path(cwd), f"{rd}/src")
+            cwd = f"{rd}/src"
+        env = self._job_env(record, rd)
+        if source is not None:
+            env["OBD_RESUME_FROM"] = await self._resume_path(record, source, executor)
+            record.resume_checkpoint = env["OBD_RESUME_FROM"]
+        command = list(req.command)
+        if req.profile:
+            from runner import wrap_command
+
+            command = wrap_command(command, f"{rd}/plugin", rd, await self._wrapper_python(executor))
+            env["OBD_PROFILE_DIR"] = f"{rd}/profile"
+        return executor, JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
+
+    async def _cancelled_before_start(self, record: RunRecord) -> None:
+        async with self.lock(record.id):
+            record.transition(RunState.cancelled, "cancelled by the user before the job started")
+            self._save_quietly(record)
+        log.info("run_finished", run_id=record.id, state=RunState.cancelled.value, message=record.message)
+        self.final_event(record.id).set()
+        await self._end_pod_quietly(record)
 
     def _job_env(self, record: RunRecord, rd: str) -> dict[str, str]:
         env = dict(record.env)
@@ -1058,6 +1075,8 @@ class Daemon:
         log.info("cancel_requested", run_id=record.id)
         if record.state == RunState.running:
             self._start_cancel(record)
+        elif record.id in self._preparing:
+            self._preparing[record.id].cancel()  # the job never starts; a pod made for it is ended
         return record
 
     async def read(self, req: ReadRequest) -> dict:

@@ -274,22 +274,25 @@ class RunpodDriver:
             "requested_at": self.clock(),
         }
         await self._save(save, info)
-        try:
-            pod, gpu, rate, started_at = await self._create_pod(run_id, name, plan)
-        except ExecutorError as exc:
-            info.update(phase="create_failed", error=str(exc))
+        # A cancel waits for the create's answer, so that a pod made is always recorded (and then
+        # terminated by the boot wait's clean-up) rather than left for the reconcile to find.
+        with anyio.CancelScope(shield=True):
+            try:
+                pod, gpu, rate, started_at = await self._create_pod(run_id, name, plan)
+            except ExecutorError as exc:
+                info.update(phase="create_failed", error=str(exc))
+                await self._save(save, info)
+                raise
+            info.update(
+                pod_id=pod.id,
+                phase="booting",
+                gpu_type=gpu,
+                cost_per_hr=pod.cost_per_hr or rate,
+                started_at=started_at,
+                max_hours=self.target.max_hours,
+                max_cost_usd=self.target.max_cost_usd,
+            )
             await self._save(save, info)
-            raise
-        info.update(
-            pod_id=pod.id,
-            phase="booting",
-            gpu_type=gpu,
-            cost_per_hr=pod.cost_per_hr or rate,
-            started_at=started_at,
-            max_hours=self.target.max_hours,
-            max_cost_usd=self.target.max_cost_usd,
-        )
-        await self._save(save, info)
         log.info(
             "runpod.created",
             target=self.name,

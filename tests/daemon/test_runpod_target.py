@@ -40,13 +40,15 @@ def pods(make_daemon, fake: FakeRunpod, pod_sshd: SshServer, short_tmp: Path) ->
     kill_jobs(short_tmp / "pod")
 
 
-def make_pods_daemon(make_daemon, fake: FakeRunpod, sshd: SshServer, root: Path, extra: str = "") -> DaemonProc:
+def make_pods_daemon(
+    make_daemon, fake: FakeRunpod, sshd: SshServer, root: Path, extra: str = "", boot_grace: float = 20
+) -> DaemonProc:
     workdir = root / "pod"
     workdir.mkdir(exist_ok=True)
     config = FAST_CONFIG + (
         f'\n[targets.pods]\nkind = "runpod"\ngpu_type = ["NVIDIA GeForce RTX 4090"]\n'
         f'identity_file = "{sshd.identity_file}"\nssh_user = "{sshd.user}"\nworkdir = "{workdir}"\n'
-        f'python = "{PY}"\nboot_grace = 20\napi_poll_interval = 0.2\nwatchdog_interval = 0.5\n{extra}'
+        f'python = "{PY}"\nboot_grace = {boot_grace}\napi_poll_interval = 0.2\nwatchdog_interval = 0.5\n{extra}'
     )
     d = make_daemon(config)
     d.env.update(RUNPOD_API_BASE_URL=fake.url, RUNPOD_API_KEY=KEY)
@@ -145,6 +147,19 @@ def test_a_pod_terminated_from_outside_fails_its_run_with_that_reason(pods: Daem
     fake.terminate_from_outside(record["target_info"]["pod_id"])
     record = pods.wait_state(rid, "failed", timeout=30)
     assert "no longer exists" in record["message"]
+
+
+def test_a_cancel_while_the_pod_boots_ends_the_run_at_once_and_terminates_the_pod(make_daemon, fake, pod_sshd, short_tmp) -> None:
+    fake.ready_after = 10**6  # the pod never shows a public SSH port
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, boot_grace=3600)
+    rid = start(d, "sleep", "60")
+    pod = wait_for(lambda: fake.live_pods(), 30, 0.1, "the pod to be created")[0]
+    out = d.cli("train", "cancel", rid, "--wait", "--json", timeout=60)  # not an hour of boot grace
+    assert out.returncode == 0, out.stderr
+    record = d.record(rid)
+    assert record["state"] == "cancelled" and "before the job started" in record["message"], record["message"]
+    assert record["target_info"]["pod_id"] == pod["id"] and record["job"] is None
+    assert fake.live_pods() == []
 
 
 def test_no_capacity_for_any_gpu_type_fails_clearly_and_creates_nothing(pods: DaemonProc, fake: FakeRunpod) -> None:
