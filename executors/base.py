@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,12 +89,60 @@ class LaunchUncertain(TargetUnreachable):
     """
 
 
-@runtime_checkable
+class CommandResult(BaseModel):
+    """What a command run on the target returned."""
+
+    returncode: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+
+
+class RunEvents(Protocol):
+    """A capability of targets that can tell the follow at once what happened to a run.
+
+    The local target has it (a pidfd for the exit, inotify on run directories); targets
+    without it leave `Executor.events` None and are polled.
+    """
+
+    def watch(self, remote_dir: str) -> None:
+        """Start reporting files written in this run directory."""
+
+    def unwatch(self, remote_dir: str) -> None:
+        """Stop reporting this run directory (its run ended)."""
+
+    async def changed_files(self) -> set[str]:
+        """Block until files were written in watched directories; their names."""
+        ...
+
+    async def wait_exit(self, handle: JobHandle) -> None:
+        """Return once the job's wrapper has exited (or at once if it cannot be watched)."""
+
+
 class Executor(Protocol):
-    """The target-side operations the daemon needs (cf. submitit's Executor/Job split)."""
+    """The target-side operations the daemon needs (cf. submitit's Executor/Job split).
+
+    Every executor implements every method; what only some targets can do is a named
+    capability (`events`), None where absent, so callers never ask an executor what it is.
+    """
 
     name: str
-    workdir: str
+    workdir: str  # as configured; may need the target to resolve it (`~/obd`)
+    # True when the target sees the daemon's filesystem: a job's --cwd is used where it is,
+    # not uploaded into the run directory.
+    shares_filesystem: bool
+    events: RunEvents | None
+
+    async def resolve_workdir(self) -> str:
+        """The workdir as an absolute path on the target (connecting if need be)."""
+        ...
+
+    async def python(self) -> str:
+        """The interpreter obd's wrapper runs with on the target (the target's `python`/`venv`)."""
+        ...
+
+    async def run_command(self, argv: list[str], *, stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
+        """Run one command on the target, its arguments quoted; no shell is involved locally."""
+        ...
 
     async def spawn(self, job: JobSpec) -> JobHandle: ...
 
