@@ -116,6 +116,139 @@ class LocalEvents:
             await anyio.sleep_forever()
         return await self.dir_watch.names()
 
+    async def wait_exit(self, handle: JobHandle) -> None:
+        """Return when the job's wrapper has exited (pidfd: woken by the kernel, no polling)."""
+        if not jobctl.handle_alive(handle.model_dump()):
+            return
+        try:
+            fd = os.pidfd_open(handle.pid)
+        except OSError:
+            return  # gone already, or no pidfd here: the follow's polling still sees the exit
+        try:
+            # The pid may have been reused between the check and the open: check again.
+            if jobctl.handle_alive(handle.model_dump()):
+                await anyio.wait_readable(fd)
+        finally:
+            os.close(fd)
+
+
+class LocalExecutor:
+    """Runs jobs on this machine; reads and writes the run directory directly."""
+
+    shares_filesystem = True
+
+    def __init__(self, name: str, workdir: Path, python: str | None = None) -> None:
+        self.name = name
+        self.workdir = str(workdir)
+        self.interpreter = python or sys.executable
+        self.events: LocalEvents | None = LocalEvents()
+
+    async def resolve_workdir(self) -> str:
+        return str(Path(self.workdir).expanduser().resolve())
+
+    async def python(self) -> str:
+        return self.interpreter
+
+    async def run_command(self, argv: list[str], *, stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
+        try:
+            with anyio.fail_after(timeout):
+                r = await anyio.run_process(argv, input=stdin, check=False)
+        except OSError as exc:
+            return CommandResult(returncode=127, stderr=str(exc).encode())
+        return CommandResult(returncode=r.returncode, stdout=r.stdout, stderr=r.stderr)
+
+    async def spawn(self, job: JobSpec) -> JobHandle:
+        run_dir = Path(job.remote_dir)
+        await anyio.to_thread.run_sync(lambda: run_dir.mkdir(parents=True, exist_ok=True))
+        spec = {
+            "command": job.command,
+            "cwd": job.cwd,
+            "env": job.env,
+            "pythonpath": [str(run_dir / "plugin")],
+        }
+        await self.put_file(str(run_dir / "job.json"), json.dumps(spec).encode())
+        wrapper = [self.interpreter, str(JOBCTL), "start", str(run_dir), "--secrets-stdin"]
+        secrets = json.dumps(job.secrets).encode()
+        scope = systemd_scope_prefix(job.run_id)
+        result = await self._run_wrapper([*scope, *wrapper], secrets)
+        if scope and result.returncode != 0 and jobctl.read_handle(str(run_dir)) is None:
+            # No scope could be made (no user manager for a `User=` service, no bus): the wrapper
+            # never ran, so run it in the service's cgroup, which KillMode=process keeps on restart.
+            log.warning(
+                "systemd_scope_failed", run_id=job.run_id, error=_text(result.stderr) or f"exit {result.returncode}"
+            )
+            result = await self._run_wrapper(wrapper, secrets)
+        if result.returncode != 0:
+            raise ExecutorError(
+                f"the job wrapper failed (exit {result.returncode}): {_text(result.stderr)}; see {run_dir}/job.log"
+            )
+        try:
+            return JobHandle.model_validate_json(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError) as exc:
+            raise ExecutorError(f"the job wrapper printed no handle; see {run_dir}/job.log") from exc
+
+    @staticmethod
+    async def _run_wrapper(argv: list[str], secrets: bytes) -> subprocess.CompletedProcess[bytes]:
+        """Run the wrapper with the secrets on its stdin; one that exits unread (a systemd-run
+        that could not make the scope) is a failed exit, not a broken pipe."""
+        try:
+            proc = await anyio.open_process(argv)
+        except OSError as exc:
+            raise ExecutorError(f"could not launch the job wrapper ({argv[0]}): {exc}") from exc
+        out, err = bytearray(), bytearray()
+
+        async def drain(stream: Any, buf: bytearray) -> None:
+            async for chunk in stream:
+                buf.extend(chunk)
+
+        async with proc:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drain, proc.stdout, out)
+                tg.start_soon(drain, proc.stderr, err)
+                try:
+                    await proc.stdin.send(secrets)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    pass  # it exited without reading: its exit status and stderr say why
+                await proc.stdin.aclose()
+            code = await proc.wait()
+        return subprocess.CompletedProcess(argv, code, bytes(out), bytes(err))
+
+    async def status(self, handle: JobHandle, remote_dir: str) -> JobStatus:
+        raw = await anyio.to_thread.run_sync(jobctl.job_status, remote_dir, handle.model_dump(), abandon_on_cancel=True)
+        return JobStatus.model_validate(raw)
+
+    async def cancel(self, handle: JobHandle, remote_dir: str, grace: float) -> JobStatus:
+        # jobctl.cancel sleeps through the grace; in a worker thread it holds up nothing else.
+        raw = await anyio.to_thread.run_sync(jobctl.cancel, remote_dir, grace, handle.model_dump())
+        return JobStatus.model_validate(raw)
+
+    async def probe(self, runs: list[tuple[JobHandle | None, str]]) -> list[RunProbe]:
+        def probe_all() -> list[dict]:
+            return [jobctl.probe_dir(d, h.model_dump() if h else None) for h, d in runs]
+
+        # abandon_on_cancel: a read stuck in the kernel (NFS, FUSE) is left behind, not waited for.
+        return [RunProbe.model_validate(p) for p in await anyio.to_thread.run_sync(probe_all, abandon_on_cancel=True)]
+
+    async def read_from(self, path: str, offset: int, limit: int) -> bytes:
+        data = await anyio.to_thread.run_sync(jobctl.read_regular, path, limit, offset, abandon_on_cancel=True)
+        return data or b""
+
+    async def put_file(self, path: str, data: bytes) -> None:
+        def write() -> None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            jobctl.atomic_write(path, data)
+
+        try:
+            await anyio.to_thread.run_sync(write)
+        except OSError as exc:
+            raise ExecutorError(f"could not write {path}: {exc.strerror or exc}") from exc
+
+    async def upload(self, local: Path, remote: str) -> None:
+        await anyio.to_thread.run_sync(_copy, local, Path(remote))
+
+    async def download(self, remote: str, local: Path) -> None:
+        await anyio.to_thread.run_sync(_copy, Path(remote), local)
+
     async def aclose(self) -> None:
         return None
 
