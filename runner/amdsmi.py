@@ -10,11 +10,10 @@ is never read as utilisation. Samples are folded into running sums, so a long wa
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.csvstream import RowReader, find_header, normalise, open_text, parse_number, unit_of
+from runner.csvstream import Table, TableSpec, normalise, parse_number, read_table, unit_of
 
 MONITOR_COLUMNS: dict[str, tuple[str, ...]] = {
     "gpu": ("gpu",),
@@ -26,6 +25,7 @@ MONITOR_COLUMNS: dict[str, tuple[str, ...]] = {
     "vram_free": ("vramfree",),
     "vram_percent": ("vrampercent", "vram%"),
 }
+MONITOR = TableSpec(MONITOR_COLUMNS, ("gpu",), "amd-smi monitor header (a 'gpu' column)", skipped="amd-smi rows")
 
 _TO_GB = {"b": 1 / 1024**3, "kb": 1 / 1024**2, "kib": 1 / 1024**2, "mb": 1 / 1024, "mib": 1 / 1024,
           "gb": 1.0, "gib": 1.0, "tb": 1024.0}
@@ -92,62 +92,41 @@ def read_monitor_csv(path: Path, telemetry: Telemetry, label: str | None = None,
     `vram_unit_hint` ("MB"/"GB") is what the wrapper knows from the flags it used; without it the
     unit follows from the columns (`vram_free`/`vram_percent` only exist with `-v`, in MB).
     """
-    label = label or path.name
-    try:
-        with open_text(path) as stream:
-            reader = RowReader(stream)
-            rows = iter(reader)
-            found = find_header(rows, MONITOR_COLUMNS, ("gpu",))
-            if found is None:
-                telemetry.warnings.append(f"{label}: no amd-smi monitor header (a 'gpu' column) found; file skipped")
-                reader.warn_cut_tail(label, telemetry.warnings)
-                return
-            index, _ = found
-            if len(index) < 2:
-                telemetry.warnings.append(f"{label}: the amd-smi header has no metric this parser knows; file skipped")
-                return
-            verbose = "vram_free" in index or "vram_percent" in index
-            column_unit = (vram_unit_hint or ("MB" if verbose else "GB")).lower()
-            telemetry.files.append(label)
-            bad = _fold_monitor_rows(rows, index, column_unit, telemetry)
-            if bad or reader.errors:
-                telemetry.warnings.append(f"{label}: {bad + reader.errors} unreadable amd-smi rows skipped")
-            reader.warn_cut_tail(label, telemetry.warnings)
-    except OSError as exc:
-        telemetry.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+    with read_table(path, MONITOR, telemetry.warnings, label) as table:
+        if table is None:
+            return
+        if len(table.index) < 2:
+            telemetry.warnings.append(f"{table.label}: the amd-smi header has no metric this parser knows; file skipped")
+            return
+        verbose = "vram_free" in table.index or "vram_percent" in table.index
+        column_unit = (vram_unit_hint or ("MB" if verbose else "GB")).lower()
+        telemetry.files.append(table.label)
+        _fold_monitor_rows(table, column_unit, telemetry)
 
 
-def _fold_monitor_rows(rows: Iterable[list[str]], index: dict[str, int], column_unit: str,
-                       telemetry: Telemetry) -> int:
-    i_gpu = index["gpu"]
-    bad = 0
-
-    def cell(row: list[str], key: str) -> str | None:
-        i = index.get(key, -1)
-        return row[i] if 0 <= i < len(row) else None
-
-    for row in rows:
+def _fold_monitor_rows(table: Table, column_unit: str, telemetry: Telemetry) -> None:
+    i_gpu = table.index["gpu"]
+    for row in table.rows:
         if len(row) <= i_gpu or not row[i_gpu].strip():
-            bad += bool(row)
+            table.bad += bool(row)
             continue
         gpu_cell = row[i_gpu].strip()
         if normalise(gpu_cell) == "gpu":
             continue  # the header again: watch mode and concatenated files repeat it
         if parse_number(gpu_cell) is None:
-            bad += 1  # a warning or error line amd-smi printed between samples
+            table.bad += 1  # a warning or error line amd-smi printed between samples
             continue
         samples = telemetry.gpu(gpu_cell)
         for key, series in (("vram_used", samples.vram_used_gb), ("vram_total", samples.vram_total_gb)):
-            text = cell(row, key)
+            text = table.cell(row, key)
             value = parse_number(text)
             unit = unit_of(text) or column_unit
             if value is not None:
                 telemetry.vram_units.add(unit.upper())
             series.add(_to_gb(value, unit))
-        samples.gfx_pct.add(_percent(parse_number(cell(row, "gfx"))))
-        samples.power_w.add(parse_number(cell(row, "power")))
+        samples.gfx_pct.add(_percent(table.number(row, "gfx")))
+        samples.power_w.add(table.number(row, "power"))
         telemetry.samples += 1
-    return bad
 
 
 def _percent(value: float | None) -> float | None:

@@ -14,6 +14,8 @@ import math
 import os
 import re
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -145,6 +147,100 @@ def find_header(rows: Iterator[list[str]], wanted: dict[str, tuple[str, ...]], r
         if all(key in index for key in required):
             return index, row
     return None
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One kind of profiler CSV: the columns a parser reads, by every spelling each has had.
+
+    `header` names the header in the warning for a file without one ("kernel-stats header (Name,
+    TotalDurationNs)"); `skipped` names the rows in the `N unreadable <skipped> skipped` warning,
+    or is None when the parser counts its bad rows itself.
+    """
+
+    columns: dict[str, tuple[str, ...]]
+    required: tuple[str, ...]
+    header: str
+    skipped: str | None = "rows"
+
+
+@dataclass
+class Table:
+    """A profiler CSV being read: where each column is, and the data rows as they stream past.
+
+    `rows` is the one pass over the file after its header; a parser counts the rows it cannot use
+    in `bad`, and `read_table` says how many were skipped when the file is done.
+    """
+
+    label: str
+    index: dict[str, int]
+    rows: Iterator[list[str]]
+    reader: RowReader
+    bad: int = 0
+    width: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.width = max(self.index.values()) + 1
+
+    @property
+    def errors(self) -> int:
+        """Lines the csv module could not read (counted by the reader, not by the parser)."""
+        return self.reader.errors
+
+    def fits(self, row: list[str]) -> bool:
+        """Whether the row reaches every column the header named (a shorter row is malformed)."""
+        return len(row) >= self.width
+
+    def cell(self, row: list[str], key: str) -> str:
+        """The row's cell of column `key`; empty when the file has no such column or the row is short."""
+        i = self.index.get(key, -1)
+        return row[i] if 0 <= i < len(row) else ""
+
+    def number(self, row: list[str], key: str) -> float | None:
+        """The cell of `key` as a finite number (`parse_number`); None when missing or not a number."""
+        return parse_number(self.cell(row, key))
+
+
+@contextmanager
+def read_table(path: Path, spec: TableSpec, warnings: list[str], label: str | None = None) -> Iterator[Table | None]:
+    """Open a profiler CSV, find its header and hand its rows to the `with` block: the one row loop of runner/.
+
+    Yields None (after adding a warning) when the file has no header `spec` accepts. Whatever
+    the block does, the file ends with the same warnings: rows skipped, a read given up, a last
+    row dropped as possibly cut off; a file that cannot be read adds `could not be read`
+    instead of raising.
+    """
+    label = label or path.name
+    handed = False
+    try:
+        with open_text(path) as stream:
+            reader = RowReader(stream)
+            rows = iter(reader)
+            found = find_header(rows, spec.columns, spec.required)
+            if found is None:
+                warnings.append(f"{label}: no {spec.header} found; file skipped")
+                reader.warn_cut_tail(label, warnings)
+                handed = True
+                yield None
+                return
+            table = Table(label=label, index=found[0], rows=rows, reader=reader)
+            handed = True
+            yield table
+            _close(table, spec, warnings)
+    except OSError as exc:
+        warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+        if not handed:
+            yield None
+
+
+def _close(table: Table, spec: TableSpec, warnings: list[str]) -> None:
+    """The warnings of a file read to its end (or as far as the parser went)."""
+    skipped = table.bad + table.errors
+    if spec.skipped is not None and skipped:
+        warnings.append(f"{table.label}: {skipped} unreadable {spec.skipped} skipped")
+    if table.reader.gave_up:
+        warnings.append(f"{table.label}: too many malformed lines; read stopped early")
+    table.reader.warn_cut_tail(table.label, warnings)
 
 
 def parse_number(text: str | None) -> float | None:

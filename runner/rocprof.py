@@ -9,10 +9,11 @@ columns) and `rocpd convert` (a leading Guid column; names matched whatever thei
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.csvstream import RowReader, find_header, normalise, open_text, parse_number
+from runner.csvstream import TableSpec, normalise, parse_number, read_table
 
 # Columns of a kernel trace, by the normalised spellings each has had.
 TRACE_COLUMNS: dict[str, tuple[str, ...]] = {
@@ -42,6 +43,11 @@ AGENT_COLUMNS: dict[str, tuple[str, ...]] = {
     "node": ("nodeid",),
     "logical": ("logicalnodeid",),
 }
+# The trace counts its bad rows across files (`KernelTrace.bad_rows`); agent info skips CPUs, not bad rows.
+TRACE = TableSpec(TRACE_COLUMNS, ("name", "start", "end"),
+                  "kernel-trace header (Kernel_Name, Start_Timestamp, End_Timestamp)", skipped=None)
+STATS = TableSpec(STATS_COLUMNS, ("name", "total"), "kernel-stats header (Name, TotalDurationNs)")
+AGENTS = TableSpec(AGENT_COLUMNS, ("type",), "agent-info header (Agent_Type)", skipped=None)
 
 # Rows are sorted in windows of this many before their intervals are merged: exact for a trace
 # ordered to within this many dispatches per agent, and it bounds the memory the merge needs.
@@ -150,30 +156,16 @@ def describe_layout(index: dict[str, int]) -> str:
 
 def read_kernel_trace(path: Path, trace: KernelTrace, label: str | None = None) -> None:
     """Fold one kernel-trace CSV into `trace`; a bad file adds a warning, never an exception."""
-    label = label or path.name
-    try:
-        with open_text(path) as stream:
-            reader = RowReader(stream)
-            rows = iter(reader)
-            found = find_header(rows, TRACE_COLUMNS, ("name", "start", "end"))
-            if found is None:
-                trace.warnings.append(f"{label}: no kernel-trace header (Kernel_Name, Start_Timestamp, "
-                                      "End_Timestamp) found; file skipped")
-                reader.warn_cut_tail(label, trace.warnings)
-                return
-            index, _ = found
-            trace.files.append(label)
-            trace.layouts.append(describe_layout(index))
-            _fold_rows(rows, index, trace)
-            trace.csv_errors += reader.errors
-            if reader.gave_up:
-                trace.warnings.append(f"{label}: too many malformed lines; read stopped early")
-            reader.warn_cut_tail(label, trace.warnings)
-    except OSError as exc:
-        trace.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+    with read_table(path, TRACE, trace.warnings, label) as table:
+        if table is None:
+            return
+        trace.files.append(table.label)
+        trace.layouts.append(describe_layout(table.index))
+        _fold_rows(table.rows, table.index, trace)
+        trace.csv_errors += table.errors
 
 
-def _fold_rows(rows, index: dict[str, int], trace: KernelTrace) -> None:
+def _fold_rows(rows: Iterator[list[str]], index: dict[str, int], trace: KernelTrace) -> None:
     """The hot loop: one pass, per-kernel totals and per-agent interval windows."""
     i_name, i_start, i_end = index["name"], index["start"], index["end"]
     i_kind = index.get("kind", -1)
@@ -251,37 +243,19 @@ def read_kernel_stats(path: Path, warnings: list[str], label: str | None = None)
     The file's own Percentage column is not used: percentages are recomputed from the totals
     so that a truncated file still adds up to 100.
     """
-    label = label or path.name
     out: dict[str, tuple[int, float]] = {}
-    try:
-        with open_text(path) as stream:
-            reader = RowReader(stream)
-            rows = iter(reader)
-            found = find_header(rows, STATS_COLUMNS, ("name", "total"))
-            if found is None:
-                warnings.append(f"{label}: no kernel-stats header (Name, TotalDurationNs) found; file skipped")
-                reader.warn_cut_tail(label, warnings)
-                return out
-            index, _ = found
-            bad = 0
-            for row in rows:
-                try:
-                    name = row[index["name"]]
-                    total = parse_number(row[index["total"]])
-                    calls = parse_number(row[index["calls"]]) if "calls" in index else None
-                except IndexError:
-                    bad += 1
-                    continue
-                if total is None or total < 0:
-                    bad += 1
-                    continue
-                prev_calls, prev_total = out.get(name, (0, 0.0))
-                out[name] = (prev_calls + int(calls or 0), prev_total + total)
-            if bad or reader.errors:
-                warnings.append(f"{label}: {bad + reader.errors} unreadable rows skipped")
-            reader.warn_cut_tail(label, warnings)
-    except OSError as exc:
-        warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+    with read_table(path, STATS, warnings, label) as table:
+        if table is None:
+            return out
+        i_name = table.index["name"]
+        for row in table.rows:
+            total = table.number(row, "total")
+            if not table.fits(row) or total is None or total < 0:
+                table.bad += 1
+                continue
+            name = row[i_name]
+            prev_calls, prev_total = out.get(name, (0, 0.0))
+            out[name] = (prev_calls + int(table.number(row, "calls") or 0), prev_total + total)
     return out
 
 
@@ -300,38 +274,22 @@ class GpuAgent:
 
 def read_agent_info(path: Path, warnings: list[str], label: str | None = None) -> list[GpuAgent]:
     """The GPU agents of `agent_info.csv` (Agent_Type GPU); CPUs are left out."""
-    label = label or path.name
     agents: list[GpuAgent] = []
-    try:
-        with open_text(path) as stream:
-            reader = RowReader(stream)
-            rows = iter(reader)
-            found = find_header(rows, AGENT_COLUMNS, ("type",))
-            if found is None:
-                warnings.append(f"{label}: no agent-info header (Agent_Type) found; file skipped")
-                reader.warn_cut_tail(label, warnings)
-                return agents
-            index, _ = found
-
-            def cell(row: list[str], key: str) -> str:
-                i = index.get(key, -1)
-                return row[i].strip() if 0 <= i < len(row) else ""
-
-            for row in rows:
-                if cell(row, "type").upper() != "GPU":
-                    continue
-                cu = parse_number(cell(row, "cu"))
-                gfx = parse_number(cell(row, "gfx"))
-                agents.append(GpuAgent(
-                    name=cell(row, "name"),
-                    product=cell(row, "product") or cell(row, "model"),
-                    cu_count=int(cu) if cu else None,
-                    max_clock_mhz=parse_number(cell(row, "clock")) or None,
-                    gfx_target_version=int(gfx) if gfx else None,
-                    node_id=cell(row, "node"),
-                    logical_node_id=cell(row, "logical"),
-                ))
-            reader.warn_cut_tail(label, warnings)
-    except OSError as exc:
-        warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+    with read_table(path, AGENTS, warnings, label) as table:
+        if table is None:
+            return agents
+        for row in table.rows:
+            if table.cell(row, "type").strip().upper() != "GPU":
+                continue
+            cu = table.number(row, "cu")
+            gfx = table.number(row, "gfx")
+            agents.append(GpuAgent(
+                name=table.cell(row, "name").strip(),
+                product=table.cell(row, "product").strip() or table.cell(row, "model").strip(),
+                cu_count=int(cu) if cu else None,
+                max_clock_mhz=table.number(row, "clock") or None,
+                gfx_target_version=int(gfx) if gfx else None,
+                node_id=table.cell(row, "node").strip(),
+                logical_node_id=table.cell(row, "logical").strip(),
+            ))
     return agents

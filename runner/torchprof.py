@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.csvstream import RowReader, find_header, open_text, parse_number
+from runner.csvstream import TableSpec, read_table
 
 KERNEL_COLUMNS: dict[str, tuple[str, ...]] = {
     "name": ("name",),
@@ -15,6 +15,7 @@ KERNEL_COLUMNS: dict[str, tuple[str, ...]] = {
     "total_us": ("totalus",),
     "device": ("device",),
 }
+KERNELS = TableSpec(KERNEL_COLUMNS, ("name", "total_us"), "header (name, total_us)")
 
 
 @dataclass
@@ -26,39 +27,21 @@ class TorchKernels:
 
 def read_torch_kernels(path: Path, label: str | None = None) -> TorchKernels:
     """The window's kernels (device "gpu") and operators (device "cpu"), by self time in ns."""
-    label = label or path.name
     out = TorchKernels()
-    try:
-        with open_text(path) as stream:
-            reader = RowReader(stream)
-            rows = iter(reader)
-            found = find_header(rows, KERNEL_COLUMNS, ("name", "total_us"))
-            if found is None:
-                out.warnings.append(f"{label}: no header (name, total_us) found; file skipped")
-                reader.warn_cut_tail(label, out.warnings)
-                return out
-            index, _ = found
-            bad = 0
-            for row in rows:
-                try:
-                    name = row[index["name"]]
-                    total = parse_number(row[index["total_us"]])
-                    calls = parse_number(row[index["calls"]]) if "calls" in index else None
-                    device = row[index["device"]].strip().lower() if "device" in index else "cpu"
-                except IndexError:
-                    bad += 1
-                    continue
-                if total is None or total < 0:
-                    bad += 1
-                    continue
-                table = out.gpu if device == "gpu" else out.cpu
-                prev_calls, prev_ns = table.get(name, (0, 0.0))
-                table[name] = (prev_calls + int(calls or 0), prev_ns + total * 1000.0)
-            if bad or reader.errors:
-                out.warnings.append(f"{label}: {bad + reader.errors} unreadable rows skipped")
-            reader.warn_cut_tail(label, out.warnings)
-    except OSError as exc:
-        out.warnings.append(f"{label}: could not be read ({exc.strerror or exc})")
+    with read_table(path, KERNELS, out.warnings, label) as table:
+        if table is None:
+            return out
+        i_name = table.index["name"]
+        for row in table.rows:
+            total = table.number(row, "total_us")
+            if not table.fits(row) or total is None or total < 0:
+                table.bad += 1
+                continue
+            name = row[i_name]
+            device = table.cell(row, "device").strip().lower() if "device" in table.index else "cpu"
+            kernels = out.gpu if device == "gpu" else out.cpu
+            prev_calls, prev_ns = kernels.get(name, (0, 0.0))
+            kernels[name] = (prev_calls + int(table.number(row, "calls") or 0), prev_ns + total * 1000.0)
     return out
 
 
