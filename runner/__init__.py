@@ -46,5 +46,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'runner' has no attribute {name!r}")
 
 
-__all__ = ["TARGET_FILES", "wrap_command", "Runner", "LiveRunner", "FakeRunner", "RunnerFailed", "NoScenario",
-           "get_runner", "RunMetrics", "WorkloadConfig", "BenchmarkCache"]
+__all__ = [
+    "TARGET_FILES",
+    "BenchmarkCache",
+    "FakeRunner",
+    "LiveRunner",
+    "NoScenario",
+    "RunMetrics",
+    "Runner",
+    "RunnerFailed",
+    "WorkloadConfig",
+    "get_runner",
+    "wrap_command",
+]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from runner.csvstream import Table, TableSpec, normalise, parse_number, read_table, unit_of
 
@@ -148,7 +149,7 @@ def _value_unit(entry: object, default_unit: str | None = None) -> tuple[float |
     return None, default_unit
 
 
-def gpu_entries(document: object) -> list[dict]:
+def gpu_entries(document: object) -> list[dict[str, Any]]:
     """The per-GPU objects of an `amd-smi metric --json` document: a list (ROCm 6) or `gpu_data` (ROCm 7)."""
     if isinstance(document, dict):
         if isinstance(document.get("gpu_data"), list):
@@ -162,15 +163,19 @@ def gpu_entries(document: object) -> list[dict]:
     return [entry for entry in document if isinstance(entry, dict)]
 
 
+def _section(entry: dict[str, Any], key: str) -> dict[str, Any]:
+    """The object under `key` of a GPU's entry; empty when amd-smi left it out (or wrote N/A)."""
+    value = entry.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def fold_metric_document(document: object, telemetry: Telemetry) -> int:
     """Add one `amd-smi metric --json` sample (every GPU in it) to `telemetry`; returns GPUs read."""
     read = 0
     for entry in gpu_entries(document):
         key = str(entry.get("gpu", len(telemetry.gpus)))
         samples = telemetry.gpu(key)
-        usage = entry.get("usage") if isinstance(entry.get("usage"), dict) else {}
-        power = entry.get("power") if isinstance(entry.get("power"), dict) else {}
-        memory = entry.get("mem_usage") if isinstance(entry.get("mem_usage"), dict) else {}
+        usage, power, memory = _section(entry, "usage"), _section(entry, "power"), _section(entry, "mem_usage")
         samples.gfx_pct.add(_percent(_value_unit(usage.get("gfx_activity"))[0]))
         watts, _ = _value_unit(power.get("socket_power", power.get("average_socket_power")))
         samples.power_w.add(watts)
@@ -215,19 +220,19 @@ def read_metric_json(path: Path, telemetry: Telemetry, label: str | None = None)
 
     try:
         with open(path, encoding="utf-8", errors="replace") as stream:
-            for line in stream:
+            for raw in stream:
+                line = raw
                 if not seen_json:
-                    starts = [i for i in (line.find("["), line.find("{")) if i >= 0]
+                    starts = [i for i in (raw.find("["), raw.find("{")) if i >= 0]
                     if not starts:
                         continue  # the preamble
-                    seen_json, line = True, line[min(starts):]
+                    seen_json, line = True, raw[min(starts):]
                 if not line.strip():
                     continue
-                if pending and line[:1] in ("[", "{"):
-                    # A new document starts at the left margin: the gathered lines never closed.
-                    if not close_pending():
-                        bad += sum(1 for text in pending if text.strip())
-                        pending.clear()
+                # A new document starting at the left margin: lines gathered before it that never closed are bad.
+                if pending and line[:1] in ("[", "{") and not close_pending():
+                    bad += sum(1 for text in pending if text.strip())
+                    pending.clear()
                 if not pending:
                     try:
                         fold(json.loads(line))

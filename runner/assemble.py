@@ -27,7 +27,7 @@ def parse_run(profile_dir: Path | None, metrics_file: Path | None = None,
     metrics = RunMetrics(runner_kind="live")
     try:
         _parse_into(metrics, profile_dir, metrics_file, workload)
-    except Exception as exc:  # noqa: BLE001 - a parser bug must not lose the run's record
+    except Exception as exc:  # a parser bug must not lose the run's record
         metrics.warn(f"internal error while parsing the profile ({type(exc).__name__}: {exc}); "
                      "the numbers above it may be incomplete")
     return metrics
@@ -36,7 +36,7 @@ def parse_run(profile_dir: Path | None, metrics_file: Path | None = None,
 def _parse_into(metrics: RunMetrics, profile_dir: Path | None, metrics_file: Path | None,
                 workload: WorkloadConfig | None) -> None:
     files = find_profile_files(profile_dir) if profile_dir is not None else None
-    if files is None or not profile_dir.is_dir():  # type: ignore[union-attr]
+    if profile_dir is None or files is None or not profile_dir.is_dir():
         metrics.warn("no profile directory: the run was not profiled, or profile/ was not retrieved")
     runner_info = _read_runner_json(files, metrics) if files else {}
     log = steps.read_metrics_jsonl(metrics_file) if metrics_file is not None else steps.StepLog()
@@ -209,7 +209,9 @@ def _telemetry(metrics: RunMetrics, files: ProfileFiles | None, runner_info: dic
     if files is None or not (files.amdsmi_csv or files.amdsmi_json):
         return None
     telemetry = amdsmi.Telemetry()
-    sampler = runner_info.get("amd_smi") if isinstance(runner_info.get("amd_smi"), dict) else {}
+    sampler = runner_info.get("amd_smi")
+    if not isinstance(sampler, dict):
+        sampler = {}
     hint = sampler.get("vram_unit") if isinstance(sampler.get("vram_unit"), str) else None
     for path in files.amdsmi_csv:
         amdsmi.read_monitor_csv(path, telemetry, files.label(path), vram_unit_hint=hint)

@@ -39,7 +39,7 @@ async def collect_metrics(executor, remote_dir: str, local_dir: Path) -> dict:
             profile_local if profile_local.is_dir() else None,
             metrics_local if metrics_local.is_file() else None,
         )
-    except Exception as exc:  # noqa: BLE001 - the record must get metrics, even if only the failure
+    except Exception as exc:  # the record must get metrics, even if only the failure
         log.exception("collecting metrics from %s failed", remote_dir)
         metrics = RunMetrics()
         metrics.warn(f"metrics could not be collected ({type(exc).__name__}: {exc})")
@@ -56,7 +56,7 @@ async def _fetch_profile(executor, remote: str, local: Path, warnings: list[str]
     shutil.rmtree(staging, ignore_errors=True)
     try:
         await executor.download(remote, staging)
-    except Exception as exc:  # noqa: BLE001 - executors raise their own errors; any is a gap, not a crash
+    except Exception as exc:  # executors raise their own errors; any is a gap, not a crash
         shutil.rmtree(staging, ignore_errors=True)
         kept = "; the copy retrieved earlier is used" if local.is_dir() else ""
         warnings.append(f"profile/ could not be downloaded from the target ({type(exc).__name__}: {exc}){kept}")
@@ -77,7 +77,7 @@ async def _fetch_metrics(executor, remote: str, local: Path, warnings: list[str]
         if staging.is_file():
             staging.replace(local)
             return
-    except Exception:  # noqa: BLE001 - fall back to reading it in chunks
+    except Exception:  # fall back to reading it in chunks
         pass
     try:
         offset = 0
@@ -94,7 +94,7 @@ async def _fetch_metrics(executor, remote: str, local: Path, warnings: list[str]
         staging.replace(local)
         if offset >= METRICS_LIMIT:
             warnings.append(f"metrics.jsonl is larger than {METRICS_LIMIT >> 20} MiB: read only its start")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # any failure of the target is a warning: the copy retrieved earlier stays
         staging.unlink(missing_ok=True)
         kept = "; the copy retrieved earlier is used" if local.is_file() else ""
         warnings.append(f"metrics.jsonl could not be read from the target ({type(exc).__name__}: {exc}){kept}")

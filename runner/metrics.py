@@ -109,10 +109,3 @@ class RunMetrics(BaseModel):
 
     def source(self, field: str, text: str) -> None:
         self.sources[field] = text
-
-
-def failed_metrics(message: str, runner_kind: RunnerKind = "live") -> RunMetrics:
-    """Metrics that say only that nothing could be measured, and why."""
-    metrics = RunMetrics(runner_kind=runner_kind)
-    metrics.warn(message)
-    return metrics

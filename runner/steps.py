@@ -44,40 +44,42 @@ def read_metrics_jsonl(path: Path) -> StepLog:
     """Fold `metrics.jsonl` into a `StepLog`; a missing or broken file gives an empty one."""
     log = StepLog()
     try:
-        stream = open(path, encoding="utf-8", errors="replace")
+        with open(path, encoding="utf-8", errors="replace") as stream:
+            log.found = True
+            for line in stream:
+                if line.strip():
+                    _fold_line(log, line)
     except OSError:
-        return log
-    log.found = True
-    with stream:
-        for line in stream:
-            if not line.strip():
-                continue
-            try:
-                event = json.loads(line)
-            except (ValueError, RecursionError):
-                log.bad_lines += 1  # a line cut short by a kill, or garbage
-                continue
-            if not isinstance(event, dict):
-                log.bad_lines += 1
-                continue
-            kind = event.get("event")
-            if kind == "begin" and log.begin is None:
-                log.begin = event
-            elif kind == "end":
-                log.end = event
-            elif kind == "log":
-                if _finite(event.get("step")) is None or _finite(event.get("time")) is None:
-                    log.bad_lines += 1  # a log line without a finite step and time cannot be placed
-                    continue
-                log.log_lines += 1
-                if log.first_log is None:
-                    log.first_log = event
-                log.last_log = event
-                if _finite(event.get("tokens")) is not None:
-                    if log.first_tokens is None:
-                        log.first_tokens = event
-                    log.last_tokens = event
+        pass  # missing: `found` stays False; cut by a failing disk: the lines read so far count
     return log
+
+
+def _fold_line(log: StepLog, line: str) -> None:
+    try:
+        event = json.loads(line)
+    except (ValueError, RecursionError):
+        log.bad_lines += 1  # a line cut short by a kill, or garbage
+        return
+    if not isinstance(event, dict):
+        log.bad_lines += 1
+        return
+    kind = event.get("event")
+    if kind == "begin" and log.begin is None:
+        log.begin = event
+    elif kind == "end":
+        log.end = event
+    elif kind == "log":
+        if _finite(event.get("step")) is None or _finite(event.get("time")) is None:
+            log.bad_lines += 1  # a log line without a finite step and time cannot be placed
+            return
+        log.log_lines += 1
+        if log.first_log is None:
+            log.first_log = event
+        log.last_log = event
+        if _finite(event.get("tokens")) is not None:
+            if log.first_tokens is None:
+                log.first_tokens = event
+            log.last_tokens = event
 
 
 @dataclass
@@ -126,13 +128,18 @@ def pace(log: StepLog) -> Pace:
     return out
 
 
+def _gain(first: dict, last: dict, key: str) -> float | None:
+    """How much `key` grew from one line to a later one; None when either line lacks a finite value."""
+    a, b = _finite(first.get(key)), _finite(last.get(key))
+    return None if a is None or b is None else b - a
+
+
 def _rates_between(first: dict, last: dict, log: StepLog, out: Pace, what: str) -> None:
-    steps = _finite(last.get("step")) - _finite(first.get("step"))  # type: ignore[operator]
-    seconds = _finite(last.get("time")) - _finite(first.get("time"))  # type: ignore[operator]
-    if steps > 0 and seconds > 0:
+    steps, seconds = _gain(first, last, "step"), _gain(first, last, "time")
+    if steps is not None and seconds is not None and steps > 0 and seconds > 0:
         out.step_time_s = seconds / steps
-        out.sources["step_time_s"] = (f"metrics.jsonl: {seconds:.4g} s over steps {int(_finite(first['step']))}"
-                                      f" to {int(_finite(last['step']))}, between {what}")
+        out.sources["step_time_s"] = (f"metrics.jsonl: {seconds:.4g} s over steps {int(first['step'])}"
+                                      f" to {int(last['step'])}, between {what}")
     else:
         out.warnings.append("metrics.jsonl: the log lines do not advance in both step and time")
         return
@@ -142,8 +149,8 @@ def _rates_between(first: dict, last: dict, log: StepLog, out: Pace, what: str) 
                             "(the plugin counts tokens only when batches carry input_ids)")
         return
     tokens = (_finite(b.get("tokens")) or 0.0) - (_finite(a.get("tokens")) or 0.0)
-    span = _finite(b.get("time")) - _finite(a.get("time"))  # type: ignore[operator]
-    if tokens >= 0 and span > 0:
+    span = _gain(a, b, "time")
+    if tokens >= 0 and span is not None and span > 0:
         out.tokens_per_sec = tokens / span
         out.sources["tokens_per_sec"] = (f"metrics.jsonl: {tokens:.0f} input tokens (all ranks) in {span:.4g} s, "
                                          f"cumulative counts of the plugin")

@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from runner.csvstream import TableSpec, read_table
 
@@ -43,6 +44,12 @@ def read_torch_kernels(path: Path, label: str | None = None) -> TorchKernels:
             prev_calls, prev_ns = kernels.get(name, (0, 0.0))
             kernels[name] = (prev_calls + int(table.number(row, "calls") or 0), prev_ns + total * 1000.0)
     return out
+
+
+def _section(document: dict[str, Any], key: str) -> dict[str, Any]:
+    """The object under `key`; empty when the file has none there (or something else)."""
+    value = document.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def _num(value: object) -> float | None:
@@ -87,21 +94,16 @@ def read_torch_summary(path: Path, warnings: list[str], label: str | None = None
     if not isinstance(data, dict):
         warnings.append(f"{label}: not a JSON object")
         return None
-
-    def section(key: str) -> dict:
-        value = data.get(key)
-        return value if isinstance(value, dict) else {}
-
-    device, steps, model = section("device"), section("steps"), section("model")
+    device, steps, model = _section(data, "device"), _section(data, "steps"), _section(data, "model")
     period, inner, gap, clean_period, clean_gap = (
-        steps.get(k) if isinstance(steps.get(k), dict) else {}
-        for k in ("period", "in_step", "wait_between", "period_unprofiled", "wait_between_unprofiled"))
+        _section(steps, k) for k in ("period", "in_step", "wait_between", "period_unprofiled", "wait_between_unprofiled")
+    )
     # Steps the profiler did not touch give the undisturbed pace; the profiled ones are the fallback.
     if (_num(clean_period.get("count")) or 0) >= 1:
         period = clean_period
     if (_num(clean_gap.get("count")) or 0) >= 1:
         gap = clean_gap
-    window = section("window").get("profiled_steps")
+    window = _section(data, "window").get("profiled_steps")
     errors = data.get("errors")
     count = _num(device.get("count"))
     return TorchSummary(

@@ -15,6 +15,7 @@ give stay None, and the sources say why.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import overload
 
 from runner.kernels import Category
 from runner.metrics import WasteBudget
@@ -95,6 +96,10 @@ def waste_budget(inputs: BudgetInputs) -> Budget:
     return out
 
 
+@overload
+def _set_data_wait(out: Budget, inputs: BudgetInputs, idle: float) -> float: ...
+@overload
+def _set_data_wait(out: Budget, inputs: BudgetInputs, idle: None) -> None: ...
 def _set_data_wait(out: Budget, inputs: BudgetInputs, idle: float | None) -> float | None:
     """Fill `data_wait` (capped at the idle time) and return the idle time left."""
     if inputs.data_wait_s is None:

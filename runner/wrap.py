@@ -128,7 +128,7 @@ class Sampler(threading.Thread):
         try:
             if not self._monitor():
                 self._poll_metric()
-        except Exception as exc:  # noqa: BLE001 - the sampler must never affect the job
+        except Exception as exc:  # the sampler must never affect the job
             self.record["error"] = f"{type(exc).__name__}: {exc}"
 
     def _monitor(self) -> bool:
@@ -137,7 +137,7 @@ class Sampler(threading.Thread):
             if self.stopping.is_set():
                 return True
             code, output = probe([self.amd_smi, *args])
-            attempt = {"command": [self.amd_smi, *args], "exit_code": code}
+            attempt: dict[str, object] = {"command": [self.amd_smi, *args], "exit_code": code}
             if code != 0 or not looks_like_monitor_csv(output):
                 attempt["error"] = output.strip()[-300:]
                 self.record["tried"].append(attempt)
@@ -161,7 +161,7 @@ class Sampler(threading.Thread):
     def _poll_metric(self) -> None:
         for description, args in METRIC_FORMS:
             code, output = probe([self.amd_smi, *args])
-            attempt = {"command": [self.amd_smi, *args], "exit_code": code}
+            attempt: dict[str, object] = {"command": [self.amd_smi, *args], "exit_code": code}
             document = _json_in(output) if code == 0 else None
             if document is None:
                 attempt["error"] = output.strip()[-300:]
@@ -249,7 +249,7 @@ def rocprof_command(rocprofv3: str, trace_dir: str, command: list[str], help_tex
     argv = [rocprofv3, "--kernel-trace", "--stats"]
     if "--output-format" in help_text:
         argv += ["--output-format", "csv"]  # ROCm 7 defaults to rocpd (SQLite); CSV is what obd parses
-    return argv + ["-d", trace_dir, "--", *command]
+    return [*argv, "-d", trace_dir, "--", *command]
 
 
 def parse_args(argv: list[str]) -> tuple[str, float, list[str]]:
@@ -322,7 +322,7 @@ def main(argv: list[str]) -> int:
             env["OBD_TORCH_PROFILE"] = "1"
             report["mode"] = "torch.profiler"
         report["env"] = {"OBD_PROFILE_DIR": profile_dir, "OBD_TORCH_PROFILE": env.get("OBD_TORCH_PROFILE")}
-    except Exception as exc:  # noqa: BLE001 - a wrapper bug must not keep the job from running
+    except Exception as exc:  # a wrapper bug must not keep the job from running
         report["notes"].append(f"wrapper setup failed ({type(exc).__name__}: {exc}); the job runs unprofiled")
         argv_run = list(command)
         report["mode"] = "none"

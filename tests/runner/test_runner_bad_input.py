@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from runner_fixture_numbers import STEPS
 
 from runner import rocprof
 from runner.assemble import parse_run
 from runner.steps import pace, read_metrics_jsonl
+from tests.runner.runner_fixture_numbers import STEPS
 
 
 def fold(path) -> rocprof.KernelTrace:
@@ -184,7 +184,7 @@ def test_a_kernel_trace_whose_last_row_is_cut_after_its_timestamps_drops_that_ro
     last = lines[-1]
     cut = last[: last.rindex(",")]  # the Grid_Size_Z column lost: the timestamps still read as numbers
     path = tmp_path / "1_kernel_trace.csv"
-    path.write_text("\n".join(lines[:-1] + [cut]))
+    path.write_text("\n".join([*lines[:-1], cut]))
     trace = fold(path)
     assert trace.dispatches == len(lines) - 2  # every row but the header and the cut one
     assert trace.bad_rows == 0
@@ -201,7 +201,7 @@ def test_an_amd_smi_monitor_row_cut_mid_field_is_dropped_with_a_warning(tmp_path
     amdsmi.read_monitor_csv(path, telemetry)
     gpu = telemetry.gpus["0"]
     assert telemetry.samples == 1
-    assert (gpu.vram_used_gb.count, gpu.vram_used_gb.high) == (1, pytest.approx(2.0))
+    assert gpu.vram_used_gb.count == 1 and gpu.vram_used_gb.high == pytest.approx(2.0)
     assert (gpu.gfx_pct.count, gpu.gfx_pct.high) == (1, 50)
     assert any("amdsmi_monitor.csv: the file does not end with a newline" in w for w in telemetry.warnings)
 

@@ -46,10 +46,15 @@ def test_kernels_go_to_one_bucket_each_in_order_comm_precision_shape_useful():
     assert classify("void at::native::vectorized_elementwise_kernel<4>", 100, 300_000) == "shape"
 
 
+def tflops(name: str) -> float | None:
+    peak = peak_from_name(name)
+    return None if peak is None else peak.tflops
+
+
 def test_published_peaks_and_the_flops_convention():
-    assert peak_from_name("AMD Instinct MI300X").tflops == 1307.4
-    assert peak_from_name("NVIDIA H100 PCIe").tflops == 756.0
-    assert peak_from_name("NVIDIA H100 80GB HBM3").tflops == 989.4
+    assert tflops("AMD Instinct MI300X") == 1307.4
+    assert tflops("NVIDIA H100 PCIe") == 756.0
+    assert tflops("NVIDIA H100 80GB HBM3") == 989.4
     assert peak_from_name("Intel Arc") is None
     assert flops_per_token(1e9) == 6e9  # full fine-tuning: 6N
     assert flops_per_token(1e9, 1e7) == 4e9 + 2e7  # LoRA: the frozen weights get no weight gradient

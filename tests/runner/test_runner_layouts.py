@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from runner_fixture_numbers import BUSY_NS_PER_STEP, GEMM_SHARE, KERNEL_NS_PER_STEP, STEPS
 
 from runner import rocprof
 from runner.assemble import parse_run
 from runner.cli import profile_parse_main
 from runner.discover import find_profile_files
 from runner.hardware import gfx_name, peak_from_agent
+from tests.runner.runner_fixture_numbers import BUSY_NS_PER_STEP, GEMM_SHARE, KERNEL_NS_PER_STEP, STEPS
 
 
 def read_trace(*paths: Path) -> rocprof.KernelTrace:
@@ -77,6 +77,7 @@ def test_column_names_match_whatever_their_case_and_separators(tmp_path, fixture
 
 def test_kernel_names_are_kept_whole_with_their_commas_quotes_and_templates(fixtures):
     spec = importlib.util.spec_from_file_location("regenerate", fixtures / "regenerate.py")
+    assert spec is not None and spec.loader is not None
     source = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(source)
     written = {source.GEMM_BF16, source.NCCL, source.FMHA, source.ELEMENTWISE, source.SGEMM}
@@ -112,7 +113,8 @@ def test_agent_info_gives_the_gpu_and_its_bf16_peak_from_compute_units_and_clock
     assert (gpu.name, gpu.product, gpu.cu_count, gpu.max_clock_mhz, gpu.gfx_target_version) == (
         "gfx942", "AMD Instinct MI300X", 304, 2100.0, 90402)
     assert gfx_name(gpu.gfx_target_version) == "gfx942" and gfx_name(90010) == "gfx90a"
-    assert peak_from_agent(gpu.name, gpu.cu_count, gpu.max_clock_mhz).tflops == pytest.approx(1307.4, abs=0.1)
+    peak = peak_from_agent(gpu.name, gpu.cu_count, gpu.max_clock_mhz)
+    assert peak is not None and peak.tflops == pytest.approx(1307.4, abs=0.1)
 
 
 def test_the_default_host_pid_layout_is_found_under_the_output_directory(fixtures):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +14,7 @@ from runner import rocprof
 from runner.kernels import kernel_shares
 from runner.waste import BudgetInputs, waste_budget
 
-names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=60)
+names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=60)
 totals = st.dictionaries(names, st.tuples(st.integers(1, 10_000), st.floats(1.0, 1e12)), min_size=1, max_size=60)
 
 
@@ -22,7 +23,7 @@ def test_kernel_percentages_and_the_rest_add_up_to_100(table, top_n):
     top, other = kernel_shares(table, top_n)
     assert len(top) == min(top_n, len(table))
     assert sum(k.pct_time for k in top) + other == pytest.approx(100.0, abs=1e-6)
-    assert all(a.pct_time >= b.pct_time for a, b in zip(top, top[1:]))
+    assert all(a.pct_time >= b.pct_time for a, b in itertools.pairwise(top))
 
 
 @given(st.floats(0.001, 100), st.floats(0.0, 200), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1),

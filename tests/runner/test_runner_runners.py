@@ -194,8 +194,8 @@ def test_the_cache_key_changes_with_each_of_its_inputs(tmp_path):
     plugin.mkdir()
     (plugin / "callback.py").write_text("STEP = 1")
 
-    def key(config=WorkloadConfig(), steps=10, image="img:1"):
-        return cache_key(config, steps, image, script, wrapper, plugin).digest
+    def key(config=None, steps=10, image="img:1"):
+        return cache_key(config or WorkloadConfig(), steps, image, script, wrapper, plugin).digest
 
     base = key()
     assert key() == base
@@ -223,7 +223,8 @@ def test_the_cache_refuses_fake_metrics_and_ignores_corrupt_entries(tmp_path):
     with pytest.raises(ValueError):
         cache.put(key, RunMetrics(runner_kind="fake"))
     cache.put(key, RunMetrics(steps=1))
-    assert cache.get(key).steps == 1
+    hit = cache.get(key)
+    assert hit is not None and hit.steps == 1
     cache.path(key).write_text("{not json")
     assert cache.get(key) is None
 

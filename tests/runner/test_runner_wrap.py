@@ -101,7 +101,7 @@ def run_wrapped(tmp_path: Path, command: list[str], env: dict[str, str], interva
     argv.insert(argv.index("--"), interval)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OBD_")}
     full_env.update(RUN_DIR=str(run_dir), **env)
-    done = subprocess.run(argv, env=full_env, capture_output=True, timeout=60)
+    done = subprocess.run(argv, env=full_env, capture_output=True, timeout=60, check=False)
     return done.returncode, run_dir
 
 
@@ -118,7 +118,7 @@ def test_wrap_command_builds_an_argv_with_the_users_command_after_a_double_dash(
 
 def test_the_target_files_exist_and_import_only_the_standard_library():
     assert WRAP in runner.TARGET_FILES
-    for path in runner.TARGET_FILES + [Path(__file__).resolve().parents[2] / "trainer_plugin" / "torch_profile.py"]:
+    for path in [*runner.TARGET_FILES, Path(__file__).resolve().parents[2] / "trainer_plugin" / "torch_profile.py"]:
         tree = ast.parse(path.read_text())
         top_level = {node.names[0].name.split(".")[0] for node in tree.body if isinstance(node, ast.Import)}
         top_level |= {node.module.split(".")[0] for node in tree.body
@@ -194,7 +194,7 @@ def test_a_signal_ignored_by_the_wrappers_parent_stays_ignored_for_the_job(tmp_p
     argv = runner.wrap_command([sys.executable, "-c", probe], str(WRAP.parent), str(run_dir), python=sys.executable)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("OBD_")}, **NO_ROCM}
     ignore_hup = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731 - what jobctl does
-    assert subprocess.run(argv, env=env, preexec_fn=ignore_hup, timeout=60).returncode == 0
+    assert subprocess.run(argv, env=env, preexec_fn=ignore_hup, timeout=60, check=False).returncode == 0
 
 
 def test_the_wrapper_outlives_a_term_sent_to_the_whole_group_and_records_the_jobs_end(tmp_path):
@@ -220,6 +220,6 @@ def test_when_the_profile_directory_cannot_be_made_the_job_still_runs(tmp_path):
     (tmp_path / "run").write_text("a file where the run directory should be")
     argv = runner.wrap_command([sys.executable, "-c", "raise SystemExit(5)"], str(WRAP.parent), str(tmp_path / "run"),
                                python=sys.executable)
-    done = subprocess.run(argv, env={**os.environ, **NO_ROCM}, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(argv, env={**os.environ, **NO_ROCM}, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 5
     assert "running the job unprofiled" in done.stderr
