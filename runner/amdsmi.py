@@ -28,8 +28,16 @@ MONITOR_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 MONITOR = TableSpec(MONITOR_COLUMNS, ("gpu",), "amd-smi monitor header (a 'gpu' column)", skipped="amd-smi rows")
 
-_TO_GB = {"b": 1 / 1024**3, "kb": 1 / 1024**2, "kib": 1 / 1024**2, "mb": 1 / 1024, "mib": 1 / 1024,
-          "gb": 1.0, "gib": 1.0, "tb": 1024.0}
+_TO_GB = {
+    "b": 1 / 1024**3,
+    "kb": 1 / 1024**2,
+    "kib": 1 / 1024**2,
+    "mb": 1 / 1024,
+    "mib": 1 / 1024,
+    "gb": 1.0,
+    "gib": 1.0,
+    "tb": 1024.0,
+}
 
 
 @dataclass
@@ -86,8 +94,9 @@ def _to_gb(value: float | None, unit: str | None) -> float | None:
     return value * factor if factor is not None else None
 
 
-def read_monitor_csv(path: Path, telemetry: Telemetry, label: str | None = None,
-                     vram_unit_hint: str | None = None) -> None:
+def read_monitor_csv(
+    path: Path, telemetry: Telemetry, label: str | None = None, vram_unit_hint: str | None = None
+) -> None:
     """Fold an `amd-smi monitor --csv` file (with or without `-w` watch) into `telemetry`.
 
     `vram_unit_hint` ("MB"/"GB") is what the wrapper knows from the flags it used; without it the
@@ -97,7 +106,9 @@ def read_monitor_csv(path: Path, telemetry: Telemetry, label: str | None = None,
         if table is None:
             return
         if len(table.index) < 2:
-            telemetry.warnings.append(f"{table.label}: the amd-smi header has no metric this parser knows; file skipped")
+            telemetry.warnings.append(
+                f"{table.label}: the amd-smi header has no metric this parser knows; file skipped"
+            )
             return
         verbose = "vram_free" in table.index or "vram_percent" in table.index
         column_unit = (vram_unit_hint or ("MB" if verbose else "GB")).lower()
@@ -226,7 +237,7 @@ def read_metric_json(path: Path, telemetry: Telemetry, label: str | None = None)
                     starts = [i for i in (raw.find("["), raw.find("{")) if i >= 0]
                     if not starts:
                         continue  # the preamble
-                    seen_json, line = True, raw[min(starts):]
+                    seen_json, line = True, raw[min(starts) :]
                 if not line.strip():
                     continue
                 # A new document starting at the left margin: lines gathered before it that never closed are bad.
@@ -276,9 +287,13 @@ def summarise(telemetry: Telemetry) -> TelemetrySummary:
     If no GPU qualifies, all are used.
     """
     active = [
-        key for key, s in telemetry.gpus.items()
-        if (s.vram_used_gb.high is not None and s.vram_used_gb.low is not None
-            and s.vram_used_gb.high - s.vram_used_gb.low > 0.5)
+        key
+        for key, s in telemetry.gpus.items()
+        if (
+            s.vram_used_gb.high is not None
+            and s.vram_used_gb.low is not None
+            and s.vram_used_gb.high - s.vram_used_gb.low > 0.5
+        )
         or (s.gfx_pct.high or 0.0) > 5.0
     ] or list(telemetry.gpus)
     chosen = [telemetry.gpus[key] for key in active]

@@ -21,20 +21,24 @@ from runner.workload import WorkloadConfig
 TOP_KERNELS = 10
 
 
-def parse_run(profile_dir: Path | None, metrics_file: Path | None = None,
-              workload: WorkloadConfig | None = None) -> RunMetrics:
+def parse_run(
+    profile_dir: Path | None, metrics_file: Path | None = None, workload: WorkloadConfig | None = None
+) -> RunMetrics:
     """RunMetrics of one run from its `profile/` directory and its `metrics.jsonl` (either may be missing)."""
     metrics = RunMetrics(runner_kind="live")
     try:
         _parse_into(metrics, profile_dir, metrics_file, workload)
     except Exception as exc:  # a parser bug must not lose the run's record
-        metrics.warn(f"internal error while parsing the profile ({type(exc).__name__}: {exc}); "
-                     "the numbers above it may be incomplete")
+        metrics.warn(
+            f"internal error while parsing the profile ({type(exc).__name__}: {exc}); "
+            "the numbers above it may be incomplete"
+        )
     return metrics
 
 
-def _parse_into(metrics: RunMetrics, profile_dir: Path | None, metrics_file: Path | None,
-                workload: WorkloadConfig | None) -> None:
+def _parse_into(
+    metrics: RunMetrics, profile_dir: Path | None, metrics_file: Path | None, workload: WorkloadConfig | None
+) -> None:
     files = find_profile_files(profile_dir) if profile_dir is not None else None
     if profile_dir is None or files is None or not profile_dir.is_dir():
         metrics.warn("no profile directory: the run was not profiled, or profile/ was not retrieved")
@@ -46,8 +50,9 @@ def _parse_into(metrics: RunMetrics, profile_dir: Path | None, metrics_file: Pat
 
     torch_summary = None
     if files and files.torch_summary:
-        torch_summary = torchprof.read_torch_summary(files.torch_summary, metrics.warnings,
-                                                     files.label(files.torch_summary))
+        torch_summary = torchprof.read_torch_summary(
+            files.torch_summary, metrics.warnings, files.label(files.torch_summary)
+        )
         metrics.files.append(files.label(files.torch_summary))
 
     busy_per_step, category_ns, busy_source = _kernels(metrics, files, pace.steps, torch_summary)
@@ -63,25 +68,28 @@ def _parse_into(metrics: RunMetrics, profile_dir: Path | None, metrics_file: Pat
         step_time = torch_summary.period_s
         metrics.step_time_s = step_time
         metrics.sources["step_time_s"] = "torch_profile.json: mean time from one step_begin to the next"
-    budget = waste_budget(BudgetInputs(
-        step_time_s=step_time,
-        busy_s=busy_per_step,
-        category_ns=category_ns,
-        data_wait_s=data_wait,
-        hbm_peak_gb=metrics.hbm_peak_gb,
-        hbm_total_gb=metrics.hbm_total_gb,
-        busy_source=busy_source,
-        data_source="torch_profile.json: mean wall time from step_end to the next step_begin "
-                    "(batch fetch and trainer overhead)",
-        gpu=metrics.device_kind != "cpu",
-    ))
+    budget = waste_budget(
+        BudgetInputs(
+            step_time_s=step_time,
+            busy_s=busy_per_step,
+            category_ns=category_ns,
+            data_wait_s=data_wait,
+            hbm_peak_gb=metrics.hbm_peak_gb,
+            hbm_total_gb=metrics.hbm_total_gb,
+            busy_source=busy_source,
+            data_source="torch_profile.json: mean wall time from step_end to the next step_begin "
+            "(batch fetch and trainer overhead)",
+            gpu=metrics.device_kind != "cpu",
+        )
+    )
     metrics.waste_budget = budget.budget
     metrics.sources.update(budget.sources)
     for warning in pace.warnings + budget.warnings:
         metrics.warn(warning)
     if files is not None and profile_dir is not None and profile_dir.is_dir() and not files.any_profile():
-        metrics.warn("profile/ holds no profiler output (no kernel trace, kernel stats, torch.profiler "
-                     "table or amd-smi samples)")
+        metrics.warn(
+            "profile/ holds no profiler output (no kernel trace, kernel stats, torch.profiler table or amd-smi samples)"
+        )
 
 
 def _read_runner_json(files: ProfileFiles, metrics: RunMetrics) -> dict:
@@ -102,8 +110,12 @@ def _read_runner_json(files: ProfileFiles, metrics: RunMetrics) -> dict:
     return info
 
 
-def _kernels(metrics: RunMetrics, files: ProfileFiles | None, step_count: int | None,
-             torch_summary: torchprof.TorchSummary | None) -> tuple[float | None, dict, str]:
+def _kernels(
+    metrics: RunMetrics,
+    files: ProfileFiles | None,
+    step_count: int | None,
+    torch_summary: torchprof.TorchSummary | None,
+) -> tuple[float | None, dict, str]:
     """Top kernels, attention, and the GPU busy time per step with its split by bucket."""
     if files is None:
         return None, {}, ""
@@ -118,8 +130,10 @@ def _kernels(metrics: RunMetrics, files: ProfileFiles | None, step_count: int | 
         for warning in trace.warnings:
             metrics.warn(warning)
         if trace.bad_rows or trace.csv_errors:
-            metrics.warn(f"kernel traces: {trace.bad_rows + trace.csv_errors} unreadable rows skipped "
-                         "(cut-off lines, N/A or negative durations)")
+            metrics.warn(
+                f"kernel traces: {trace.bad_rows + trace.csv_errors} unreadable rows skipped "
+                "(cut-off lines, N/A or negative durations)"
+            )
         metrics.files.extend(trace.files)
         if trace.dispatches:
             totals = trace.totals()
@@ -160,11 +174,15 @@ def _kernels(metrics: RunMetrics, files: ProfileFiles | None, step_count: int | 
         window = len(torch_summary.window_steps) if torch_summary else 0
         if table.gpu:
             totals = table.gpu
-            metrics.sources["top_kernels"] = f"torch.profiler: GPU kernels of {window} profiled steps, by self device time"
+            metrics.sources["top_kernels"] = (
+                f"torch.profiler: GPU kernels of {window} profiled steps, by self device time"
+            )
         elif table.cpu:
             totals = table.cpu
-            metrics.sources["top_kernels"] = (f"torch.profiler: CPU operators of {window} profiled steps, by self CPU "
-                                              "time (no GPU: these are operators, not kernels)")
+            metrics.sources["top_kernels"] = (
+                f"torch.profiler: CPU operators of {window} profiled steps, by self CPU "
+                "time (no GPU: these are operators, not kernels)"
+            )
         if totals:
             metrics.profiler = "torch.profiler"
             metrics.kernel_time_s = sum(ns for _, ns in totals.values()) / 1e9
@@ -179,7 +197,8 @@ def _kernels(metrics: RunMetrics, files: ProfileFiles | None, step_count: int | 
     metrics.attention_kernel_loaded, metrics.attention_kernels = kernels.attention_evidence(list(totals))
     metrics.sources["attention_kernel_loaded"] = (
         "kernel names: fused attention (flash, CK fmha, efficient SDPA, Triton attn) "
-        + ("found" if metrics.attention_kernel_loaded else "not found among " + f"{len(totals)} names"))
+        + ("found" if metrics.attention_kernel_loaded else "not found among " + f"{len(totals)} names")
+    )
     category_ns: dict = {}
     for name, (calls, ns) in totals.items():
         bucket = kernels.classify(name, calls, ns)
@@ -225,11 +244,16 @@ def _telemetry(metrics: RunMetrics, files: ProfileFiles | None, runner_info: dic
         return None
     summary = amdsmi.summarise(telemetry)
     units = "/".join(sorted(telemetry.vram_units)) or "?"
-    where = (f"amd-smi ({', '.join(telemetry.files)}): {telemetry.samples} samples of GPU(s) "
-             f"{', '.join(summary.active_gpus)}")
+    where = (
+        f"amd-smi ({', '.join(telemetry.files)}): {telemetry.samples} samples of GPU(s) "
+        f"{', '.join(summary.active_gpus)}"
+    )
     metrics.hbm_peak_gb, metrics.hbm_avg_gb = summary.hbm_peak_gb, summary.hbm_avg_gb
     metrics.hbm_total_gb, metrics.gpu_util_pct, metrics.power_avg_w = (
-        summary.hbm_total_gb, summary.gpu_util_pct, summary.power_avg_w)
+        summary.hbm_total_gb,
+        summary.gpu_util_pct,
+        summary.power_avg_w,
+    )
     if summary.hbm_peak_gb is not None:
         metrics.sources["hbm_peak_gb"] = f"{where}; max vram_used (read in {units}, shown in GB of 1024 MB)"
         metrics.sources["hbm_avg_gb"] = f"{where}; mean vram_used"
@@ -247,8 +271,9 @@ def _telemetry(metrics: RunMetrics, files: ProfileFiles | None, runner_info: dic
     return summary
 
 
-def _torch_fields(metrics: RunMetrics, summary: torchprof.TorchSummary | None,
-                  telemetry: amdsmi.TelemetrySummary | None) -> None:
+def _torch_fields(
+    metrics: RunMetrics, summary: torchprof.TorchSummary | None, telemetry: amdsmi.TelemetrySummary | None
+) -> None:
     if summary is None:
         return
     for error in summary.errors:
@@ -266,8 +291,10 @@ def _torch_fields(metrics: RunMetrics, summary: torchprof.TorchSummary | None,
     if telemetry is None and summary.peak_reserved_bytes is not None:
         # Only the allocator's reservation is known: a lower bound of what the process used.
         metrics.hbm_peak_gb = summary.peak_reserved_bytes / 1024**3
-        metrics.sources["hbm_peak_gb"] = ("torch_profile.json: torch.cuda.max_memory_reserved() of the profiling "
-                                          "rank (the caching allocator's peak, not the whole process)")
+        metrics.sources["hbm_peak_gb"] = (
+            "torch_profile.json: torch.cuda.max_memory_reserved() of the profiling "
+            "rank (the caching allocator's peak, not the whole process)"
+        )
         if summary.total_memory_bytes:
             metrics.hbm_total_gb = summary.total_memory_bytes / 1024**3
         metrics.warn("HBM average and GPU utilisation unknown: no amd-smi samples on this path")
@@ -293,19 +320,25 @@ def _versions(metrics: RunMetrics, runner_info: dict, summary: torchprof.TorchSu
 
 def _positive(value: object) -> bool:
     """A finite number above zero (JSON booleans, NaN and infinity are not)."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def _mfu(metrics: RunMetrics, log: steps.StepLog, world_size: int | None, agents: list[rocprof.GpuAgent],
-         summary: torchprof.TorchSummary | None, workload: WorkloadConfig | None) -> None:
+def _mfu(
+    metrics: RunMetrics,
+    log: steps.StepLog,
+    world_size: int | None,
+    agents: list[rocprof.GpuAgent],
+    summary: torchprof.TorchSummary | None,
+    workload: WorkloadConfig | None,
+) -> None:
     if metrics.device_kind == "cpu":
         return
     peak = None
     if agents:
         agent = agents[0]
-        peak = hardware.peak_from_agent(agent.name or hardware.gfx_name(agent.gfx_target_version),
-                                        agent.cu_count, agent.max_clock_mhz)
+        peak = hardware.peak_from_agent(
+            agent.name or hardware.gfx_name(agent.gfx_target_version), agent.cu_count, agent.max_clock_mhz
+        )
         peak = peak or hardware.peak_from_name(agent.product)
     peak = peak or hardware.peak_from_name(metrics.gpu_name)
     if peak is None and workload and workload.gpu:
@@ -338,9 +371,18 @@ def _mfu(metrics: RunMetrics, log: steps.StepLog, world_size: int | None, agents
     gpus = metrics.gpu_count
     metrics.mfu_pct = hardware.mfu_pct(metrics.tokens_per_sec, flops, metrics.peak_tflops, gpus)
     if metrics.mfu_pct is not None:
-        metrics.sources["mfu_pct"] = (f"tokens/s x {flops:.3g} FLOPs/token / ({metrics.peak_tflops:.1f} TFLOPs x "
-                                      f"{gpus} GPU(s))")
+        metrics.sources["mfu_pct"] = (
+            f"tokens/s x {flops:.3g} FLOPs/token / ({metrics.peak_tflops:.1f} TFLOPs x {gpus} GPU(s))"
+        )
         return
-    missing = [what for what, value in (("tokens/s", metrics.tokens_per_sec), ("model FLOPs per token", flops),
-                                        ("GPU peak", metrics.peak_tflops), ("GPU count", gpus)) if not value]
+    missing = [
+        what
+        for what, value in (
+            ("tokens/s", metrics.tokens_per_sec),
+            ("model FLOPs per token", flops),
+            ("GPU peak", metrics.peak_tflops),
+            ("GPU count", gpus),
+        )
+        if not value
+    ]
     metrics.warn("MFU unknown: no " + ", no ".join(missing))

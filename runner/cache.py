@@ -57,8 +57,9 @@ class CacheKey(BaseModel):
         return hashlib.sha256(self.canonical()).hexdigest()
 
 
-def cache_key(config: WorkloadConfig, steps: int, rocm_image: str, workload_script: Path,
-              runner_script: Path, plugin_dir: Path) -> CacheKey:
+def cache_key(
+    config: WorkloadConfig, steps: int, rocm_image: str, workload_script: Path, runner_script: Path, plugin_dir: Path
+) -> CacheKey:
     return CacheKey(
         config=json.loads(config.canonical_json()),
         workload_sha256=file_sha256(workload_script),

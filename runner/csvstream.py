@@ -51,8 +51,11 @@ def ends_with_newline(stream: object) -> bool | None:
 
     Reads the last byte with `os.pread`, so the stream's own position is left alone.
     """
+    fileno = getattr(stream, "fileno", None)
+    if fileno is None:
+        return None
     try:
-        fd = stream.fileno()  # type: ignore[attr-defined]
+        fd = fileno()
         size = os.fstat(fd).st_size
         if size == 0:
             return True
@@ -122,12 +125,14 @@ class RowReader:
     def warn_cut_tail(self, label: str, warnings: list[str]) -> None:
         """Add the warning for a dropped last row to `warnings`, if a row was dropped."""
         if self.cut_tail:
-            warnings.append(f"{label}: the file does not end with a newline, so its last row may be cut off; "
-                            "that row was dropped")
+            warnings.append(
+                f"{label}: the file does not end with a newline, so its last row may be cut off; that row was dropped"
+            )
 
 
-def find_header(rows: Iterator[list[str]], wanted: dict[str, tuple[str, ...]], required: tuple[str, ...],
-                max_lines: int = 200) -> tuple[dict[str, int], list[str]] | None:
+def find_header(
+    rows: Iterator[list[str]], wanted: dict[str, tuple[str, ...]], required: tuple[str, ...], max_lines: int = 200
+) -> tuple[dict[str, int], list[str]] | None:
     """Scan for the first row that names every `required` column; return {key: index} and the row.
 
     `wanted` maps a key to the normalised spellings it may have. Lines before the header (a

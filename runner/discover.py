@@ -35,8 +35,14 @@ class ProfileFiles:
             return str(path)
 
     def any_profile(self) -> bool:
-        return bool(self.kernel_traces or self.kernel_stats or self.torch_kernels or self.torch_summary
-                    or self.amdsmi_csv or self.amdsmi_json)
+        return bool(
+            self.kernel_traces
+            or self.kernel_stats
+            or self.torch_kernels
+            or self.torch_summary
+            or self.amdsmi_csv
+            or self.amdsmi_json
+        )
 
 
 def _walk(root: Path) -> list[Path]:
@@ -72,7 +78,8 @@ def find_profile_files(root: Path) -> ProfileFiles:
         elif name.endswith(".csv") and ("amdsmi" in name or "amd_smi" in name or "amd-smi" in name):
             out.amdsmi_csv.append(path)
         elif (name.endswith(".json") or name.endswith(".jsonl")) and (
-                "amdsmi" in name or "amd_smi" in name or "amd-smi" in name):
+            "amdsmi" in name or "amd_smi" in name or "amd-smi" in name
+        ):
             out.amdsmi_json.append(path)
         elif name == "torch_kernels.csv" and top_level:
             out.torch_kernels = path

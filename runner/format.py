@@ -48,8 +48,11 @@ def format_metrics(metrics: dict) -> str:
         return f"metrics unreadable ({exc.error_count()} invalid fields); raw: {metrics!r}\n"
     lines: list[str] = []
     fake = m.runner_kind == "fake"
-    banner = ("runner_kind: fake  -- CANNED NUMBERS FROM A SYNTHETIC SCENARIO, NOTHING WAS MEASURED"
-              if fake else "runner_kind: live")
+    banner = (
+        "runner_kind: fake  -- CANNED NUMBERS FROM A SYNTHETIC SCENARIO, NOTHING WAS MEASURED"
+        if fake
+        else "runner_kind: live"
+    )
     lines.append(banner)
     head = [f"profiler: {m.profiler}"]
     if m.device_kind:
@@ -67,8 +70,9 @@ def format_metrics(metrics: dict) -> str:
         source = m.sources.get(field, "")
         lines.append(f"  {label:<{width}}  {_fmt(value, pattern):>16}   {source}".rstrip())
     attention = {True: "yes", False: "no", None: "unknown"}[m.attention_kernel_loaded]
-    lines.append(f"  {'attention kernel':<{width}}  {attention:>16}   {m.sources.get('attention_kernel_loaded', '')}"
-                 .rstrip())
+    lines.append(
+        f"  {'attention kernel':<{width}}  {attention:>16}   {m.sources.get('attention_kernel_loaded', '')}".rstrip()
+    )
     for name in m.attention_kernels:
         lines.append(f"  {'':<{width}}  {'':>16}     {name}")
     lines.append("")
@@ -92,9 +96,11 @@ def _kernel_table(m: RunMetrics) -> list[str]:
     if not m.top_kernels:
         return ["Top kernels: none recorded"]
     what = "operators" if m.device_kind == "cpu" else "kernels"
-    lines = [f"Top {what} ({m.sources.get('top_kernels', 'source unknown')}; "
-             f"{m.kernel_count:,} distinct, {m.dispatch_count:,} calls)",
-             f"  {'% time':>7}  {'calls':>10}  {'total ms':>11}  name"]
+    lines = [
+        f"Top {what} ({m.sources.get('top_kernels', 'source unknown')}; "
+        f"{m.kernel_count:,} distinct, {m.dispatch_count:,} calls)",
+        f"  {'% time':>7}  {'calls':>10}  {'total ms':>11}  name",
+    ]
     for k in m.top_kernels:
         calls = f"{k.calls:,}" if k.calls is not None else ""
         total = f"{k.total_ms:,.2f}" if k.total_ms is not None else ""

@@ -67,8 +67,11 @@ def peak_from_agent(isa: str | None, cu_count: int | None, clock_mhz: float | No
     if per_clock is None:
         return None
     tflops = cu_count * clock_mhz * 1e6 * per_clock / 1e12
-    return Peak(tflops, f"agent_info.csv: {cu_count} CUs x {clock_mhz:.0f} MHz x {per_clock} bf16 FLOP/clock/CU "
-                        f"({isa}) = {tflops:.1f} TFLOPs")
+    return Peak(
+        tflops,
+        f"agent_info.csv: {cu_count} CUs x {clock_mhz:.0f} MHz x {per_clock} bf16 FLOP/clock/CU "
+        f"({isa}) = {tflops:.1f} TFLOPs",
+    )
 
 
 def peak_from_name(name: str | None) -> Peak | None:
@@ -90,8 +93,9 @@ def flops_per_token(params: float | None, trainable: float | None = None) -> flo
     return 4.0 * params + 2.0 * trainable
 
 
-def mfu_pct(tokens_per_sec: float | None, model_flops_per_token: float | None, peak_tflops: float | None,
-            gpus: int | None) -> float | None:
+def mfu_pct(
+    tokens_per_sec: float | None, model_flops_per_token: float | None, peak_tflops: float | None, gpus: int | None
+) -> float | None:
     """Model FLOPs utilisation in percent, or None when any input is unknown."""
     if not tokens_per_sec or not model_flops_per_token or not peak_tflops or not gpus:
         return None

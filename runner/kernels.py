@@ -29,14 +29,16 @@ _ATEN_ATTENTION = re.compile(
     r"^aten::_(?:scaled_dot_product_(?:flash|efficient|cudnn|fused)_attention|flash_attention_|efficient_attention_)"
 )
 
-_COMM = re.compile(r"nccl|rccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|c10d::|broadcast_kernel",
-                   re.IGNORECASE)
+_COMM = re.compile(
+    r"nccl|rccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|c10d::|broadcast_kernel", re.IGNORECASE
+)
 
 # fp32 (or fp64) GEMMs: Tensile/hipBLASLt names carry the data type after the layout
 # ("Cijk_Ailk_Bljk_SB_..." is single precision, "..._BBS_BH_..." is bf16), cuBLAS/rocBLAS name
 # single-precision kernels "sgemm".
-_FP32_GEMM = re.compile(r"sgemm|dgemm|Cijk_A[a-z]+_B[a-z]+_(?:S|D|SB|DB|SS|DD|SSS)_|gemm\w*_f32f32|gemm_fp32",
-                        re.IGNORECASE)
+_FP32_GEMM = re.compile(
+    r"sgemm|dgemm|Cijk_A[a-z]+_B[a-z]+_(?:S|D|SB|DB|SS|DD|SSS)_|gemm\w*_f32f32|gemm_fp32", re.IGNORECASE
+)
 
 # A kernel averaging less than this is launch-bound: a shape too small to fill the GPU.
 TINY_KERNEL_NS = 10_000

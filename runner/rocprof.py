@@ -44,8 +44,12 @@ AGENT_COLUMNS: dict[str, tuple[str, ...]] = {
     "logical": ("logicalnodeid",),
 }
 # The trace counts its bad rows across files (`KernelTrace.bad_rows`); agent info skips CPUs, not bad rows.
-TRACE = TableSpec(TRACE_COLUMNS, ("name", "start", "end"),
-                  "kernel-trace header (Kernel_Name, Start_Timestamp, End_Timestamp)", skipped=None)
+TRACE = TableSpec(
+    TRACE_COLUMNS,
+    ("name", "start", "end"),
+    "kernel-trace header (Kernel_Name, Start_Timestamp, End_Timestamp)",
+    skipped=None,
+)
 STATS = TableSpec(STATS_COLUMNS, ("name", "total"), "kernel-stats header (Name, TotalDurationNs)")
 AGENTS = TableSpec(AGENT_COLUMNS, ("type",), "agent-info header (Agent_Type)", skipped=None)
 
@@ -148,8 +152,11 @@ def describe_layout(index: dict[str, int]) -> str:
     """Which published layout a header is, from the optional columns it has."""
     if "guid" in index:
         return "rocpd convert (Guid column)"
-    extras = [label for key, label in (("stream", "Stream_Id"), ("thread", "Thread_Id"), ("dispatch", "Dispatch_Id"))
-              if key in index]
+    extras = [
+        label
+        for key, label in (("stream", "Stream_Id"), ("thread", "Thread_Id"), ("dispatch", "Dispatch_Id"))
+        if key in index
+    ]
     return "rocprofv3 (" + (", ".join(extras) if extras else "no Stream/Thread/Dispatch ids") + ")"
 
 
@@ -221,8 +228,9 @@ def _fold_rows(rows: Iterator[list[str]], index: dict[str, int], trace: KernelTr
     trace.bad_rows += bad
 
 
-def _slow_row(row: list[str], i_name: int, i_start: int, i_end: int, i_kind: int,
-              i_agent: int) -> tuple[str, int, int, str] | str | None:
+def _slow_row(
+    row: list[str], i_name: int, i_start: int, i_end: int, i_kind: int, i_agent: int
+) -> tuple[str, int, int, str] | str | None:
     """A row the fast path rejected: a repeated header, a float timestamp, a cut-off line, N/A."""
     if len(row) <= max(i_name, i_start, i_end, i_kind, i_agent):
         return None
@@ -282,13 +290,15 @@ def read_agent_info(path: Path, warnings: list[str], label: str | None = None) -
                 continue
             cu = table.number(row, "cu")
             gfx = table.number(row, "gfx")
-            agents.append(GpuAgent(
-                name=table.cell(row, "name").strip(),
-                product=table.cell(row, "product").strip() or table.cell(row, "model").strip(),
-                cu_count=int(cu) if cu else None,
-                max_clock_mhz=table.number(row, "clock") or None,
-                gfx_target_version=int(gfx) if gfx else None,
-                node_id=table.cell(row, "node").strip(),
-                logical_node_id=table.cell(row, "logical").strip(),
-            ))
+            agents.append(
+                GpuAgent(
+                    name=table.cell(row, "name").strip(),
+                    product=table.cell(row, "product").strip() or table.cell(row, "model").strip(),
+                    cu_count=int(cu) if cu else None,
+                    max_clock_mhz=table.number(row, "clock") or None,
+                    gfx_target_version=int(gfx) if gfx else None,
+                    node_id=table.cell(row, "node").strip(),
+                    logical_node_id=table.cell(row, "logical").strip(),
+                )
+            )
     return agents

@@ -79,21 +79,41 @@ def default_command(config: WorkloadConfig, steps: int, python: str) -> list[str
     other than the config would file a wrong result under the config's cache key. Other scripts
     get a `command_builder` of their own.
     """
-    unsupported = {name: getattr(config, name) for name, default in _SCRIPT_FIXED.items()
-                   if getattr(config, name) != default}
+    unsupported = {
+        name: getattr(config, name) for name, default in _SCRIPT_FIXED.items() if getattr(config, name) != default
+    }
     if unsupported:
         raise ValueError(f"{config.script} has no flag for {unsupported}; give LiveRunner a command_builder")
-    argv = [python, str(REPO_ROOT / config.script), "--model", config.model, "--max_steps", str(steps),
-            "--seq_len", str(config.seq_len), "--batch_size", str(config.batch_size),
-            "--precision", config.precision, "--output_dir", "output"]
+    argv = [
+        python,
+        str(REPO_ROOT / config.script),
+        "--model",
+        config.model,
+        "--max_steps",
+        str(steps),
+        "--seq_len",
+        str(config.seq_len),
+        "--batch_size",
+        str(config.batch_size),
+        "--precision",
+        config.precision,
+        "--output_dir",
+        "output",
+    ]
     if config.lora_r is not None:
         argv += ["--lora_rank", str(config.lora_r)]
     return argv + list(config.args)
 
 
 # WorkloadConfig fields train_qwen_lora.py cannot change, with the value it always runs with.
-_SCRIPT_FIXED = {"method": "lora", "attention": "sdpa", "grad_accum": 1, "gradient_checkpointing": False,
-                 "dataloader_workers": 0, "num_gpus": 1}
+_SCRIPT_FIXED = {
+    "method": "lora",
+    "attention": "sdpa",
+    "grad_accum": 1,
+    "gradient_checkpointing": False,
+    "dataloader_workers": 0,
+    "num_gpus": 1,
+}
 
 
 @dataclass
@@ -121,9 +141,12 @@ class LiveRunner:
         plugin_dir = stage_plugin(run_dir / "plugin")
         wrapped = wrap_command(command, str(plugin_dir), str(run_dir), python=self.python)
         env = dict(os.environ)
-        env.update(OBD_RUN_DIR=str(run_dir), OBD_OUTPUT_DIR=str(run_dir / "output"),
-                   OBD_METRICS_FILE=str(run_dir / "metrics.jsonl"),
-                   PYTHONPATH=os.pathsep.join(p for p in (str(plugin_dir), env.get("PYTHONPATH", "")) if p))
+        env.update(
+            OBD_RUN_DIR=str(run_dir),
+            OBD_OUTPUT_DIR=str(run_dir / "output"),
+            OBD_METRICS_FILE=str(run_dir / "metrics.jsonl"),
+            PYTHONPATH=os.pathsep.join(p for p in (str(plugin_dir), env.get("PYTHONPATH", "")) if p),
+        )
         log_path = run_dir / "job.log"
         try:
             with open(log_path, "wb") as log:
@@ -148,8 +171,15 @@ class LiveRunner:
         timeout, or if this call is interrupted, the whole process group gets TERM, then KILL
         after `kill_grace_s`.
         """
-        proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=run_dir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             return proc.wait(timeout=self.timeout_s)
         finally:
@@ -238,12 +268,25 @@ class FakeRunner:
         data.update(runner_kind="fake", profiler="fake")
         metrics = RunMetrics.model_validate(data)
         where = f"fake: canned scenario {scenario.name!r} ({path.parent.name}/scenario.json), not measured"
-        for field_name in ("steps", "step_time_s", "tokens_per_sec", "mfu_pct", "hbm_peak_gb", "hbm_avg_gb",
-                           "gpu_util_pct", "top_kernels", "attention_kernel_loaded", "waste_budget"):
+        for field_name in (
+            "steps",
+            "step_time_s",
+            "tokens_per_sec",
+            "mfu_pct",
+            "hbm_peak_gb",
+            "hbm_avg_gb",
+            "gpu_util_pct",
+            "top_kernels",
+            "attention_kernel_loaded",
+            "waste_budget",
+        ):
             metrics.sources[field_name] = where
         metrics.sources["scenario_match"] = json.dumps(scenario.match, sort_keys=True)
-        metrics.warnings.insert(0, f"FAKE: canned numbers of synthetic scenario {scenario.name!r} for a "
-                                   f"{steps}-step request; nothing was measured")
+        metrics.warnings.insert(
+            0,
+            f"FAKE: canned numbers of synthetic scenario {scenario.name!r} for a "
+            f"{steps}-step request; nothing was measured",
+        )
         return metrics
 
 

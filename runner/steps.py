@@ -96,8 +96,10 @@ def pace(log: StepLog) -> Pace:
     """Steps run, seconds per step and tokens per second, each with its source or a warning."""
     out = Pace()
     if not log.found:
-        out.warnings.append("metrics.jsonl is missing: no step time, tokens/s or step count "
-                            "(the job did not run the obd plugin, or the file was not retrieved)")
+        out.warnings.append(
+            "metrics.jsonl is missing: no step time, tokens/s or step count "
+            "(the job did not run the obd plugin, or the file was not retrieved)"
+        )
         return out
     if log.bad_lines:
         out.warnings.append(f"metrics.jsonl: {log.bad_lines} unreadable lines skipped")
@@ -138,21 +140,25 @@ def _rates_between(first: dict, last: dict, log: StepLog, out: Pace, what: str) 
     steps, seconds = _gain(first, last, "step"), _gain(first, last, "time")
     if steps is not None and seconds is not None and steps > 0 and seconds > 0:
         out.step_time_s = seconds / steps
-        out.sources["step_time_s"] = (f"metrics.jsonl: {seconds:.4g} s over steps {int(first['step'])}"
-                                      f" to {int(last['step'])}, between {what}")
+        out.sources["step_time_s"] = (
+            f"metrics.jsonl: {seconds:.4g} s over steps {int(first['step'])} to {int(last['step'])}, between {what}"
+        )
     else:
         out.warnings.append("metrics.jsonl: the log lines do not advance in both step and time")
         return
     a, b = (log.first_tokens, log.last_tokens) if what == "log lines" else (first, log.last_tokens)
     if a is None or b is None or a is b:
-        out.warnings.append("metrics.jsonl has no token counts: tokens/s unknown "
-                            "(the plugin counts tokens only when batches carry input_ids)")
+        out.warnings.append(
+            "metrics.jsonl has no token counts: tokens/s unknown "
+            "(the plugin counts tokens only when batches carry input_ids)"
+        )
         return
     tokens = (_finite(b.get("tokens")) or 0.0) - (_finite(a.get("tokens")) or 0.0)
     span = _gain(a, b, "time")
     if tokens >= 0 and span is not None and span > 0:
         out.tokens_per_sec = tokens / span
-        out.sources["tokens_per_sec"] = (f"metrics.jsonl: {tokens:.0f} input tokens (all ranks) in {span:.4g} s, "
-                                         f"cumulative counts of the plugin")
+        out.sources["tokens_per_sec"] = (
+            f"metrics.jsonl: {tokens:.0f} input tokens (all ranks) in {span:.4g} s, cumulative counts of the plugin"
+        )
     else:
         out.warnings.append("metrics.jsonl: token counts go backwards; tokens/s not computed")

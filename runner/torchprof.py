@@ -96,7 +96,8 @@ def read_torch_summary(path: Path, warnings: list[str], label: str | None = None
         return None
     device, steps, model = _section(data, "device"), _section(data, "steps"), _section(data, "model")
     period, inner, gap, clean_period, clean_gap = (
-        _section(steps, k) for k in ("period", "in_step", "wait_between", "period_unprofiled", "wait_between_unprofiled")
+        _section(steps, k)
+        for k in ("period", "in_step", "wait_between", "period_unprofiled", "wait_between_unprofiled")
     )
     # Steps the profiler did not touch give the undisturbed pace; the profiled ones are the fallback.
     if (_num(clean_period.get("count")) or 0) >= 1:

@@ -74,7 +74,8 @@ def waste_budget(inputs: BudgetInputs) -> Budget:
         share = inputs.category_ns.get(category, 0.0) / kernel_total if kernel_total > 0 else 0.0
         setattr(out.budget, field_name, busy * share)
         out.sources[f"waste_budget.{field_name}"] = (
-            f"{share * 100:.1f}% of kernel time x GPU busy per step ({inputs.busy_source}): {meaning}")
+            f"{share * 100:.1f}% of kernel time x GPU busy per step ({inputs.busy_source}): {meaning}"
+        )
     if step is None:
         out.sources["waste_budget.host_gap"] = "no step time: idle time unknown"
         return out
@@ -85,14 +86,16 @@ def waste_budget(inputs: BudgetInputs) -> Budget:
         out.budget.memory_headroom = idle * free
         out.sources["waste_budget.memory_headroom"] = (
             f"estimate: {free * 100:.0f}% of HBM unused at peak x the remaining idle time per step, the "
-            "fixed cost a batch filling HBM would amortise")
+            "fixed cost a batch filling HBM would amortise"
+        )
         idle -= out.budget.memory_headroom
     else:
         out.sources["waste_budget.memory_headroom"] = "unknown: no HBM peak and total (amd-smi) to size the headroom"
     out.budget.host_gap = idle
     out.sources["waste_budget.host_gap"] = (
         "step time - GPU busy - the other idle buckets: launch gaps, Python, synchronisation"
-        + ("" if out.budget.data_wait is not None else "; includes any wait for data (not measured separately)"))
+        + ("" if out.budget.data_wait is not None else "; includes any wait for data (not measured separately)")
+    )
     return out
 
 

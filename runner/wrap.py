@@ -98,8 +98,14 @@ def detect_amd_gpu() -> dict:
 def probe(argv: list[str]) -> tuple[int | None, str]:
     """Run a short command; (exit status or None if it could not run, its output)."""
     try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=PROBE_TIMEOUT, check=False)
+        done = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=PROBE_TIMEOUT,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return done.returncode, done.stdout.decode("utf-8", "replace")
@@ -213,7 +219,7 @@ def _json_in(output: str) -> object | None:
     if not starts:
         return None
     try:
-        return json.loads(output[min(starts):])
+        return json.loads(output[min(starts) :])
     except ValueError:
         return None
 
@@ -256,7 +262,7 @@ def parse_args(argv: list[str]) -> tuple[str, float, list[str]]:
     if "--" not in argv:
         raise SystemExit("usage: wrap.py --run-dir RUN_DIR [--interval SECONDS] -- COMMAND [ARG]...")
     split = argv.index("--")
-    options, command = argv[:split], argv[split + 1:]
+    options, command = argv[:split], argv[split + 1 :]
     run_dir, interval = None, DEFAULT_INTERVAL
     i = 0
     while i < len(options):
@@ -277,12 +283,18 @@ def main(argv: list[str]) -> int:
     try:
         os.makedirs(profile_dir, exist_ok=True)
     except OSError as exc:  # nowhere to profile into: the job still runs, unprofiled
-        print(f"obd wrap: cannot create {profile_dir} ({exc}); running the job unprofiled", file=sys.stderr,
-              flush=True)
+        print(f"obd wrap: cannot create {profile_dir} ({exc}); running the job unprofiled", file=sys.stderr, flush=True)
         return _run_plain(command)
     report_path = os.path.join(profile_dir, "runner.json")
-    report: dict = {"version": VERSION, "host": socket.gethostname(), "started": time.time(), "command": command,
-                    "state": "starting", "missing": [], "notes": []}
+    report: dict = {
+        "version": VERSION,
+        "host": socket.gethostname(),
+        "started": time.time(),
+        "command": command,
+        "state": "starting",
+        "missing": [],
+        "notes": [],
+    }
     env = dict(os.environ)
     env["OBD_PROFILE_DIR"] = profile_dir
     sampler: Sampler | None = None
@@ -292,8 +304,9 @@ def main(argv: list[str]) -> int:
         gpu = detect_amd_gpu()
         rocprofv3 = find_tool("rocprofv3", "OBD_ROCPROFV3")
         amd_smi = find_tool("amd-smi", "OBD_AMD_SMI")
-        report.update(amd_gpu=gpu, rocm_version=rocm_version(),
-                      rocprofv3={"path": rocprofv3}, amd_smi={"path": amd_smi})
+        report.update(
+            amd_gpu=gpu, rocm_version=rocm_version(), rocprofv3={"path": rocprofv3}, amd_smi={"path": amd_smi}
+        )
         for label, found in (("AMD GPU", gpu["present"]), ("rocprofv3", rocprofv3), ("amd-smi", amd_smi)):
             if not found:
                 report["missing"].append(label)
@@ -317,8 +330,10 @@ def main(argv: list[str]) -> int:
                 report["notes"].append(f"rocprofv3 --help failed (exit {help_code}): {help_text.strip()[-200:]}")
             elif not rocprofv3:
                 report["notes"].append("rocprofv3 not found (PATH, $ROCM_PATH/bin): no kernel trace")
-            report["notes"].append("the job runs without rocprofv3, with OBD_TORCH_PROFILE=1 "
-                                   "(torch.profiler over a window of steps, inside the job)")
+            report["notes"].append(
+                "the job runs without rocprofv3, with OBD_TORCH_PROFILE=1 "
+                "(torch.profiler over a window of steps, inside the job)"
+            )
             env["OBD_TORCH_PROFILE"] = "1"
             report["mode"] = "torch.profiler"
         report["env"] = {"OBD_PROFILE_DIR": profile_dir, "OBD_TORCH_PROFILE": env.get("OBD_TORCH_PROFILE")}

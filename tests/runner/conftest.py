@@ -9,6 +9,7 @@ import pytest
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
+
 @pytest.fixture
 def fixtures() -> Path:
     return FIXTURES

@@ -89,7 +89,9 @@ def test_the_wrappers_metric_jsonl_samples_are_read_one_line_each(tmp_path, fixt
 
     document = json.loads((fixtures / "amdsmi/metric_rocm7.json").read_text())
     path = tmp_path / "amdsmi_metric.jsonl"
-    path.write_text("".join(json.dumps({"time": 1.0 + i, "data": document}) + "\n" for i in range(3)) + '{"time": 4, "da')
+    path.write_text(
+        "".join(json.dumps({"time": 1.0 + i, "data": document}) + "\n" for i in range(3)) + '{"time": 4, "da'
+    )
     telemetry = amdsmi.Telemetry()
     amdsmi.read_metric_json(path, telemetry)
     assert telemetry.gpus["0"].gfx_pct.count == 3
@@ -100,7 +102,7 @@ def test_metric_json_documents_written_one_after_another_are_each_read(tmp_path,
     # Two polls of `amd-smi metric --json` appended to one file, each indented over many lines,
     # the second cut off by the end of the run.
     text = (fixtures / "amdsmi/metric_rocm6.json").read_text().rstrip("\n") + "\n"
-    body = text[text.index("["):]
+    body = text[text.index("[") :]
     path = tmp_path / "amdsmi_metric.json"
     path.write_text(text + body + body[: len(body) // 2])
     telemetry = amdsmi.Telemetry()

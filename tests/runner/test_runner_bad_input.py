@@ -143,8 +143,10 @@ def test_a_missing_profile_and_a_missing_metrics_file_give_empty_metrics_with_re
 
 def test_kernel_stats_with_na_and_a_cut_off_row_keep_what_is_readable(tmp_path):
     path = tmp_path / "x_kernel_stats.csv"
-    path.write_text('"Name","Calls","TotalDurationNs","AverageNs","Percentage","MinNs","MaxNs","StdDev"\n'
-                    '"a",2,100,50,50,40,60,10\n"b",1,N/A,N/A,N/A,N/A,N/A,N/A\n"c",1,100,100,50,60,140,2\n"d",1,100,100,50,1')
+    path.write_text(
+        '"Name","Calls","TotalDurationNs","AverageNs","Percentage","MinNs","MaxNs","StdDev"\n'
+        '"a",2,100,50,50,40,60,10\n"b",1,N/A,N/A,N/A,N/A,N/A,N/A\n"c",1,100,100,50,60,140,2\n"d",1,100,100,50,1'
+    )
     warnings: list[str] = []
     stats = rocprof.read_kernel_stats(path, warnings)
     # "d" is the last row of a file without a final newline: possibly cut, so dropped.
@@ -156,15 +158,18 @@ def test_kernel_stats_with_na_and_a_cut_off_row_keep_what_is_readable(tmp_path):
 STATS_HEADER = '"Name","Calls","TotalDurationNs","AverageNs","Percentage","MinNs","MaxNs","StdDev"\n'
 
 
-def test_a_kernel_stats_row_cut_short_at_the_end_of_the_file_is_dropped_with_a_warning_not_read_as_a_smaller_time(tmp_path):
+def test_a_kernel_stats_row_cut_short_at_the_end_of_the_file_is_dropped_with_a_warning_not_read_as_a_smaller_time(
+    tmp_path,
+):
     (tmp_path / "host").mkdir()
     path = tmp_path / "host" / "1_kernel_stats.csv"
     # rocprofv3 was killed while writing "b": 4 calls, 40... ns (4096? 40960?). Not a number to keep.
     path.write_text(STATS_HEADER + '"a",2,1000,500,50,400,600,10\n"b",4,40')
     warnings: list[str] = []
     assert rocprof.read_kernel_stats(path, warnings) == {"a": (2, 1000.0)}
-    assert warnings == [f"{path.name}: the file does not end with a newline, so its last row may be cut off; "
-                        "that row was dropped"]
+    assert warnings == [
+        f"{path.name}: the file does not end with a newline, so its last row may be cut off; that row was dropped"
+    ]
     metrics = parse_run(tmp_path, None)
     assert [k.name for k in metrics.top_kernels] == ["a"]
     assert metrics.kernel_time_s == pytest.approx(1000 / 1e9)

@@ -37,8 +37,12 @@ def test_profile_parse_prints_a_table_with_kernels_budget_and_sources(fixtures, 
 
 
 def test_python_dash_m_runner_cli_accepts_the_profile_parse_words_too(fixtures):
-    done = subprocess.run([sys.executable, "-m", "runner.cli", "profile", "parse", str(fixtures / "rocm62"), "--json"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "runner.cli", "profile", "parse", str(fixtures / "rocm62"), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(done.stdout)["dispatch_count"] == 28
 
 

@@ -70,8 +70,9 @@ def test_every_profiler_csv_drops_a_last_row_cut_mid_way_and_says_so_in_the_same
     path.write_text(header + row + cut)
     kept, warnings = read(path)
     assert kept == {key}
-    assert warnings == ["cut.csv: the file does not end with a newline, so its last row may be cut off; "
-                        "that row was dropped"]
+    assert warnings == [
+        "cut.csv: the file does not end with a newline, so its last row may be cut off; that row was dropped"
+    ]
 
 
 @pytest.mark.parametrize("kind", READERS)

@@ -8,27 +8,33 @@ from runner.hardware import flops_per_token, mfu_pct, peak_from_name
 from runner.kernels import attention_evidence, classify, is_attention_kernel
 
 
-@pytest.mark.parametrize("name", [
-    "void ck_tile::kentry<128, 1, ck_tile::FmhaFwdKernel<...>>(FmhaFwdBatchModeKargs)",  # CK on ROCm
-    "attn_fwd",  # aotriton / Triton
-    "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>(...)",
-    "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)",
-    "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0",
-    "aten::_scaled_dot_product_flash_attention_for_cpu",
-    "aten::_scaled_dot_product_efficient_attention",
-    "aten::_flash_attention_forward",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "void ck_tile::kentry<128, 1, ck_tile::FmhaFwdKernel<...>>(FmhaFwdBatchModeKargs)",  # CK on ROCm
+        "attn_fwd",  # aotriton / Triton
+        "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>(...)",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)",
+        "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_flash_attention_forward",
+    ],
+)
 def test_fused_attention_kernels_are_recognised(name):
     assert is_attention_kernel(name)
 
 
-@pytest.mark.parametrize("name", [
-    "aten::scaled_dot_product_attention",  # the dispatcher: present whatever runs underneath
-    "aten::_scaled_dot_product_attention_math",
-    "aten::_softmax",
-    "Cijk_Ailk_Bjlk_BBS_BH_MT128x128x32_MI32x32x8_SN_ISA942",
-    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, c10::BFloat16, float>(...)",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "aten::scaled_dot_product_attention",  # the dispatcher: present whatever runs underneath
+        "aten::_scaled_dot_product_attention_math",
+        "aten::_softmax",
+        "Cijk_Ailk_Bjlk_BBS_BH_MT128x128x32_MI32x32x8_SN_ISA942",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, c10::BFloat16, float>(...)",
+    ],
+)
 def test_unfused_attention_and_other_kernels_are_not(name):
     assert not is_attention_kernel(name)
 

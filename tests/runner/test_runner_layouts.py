@@ -68,8 +68,14 @@ def test_rocpd_convert_output_with_a_leading_guid_column_is_read(fixtures):
 
 def test_column_names_match_whatever_their_case_and_separators(tmp_path, fixtures):
     text = (fixtures / "rocpd/kernel_trace.csv").read_text().splitlines()
-    mixed = text[0].replace("Kernel_Name", "KERNEL_NAME").replace("Start_Timestamp", "start_timestamp") \
-                   .replace("End_Timestamp", "End Timestamp").replace("Guid", "GUID").replace("Kind", "kind")
+    mixed = (
+        text[0]
+        .replace("Kernel_Name", "KERNEL_NAME")
+        .replace("Start_Timestamp", "start_timestamp")
+        .replace("End_Timestamp", "End Timestamp")
+        .replace("Guid", "GUID")
+        .replace("Kind", "kind")
+    )
     path = tmp_path / "mixed_kernel_trace.csv"
     path.write_text("\n".join([mixed, *text[1:]]) + "\n")
     assert_standard_trace(read_trace(path))
@@ -86,7 +92,9 @@ def test_kernel_names_are_kept_whole_with_their_commas_quotes_and_templates(fixt
 
 
 def test_a_trace_split_over_several_process_files_adds_up(fixtures):
-    trace = read_trace(fixtures / "rocm62/gpuhost/4021_kernel_trace.csv", fixtures / "rocm63/gpuhost/4022_kernel_trace.csv")
+    trace = read_trace(
+        fixtures / "rocm62/gpuhost/4021_kernel_trace.csv", fixtures / "rocm63/gpuhost/4022_kernel_trace.csv"
+    )
     assert trace.dispatches == 2 * 7 * STEPS
     assert trace.busy_ns == {"2": BUSY_NS_PER_STEP * STEPS, "4": BUSY_NS_PER_STEP * STEPS}
 
@@ -111,7 +119,12 @@ def test_agent_info_gives_the_gpu_and_its_bf16_peak_from_compute_units_and_clock
     assert len(agents) == 1  # the CPU agent is left out
     gpu = agents[0]
     assert (gpu.name, gpu.product, gpu.cu_count, gpu.max_clock_mhz, gpu.gfx_target_version) == (
-        "gfx942", "AMD Instinct MI300X", 304, 2100.0, 90402)
+        "gfx942",
+        "AMD Instinct MI300X",
+        304,
+        2100.0,
+        90402,
+    )
     assert gfx_name(gpu.gfx_target_version) == "gfx942" and gfx_name(90010) == "gfx90a"
     peak = peak_from_agent(gpu.name, gpu.cu_count, gpu.max_clock_mhz)
     assert peak is not None and peak.tflops == pytest.approx(1307.4, abs=0.1)

@@ -26,18 +26,38 @@ def test_kernel_percentages_and_the_rest_add_up_to_100(table, top_n):
     assert all(a.pct_time >= b.pct_time for a, b in itertools.pairwise(top))
 
 
-@given(st.floats(0.001, 100), st.floats(0.0, 200), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1),
-       st.floats(0, 1), st.one_of(st.none(), st.floats(0, 100)), st.one_of(st.none(), st.floats(0, 192)))
+@given(
+    st.floats(0.001, 100),
+    st.floats(0.0, 200),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.one_of(st.none(), st.floats(0, 100)),
+    st.one_of(st.none(), st.floats(0, 192)),
+)
 def test_the_seven_buckets_add_up_to_the_step_time(step, busy, useful, comm, precision, shape, wait, hbm_peak):
-    budget = waste_budget(BudgetInputs(
-        step_time_s=step, busy_s=busy,
-        category_ns={"useful": useful, "comm": comm, "precision": precision, "shape": shape},
-        data_wait_s=wait, hbm_peak_gb=hbm_peak, hbm_total_gb=192.0,
-    )).budget
+    budget = waste_budget(
+        BudgetInputs(
+            step_time_s=step,
+            busy_s=busy,
+            category_ns={"useful": useful, "comm": comm, "precision": precision, "shape": shape},
+            data_wait_s=wait,
+            hbm_peak_gb=hbm_peak,
+            hbm_total_gb=192.0,
+        )
+    ).budget
     if useful + comm + precision + shape > 0:
         assert budget.known_total() == pytest.approx(step, rel=1e-9, abs=1e-12)
-    for field in ("useful_gpu", "data_wait", "host_gap", "comm_excess", "memory_headroom", "precision_path",
-                  "kernel_shape"):
+    for field in (
+        "useful_gpu",
+        "data_wait",
+        "host_gap",
+        "comm_excess",
+        "memory_headroom",
+        "precision_path",
+        "kernel_shape",
+    ):
         value = getattr(budget, field)
         assert value is None or value >= -1e-12
 
@@ -85,9 +105,11 @@ def test_busy_time_stays_bounded_when_rows_arrive_later_than_the_merge_window(tm
     assert any("out of order" in w for w in trace.warnings)
 
 
-cells = st.one_of(st.integers(-10**18, 10**18).map(str), st.sampled_from(["N/A", "nan", "", "inf", "KERNEL_DISPATCH",
-                                                                           '"', '""', "Agent 2", "1e309", "-0"]),
-                  st.text(max_size=12))
+cells = st.one_of(
+    st.integers(-(10**18), 10**18).map(str),
+    st.sampled_from(["N/A", "nan", "", "inf", "KERNEL_DISPATCH", '"', '""', "Agent 2", "1e309", "-0"]),
+    st.text(max_size=12),
+)
 lines = st.lists(st.lists(cells, max_size=8).map(",".join), max_size=25)
 TRACE_HEADER = '"Kind","Agent_Id","Queue_Id","Kernel_Name","Start_Timestamp","End_Timestamp"'
 MONITOR_HEADER = "gpu,power_usage,gfx,vram_used,vram_total"
@@ -103,8 +125,9 @@ def test_arbitrary_garbage_in_every_input_never_crashes_the_parsers(tmp_path_fac
     (profile / "host").mkdir(parents=True)
     (profile / "host" / "1_kernel_trace.csv").write_text("\n".join(([TRACE_HEADER] if headers else []) + trace))
     (profile / "host" / "1_kernel_stats.csv").write_text("\n".join(trace))
-    (profile / "host" / "1_agent_info.csv").write_text("\n".join((["Agent_Type,Name,Cu_Count"] if headers else [])
-                                                                 + monitor))
+    (profile / "host" / "1_agent_info.csv").write_text(
+        "\n".join((["Agent_Type,Name,Cu_Count"] if headers else []) + monitor)
+    )
     (profile / "amdsmi_monitor.csv").write_text("\n".join(([MONITOR_HEADER] if headers else []) + monitor))
     (profile / "amdsmi_metric.jsonl").write_text("\n".join(jsonl))
     (profile / "torch_profile.json").write_text("".join(jsonl))

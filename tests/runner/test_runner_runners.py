@@ -42,8 +42,9 @@ def test_the_most_specific_matching_scenario_is_chosen():
 def test_ties_between_equally_specific_scenarios_go_to_the_first_name(tmp_path):
     for name in ("b_second", "a_first"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "scenario.json").write_text(json.dumps(
-            {"name": name, "match": {"precision": "bf16"}, "metrics": {"steps": 1}}))
+        (tmp_path / name / "scenario.json").write_text(
+            json.dumps({"name": name, "match": {"precision": "bf16"}, "metrics": {"steps": 1}})
+        )
     assert choose_scenario(WorkloadConfig(), load_scenarios(tmp_path))[0].name == "a_first"
 
 
@@ -51,8 +52,9 @@ def test_the_fake_runner_marks_its_numbers_fake_in_the_metrics_the_sources_the_w
     metrics = FakeRunner(SCENARIOS).run(WorkloadConfig(attention="eager"), steps=50)
     assert metrics.runner_kind == "fake" and metrics.profiler == "fake"
     assert metrics.warnings[0].startswith("FAKE: canned numbers")
-    assert all(text.startswith("fake: canned scenario") for key, text in metrics.sources.items()
-               if key != "scenario_match")
+    assert all(
+        text.startswith("fake: canned scenario") for key, text in metrics.sources.items() if key != "scenario_match"
+    )
     dumped = metrics.model_dump(mode="json")
     assert dumped["runner_kind"] == "fake"
     text = format_metrics(dumped)
@@ -78,14 +80,14 @@ def test_a_failing_live_run_raises_with_its_log_and_never_returns_canned_numbers
     assert log.name == "job.log" and "boom" in log.read_text()
 
 
-TINY_WORKLOAD = '''
+TINY_WORKLOAD = """
 import json, os, time
 path = os.environ["OBD_METRICS_FILE"]
 t = time.time()
 lines = [{"event": "begin", "time": t, "max_steps": 3, "snapshots": True, "start_step": 0, "world_size": 1}]
 lines += [{"event": "log", "time": t + s, "step": s, "tokens": 1000 * s} for s in (1, 2, 3)]
 open(path, "w").write("".join(json.dumps(l) + "\\n" for l in lines))
-'''
+"""
 
 
 def test_a_live_run_is_measured_once_and_then_served_from_the_cache(tmp_path, monkeypatch):
@@ -108,7 +110,7 @@ def test_a_live_run_is_measured_once_and_then_served_from_the_cache(tmp_path, mo
     assert second.tokens_per_sec == first.tokens_per_sec and "benchmark cache" in second.sources["cache"]
 
 
-LAYOUT_PROBE = '''
+LAYOUT_PROBE = """
 import importlib.util, json, os, sys, sitecustomize, trainer_plugin
 first = os.environ["PYTHONPATH"].split(os.pathsep)[0]
 found = {"first": first, "sitecustomize": sitecustomize.__file__, "trainer_plugin": trainer_plugin.__file__,
@@ -119,14 +121,16 @@ found = {"first": first, "sitecustomize": sitecustomize.__file__, "trainer_plugi
 open("layout.json", "w").write(json.dumps(found))
 path = os.environ["OBD_METRICS_FILE"]
 open(path, "w").write(json.dumps({"event": "begin", "time": 1.0, "max_steps": 1, "start_step": 0}) + "\\n")
-'''
+"""
 
 
 def test_the_live_job_gets_a_plugin_dir_laid_out_like_the_daemons_first_on_its_pythonpath(tmp_path, monkeypatch):
     monkeypatch.setenv("OBD_ROCPROFV3", "")
     monkeypatch.setenv("OBD_AMD_SMI", "")
     monkeypatch.setenv("OBD_KFD_TOPOLOGY", str(tmp_path / "none"))
-    live = LiveRunner(work_dir=tmp_path / "runs", command_builder=lambda config, steps, python: [python, "-c", LAYOUT_PROBE])
+    live = LiveRunner(
+        work_dir=tmp_path / "runs", command_builder=lambda config, steps, python: [python, "-c", LAYOUT_PROBE]
+    )
     metrics = live.run(WorkloadConfig(), steps=1)
     run_dir = Path(metrics.sources["run_dir"])
     found = json.loads((run_dir / "layout.json").read_text())
@@ -171,8 +175,12 @@ def test_a_live_run_that_times_out_leaves_no_process_of_the_workload_behind(tmp_
     monkeypatch.setenv("OBD_ROCPROFV3", "")
     monkeypatch.setenv("OBD_AMD_SMI", "")
     monkeypatch.setenv("OBD_KFD_TOPOLOGY", str(tmp_path / "none"))
-    live = LiveRunner(work_dir=tmp_path / "runs", timeout_s=5, kill_grace_s=0.5,
-                      command_builder=lambda config, steps, python: [python, "-c", STUBBORN_JOB])
+    live = LiveRunner(
+        work_dir=tmp_path / "runs",
+        timeout_s=5,
+        kill_grace_s=0.5,
+        command_builder=lambda config, steps, python: [python, "-c", STUBBORN_JOB],
+    )
     pids: list[int] = []
     try:
         with pytest.raises(RunnerFailed, match="ran past 5 s") as info:
@@ -233,8 +241,23 @@ def test_the_default_command_refuses_settings_the_workload_script_cannot_apply()
     from runner.runners import default_command
 
     argv = default_command(WorkloadConfig(seq_len=64, args=["--tiny"]), 5, "python3")
-    assert argv[2:] == ["--model", "Qwen/Qwen2.5-0.5B", "--max_steps", "5", "--seq_len", "64", "--batch_size", "1",
-                        "--precision", "bf16", "--output_dir", "output", "--lora_rank", "16", "--tiny"]
+    assert argv[2:] == [
+        "--model",
+        "Qwen/Qwen2.5-0.5B",
+        "--max_steps",
+        "5",
+        "--seq_len",
+        "64",
+        "--batch_size",
+        "1",
+        "--precision",
+        "bf16",
+        "--output_dir",
+        "output",
+        "--lora_rank",
+        "16",
+        "--tiny",
+    ]
     with pytest.raises(ValueError, match="attention"):
         default_command(WorkloadConfig(attention="eager"), 5, "python3")
 

@@ -45,8 +45,9 @@ def train(run_dir: Path, steps: int = 7, fetch_s: float = 0.004, **profiler_args
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     profiler = StepProfiler(str(run_dir / "profile"), **profiler_args)
     profiler.note_model(model)
-    lines = [{"event": "begin", "time": time.time(), "max_steps": steps, "snapshots": True, "start_step": 0,
-              "world_size": 1}]
+    lines = [
+        {"event": "begin", "time": time.time(), "max_steps": steps, "snapshots": True, "start_step": 0, "world_size": 1}
+    ]
     tokens = 0
     for step in range(1, steps + 1):
         time.sleep(fetch_s)  # the batch fetch happens between step_end and the next step_begin
@@ -125,8 +126,15 @@ def test_a_real_transformers_trainer_with_a_step_profiler_callback_parses_into_r
     """About 20 s on two CPU cores (transformers' import dominates): run with `-m slow`."""
     transformers = pytest.importorskip("transformers")
 
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     config._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(config)
 
@@ -152,8 +160,16 @@ def test_a_real_transformers_trainer_with_a_step_profiler_callback_parses_into_r
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.profiler.note_model(model)
-            lines.append({"event": "begin", "time": time.time(), "max_steps": state.max_steps, "snapshots": True,
-                          "start_step": 0, "world_size": 1})
+            lines.append(
+                {
+                    "event": "begin",
+                    "time": time.time(),
+                    "max_steps": state.max_steps,
+                    "snapshots": True,
+                    "start_step": 0,
+                    "world_size": 1,
+                }
+            )
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.profiler.step_begin(state.global_step + 1)
@@ -167,9 +183,16 @@ def test_a_real_transformers_trainer_with_a_step_profiler_callback_parses_into_r
             self.profiler.close()
             lines.append({"event": "end", "time": time.time(), "step": state.global_step})
 
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "output"), max_steps=6,
-                                          per_device_train_batch_size=4, report_to=[], save_strategy="no",
-                                          use_cpu=True, disable_tqdm=True, logging_steps=10)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "output"),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=10,
+    )
     transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Profiled()]).train()
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 

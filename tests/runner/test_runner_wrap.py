@@ -19,7 +19,7 @@ from runner.assemble import parse_run
 
 WRAP = Path(runner.__file__).resolve().parent / "wrap.py"
 
-FAKE_ROCPROFV3 = '''
+FAKE_ROCPROFV3 = """
 import os, socket, subprocess, sys
 args = sys.argv[1:]
 if args == ["--help"]:
@@ -38,10 +38,10 @@ with open(os.path.join(host, f"{pid}_kernel_trace.csv"), "w") as f:
         name = "void ck_tile::kentry<FmhaFwdKernel<bf16>>(Kargs)" if i % 2 else "Cijk_Alik_Bljk_BBS_BH_MT256x256x64"
         f.write(f'"KERNEL_DISPATCH",2,1,1,{pid},{i + 1},7,"{name}",{i},{1000 + i * 100},{1050 + i * 100}\\n')
 sys.exit(code)
-'''
+"""
 
 # Behaves like an amd-smi that predates `-v`: the first (ROCm 7) form fails, the second works.
-FAKE_AMD_SMI = '''
+FAKE_AMD_SMI = """
 import sys, time
 args = sys.argv[1:]
 if "-v" in args:
@@ -59,9 +59,9 @@ if "-w" in args:
         time.sleep(interval)
 print(header)
 print("0,300,50,2100,90,1,20.0,191.5")
-'''
+"""
 
-JOB = '''
+JOB = """
 import json, os, sys, time
 run = os.environ["RUN_DIR"]
 with open(os.path.join(run, "seen.json"), "w") as f:
@@ -75,7 +75,7 @@ for step in range(1, 5):
 with open(os.path.join(run, "metrics.jsonl"), "w") as f:
     f.write("".join(json.dumps(line) + "\\n" for line in lines))
 sys.exit(int(os.environ.get("EXIT_CODE", "0")))
-'''
+"""
 
 
 def executable(path: Path, body: str) -> str:
@@ -110,8 +110,17 @@ NO_ROCM = {"OBD_ROCPROFV3": "", "OBD_AMD_SMI": "", "OBD_KFD_TOPOLOGY": "/nonexis
 
 def test_wrap_command_builds_an_argv_with_the_users_command_after_a_double_dash():
     argv = runner.wrap_command(["python", "train.py", "--lr", "1e-4"], "/runs/r1/plugin", "/runs/r1")
-    assert argv == ["python3", "/runs/r1/plugin/wrap.py", "--run-dir", "/runs/r1", "--", "python", "train.py",
-                    "--lr", "1e-4"]
+    assert argv == [
+        "python3",
+        "/runs/r1/plugin/wrap.py",
+        "--run-dir",
+        "/runs/r1",
+        "--",
+        "python",
+        "train.py",
+        "--lr",
+        "1e-4",
+    ]
     with pytest.raises(ValueError):
         runner.wrap_command([], "/p", "/r")
 
@@ -121,8 +130,9 @@ def test_the_target_files_exist_and_import_only_the_standard_library():
     for path in [*runner.TARGET_FILES, Path(__file__).resolve().parents[2] / "trainer_plugin" / "torch_profile.py"]:
         tree = ast.parse(path.read_text())
         top_level = {node.names[0].name.split(".")[0] for node in tree.body if isinstance(node, ast.Import)}
-        top_level |= {node.module.split(".")[0] for node in tree.body
-                      if isinstance(node, ast.ImportFrom) and node.module}
+        top_level |= {
+            node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module
+        }
         assert top_level <= set(sys.stdlib_module_names) | {"__future__"}, (path.name, top_level)
 
 
@@ -158,16 +168,20 @@ def test_a_command_that_cannot_start_exits_127_and_still_records_the_end(tmp_pat
 
 
 def test_a_job_killed_by_a_signal_exits_with_128_plus_the_signal(tmp_path):
-    code, _ = run_wrapped(tmp_path, [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
-                          NO_ROCM)
+    code, _ = run_wrapped(
+        tmp_path, [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], NO_ROCM
+    )
     assert code == 128 + 9
 
 
 def test_with_rocprofv3_and_amd_smi_the_job_is_traced_and_sampled_with_the_first_amd_smi_form_that_works(tmp_path):
     job = executable(tmp_path / "job.py", JOB)
-    env = {**fake_gpu(tmp_path), "STEP_SLEEP": "0.3",
-           "OBD_ROCPROFV3": executable(tmp_path / "rocprofv3", FAKE_ROCPROFV3),
-           "OBD_AMD_SMI": executable(tmp_path / "amd-smi", FAKE_AMD_SMI)}
+    env = {
+        **fake_gpu(tmp_path),
+        "STEP_SLEEP": "0.3",
+        "OBD_ROCPROFV3": executable(tmp_path / "rocprofv3", FAKE_ROCPROFV3),
+        "OBD_AMD_SMI": executable(tmp_path / "amd-smi", FAKE_AMD_SMI),
+    }
     code, run_dir = run_wrapped(tmp_path, [job], env, interval="0.2")
     assert code == 0
     seen = json.loads((run_dir / "seen.json").read_text())
@@ -218,8 +232,9 @@ def test_the_wrapper_outlives_a_term_sent_to_the_whole_group_and_records_the_job
 
 def test_when_the_profile_directory_cannot_be_made_the_job_still_runs(tmp_path):
     (tmp_path / "run").write_text("a file where the run directory should be")
-    argv = runner.wrap_command([sys.executable, "-c", "raise SystemExit(5)"], str(WRAP.parent), str(tmp_path / "run"),
-                               python=sys.executable)
+    argv = runner.wrap_command(
+        [sys.executable, "-c", "raise SystemExit(5)"], str(WRAP.parent), str(tmp_path / "run"), python=sys.executable
+    )
     done = subprocess.run(argv, env={**os.environ, **NO_ROCM}, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 5
     assert "running the job unprofiled" in done.stderr
