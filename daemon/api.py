@@ -64,17 +64,3 @@ class ReadRequest(_Req):
     offset: int = Field(default=0, ge=0)
     limit: int = Field(default=65536, ge=1, le=1 << 20)
     tail_lines: int | None = Field(default=None, ge=0, le=100000)
-
-
-REQUESTS = {
-    "start": StartRequest,
-    "stop": StopRequest,
-    "status": IdRequest,
-    "cancel": IdRequest,
-    "metrics": IdRequest,
-    "list": ListRequest,
-    "ping": ListRequest,
-    "targets": ListRequest,
-    "read": ReadRequest,
-    "wait": WaitRequest,
-}

@@ -7,6 +7,7 @@ nothing it does reaches another caller's request.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
@@ -14,23 +15,30 @@ import pwd
 import socket
 import stat
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import structlog
 from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from daemon.api import MAX_MESSAGE, REQUESTS, ApiError
+from daemon.api import MAX_MESSAGE, ApiError
 from daemon.config import DaemonSection
 
 log = structlog.get_logger("obd.server")
 IDLE_TIMEOUT = 60.0
 MAX_CONNECTIONS = 256  # beyond this a new caller is told the daemon is busy and dropped
-Handler = Callable[[Any, int], Awaitable[Any]]
+
+
+class Handler(Protocol):
+    """What answers requests: the op table (daemon/handlers.py) and its dispatch."""
+
+    def model(self, op: str) -> type[BaseModel] | None: ...
+
+    def __call__(self, request: Any, uid: int) -> Awaitable[Any]: ...
 
 
 def raise_fd_limit() -> None:
@@ -39,10 +47,10 @@ def raise_fd_limit() -> None:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
-        except (ValueError, OSError):
-            pass
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard)
+            )
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -63,7 +71,9 @@ class ControlServer:
             try:
                 self.gid = grp.getgrnam(self.group).gr_gid
             except KeyError as exc:
-                raise SystemExit(f"obd: socket_group {self.group!r} does not exist (create it or fix the config)") from exc
+                raise SystemExit(
+                    f"obd: socket_group {self.group!r} does not exist (create it or fix the config)"
+                ) from exc
 
     def allowed(self, uid: int, gid: int) -> bool:
         if uid in (0, os.geteuid()):
@@ -113,10 +123,8 @@ class ControlServer:
             async with listener, anyio.create_task_group() as tg:
                 await self._accept_loop(listener, tg)
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 self.path.unlink()
-            except OSError:
-                pass
 
     async def _accept_loop(self, listener: Any, tg: Any) -> None:
         """Accept callers for ever: running out of descriptors or a flood of callers never ends it."""
@@ -174,8 +182,8 @@ class ControlServer:
         try:
             raw = json.loads(line)
             if not isinstance(raw, dict) or not isinstance(raw.get("op"), str):
-                raise ApiError("a request is a JSON object with an \"op\" string", "usage")
-            model = REQUESTS.get(raw["op"])
+                raise ApiError('a request is a JSON object with an "op" string', "usage")
+            model = self.handler.model(raw["op"])
             if model is None:
                 raise ApiError(f"unknown operation {raw['op']!r}", "usage")
             request = model.model_validate(raw)

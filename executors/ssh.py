@@ -110,6 +110,9 @@ class _Session:
 class SshExecutor:
     """Runs jobs on one SSH host; see the module docstring for how."""
 
+    shares_filesystem = False
+    events = None
+
     def __init__(
         self,
         name: str,
@@ -479,6 +482,9 @@ class SshExecutor:
     async def python_command(self) -> str:
         """The interpreter the target's jobs and jobctl run with (a name or a path there)."""
         return (await self._ensure()).python
+
+    async def python(self) -> str:
+        return await self.python_command()
 
     async def _jobctl(
         self, what: str, args: list[str], stdin: bytes = b"", *, timeout: float | None = None, retry: bool = True

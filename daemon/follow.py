@@ -1,0 +1,374 @@
+"""The follow: every running run is read, the stop fallback applied, and its end recorded.
+
+Runs that share an executor share one loop, which reads all of them in one probe per poll
+(daemon/stop_rules.py decides what a probe means). A target with the events capability (the
+local one) wakes its loop the moment a job exits or anyone writes a request or a proof. A
+read that hangs or fails never holds up the follow: it is abandoned after `probe_timeout`,
+noted, and tried again on the next poll.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from daemon.api import ApiError
+from daemon.hints import hint, last_lines
+from daemon.models import RunRecord, RunState
+from daemon.store import StoreError
+from daemon.supervise import apply_probe, final_state
+from executors.base import Executor, ExecutorError, JobHandle, JobState, JobStatus, RunEvents, RunProbe
+
+if TYPE_CHECKING:
+    from daemon.service import Daemon
+
+log = structlog.get_logger("obd")
+WATCHED_FILES = frozenset({"snapshot.request", "snapshot.json", "exit_code", "cancelled"})
+_TARGET_FAULTS = (ExecutorError, TimeoutError, OSError)
+
+
+def job_handle(record: RunRecord) -> JobHandle | None:
+    return JobHandle.model_validate(record.job) if record.job else None
+
+
+class Follower:
+    """The follow loops of every target, the stop fallback, cancels and the end of runs."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self._wake: dict[str, anyio.Event] = {}
+        self._loops: set[str] = set()
+        self._watched: set[str] = set()  # executor keys whose events are being listened to
+        self.cancelling: set[str] = set()
+        self.finishing: set[str] = set()  # runs whose end is being recorded (outputs, metrics)
+        self._unreachable_noted: dict[str, set[str]] = {}  # kinds of failure noted while a target is away
+
+    # --- loops ---------------------------------------------------------------------------
+
+    def resume_all(self) -> None:
+        """After the reconcile: a loop for every run left running or preparing."""
+        for record in list(self.daemon.records.values()):
+            if record.state == RunState.running:
+                self.ensure_loop(record)
+                self.watch(record)
+            elif record.state == RunState.preparing:
+                self.ensure_loop(record)  # its target did not answer yet: the follow decides
+
+    def ensure_loop(self, record: RunRecord) -> None:
+        targets = self.daemon.targets
+        key = targets.key(record)
+        self.wake(key)
+        if key in self._loops or self.daemon._tg is None:
+            return
+        self._loops.add(key)
+        self.daemon.start_soon(self._loop, key, targets.of(record).poll_interval(record))
+
+    def wake(self, key: str) -> None:
+        event = self._wake.get(key)
+        if event is not None:
+            event.set()
+
+    def wake_run(self, record: RunRecord) -> None:
+        self.wake(self.daemon.targets.key(record))
+
+    def watch(self, record: RunRecord) -> None:
+        """Where the target can tell, wake the follow the moment the job exits or anyone
+        writes a request or a proof, instead of at the next poll."""
+        executor = self.daemon.targets.executor(record)
+        handle = job_handle(record)
+        events = executor.events
+        if events is None or handle is None:
+            return
+        key = self.daemon.targets.key(record)
+        events.watch(record.remote_dir)
+        if key not in self._watched:
+            self._watched.add(key)
+            self.daemon.start_soon(self._listen, key, events)
+
+        async def exit_watch() -> None:
+            with contextlib.suppress(Exception):  # the follow's polling sees the exit anyway
+                await events.wait_exit(handle)
+            self.wake(key)
+
+        self.daemon.start_soon(exit_watch)
+
+    async def _listen(self, key: str, events: RunEvents) -> None:
+        while True:
+            try:
+                names = await events.changed_files()
+            except OSError as exc:
+                log.warning("dir_watch_failed", target=key, error=str(exc))
+                return  # polling still sees everything
+            if names & WATCHED_FILES:
+                self.wake(key)
+
+    async def _loop(self, key: str, interval: float) -> None:
+        bound = log.bind(target=key)
+        bound.info("follow_started")
+        try:
+            while True:
+                self._wake[key] = anyio.Event()
+                try:
+                    await self._once(key)
+                except Exception:  # a surprise in one poll must not end the follow, or the daemon
+                    bound.exception("follow_poll_failed")
+                with anyio.move_on_after(interval):
+                    await self._wake[key].wait()
+        finally:
+            self._loops.discard(key)
+
+    def _runs(self, key: str, state: RunState) -> list[RunRecord]:
+        targets = self.daemon.targets
+        return [r for r in self.daemon.records.values() if r.state == state and targets.key(r) == key]
+
+    async def _once(self, key: str) -> None:
+        runs = self._runs(key, RunState.running)
+        if runs:
+            await self._poll(key, runs)
+        # Runs left `preparing` by an earlier daemon whose target did not answer at start.
+        launching = self.daemon.launcher.launching
+        stranded = [r for r in self._runs(key, RunState.preparing) if r.id not in launching]
+        if stranded:
+            await self._reconcile_group(stranded)
+        self.daemon.retry_failed_saves()
+
+    async def _poll(self, key: str, runs: list[RunRecord]) -> None:
+        supervision = self.daemon.targets.of(runs[0])
+        probe_timeout = self.daemon.config.daemon.probe_timeout
+        try:
+            executor = supervision.executor(runs[0])
+            await supervision.before_poll(runs[0], executor)
+            with anyio.fail_after(probe_timeout):
+                probes = await executor.probe([(job_handle(r), r.remote_dir) for r in runs])
+        except _TARGET_FAULTS as exc:
+            if await supervision.on_unreachable(runs[0]):
+                return
+            await self._note_unreachable(key, runs, exc)
+            return
+        for record, probe in zip(runs, probes, strict=True):
+            self._unreachable_noted.pop(record.id, None)
+            await self.apply(record, probe)
+
+    async def _note_unreachable(self, key: str, runs: list[RunRecord], exc: BaseException) -> None:
+        now = time.time()
+        kind = type(exc).__name__
+        for record in runs:
+            noted = self._unreachable_noted.setdefault(record.id, set())
+            # The first failure, and each new kind of failure after it (a host that comes back
+            # with a changed key), is noted, so `status` says why and what fixes it.
+            if record.unreachable_since is None or kind not in noted:
+                noted.add(kind)
+                async with self.daemon.editing(record):
+                    record.unreachable_since = record.unreachable_since or now
+                    record.note(f"target unreachable: {exc}", now)
+                log.warning("target_unreachable", run_id=record.id, target=key, error=str(exc))
+
+    # --- what a probe means --------------------------------------------------------------
+
+    async def apply(self, record: RunRecord, probe: RunProbe) -> None:
+        """Fold a probe into the record; finish the run, or cancel it, as the rules say."""
+        async with self.daemon.lock(record.id):
+            if record.state != RunState.running:
+                return
+            verdict = apply_probe(record, probe, time.time(), self.daemon.config.stop)
+            if verdict.changed:
+                self.daemon.save_quietly(record)
+        if verdict.final is not None:
+            if record.id in self.cancelling or record.id in self.finishing:
+                return  # the cancel under way writes `cancelled` last; finish after it
+            # Collecting metrics or a pod's outputs can take minutes: never in the follow's way.
+            self.finishing.add(record.id)
+            self.daemon.start_soon(self._finish_task, record, verdict.final, probe)
+        elif record.stop.cancel_by and not verdict.cancel and record.id not in self.cancelling:
+            # A cancel asked for earlier (by the user or the fallback) that did not complete,
+            # e.g. the daemon was killed during the grace: cancel is idempotent, so do it again.
+            self.start_cancel(record)
+        elif verdict.cancel and record.id not in self.cancelling:
+            await self.fallback_cancel(record, verdict.cancel, f"stop fallback: cancelling ({verdict.cancel})")
+            log.warning("stop_fallback_cancel", run_id=record.id, reason=verdict.cancel)
+
+    async def fallback_cancel(self, record: RunRecord, why: str, note: str) -> None:
+        """Cancel the job on obd's own decision (the stop fallback, a pod's cap)."""
+        async with self.daemon.editing(record):
+            record.stop.fallback = why
+            record.stop.cancel_by = "fallback"
+            record.note(note)
+        self.start_cancel(record)
+
+    async def _finish_task(self, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
+        try:
+            await self._finish(record, status, probe)
+        except Exception:  # the next poll tries again
+            log.exception("finish_failed", run_id=record.id)
+        finally:
+            self.finishing.discard(record.id)
+            self.wake_run(record)
+
+    async def _finish(self, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
+        supervision = self.daemon.targets.of(record)
+        executor = supervision.executor(record)
+        state, message = final_state(record, status)
+        if status.state == JobState.lost:
+            message = supervision.explain_lost(record, message)
+        if state == RunState.failed and status.state == JobState.exited:
+            message += await self._failure_detail(executor, record, status, probe)
+        if record.snapshot is not None and state == RunState.stopped:
+            name = record.snapshot.checkpoint.split("/", 1)[1]
+            if name not in probe.checkpoints:
+                state, message = (
+                    RunState.failed,
+                    (
+                        f"the snapshot proof names {record.snapshot.checkpoint}, which is not in the run "
+                        f"directory; see `obd train logs {record.id}`"
+                    ),
+                )
+        if record.profile:
+            await self._collect_metrics(record, executor)
+        end_message = await supervision.on_end(record)
+        if end_message:
+            message += "; " + end_message
+        async with self.daemon.editing(record):
+            if record.state != RunState.running:
+                return
+            record.exit_code = status.exit_code
+            record.progress.eta_seconds = None
+            if executor.events is not None:
+                executor.events.unwatch(record.remote_dir)
+            record.transition(state, message)
+
+    @staticmethod
+    async def _failure_detail(executor: Executor, record: RunRecord, status: JobStatus, probe: RunProbe) -> str:
+        """A hint from the exit code and the log's last lines, for the message of a failed run."""
+        tail = b""
+        with contextlib.suppress(*_TARGET_FAULTS), anyio.fail_after(10):
+            size = probe.log_size
+            tail = await executor.read_from(f"{record.remote_dir}/job.log", max(0, size - 8192), 8192)
+        lines = last_lines(tail)
+        detail = ""
+        extra = hint(status.exit_code, "\n".join(lines))
+        if extra:
+            detail += f"; {extra}"
+        if lines:
+            detail += "; last lines: " + " | ".join(lines[-3:])
+        return detail
+
+    async def _collect_metrics(self, record: RunRecord, executor: Executor) -> None:
+        try:
+            from runner.collect import collect_metrics
+
+            local = self.daemon.store.run_dir(record.id) / "retrieved"
+            with anyio.fail_after(300):
+                record.metrics = await collect_metrics(executor, record.remote_dir, local)
+        except Exception as exc:  # profiling must never cost the run its final state
+            log.warning("metrics_collect_failed", run_id=record.id, error=str(exc))
+            record.metrics = {"runner_kind": "live", "warnings": [f"profile could not be collected: {exc}"]}
+
+    # --- cancel --------------------------------------------------------------------------
+
+    def start_cancel(self, record: RunRecord) -> None:
+        if record.id in self.cancelling or self.daemon._tg is None:
+            return
+        self.cancelling.add(record.id)
+        self.daemon.start_soon(self._cancel_job, record)
+
+    async def _cancel_job(self, record: RunRecord) -> None:
+        try:
+            handle = job_handle(record)
+            if handle is None:
+                return
+            executor = self.daemon.targets.executor(record)
+            await executor.cancel(handle, record.remote_dir, self.daemon.config.stop.cancel_grace)
+        except Exception as exc:  # retried on the next poll (cancel_by stays set); never fatal
+            log.error("cancel_failed", run_id=record.id, error=str(exc))
+            async with self.daemon.editing(record):
+                record.note(f"cancel failed, will retry: {exc}")
+        finally:
+            self.cancelling.discard(record.id)
+            self.wake_run(record)
+
+    # --- reconcile -----------------------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """At start: match each target with the records, re-attach to every run left preparing or
+        running, and finish those whose job ended while the daemon was down."""
+        for supervision in self.daemon.targets.configured():
+            await supervision.reconcile()
+        records = self.daemon.records.values()
+        for record in [r for r in records if r.state == RunState.preparing and not r.remote_dir]:
+            async with self.daemon.editing(record):
+                record.transition(
+                    RunState.failed,
+                    "the daemon stopped while launching this run and its job never started; "
+                    "start it again with `obd train start`",
+                )
+        groups: dict[str, list[RunRecord]] = {}
+        for record in records:
+            if record.state in (RunState.preparing, RunState.running):
+                groups.setdefault(self.daemon.targets.key(record), []).append(record)
+        async with anyio.create_task_group() as tg:
+            for runs in groups.values():
+                tg.start_soon(self._reconcile_group, runs)
+
+    async def _reconcile_group(self, runs: list[RunRecord]) -> None:
+        try:
+            await self._reconcile_runs(runs)
+        except Exception:  # one target's surprise must not stop the daemon; the follow retries
+            log.exception("reconcile_failed", target=runs[0].target if runs else None)
+
+    async def _reconcile_runs(self, runs: list[RunRecord]) -> None:
+        runs = [r for r in runs if r.state in (RunState.preparing, RunState.running)]
+        if not runs:
+            return
+        supervision = self.daemon.targets.of(runs[0])
+        if not await supervision.ready(runs[0]):
+            return
+        try:
+            executor = supervision.executor(runs[0])
+            with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
+                probes = await executor.probe([(job_handle(r), r.remote_dir) for r in runs])
+        except (*_TARGET_FAULTS, ApiError) as exc:
+            log.warning("reconcile_deferred", target=runs[0].target, error=f"{type(exc).__name__}: {exc}")
+            now = time.time()
+            for record in runs:
+                if record.state == RunState.running:  # a preparing one is decided once the target answers
+                    record.unreachable_since = record.unreachable_since or now
+            return
+        for record, probe in zip(runs, probes, strict=True):
+            if record.state == RunState.preparing:
+                await self._adopt_or_fail(record, probe)
+            else:
+                await self.apply(record, probe)
+
+    async def _adopt_or_fail(self, record: RunRecord, probe: RunProbe) -> None:
+        """Re-attach a run whose launch an earlier daemon began, or fail it if its job never started."""
+        started = (probe.handle and probe.status.state != JobState.lost) or probe.status.state in (
+            JobState.exited,
+            JobState.cancelled,
+        )
+        async with self.daemon.editing(record):
+            if started:
+                record.job = record.job or probe.handle
+                record.transition(RunState.running, "launched; re-attached after a daemon restart")
+            else:
+                record.transition(
+                    RunState.failed,
+                    "its launch was cut short (the daemon stopped, or the connection went) and its job never "
+                    "started; start it again with `obd train start`",
+                )
+        if started:
+            self.ensure_loop(record)
+            self.watch(record)
+        else:
+            await self.end_quietly(record)
+
+    async def end_quietly(self, record: RunRecord) -> None:
+        """Let the target end what served a run that ended without the follow (a failed launch)."""
+        message = await self.daemon.targets.of(record).on_end(record)
+        if message:
+            with contextlib.suppress(StoreError):
+                async with self.daemon.editing(record):
+                    record.note(message)

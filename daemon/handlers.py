@@ -1,0 +1,207 @@
+"""The control API's operations, in one table: each op, the message it takes, and what answers it.
+
+The server (daemon/server.py) reads a line, looks the op up here, validates the message
+against its model and calls the handler with the caller's uid; whatever a handler raises as
+`ApiError` goes back to the caller as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+from pydantic import BaseModel
+
+from daemon.api import ApiError, IdRequest, ListRequest, ReadRequest, StartRequest, StopRequest, WaitRequest
+from daemon.follow import job_handle
+from daemon.models import RunRecord, RunState, normalise_reason
+from executors.base import Executor, ExecutorError
+
+if TYPE_CHECKING:
+    from daemon.service import Daemon
+
+log = structlog.get_logger("obd")
+Handler = Callable[[Any, int], Awaitable[Any]]
+
+
+class Handlers:
+    """The operations of the control socket; `table` maps each op to its model and handler."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.table: dict[str, tuple[type[BaseModel], Handler]] = {
+            "ping": (ListRequest, self.ping),
+            "list": (ListRequest, self.list_runs),
+            "targets": (ListRequest, self.targets),
+            "start": (StartRequest, self.start),
+            "stop": (StopRequest, self.stop),
+            "cancel": (IdRequest, self.cancel),
+            "status": (IdRequest, self.status),
+            "wait": (WaitRequest, self.wait),
+            "metrics": (IdRequest, self.metrics),
+            "read": (ReadRequest, self.read),
+        }
+
+    def model(self, op: str) -> type[BaseModel] | None:
+        entry = self.table.get(op)
+        return entry[0] if entry else None
+
+    async def __call__(self, request: Any, uid: int) -> Any:
+        entry = self.table.get(request.op)
+        if entry is None:
+            raise ApiError(f"unknown operation {request.op!r}", "usage")
+        return await entry[1](request, uid)
+
+    # --- reading -------------------------------------------------------------------------
+
+    async def ping(self, req: ListRequest, uid: int) -> dict[str, Any]:
+        return {"pid": os.getpid(), "runs": len(self.daemon.records)}
+
+    async def list_runs(self, req: ListRequest, uid: int) -> list[dict[str, Any]]:
+        d = self.daemon
+        return [r.public() for r in sorted(d.records.values(), key=lambda r: (r.created, r.id))] + [
+            {"id": rid, "state": "unreadable", "message": err} for rid, err in sorted(d.bad_records.items())
+        ]
+
+    async def targets(self, req: ListRequest, uid: int) -> list[dict[str, Any]]:
+        config = self.daemon.config
+        names = sorted({"local", *config.targets})
+        return [{"name": n, "kind": config.target(n).kind} for n in names]
+
+    async def status(self, req: IdRequest, uid: int) -> dict[str, Any]:
+        record = self.daemon.get(req.id)
+        out = record.public()
+        if not record.state.final:
+            with anyio.move_on_after(10):
+                out.update(await self.daemon.targets.of(record).describe(record))
+        return out
+
+    async def wait(self, req: WaitRequest, uid: int) -> dict[str, Any]:
+        record = self.daemon.get(req.id)
+        if not record.state.final:
+            with anyio.move_on_after(req.timeout):
+                await self.daemon.final_event(record.id).wait()
+        return record.public()
+
+    async def metrics(self, req: IdRequest, uid: int) -> dict[str, Any]:
+        record = self.daemon.get(req.id)
+        return {"id": record.id, "state": record.state.value, "metrics": record.metrics, "profile": record.profile}
+
+    async def read(self, req: ReadRequest, uid: int) -> dict[str, Any]:
+        record = self.daemon.get(req.id)
+        if not record.remote_dir or (record.state == RunState.preparing and not record.job):
+            return {"data": "", "offset": req.offset, "state": record.state.value}
+        executor = self.daemon.targets.executor(record)
+        path = f"{record.remote_dir}/job.log"
+        offset = req.offset
+        try:
+            with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
+                if req.tail_lines is not None:
+                    offset = await _tail_offset(executor, record, path, req.tail_lines)
+                data = await executor.read_from(path, offset, req.limit)
+        except (ExecutorError, TimeoutError, OSError) as exc:
+            raise ApiError(f"could not read the log of run {record.id}: {exc}", "unavailable") from exc
+        return {
+            "data": base64.b64encode(data).decode(),
+            "offset": offset,
+            "next": offset + len(data),
+            "state": record.state.value,
+            "progress": record.progress.model_dump(),
+        }
+
+    # --- acting --------------------------------------------------------------------------
+
+    async def start(self, req: StartRequest, uid: int) -> dict[str, Any]:
+        return (await self.daemon.launcher.start(req)).public()
+
+    async def stop(self, req: StopRequest, uid: int) -> dict[str, Any]:
+        record = self.daemon.get(req.id)
+        reason = normalise_reason(req.reason) or "requested"
+        if record.state.final:
+            raise ApiError(f"run {record.id} already ended ({record.state.value}): {record.message}", "state")
+        if not record.snapshots:
+            raise ApiError(
+                f"run {record.id} cannot snapshot: its job has not announced obd's snapshot plugin "
+                f'(no `begin` line with "snapshots": true in metrics.jsonl). '
+                f"Use `obd train cancel {record.id}` to end it",
+                "state",
+            )
+        try:
+            with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
+                await request_snapshot(self.daemon, record, reason, "`obd train stop`")
+        except (ExecutorError, TimeoutError, OSError) as exc:
+            raise ApiError(
+                f"could not write the snapshot request on target {record.target}: {exc or 'no answer in time'}; "
+                f"retry `obd train stop {record.id}`, or `obd train cancel {record.id}`",
+                "unavailable",
+            ) from exc
+        return record.public()
+
+    async def cancel(self, req: IdRequest, uid: int) -> dict[str, Any]:
+        daemon = self.daemon
+        record = daemon.get(req.id)
+        if record.state.final:
+            return record.public()  # idempotent: a run that ended is never signalled
+        async with daemon.editing(record):
+            if record.stop.cancel_by is None:
+                record.stop.cancel_by = "user"
+                record.note("cancel requested by the user")
+        log.info("cancel_requested", run_id=record.id)
+        if record.state == RunState.running:
+            daemon.follow.start_cancel(record)
+        else:
+            daemon.launcher.cancel_preparation(record)
+        return record.public()
+
+
+async def request_snapshot(daemon: Daemon, record: RunRecord, reason: str, by: str) -> None:
+    """Write `snapshot.request` in the run directory, and record that it was asked for.
+
+    Recorded before the file is written, so a daemon killed in between still counts the
+    fallback from the request; undone if the write fails.
+    """
+    executor = daemon.targets.executor(record)
+    async with daemon.editing(record):
+        first = record.stop.requested_at is None
+        before = record.stop.model_copy()
+        if first:
+            record.stop.requested_at = time.time()
+        record.stop.reason = reason
+    try:
+        await executor.put_file(f"{record.remote_dir}/snapshot.request", reason.encode() + b"\n")
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            async with daemon.editing(record):
+                record.stop = before
+        raise
+    async with daemon.editing(record):
+        if first:
+            record.note(f"snapshot requested ({reason}) by {by}")
+        elif before.reason != reason:
+            record.note(f"snapshot request reason changed to {reason}")
+    log.info("snapshot_requested", run_id=record.id, reason=reason, by=by)
+    daemon.follow.wake_run(record)
+
+
+async def _tail_offset(executor: Executor, record: RunRecord, path: str, lines: int) -> int:
+    """The offset where the last `lines` lines of the log start (reading back in blocks)."""
+    [probe] = await executor.probe([(job_handle(record), record.remote_dir)])
+    end = pos = probe.log_size
+    if lines == 0:
+        return end
+    count, block = 0, 65536
+    while pos > 0:
+        start = max(0, pos - block)
+        chunk = await executor.read_from(path, start, pos - start)
+        for i in range(len(chunk) - 1, -1, -1):
+            if chunk[i] == 0x0A and start + i != end - 1:
+                count += 1
+                if count >= lines:
+                    return start + i + 1
+        pos = start
+    return 0

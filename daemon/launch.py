@@ -1,0 +1,266 @@
+"""Starting a run: the record first, then the target's machine, the run directory, the plugin,
+the sources, and the job.
+
+The record is saved `preparing` before anything is made on a target, so a daemon killed during
+a launch finds the run on restart: re-attached if its job started, failed (saying so) if not.
+A start whose answer was lost is never retried (it could start the job twice); the follow
+looks in the run's directory once the target answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets as pysecrets
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from daemon.api import ApiError, StartRequest
+from daemon.models import RunRecord, RunState
+from daemon.store import StoreError
+from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain
+
+if TYPE_CHECKING:
+    from daemon.service import Daemon
+
+log = structlog.get_logger("obd")
+PLUGIN_SRC = Path(__file__).resolve().parent.parent / "trainer_plugin"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + pysecrets.token_hex(3)
+
+
+def target_secrets(target: str, names: list[str], given: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The job's secrets: the client's `--secret`s, plus the target's `secrets` from the daemon's environment.
+
+    A name the target lists that neither has is refused at start, not left for the job to
+    trip over hours later on a remote host.
+    """
+    missing = [n for n in names if n not in given and n not in environ]
+    if missing:
+        raise ApiError(
+            f"target {target} lists secrets the daemon's environment lacks: {', '.join(missing)}; set them "
+            "where the daemon starts (under systemd: an EnvironmentFile= line added with `systemctl edit obd`), "
+            "or pass them with `obd train start --secret NAME` from a shell that has them",
+            "usage",
+        )
+    return {**{n: environ[n] for n in names if n not in given}, **given}
+
+
+class Launcher:
+    """Makes run records and launches their jobs."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.launching: set[str] = set()  # runs this daemon is launching right now
+        # A cancel while a run prepares (a pod booting, an upload) ends the preparation at once.
+        self._preparing: dict[str, anyio.CancelScope] = {}
+
+    def cancel_preparation(self, record: RunRecord) -> None:
+        scope = self._preparing.get(record.id)
+        if scope is not None:
+            scope.cancel()  # the job never starts; a machine made for it is ended
+
+    # --- the record ----------------------------------------------------------------------
+
+    async def start(self, req: StartRequest) -> RunRecord:
+        """Check the request, save the run `preparing`, and launch it in the background."""
+        daemon = self.daemon
+        supervision = daemon.targets.get(req.target)
+        for key in req.env:
+            if not key or "=" in key or "\0" in key or key.startswith("OBD_"):
+                raise ApiError(f"invalid environment variable name {key!r} (OBD_* names are obd's own)", "usage")
+        req.secrets = target_secrets(req.target, getattr(supervision.config, "secrets", []), req.secrets, os.environ)
+        source = None
+        if req.resume_from:
+            source = daemon.get(req.resume_from)
+            if source.state != RunState.stopped or source.snapshot is None:
+                raise ApiError(
+                    f"run {source.id} is {source.state.value}, not stopped with a snapshot: "
+                    "only a stopped run can be resumed",
+                    "usage",
+                )
+        if req.cwd and not Path(req.cwd).is_dir():
+            # On a local target it is where the job runs; elsewhere the directory uploaded as the job's src/.
+            raise ApiError(f"--cwd {req.cwd}: no such directory on the daemon's machine", "usage")
+        run_id = new_run_id()
+        while run_id in daemon.records:
+            run_id = new_run_id()
+        record = RunRecord(
+            id=run_id,
+            name=req.name,
+            target=req.target,
+            command=req.command,
+            env=req.env,
+            secret_names=sorted(req.secrets),
+            resumed_from=source.id if source else None,
+            profile=req.profile,
+            snapshot_on_sigterm=req.snapshot_on_sigterm,
+        )
+        if supervision.shares_filesystem(record):
+            record.cwd = req.cwd or req.client_cwd
+        else:
+            record.cwd = req.cwd
+        record.transition(RunState.preparing, "created")
+        workdir = supervision.workdir(record)
+        # An SSH workdir like ~/obd is resolved on the target when the launch connects.
+        if workdir.startswith("/"):
+            record.remote_dir = f"{workdir.rstrip('/')}/{run_id}"
+        try:
+            daemon.save(record)
+        except StoreError as exc:
+            raise ApiError(str(exc)) from exc
+        daemon.records[run_id] = record
+        log.info("run_created", run_id=run_id, target=record.target, command=record.command[:1])
+        self.launching.add(run_id)
+        daemon.start_soon(self._launch, record, req, source)
+        return record
+
+    # --- the job -------------------------------------------------------------------------
+
+    async def _launch(self, record: RunRecord, req: StartRequest, source: RunRecord | None) -> None:
+        try:
+            await self._launch_job(record, req, source)
+        finally:
+            self.launching.discard(record.id)
+
+    async def _launch_job(self, record: RunRecord, req: StartRequest, source: RunRecord | None) -> None:
+        daemon = self.daemon
+        follow = daemon.follow
+        try:
+            with anyio.CancelScope() as preparation:
+                self._preparing[record.id] = preparation
+                try:
+                    executor, spec = await self._prepare(record, req, source)
+                finally:
+                    self._preparing.pop(record.id, None)
+            if preparation.cancelled_caught or record.stop.cancel_by == "user":
+                await self._cancelled_before_start(record)
+                return
+            handle = await executor.spawn(spec)
+        except LaunchUncertain as exc:
+            # The job may be running: stay `preparing` and let the follow look in the run's
+            # directory once the target answers (adopted if it started, failed if not).
+            async with daemon.editing(record):
+                record.note(f"the answer to the start was lost: {exc}; obd looks on the target once it answers")
+            log.warning("launch_uncertain", run_id=record.id, error=str(exc))
+            follow.ensure_loop(record)
+            return
+        except Exception as exc:  # whatever broke, the run must not stay `preparing`
+            await self._launch_failed(record, exc)
+            return
+        async with daemon.editing(record):
+            record.job = handle.model_dump()
+            record.transition(RunState.running, f"started (pid {handle.pid})")
+        log.info("run_started", run_id=record.id, pid=handle.pid)
+        follow.ensure_loop(record)
+        follow.watch(record)
+        if record.stop.cancel_by == "user":
+            follow.start_cancel(record)
+
+    async def _launch_failed(self, record: RunRecord, exc: Exception) -> None:
+        if not isinstance(exc, (ExecutorError, OSError, ApiError, TimeoutError, StoreError)):
+            log.exception("launch_crashed", run_id=record.id)
+        why = str(exc) or "the target did not answer in time"
+        async with self.daemon.editing(record):
+            record.transition(RunState.failed, f"launch failed: {why}")
+        log.error("launch_failed", run_id=record.id, error=str(exc))
+        await self.daemon.follow.end_quietly(record)
+        await self.daemon.targets.of(record).on_launch_failed(record)
+
+    async def _cancelled_before_start(self, record: RunRecord) -> None:
+        async with self.daemon.editing(record):
+            record.transition(RunState.cancelled, "cancelled by the user before the job started")
+        await self.daemon.follow.end_quietly(record)
+
+    async def _prepare(
+        self, record: RunRecord, req: StartRequest, source: RunRecord | None
+    ) -> tuple[Executor, JobSpec]:
+        """Everything before the job starts: the machine, the run directory, the plugin, the sources."""
+        daemon = self.daemon
+        executor = await daemon.targets.of(record).prepare(record)
+        if not record.remote_dir:
+            with anyio.fail_after(daemon.config.daemon.probe_timeout * 3):
+                workdir = await executor.resolve_workdir()
+            async with daemon.editing(record):
+                record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
+        rd = record.remote_dir
+        await executor.upload(self._plugin_stage(), f"{rd}/plugin")
+        cwd = record.cwd
+        if cwd and not Path(cwd).is_dir():
+            cwd = None  # the client's directory went away before the launch: the run directory instead
+        if cwd and not executor.shares_filesystem:
+            await executor.upload(Path(cwd), f"{rd}/src")
+            cwd = f"{rd}/src"
+        env = job_env(record, rd)
+        if source is not None:
+            env["OBD_RESUME_FROM"] = await self._resume_path(record, source, executor)
+            record.resume_checkpoint = env["OBD_RESUME_FROM"]
+        command = list(req.command)
+        if req.profile:
+            from runner import wrap_command
+
+            command = wrap_command(command, f"{rd}/plugin", rd, await executor.python())
+            env["OBD_PROFILE_DIR"] = f"{rd}/profile"
+        spec = JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
+        return executor, spec
+
+    async def _resume_path(self, record: RunRecord, source: RunRecord, executor: Executor) -> str:
+        assert source.snapshot is not None
+        name = source.snapshot.checkpoint.split("/", 1)[1]  # validated: checkpoint-<step>
+        targets = self.daemon.targets
+        if targets.key(source) == targets.key(record):
+            return f"{source.remote_dir}/output/{name}"
+        # Another target: bring the checkpoint here, then send it to the new run's directory.
+        local = self.daemon.store.run_dir(source.id) / "retrieved" / "output" / name
+        if not local.exists():
+            await targets.executor(source).download(f"{source.remote_dir}/output/{name}", local)
+        dest = f"{record.remote_dir}/resume/{name}"
+        await executor.upload(local, dest)
+        return dest
+
+    def _plugin_stage(self) -> Path:
+        """The plugin/ directory every run gets, staged once per content."""
+        files: dict[str, Path] = {f"trainer_plugin/{p.name}": p for p in sorted(PLUGIN_SRC.glob("*.py"))}
+        if (PLUGIN_SRC / "sitecustomize.py").exists():
+            files["sitecustomize.py"] = PLUGIN_SRC / "sitecustomize.py"
+        with contextlib.suppress(ImportError):
+            from runner import TARGET_FILES
+
+            files.update({p.name: Path(p) for p in TARGET_FILES})
+        digest = hashlib.sha256()
+        for rel, path in sorted(files.items()):
+            digest.update(rel.encode() + b"\0" + path.read_bytes())
+        stage = self.daemon.state_dir / "plugin-stage" / digest.hexdigest()[:16]
+        if not stage.exists():
+            tmp = stage.with_name(stage.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            for rel, path in files.items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, tmp / rel)
+            os.replace(tmp, stage)
+        return stage
+
+
+def job_env(record: RunRecord, rd: str) -> dict[str, str]:
+    """The variables obd gives every job: its run's files, and the user's `--env`."""
+    env = dict(record.env)
+    env.update(
+        OBD_RUN_ID=record.id,
+        OBD_RUN_DIR=rd,
+        OBD_OUTPUT_DIR=f"{rd}/output",
+        OBD_SNAPSHOT_REQUEST=f"{rd}/snapshot.request",
+        OBD_SNAPSHOT_FILE=f"{rd}/snapshot.json",
+        OBD_METRICS_FILE=f"{rd}/metrics.jsonl",
+    )
+    if record.snapshot_on_sigterm:
+        env["OBD_SNAPSHOT_ON_SIGTERM"] = "1"
+    return env
