@@ -1,9 +1,49 @@
-"""Text for people: the run table, a run's status and the live progress line (standard library only)."""
+"""Text for people: the run table, a run's status and the live progress line (standard library only).
+
+Names, messages, commands, targets and reasons come from users and jobs; none reaches the
+terminal raw. Control characters in them are printed as escapes (`printable`), so a run named
+with an escape sequence or a newline cannot move the cursor, recolour or fake a line of output.
+"""
 
 from __future__ import annotations
 
 import time
+import unicodedata
 from typing import Any
+
+# Characters that change how the text around them is laid out or read: C0/C1 controls
+# (escape, newline, backspace...), line and paragraph separators, lone surrogates (which cannot
+# even be encoded for the terminal) and the bidirectional overrides that reorder a line.
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Zl", "Zp", "Cs"})
+_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(char: str) -> str:
+    if char in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(value: object) -> str:
+    r"""`value` as one line of text that is safe to print: control characters shown as escapes.
+
+    `"a\x1b[2Jb"` -> `a\x1b[2Jb` and `"a\nb"` -> `a\nb`, as `repr` would write them, while
+    letters, accents, CJK, emoji (joiners included) and spaces of every script stay as they are.
+    """
+    text = str(value)
+    if text.isprintable():
+        return text  # the usual case: nothing to look at character by character
+    return "".join(
+        _escape(char) if char in _BIDI_CONTROLS or unicodedata.category(char) in _ESCAPED_CATEGORIES else char
+        for char in text
+    )
+
+
+def printable_lines(text: str) -> str:
+    """Text of several lines made safe to print: its line breaks kept, every other control escaped."""
+    return "\n".join(printable(line) for line in text.split("\n"))
 
 
 def _clock(ts: float | None) -> str:
@@ -35,30 +75,33 @@ def progress_text(progress: dict[str, Any] | None) -> str:
 
 
 def progress_line(progress: dict[str, Any]) -> str:
+    """The live line of `obd train logs --follow`: a bar and the progress text."""
     step, total = progress.get("step"), progress.get("max_steps")
     bar = ""
     if step is not None and total:
         filled = int(20 * min(step, total) / total)
         bar = "[" + "#" * filled + "." * (20 - filled) + "] "
-    return bar + progress_text(progress)
+    return printable(bar + progress_text(progress))
 
 
 def table(runs: list[dict[str, Any]]) -> str:
+    """The text of `obd train list`: one row per run, columns padded to their widest cell."""
     rows = [("ID", "NAME", "STATE", "TARGET", "PROGRESS", "STARTED", "MESSAGE")]
     for r in runs:
+        # Escaped before they are cut and padded, so the widths are those of what is printed.
         rows.append(
             (
-                r["id"],
-                (r.get("name") or "-")[:20],
-                r.get("state", "?"),
-                r.get("target", "-"),
-                progress_text(r.get("progress")),
+                printable(r["id"]),
+                printable(r.get("name") or "-")[:20],
+                printable(r.get("state", "?")),
+                printable(r.get("target", "-")),
+                printable(progress_text(r.get("progress"))),
                 _clock(r.get("created")),
-                (r.get("message") or "")[:60],
+                printable(r.get("message") or "")[:60],
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in rows)
 
 
 def pod_text(info: dict[str, Any], live: dict[str, Any]) -> str:
@@ -79,6 +122,7 @@ def pod_text(info: dict[str, Any], live: dict[str, Any]) -> str:
 
 
 def status(r: dict[str, Any]) -> str:
+    """The text of `obd train status`: the run's fields, its pod if it has one, and its history."""
     lines = [
         f"run       {r['id']}" + (f"  ({r['name']})" if r.get("name") else ""),
         f"state     {r['state']}",
@@ -92,7 +136,9 @@ def status(r: dict[str, Any]) -> str:
         lines.append(f"snapshot  {snap['checkpoint']} at step {snap['step']} ({snap['reason']})")
     stop = r.get("stop") or {}
     if stop.get("requested_at") and not snap and r["state"] == "running":
-        lines.append(f"stop      requested ({stop.get('reason')}) at {_clock(stop['requested_at'])}, waiting for the snapshot")
+        lines.append(
+            f"stop      requested ({stop.get('reason')}) at {_clock(stop['requested_at'])}, waiting for the snapshot"
+        )
     if r.get("resumed_from"):
         lines.append(f"resumed   from {r['resumed_from']} ({r.get('resume_checkpoint') or ''})")
     if r.get("exit_code") is not None:
@@ -105,4 +151,5 @@ def status(r: dict[str, Any]) -> str:
     lines.append("history")
     for h in r.get("history") or []:
         lines.append(f"  {_clock(h['time'])}  {h['state']:<10} {h['reason']}")
-    return "\n".join(lines)
+    # Each line is escaped whole: every value in it, whoever wrote it, is shown as text.
+    return "\n".join(printable(line) for line in lines)
