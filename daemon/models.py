@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import re
 import time
 from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-REQUEST_REASONS = ("requested", "deadline", "cost", "disk", "preempted")
+# The reason words and the run-id rule are the run directory's contract (trainer_plugin/rundir.py);
+# normalise_reason stays importable from here for the daemon's modules.
+from trainer_plugin.rundir import is_run_id
+from trainer_plugin.rundir import normalise_reason as normalise_reason
+
 HISTORY_NOTES_LIMIT = 500
 
 
@@ -36,22 +38,12 @@ class InvalidRunId(ValueError):
 
 def check_run_id(run_id: str) -> str:
     """A run id names a directory locally and on targets, so it is never a path."""
-    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id) or run_id in (".", ".."):
+    if not is_run_id(run_id):
         raise InvalidRunId(
             f"invalid run id {run_id!r}: ids are letters, digits, '-', '_' and '.'; "
             "see `obd train list` for the runs there are"
         )
     return run_id
-
-
-def normalise_reason(word: str | None) -> str | None:
-    """The reason of a snapshot request: missing or empty is none, any unknown word `requested`."""
-    if word is None:
-        return None
-    word = word.strip()
-    if not word:
-        return None
-    return word if word in REQUEST_REASONS else "requested"
 
 
 class Transition(BaseModel):

@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from daemon.models import RunRecord, check_run_id
-from trainer_plugin.jobctl import atomic_write
+from trainer_plugin.rundir import atomic_write
 
 RECORD_LIMIT = 16 * 1024 * 1024
 

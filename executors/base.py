@@ -63,14 +63,19 @@ class RunProbe(BaseModel):
     remote_dir: str
     status: JobStatus
     request: str | None = None  # the raw reason word, None when there is no request
-    proof: str | None = None  # raw snapshot.json, at most 64 KiB; None when absent
+    proof: str | None = None  # raw snapshot.json, at most 64 KiB; None when absent or not a regular file
     proof_too_large: bool = False
+    # What snapshot.json is when it exists but is not a regular file ("a FIFO", "a symbolic link",
+    # "a directory", ...): never opened, and an invalid proof.
+    proof_not_regular: str | None = None
     begin: dict | None = None  # the metrics.jsonl `begin` line
     last_log: dict | None = None  # its last `log` line
     ended: bool = False  # metrics.jsonl has an `end` line
     log_size: int = 0
     handle: dict | None = None  # job.pid as the wrapper wrote it (to adopt a run after a crash)
-    checkpoints: list[str] = Field(default_factory=list)  # names of output/checkpoint-* dirs
+    # Names of the output/checkpoint-* entries that are real directories, with no symbolic link
+    # on their path (output/ itself included): the only checkpoints a proof can name.
+    checkpoints: list[str] = Field(default_factory=list)
     error: str | None = None  # why the directory could not be read (the probe is then partial)
 
 

@@ -8,15 +8,43 @@ server (and reused by the Runpod executor). Every path and argument goes through
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 import shlex
+import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from trainer_plugin import jobctl
+from trainer_plugin import jobctl, rundir
 
-JOBCTL_SOURCE: bytes = Path(jobctl.__file__).read_bytes()
-JOBCTL_HASH: str = hashlib.sha256(JOBCTL_SOURCE).hexdigest()[:12]
+# The files a target needs to start, watch and cancel jobs: jobctl.py and the contract it imports.
+TOOL_FILES: tuple[Path, ...] = (Path(jobctl.__file__), Path(rundir.__file__))
+
+
+def _tools_hash(files: Sequence[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def _tools_tar(files: Sequence[Path]) -> bytes:
+    """A ustar archive of the tool files, the same bytes for the same files (no time, owner or host in it)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for path in files:
+            data = path.read_bytes()
+            info = tarfile.TarInfo(path.name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+# What `setup_script` reads on stdin (the name is older than the tar): the tool files as a tar,
+# unpacked once per content into `<workdir>/.obd/tools-<JOBCTL_HASH>/`.
+JOBCTL_SOURCE: bytes = _tools_tar(TOOL_FILES)
+# The content hash over every tool file, so a change to either gives a new directory.
+JOBCTL_HASH: str = _tools_hash(TOOL_FILES)
 
 # Directory names never uploaded with a job's working directory (caches, VCS, environments).
 EXCLUDED_NAMES = frozenset({".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".mypy_cache", "node_modules"})
@@ -53,31 +81,48 @@ def path_expr(path: str) -> str:
     return q(path)
 
 
+def tools_remote_dir(workdir: str) -> str:
+    """The content-addressed directory of the tool files under a resolved workdir."""
+    return f"{workdir.rstrip('/')}/.obd/tools-{JOBCTL_HASH}"
+
+
 def jobctl_remote_path(workdir: str) -> str:
-    """Where the content-addressed copy of jobctl.py lives under a resolved workdir."""
-    return f"{workdir.rstrip('/')}/.obd/jobctl-{JOBCTL_HASH}.py"
+    """Where jobctl.py (beside the rundir.py it imports) lives under a resolved workdir."""
+    return f"{tools_remote_dir(workdir)}/jobctl.py"
 
 
 def setup_script(workdir: str, python: str | None, venv: str | None) -> str:
     """One shell script run once per connection: resolve the workdir, create `.obd/`, install
-    jobctl.py from stdin unless that exact version is there, and report the Python version.
+    the tool files from the tar on stdin unless that exact version is there, and report the
+    Python version.
 
+    The tar is unpacked into a temporary directory renamed into place whole, so a directory
+    `tools-<hash>` always holds every file; a connection that loses the race to another one
+    keeps the winner's (same content). Needs `tar` on the target, as every Linux has.
     Output lines: `workdir=<abs>`, `python=<exe>` (may be relative, resolved through PATH),
     then `python-version=<x.y.z>` or `python-missing=<exit code>`.
-    Exit codes: 3 the workdir cannot be created, 4 jobctl.py cannot be written.
+    Exit codes: 3 the workdir cannot be created, 4 the tool files cannot be written.
     """
     py = python_expr(python, venv)
+    names = " ".join(q(p.name) for p in TOOL_FILES)
     return f"""
 W={path_expr(workdir)}
 case "$W" in /*) ;; *) W="$(pwd)/$W" ;; esac
 mkdir -p -- "$W/.obd" || exit 3
 [ -w "$W/.obd" ] || {{ echo "$W/.obd is not writable" >&2; exit 3; }}
-J="$W/.obd/jobctl-{JOBCTL_HASH}.py"
-if [ -f "$J" ]; then
+D="$W/.obd/tools-{JOBCTL_HASH}"
+complete() {{ for f in {names}; do [ -f "$1/$f" ] || return 1; done; }}
+if complete "$D"; then
   cat >/dev/null
 else
-  T="$J.tmp.$$"
-  if cat >"$T" && mv -f -- "$T" "$J"; then :; else rm -f -- "$T"; exit 4; fi
+  T="$W/.obd/.tools-{JOBCTL_HASH}.$$.tmp"
+  rm -rf -- "$T"
+  if mkdir -- "$T" && tar -xf - -C "$T" && complete "$T"; then :; else rm -rf -- "$T"; exit 4; fi
+  # A broken copy (files deleted by hand) is moved aside; a complete one won a race: keep it.
+  if [ -e "$D" ] && ! complete "$D"; then mv -- "$D" "$T.broken" && rm -rf -- "$T.broken"; fi
+  [ -e "$D" ] || mv -- "$T" "$D" 2>/dev/null
+  rm -rf -- "$T" "$D/${{T##*/}}"
+  complete "$D" || {{ echo "could not install $D" >&2; exit 4; }}
 fi
 printf 'workdir=%s\\n' "$W"
 P={py}

@@ -15,13 +15,13 @@ from transformers import TrainerCallback
 
 from . import inject
 from .dist import Ranks, tear_down_at_exit
+from .rundir import PREEMPTED, checkpoint_relpath
 from .runtime import (
     VERSION,
     IncompleteCheckpoint,
     MetricsWriter,
     RunEnv,
     SigtermFlag,
-    checkpoint_relpath,
     log_error,
     read_request,
     reason_code,
@@ -164,9 +164,9 @@ class SnapshotCallback(TrainerCallback):
             return
         if self._pending is not None:
             return
-        reason = reason_from_code(code) or "preempted"
+        reason = reason_from_code(code) or PREEMPTED
         if code == 0 and self._ranks.is_zero:
-            write_request(self.env, "preempted")  # so the daemon sees the preemption too
+            write_request(self.env, PREEMPTED)  # so the daemon sees the preemption too
         self._pending = (state.global_step, reason)
         control.should_log = True  # the last log line is then the snapshot's step
         control.should_save = True

@@ -1,7 +1,9 @@
 """The job wrapper and the target-side control of a run directory (standard library only).
 
-obd copies this file into every run's `plugin/` and runs it *on the target*, so the same
-code starts, watches and cancels jobs on this machine, over SSH and on a pod:
+obd copies this file, with the `rundir.py` it imports (the run directory's contract), into
+every run's `plugin/` (and, for SSH targets, into `<workdir>/.obd/tools-<hash>/`) and runs it
+*on the target*, so the same code starts, watches and cancels jobs on this machine, over SSH
+and on a pod:
 
     python3 jobctl.py start RUN_DIR [--secrets-stdin]   # detach the job, print its handle
     python3 jobctl.py cancel RUN_DIR [--grace S]         # TERM the group, grace, KILL
@@ -21,86 +23,19 @@ import subprocess
 import sys
 import time
 
-PROOF_LIMIT = 64 * 1024
-REQUEST_LIMIT = 256
-METRICS_HEAD = 64 * 1024
-METRICS_TAIL = 64 * 1024
+try:  # imported as trainer_plugin.jobctl
+    from . import rundir
+except ImportError:  # run as a script (`python3 jobctl.py ...`) beside rundir.py
+    import rundir  # type: ignore[no-redef]
 
-
-def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:
-    """Write a file whole or not at all: a temporary file in the same directory, then rename."""
-    directory = os.path.dirname(path) or "."
-    # A fresh name opened with O_EXCL|O_NOFOLLOW: a link planted in the run directory under a
-    # guessable temporary name can never redirect the write elsewhere.
-    while True:
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}.{os.urandom(6).hex()}")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-            break
-        except FileExistsError:
-            continue
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        _unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(directory)
-
-
-def fsync_dir(directory: str) -> None:
-    """Make a directory's entries durable; filesystems that refuse fsync on a directory are skipped."""
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def read_regular(path: str, limit: int, offset: int = 0) -> bytes | None:
-    """Read at most `limit` bytes of a regular file; None if it is missing or not a plain file.
-
-    Never follows a link and never blocks on a FIFO or device someone put in the run directory.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        if offset:
-            os.lseek(fd, offset, os.SEEK_SET)
-        chunks = []
-        left = limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+# Kept importable from here for the callers that knew them as jobctl's.
+atomic_write = rundir.atomic_write
+fsync_dir = rundir.fsync_dir
+read_regular = rundir.read_regular
+PROOF_LIMIT = rundir.PROOF_LIMIT
+REQUEST_LIMIT = rundir.REQUEST_LIMIT
+METRICS_HEAD = rundir.METRICS_HEAD
+METRICS_TAIL = rundir.METRICS_TAIL
 
 
 def file_size(path: str) -> int:
@@ -212,7 +147,7 @@ def group_alive(handle: dict | None) -> bool:
 
 
 def read_handle(run_dir: str) -> dict | None:
-    data = read_regular(os.path.join(run_dir, "job.pid"), 4096)
+    data = read_regular(os.path.join(run_dir, rundir.JOB_PID), rundir.JOB_PID_LIMIT)
     if not data:
         return None
     try:
@@ -223,7 +158,7 @@ def read_handle(run_dir: str) -> dict | None:
 
 
 def read_int(path: str) -> int | None:
-    data = read_regular(path, 64)
+    data = read_regular(path, rundir.EXIT_CODE_LIMIT)
     if data is None:
         return None
     try:
@@ -234,16 +169,16 @@ def read_int(path: str) -> int | None:
 
 def job_status(run_dir: str, handle: dict | None = None) -> dict:
     """{state: running|exited|cancelled|lost, exit_code} from the run directory and /proc."""
-    code = read_int(os.path.join(run_dir, "exit_code"))
-    if os.path.exists(os.path.join(run_dir, "cancelled")):
+    code = read_int(os.path.join(run_dir, rundir.EXIT_CODE))
+    if os.path.exists(os.path.join(run_dir, rundir.CANCELLED)):
         return {"state": "cancelled", "exit_code": code}
     handle = handle or read_handle(run_dir)
     # A job whose wrapper died but whose processes live on is still running (and cancellable).
     if code is None and (handle_alive(handle) or group_alive(handle)):
         return {"state": "running", "exit_code": None}
     # The wrapper may have just written exit_code and exited: read once more.
-    code = read_int(os.path.join(run_dir, "exit_code"))
-    if os.path.exists(os.path.join(run_dir, "cancelling")):
+    code = read_int(os.path.join(run_dir, rundir.EXIT_CODE))
+    if os.path.exists(os.path.join(run_dir, rundir.CANCELLING)):
         # A cancel was under way (its canceller may have died before writing `cancelled`).
         return {"state": "cancelled", "exit_code": code}
     if code is not None:
@@ -260,7 +195,7 @@ def start(run_dir: str, secrets: dict[str, str]) -> dict:
     job.json holds `command` (argv), `cwd`, `env`, `pythonpath` (put ahead of the target's
     PYTHONPATH) and `path_prepend` (e.g. a venv's bin); secrets come separately, on stdin.
     """
-    spec = json.loads(read_regular(os.path.join(run_dir, "job.json"), 1 << 20) or b"{}")
+    spec = json.loads(read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the wrapper: session and process-group leader for the job's lifetime
@@ -285,13 +220,13 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int) -> i
     # TERM reaches the whole group; the wrapper outlives it so it can record the exit status.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     devnull = os.open(os.devnull, os.O_RDWR)
-    log = os.open(os.path.join(run_dir, "job.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = os.open(os.path.join(run_dir, rundir.JOB_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
     me = os.getpid()
     handle = {"pid": me, "start_time": process_start_time(me), "boot_id": boot_id()}
-    atomic_write(os.path.join(run_dir, "job.pid"), json.dumps(handle).encode())
+    atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(handle).encode())
     env = dict(os.environ)
     env.update(spec.get("env") or {})
     env.update(secrets)
@@ -350,7 +285,7 @@ def _others_in_group(pgid: int) -> bool:
 
 
 def _finish(run_dir: str, code: int, ready_fd: int | None) -> None:
-    atomic_write(os.path.join(run_dir, "exit_code"), f"{code}\n".encode())
+    atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), f"{code}\n".encode())
     if ready_fd is not None:
         os.close(ready_fd)
 
@@ -368,7 +303,7 @@ def cancel(run_dir: str, grace: float, handle: dict | None = None) -> dict:
         return status
     handle = handle or read_handle(run_dir)
     now = time.time()
-    atomic_write(os.path.join(run_dir, "cancelling"), f"{now}\n".encode())
+    atomic_write(os.path.join(run_dir, rundir.CANCELLING), f"{now}\n".encode())
     killed = False
     if handle_alive(handle) or group_alive(handle):
         pgid = int(handle["pid"])
@@ -382,8 +317,8 @@ def cancel(run_dir: str, grace: float, handle: dict | None = None) -> dict:
             while group_exists(pgid) and time.monotonic() < deadline + 5:
                 time.sleep(0.02)
     record = {"time": time.time(), "killed": killed}
-    atomic_write(os.path.join(run_dir, "cancelled"), json.dumps(record).encode())
-    return {"state": "cancelled", "exit_code": read_int(os.path.join(run_dir, "exit_code"))}
+    atomic_write(os.path.join(run_dir, rundir.CANCELLED), json.dumps(record).encode())
+    return {"state": "cancelled", "exit_code": read_int(os.path.join(run_dir, rundir.EXIT_CODE))}
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -427,33 +362,45 @@ def _metrics_summary(path: str) -> dict:
     return out
 
 
-def _checkpoints(output_dir: str) -> list[str]:
+def _proof_text(data: bytes) -> str:
+    """snapshot.json as text for the daemon: bytes that are not UTF-8 arrive as `\\xNN` escapes,
+    which no JSON parser takes, so such a proof is invalid there as it is in `rundir.parse_proof`."""
     try:
-        names = os.listdir(output_dir)
-    except OSError:
-        return []
-    return sorted(n for n in names if n.startswith("checkpoint-") and os.path.isdir(os.path.join(output_dir, n)))
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "backslashreplace")
+
+
+def _read_proof(run_dir: str, result: dict) -> None:
+    path = os.path.join(run_dir, rundir.SNAPSHOT_PROOF)
+    kind = rundir.non_regular(path)
+    if kind is not None:  # never opened: a FIFO or device would block, a link leads out
+        result["proof_not_regular"] = kind
+        result["proof"] = None
+        return
+    proof = read_regular(path, PROOF_LIMIT + 1)
+    if proof is not None and len(proof) > PROOF_LIMIT:
+        result["proof_too_large"] = True
+        proof = proof[:PROOF_LIMIT]
+    result["proof"] = _proof_text(proof) if proof is not None else None
 
 
 def probe_dir(run_dir: str, handle: dict | None = None) -> dict:
-    """One read of a run directory: job status, request, proof, metrics summary, log size.
+    """One read of a run directory: job status, request, proof, metrics summary, log size, checkpoints.
 
-    Never raises: whatever a run directory holds, the probe of the others goes on.
+    Never raises: whatever a run directory holds, the probe of the others goes on. The proof
+    is read before the checkpoints are listed, so a checkpoint written before its proof is listed.
     """
     result: dict = {"remote_dir": run_dir}
     try:
         result["status"] = job_status(run_dir, handle)
-        request = read_regular(os.path.join(run_dir, "snapshot.request"), REQUEST_LIMIT)
+        request = read_regular(os.path.join(run_dir, rundir.SNAPSHOT_REQUEST), REQUEST_LIMIT)
         result["request"] = request.decode("utf-8", "replace") if request is not None else None
-        proof = read_regular(os.path.join(run_dir, "snapshot.json"), PROOF_LIMIT + 1)
-        if proof is not None and len(proof) > PROOF_LIMIT:
-            result["proof_too_large"] = True
-            proof = proof[:PROOF_LIMIT]
-        result["proof"] = proof.decode("utf-8", "replace") if proof is not None else None
-        result.update(_metrics_summary(os.path.join(run_dir, "metrics.jsonl")))
-        result["log_size"] = file_size(os.path.join(run_dir, "job.log"))
+        _read_proof(run_dir, result)
+        result.update(_metrics_summary(os.path.join(run_dir, rundir.METRICS)))
+        result["log_size"] = file_size(os.path.join(run_dir, rundir.JOB_LOG))
         result["handle"] = read_handle(run_dir)
-        result["checkpoints"] = _checkpoints(os.path.join(run_dir, "output"))
+        result["checkpoints"] = rundir.real_checkpoints(run_dir)
     except Exception as exc:  # noqa: BLE001 - one hostile directory must not fail the batch
         result.setdefault("status", {"state": "running", "exit_code": None})
         result["error"] = f"{type(exc).__name__}: {exc}"

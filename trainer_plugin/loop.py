@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import runtime
+from . import rundir, runtime
 from .dist import Ranks, tear_down_at_exit
 from .runtime import RunEnv, SigtermFlag
 
@@ -69,7 +69,7 @@ def snapshot_requested(sync: bool = True) -> str | None:
         decision = ranks.decide(runtime.reason_code(reason), preempted, 0)
         reason, preempted = runtime.reason_from_code(decision.code), decision.preempted
     if reason is None and preempted:
-        reason = "preempted"
+        reason = rundir.PREEMPTED
         if ranks.is_zero:
             runtime.write_request(env, reason)
     return reason
@@ -78,7 +78,7 @@ def snapshot_requested(sync: bool = True) -> str | None:
 def checkpoint_dir(step: int, output_dir: str = "output") -> str:
     """Where to save the checkpoint of `step`: `<OBD_OUTPUT_DIR>/checkpoint-<step>` under obd, else under `output_dir`."""
     base = _env().output_dir or output_dir
-    return os.path.join(base, f"checkpoint-{int(step)}")
+    return os.path.join(base, rundir.checkpoint_name(step))
 
 
 def resume_from() -> str | None:
@@ -86,7 +86,7 @@ def resume_from() -> str | None:
     return _env().resume_from
 
 
-def write_proof(step: int, checkpoint_dir: str | None = None, reason: str = "requested") -> dict[str, Any] | None:
+def write_proof(step: int, checkpoint_dir: str | None = None, reason: str = rundir.REQUESTED) -> dict[str, Any] | None:
     """Write `snapshot.json` for `output/checkpoint-<step>` once your loop saved everything there.
 
     `checkpoint_dir`, if given, must be that directory (anything else raises ValueError: a
@@ -98,7 +98,7 @@ def write_proof(step: int, checkpoint_dir: str | None = None, reason: str = "req
     env = _env()
     if not env.active:
         return None
-    expected = os.path.join(str(env.output_dir), f"checkpoint-{int(step)}")
+    expected = os.path.join(str(env.output_dir), rundir.checkpoint_name(step))
     if checkpoint_dir is not None and os.path.realpath(checkpoint_dir) != os.path.realpath(expected):
         raise ValueError(f"obd: a proof for step {step} can only name {expected}, not {checkpoint_dir}")
     ranks = Ranks()

@@ -1,8 +1,8 @@
 """The run-directory side of the in-job plugin: environment, request, proof, metrics, SIGTERM flag.
 
 Standard library only, so the Trainer callback, the custom-loop helpers and `sitecustomize`
-share one implementation of the file contract in SPEC.md ("The run directory on the target")
-without importing torch or transformers.
+share one implementation of the file contract (its names and rules are in `rundir`) without
+importing torch or transformers.
 """
 
 from __future__ import annotations
@@ -20,15 +20,11 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TextIO
 
-# One implementation of the atomic write for everything obd puts on a target.
-from .jobctl import atomic_write, fsync_dir
+from . import rundir
+
+from .rundir import DEFAULT_REASON, REASONS, REQUEST_LIMIT, atomic_write, fsync_dir, parse_request
 
 VERSION = "0.1.0"
-
-# The reason words of SPEC.md; their position (1-based) is the code sent between ranks.
-REASONS: tuple[str, ...] = ("requested", "deadline", "cost", "disk", "preempted")
-DEFAULT_REASON = "requested"
-REQUEST_LIMIT = 256  # a reason is one word: never read more than this of a request file
 # At most one heartbeat `log` line (step, time, tokens; no loss) this often between Trainer logs.
 DEFAULT_PROGRESS_INTERVAL = 10.0
 
@@ -68,10 +64,10 @@ class RunEnv:
         return cls(
             run_id=env.get("OBD_RUN_ID") or None,
             run_dir=run_dir,
-            output_dir=path("OBD_OUTPUT_DIR", "output"),
-            request_path=path("OBD_SNAPSHOT_REQUEST", "snapshot.request"),
-            proof_path=path("OBD_SNAPSHOT_FILE", "snapshot.json"),
-            metrics_path=path("OBD_METRICS_FILE", "metrics.jsonl"),
+            output_dir=path("OBD_OUTPUT_DIR", rundir.OUTPUT),
+            request_path=path("OBD_SNAPSHOT_REQUEST", rundir.SNAPSHOT_REQUEST),
+            proof_path=path("OBD_SNAPSHOT_FILE", rundir.SNAPSHOT_PROOF),
+            metrics_path=path("OBD_METRICS_FILE", rundir.METRICS),
             resume_from=env.get("OBD_RESUME_FROM") or None,
             snapshot_on_sigterm=_flag(env.get("OBD_SNAPSHOT_ON_SIGTERM")),
             profile_dir=env.get("OBD_PROFILE_DIR") or None,
@@ -105,19 +101,6 @@ def progress_interval(value: str | None) -> float:
 # --- the request ------------------------------------------------------------------------
 
 
-def parse_request(data: bytes) -> str | None:
-    """The reason a request file's content names: None when empty, `requested` for any unknown word.
-
-    The same reading as the daemon's (daemon.models.normalise_reason), so job and daemon always
-    agree on whether there is a request: surrounding whitespace is ignored, whitespace alone is
-    no request, and words are matched exactly (`DEADLINE` is an unknown word: `requested`).
-    """
-    word = data.decode("utf-8", "replace").strip()
-    if not word:
-        return None
-    return word if word in REASONS else DEFAULT_REASON
-
-
 def read_request(path: str | None) -> str | None:
     """The pending request's reason, or None; costs one `stat()` when there is no request."""
     if not path:
@@ -140,6 +123,8 @@ def read_request(path: str | None) -> str | None:
         data = b"?"  # unreadable but non-empty: a request all the same
     finally:
         os.close(fd)
+    # The same reading as the daemon's (rundir.parse_request), so job and daemon always agree
+    # on whether there is a request and what it asks for.
     return parse_request(data) if data else None
 
 
@@ -157,7 +142,6 @@ def reason_from_code(code: int) -> str | None:
 
 
 # --- durable files ----------------------------------------------------------------------
-
 
 
 def fsync_tree(root: str) -> None:
@@ -187,11 +171,6 @@ def fsync_tree(root: str) -> None:
 # --- the proof --------------------------------------------------------------------------
 
 
-def checkpoint_relpath(step: int) -> str:
-    """The exact `checkpoint` string a valid proof holds for `step`."""
-    return f"output/checkpoint-{int(step)}"
-
-
 class IncompleteCheckpoint(RuntimeError):
     """The checkpoint a proof would name is missing or not fully written: no proof is written."""
 
@@ -204,21 +183,23 @@ def write_proof(env: RunEnv, step: int, reason: str, required: tuple[str, ...] =
     """
     if not env.active or not env.output_dir or not env.proof_path:
         raise RuntimeError("write_proof needs OBD_RUN_DIR (it is a no-op outside obd)")
-    checkpoint = os.path.join(env.output_dir, f"checkpoint-{int(step)}")
+    name = rundir.checkpoint_name(step)
+    checkpoint = os.path.join(env.output_dir, name)
     if not os.path.isdir(checkpoint):
         raise IncompleteCheckpoint(f"obd: no checkpoint directory {checkpoint}; no snapshot proof written")
+    if not rundir.is_real_checkpoint(env.output_dir, name):
+        # The daemon takes no proof of a linked checkpoint: say so here, where it can be fixed.
+        raise IncompleteCheckpoint(
+            f"obd: {checkpoint} or its output directory is a symbolic link; a snapshot must be a real "
+            "directory in the run's output/, so no snapshot proof was written"
+        )
     missing = [name for name in required if not os.path.exists(os.path.join(checkpoint, name))]
     if missing:
         raise IncompleteCheckpoint(f"obd: checkpoint {checkpoint} lacks {', '.join(missing)}; no snapshot proof written")
     fsync_tree(checkpoint)
-    proof = {
-        "checkpoint": checkpoint_relpath(step),
-        "step": int(step),
-        "time": time.time(),
-        "reason": reason if reason in REASONS else DEFAULT_REASON,
-    }
-    atomic_write(env.proof_path, (json.dumps(proof) + "\n").encode())
-    return proof
+    data = rundir.proof_bytes(step, reason, time.time())
+    atomic_write(env.proof_path, data)
+    return dict(json.loads(data))
 
 
 def write_request(env: RunEnv, reason: str) -> None:
@@ -229,7 +210,7 @@ def write_request(env: RunEnv, reason: str) -> None:
     if not env.request_path:
         return
     try:
-        atomic_write(env.request_path, f"{reason}\n".encode())
+        atomic_write(env.request_path, rundir.request_bytes(reason))
     except OSError as exc:
         log_error(f"obd: cannot write {env.request_path} ({exc})")
 

@@ -1,11 +1,11 @@
 """The pod watchdog: runs on a Runpod pod beside the job and holds the caps when obd is gone.
 
-Standard library only (plus its sibling jobctl.py, also standard library): obd uploads it into
-the run's `plugin/trainer_plugin/` and starts it detached before the job:
+Standard library only (plus its siblings jobctl.py and rundir.py, also standard library): obd
+uploads it with them into the run's `plugin/trainer_plugin/` and starts it detached before the job:
 
     python3 watchdog.py run --config RUN_DIR/watchdog.json    # the API key comes in RUNPOD_API_KEY
     python3 watchdog.py manifest RUN_DIR [PATH...]             # size and sha256 of the outputs, as JSON
-    python3 - manifest RUN_DIR < watchdog.py                   # the same, with nothing installed on the pod
+    python3 - manifest RUN_DIR [PATH...] < watchdog.py         # the same, fed on stdin (see `contract_for`)
 
 Every `interval` seconds it looks at the run directory and decides, by these rules:
 - `deadline`: writes `snapshot.request` `deadline` once `max_hours` is less than `snapshot_margin`
@@ -29,6 +29,7 @@ in `RUN_DIR/watchdog.log`.
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -41,12 +42,15 @@ from collections.abc import Callable
 from typing import Any
 
 try:  # imported as trainer_plugin.watchdog
-    from . import jobctl
+    from . import jobctl, rundir
 except ImportError:
-    try:  # run as a script beside jobctl.py
+    try:  # run as a script beside jobctl.py, which imports its sibling rundir.py
         import jobctl  # type: ignore[no-redef]
-    except ImportError:  # fed on stdin (`python3 - manifest RUN_DIR`): the manifest needs no jobctl
+
+        rundir = jobctl.rundir
+    except ImportError:  # fed on stdin, or copied without rundir.py beside it: main() calls import_tools
         jobctl = None  # type: ignore[assignment]
+        rundir = None  # type: ignore[assignment]
 
 DEFAULTS: dict[str, Any] = {
     "run_dir": None,
@@ -66,7 +70,6 @@ DEFAULTS: dict[str, Any] = {
     "lease_max_ttl": 3600.0,
     "api_base_url": None,  # default: RUNPOD_API_BASE_URL, else https://api.runpod.io
 }
-REASONS = ("deadline", "cost", "disk")
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -82,8 +85,8 @@ def load_config(path: str) -> dict[str, Any]:
 
 def read_lease(run_dir: str) -> tuple[float | None, float | None]:
     """(expiry written by the daemon, file mtime), or (None, None) when there is no lease."""
-    path = os.path.join(run_dir, "lease")
-    data = jobctl.read_regular(path, 64)
+    path = os.path.join(run_dir, rundir.LEASE)
+    data = rundir.read_regular(path, 64)
     if not data:
         return None, None
     try:
@@ -164,12 +167,12 @@ class Watchdog:
 
     def job_phase(self, now: float) -> tuple[str, float | None]:
         """('waiting' | 'running' | 'ended', when it ended) from the files the job wrapper writes."""
-        for name in ("cancelled", "exit_code"):
+        for name in (rundir.CANCELLED, rundir.EXIT_CODE):
             try:
                 return "ended", os.stat(self.path(name)).st_mtime
             except OSError:
                 pass
-        if not os.path.exists(self.path("job.pid")):
+        if not os.path.exists(self.path(rundir.JOB_PID)):
             return "waiting", None
         status = jobctl.job_status(self.run_dir)
         if status["state"] == "running":
@@ -196,7 +199,7 @@ class Watchdog:
         try:
             st = self.statvfs(self.cfg["disk_path"] or self.run_dir)
         except OSError as exc:
-            self.say("disk_unreadable", "disk", error=str(exc))
+            self.say("disk_unreadable", rundir.DISK, error=str(exc))
             return None
         free_gb = st.f_bavail * st.f_frsize / 1e9
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
@@ -217,7 +220,7 @@ class Watchdog:
         self.said.add((event, reason))
         line = {"time": self.clock(), "event": event, "reason": reason, **fields}
         try:
-            fd = os.open(self.path("watchdog.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(self.path(rundir.WATCHDOG_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
                 os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode())
             finally:
@@ -227,11 +230,11 @@ class Watchdog:
 
     def request(self, reason: str, **fields: Any) -> None:
         """Write `snapshot.request` with `reason`, atomically, unless a request is already there."""
-        existing = jobctl.read_regular(self.path("snapshot.request"), 256)
+        existing = rundir.read_regular(self.path(rundir.SNAPSHOT_REQUEST), rundir.REQUEST_LIMIT)
         if existing and existing.strip():
             self.say("request_exists", reason, existing=existing.decode("utf-8", "replace").strip(), **fields)
             return
-        jobctl.atomic_write(self.path("snapshot.request"), f"{reason}\n".encode())
+        rundir.atomic_write(self.path(rundir.SNAPSHOT_REQUEST), rundir.request_bytes(reason))
         self.say("snapshot_requested", reason, **fields)
 
     def hard_stop(self, reason: str, **fields: Any) -> None:
@@ -265,7 +268,7 @@ class Watchdog:
     def step(self) -> bool:
         """Look once and act; True when the watchdog's work is over (retrieved, or pod deleted)."""
         now = self.clock()
-        if os.path.exists(self.path("retrieved")):
+        if os.path.exists(self.path(rundir.RETRIEVED)):
             self.say("retrieved", "", detail="obd retrieved the outputs; the watchdog stops")
             return True
         fresh = self.lease_fresh(now)
@@ -305,29 +308,29 @@ class Watchdog:
             deadline = float(started_at) + float(cfg["max_hours"]) * 3600.0
             if now >= deadline - self.margin(deadline - float(started_at)):
                 if fresh:
-                    self.held_by_lease("deadline")
+                    self.held_by_lease(rundir.DEADLINE)
                 else:
-                    self.request("deadline", deadline=deadline)
+                    self.request(rundir.DEADLINE, deadline=deadline)
             if not fresh and now >= deadline:
-                self.hard_stop("deadline", deadline=deadline)
+                self.hard_stop(rundir.DEADLINE, deadline=deadline)
         rate = cfg["cost_per_hr"]
         if cfg["max_cost_usd"] is not None and started_at is not None and rate:
             cap_at = float(started_at) + float(cfg["max_cost_usd"]) / float(rate) * 3600.0
             spend = round(float(rate) * (now - float(started_at)) / 3600.0, 4)
             if now >= cap_at - self.margin(cap_at - float(started_at)):
-                self.request("cost", spend_usd=spend, max_cost_usd=cfg["max_cost_usd"])
+                self.request(rundir.COST, spend_usd=spend, max_cost_usd=cfg["max_cost_usd"])
             if now >= cap_at:
                 if fresh:
-                    self.held_by_lease("cost")
+                    self.held_by_lease(rundir.COST)
                 else:
-                    self.hard_stop("cost", spend_usd=spend)
+                    self.hard_stop(rundir.COST, spend_usd=spend)
         disk = self.disk_reason()
         if disk is not None:
-            self.request("disk", **disk)
+            self.request(rundir.DISK, **disk)
 
     def run(self, sleep: Callable[[float], None] = time.sleep, max_steps: int | None = None) -> int:
         """Step every `interval` seconds until done; at most one watchdog per run directory."""
-        lock = _lock(self.path("watchdog.lock"))
+        lock = _lock(self.path(rundir.WATCHDOG_LOCK))
         if lock is None:
             self.say("already_running", "")
             return 0
@@ -369,7 +372,6 @@ def _lock(path: str) -> int | None:
 
 # --- the output manifest (for obd's verified retrieval) -----------------------------------------
 
-OUTPUTS = ("output", "job.log", "metrics.jsonl", "snapshot.json", "profile", "exit_code", "watchdog.log")
 
 
 def sha256_file(path: str) -> tuple[int, str]:
@@ -389,8 +391,8 @@ def sha256_file(path: str) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def manifest(run_dir: str, names: tuple[str, ...] | list[str] = OUTPUTS) -> dict[str, Any]:
-    """Every regular file under `names` in the run directory with its size and sha256.
+def manifest(run_dir: str, names: tuple[str, ...] | list[str] | None = None) -> dict[str, Any]:
+    """Every regular file under `names` (default: what obd retrieves) in the run directory with its size and sha256.
 
     Links, FIFOs and devices are skipped (listed under `skipped`), so nothing outside the run
     directory is ever read or named.
@@ -398,7 +400,7 @@ def manifest(run_dir: str, names: tuple[str, ...] | list[str] = OUTPUTS) -> dict
     files: list[dict[str, Any]] = []
     skipped: list[str] = []
     missing: list[str] = []
-    for name in names:
+    for name in rundir.OUTPUTS if names is None else names:
         if name.startswith("/") or ".." in name.split("/"):
             skipped.append(name)
             continue
@@ -431,14 +433,66 @@ def manifest(run_dir: str, names: tuple[str, ...] | list[str] = OUTPUTS) -> dict
     return {"run_dir": run_dir, "files": files, "skipped": skipped, "missing": missing}
 
 
+def _tool_dirs(run_dir: str) -> list[str]:
+    """Directories that may hold jobctl.py with its rundir.py, for `run_dir`: the run's plugin
+    copy, then obd's SSH tools directories of its workdir, newest first.
+
+    These folder names are spelt here, not taken from rundir.py, because they are how to find it.
+    """
+    workdir = os.path.dirname(os.path.abspath(run_dir))
+    tools = glob.glob(os.path.join(workdir, ".obd", "tools-*"))
+    tools.sort(key=lambda d: os.stat(d).st_mtime if os.path.isdir(d) else 0.0, reverse=True)
+    return [os.path.join(run_dir, "plugin", "trainer_plugin"), *tools]
+
+
+def import_tools(run_dir: str, like: bytes | None = None) -> None:
+    """Import jobctl (and the rundir it imports) for a watchdog with no rundir.py beside it.
+
+    Fed on stdin (`python3 - manifest RUN_DIR`), the watchdog has nothing beside it; copied into
+    the run's plugin/ before the rest of the plugin, it may have jobctl.py without rundir.py. obd
+    installs both into every SSH host's and pod's `<workdir>/.obd/tools-<hash>/` when it connects,
+    and into the run's plugin/. `like`: the bytes of a jobctl.py whose very version is wanted.
+    """
+    global jobctl, rundir
+    for directory in _tool_dirs(run_dir):
+        try:
+            with open(os.path.join(directory, "jobctl.py"), "rb") as f:
+                source = f.read()
+        except OSError:
+            continue
+        if (like is not None and source != like) or not os.path.isfile(os.path.join(directory, "rundir.py")):
+            continue
+        sys.path.insert(0, directory)
+        import jobctl as found  # type: ignore[no-redef]
+
+        jobctl, rundir = found, found.rundir
+        return
+    raise ImportError(f"no jobctl.py with its rundir.py in {', '.join(_tool_dirs(run_dir))}")
+
+
+def _sibling_jobctl() -> bytes | None:
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobctl.py"), "rb") as f:
+            return f.read()
+    except (OSError, NameError):  # NameError: fed on stdin, there is no __file__
+        return None
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "manifest":
-        names = argv[2:] or list(OUTPUTS)
-        print(json.dumps(manifest(argv[1], names)), flush=True)
+        if rundir is None:
+            try:
+                import_tools(argv[1])
+            except (ImportError, SyntaxError) as exc:
+                print(f"obd watchdog: cannot list the outputs of {argv[1]}: {exc}", file=sys.stderr)
+                return 2
+        print(json.dumps(manifest(argv[1], argv[2:] or None)), flush=True)
         return 0
     if len(argv) >= 3 and argv[0] == "run" and argv[1] == "--config":
-        watchdog = Watchdog(load_config(argv[2]))
-        return watchdog.run()
+        cfg = load_config(argv[2])
+        if rundir is None:
+            import_tools(cfg["run_dir"], like=_sibling_jobctl())
+        return Watchdog(cfg).run()
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.plugin.conftest import PY, RunDir
+from tests.trainer_plugin.conftest import PY, RunDir
 
 PROBE = (
     "import json, sys; print(json.dumps({"

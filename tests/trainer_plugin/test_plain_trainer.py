@@ -1,4 +1,4 @@
-"""A plain Trainer script of the user's (tests/plugin/scripts/plain_trainer.py) under obd, as real processes.
+"""A plain Trainer script of the user's (tests/trainer_plugin/scripts/plain_trainer.py) under obd, as real processes.
 
 The script's "test" options write the request file or send SIGTERM at an exact step, standing
 in for the outside world, so no test depends on timing.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from runner.assemble import parse_run
-from tests.plugin.conftest import PY, REPO, SCRIPTS, Job, RunDir, assert_exit_zero
+from tests.trainer_plugin.conftest import PY, REPO, SCRIPTS, Job, RunDir, assert_exit_zero
 
 SCRIPT = SCRIPTS / "plain_trainer.py"
 MODEL_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")

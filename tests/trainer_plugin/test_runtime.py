@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.plugin.conftest import REPO
+from tests.trainer_plugin.conftest import REPO
 from trainer_plugin import runtime
 from trainer_plugin.runtime import REASONS, MetricsWriter, RunEnv
 

@@ -1,6 +1,6 @@
 """Progress heartbeats: between Trainer logs, rank 0 writes `log` lines with step, time, epoch and tokens but no loss.
 
-Real jobs (tests/plugin/scripts/plain_trainer.py) with `logging_steps` larger than one, so the
+Real jobs (tests/trainer_plugin/scripts/plain_trainer.py) with `logging_steps` larger than one, so the
 Trainer leaves steps unlogged, and OBD_PROGRESS_INTERVAL=0 (a heartbeat at every such step), so
 no test depends on timing except the one that checks the interval itself.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from runner.steps import pace, read_metrics_jsonl
-from tests.plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero
+from tests.trainer_plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero
 from trainer_plugin import runtime
 
 SCRIPT = SCRIPTS / "plain_trainer.py"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.plugin.conftest import PY, SCRIPTS, WORKLOAD, RunDir, assert_exit_zero
+from tests.trainer_plugin.conftest import PY, SCRIPTS, WORKLOAD, RunDir, assert_exit_zero
 
 
 def torchrun(*argv: str) -> list[str]:

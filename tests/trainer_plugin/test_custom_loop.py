@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.plugin.conftest import PY, SCRIPTS, RunDir, assert_exit_zero
+from tests.trainer_plugin.conftest import PY, SCRIPTS, RunDir, assert_exit_zero
 from trainer_plugin import loop
 
 SCRIPT = SCRIPTS / "custom_loop.py"

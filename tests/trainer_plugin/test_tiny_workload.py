@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.plugin.conftest import (
+from tests.trainer_plugin.conftest import (
     PY,
     WORKLOAD,
     Job,
