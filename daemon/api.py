@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_MESSAGE = 1 << 20
 
@@ -18,7 +19,8 @@ class ApiError(Exception):
 
 
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a request says exactly what it means ("profile": "yes" is not a bool).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StartRequest(_Req):
@@ -33,6 +35,17 @@ class StartRequest(_Req):
     resume_from: str | None = None
     profile: bool = False
     snapshot_on_sigterm: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_printable(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip() or len(value) > 100:
+            raise ValueError("--name must be 1 to 100 characters")
+        if any(unicodedata.category(ch).startswith("C") for ch in value):
+            raise ValueError("--name may not hold control characters (escape sequences, newlines, tabs)")
+        return value
 
 
 class StopRequest(_Req):

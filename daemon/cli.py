@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from daemon import render
-from daemon.client import Client, DaemonUnreachable, RequestFailed
+from daemon.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
 from daemon.paths import client_socket
 
-EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 69
+EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_BUSY, EXIT_DENIED = 1, 2, 69, 75, 77
 EXIT_STOP_FELL_BACK, EXIT_STOP_NO_SNAPSHOT = 3, 4
 FINAL = {"stopped", "succeeded", "failed", "cancelled"}
 
@@ -30,7 +30,9 @@ class UsageError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="obd", description="Supervise fine-tuning runs; stop them with a verified checkpoint.")
+    p = argparse.ArgumentParser(
+        prog="obd", description="Supervise fine-tuning runs; stop them with a verified checkpoint."
+    )
     p.add_argument("--socket", help="control socket (default: OBD_SOCKET, the config, or the XDG/system default)")
     p.add_argument("--config", help="config file (for the client: only to find the socket)")
     p.add_argument("--state-dir", help="the daemon's state directory (the client looks for STATE_DIR/obd.sock)")
@@ -49,10 +51,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--name")
     s.add_argument("--cwd")
     s.add_argument("--env", action="append", default=[], metavar="K=V")
-    s.add_argument("--secret", action="append", default=[], metavar="NAME", help="pass $NAME from this environment, never on a command line")
+    s.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass $NAME from this environment, never on a command line",
+    )
     s.add_argument("--resume-from", metavar="ID")
     s.add_argument("--profile", action="store_true")
-    s.add_argument("--snapshot-on-sigterm", action="store_true", help="a SIGTERM to the job becomes a snapshot request (preempted)")
+    s.add_argument(
+        "--snapshot-on-sigterm", action="store_true", help="a SIGTERM to the job becomes a snapshot request (preempted)"
+    )
     s.add_argument("--json", action="store_true")
     s.add_argument("command", nargs="*")
 
@@ -132,9 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     except DaemonUnreachable as exc:
         print(exc, file=sys.stderr)
         return EXIT_UNREACHABLE
+    except DaemonBusy as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_BUSY
     except RequestFailed as exc:
-        print(f"obd: {exc}", file=sys.stderr)
-        return EXIT_USAGE if exc.kind == "usage" else EXIT_ERROR
+        print(render.printable_lines(f"obd: {exc}"), file=sys.stderr)
+        return {"usage": EXIT_USAGE, "too_large": EXIT_USAGE, "denied": EXIT_DENIED}.get(exc.kind, EXIT_ERROR)
     except KeyboardInterrupt:
         return 130
     finally:
@@ -219,7 +232,11 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     if action == "stop":
         record = client.call("stop", id=args.id, reason=args.reason)
         if not args.wait:
-            print(json.dumps(record, indent=1) if args.json else f"{record['id']}: snapshot requested ({record['stop']['reason']})")
+            print(
+                json.dumps(record, indent=1)
+                if args.json
+                else f"{record['id']}: snapshot requested ({record['stop']['reason']})"
+            )
             return 0
         final = _wait(client, args.id)
         print(json.dumps(final, indent=1) if args.json else render.status(final))
@@ -230,7 +247,7 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
         record = client.call("cancel", id=args.id)
         if args.wait:
             record = _wait(client, args.id)
-        print(json.dumps(record, indent=1) if args.json else f"{record['id']}: {record['state']} {record['message']}")
+        print(json.dumps(record, indent=1) if args.json else render.printable(f"{record['id']}: {record['state']} {record['message']}"))
         return 0
     raise UsageError(f"unknown action {action}")
 
@@ -253,7 +270,7 @@ def _metrics(result: dict[str, Any], as_json: bool) -> int:
         return 0
     from runner.format import format_metrics
 
-    print(format_metrics(metrics))
+    print(render.printable_lines(format_metrics(metrics)))
     return 0
 
 

@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 MAX_REPLY = 64 << 20
+MAX_MESSAGE = 1 << 20  # the daemon's limit on one request (daemon/api.py)
+BUSY_RETRY_FOR = 3.0  # seconds a busy daemon is retried before the client gives up
+# Requests that can be sent again on a fresh connection without doing anything twice.
+IDEMPOTENT = frozenset({"ping", "list", "targets", "status", "wait", "metrics", "read", "stop", "cancel"})
 
 
 class DaemonUnreachable(Exception):
     pass
 
 
+class DaemonBusy(Exception):
+    """The daemon is up but turned this caller away (too many connections); retrying may work."""
+
+
 class RequestFailed(Exception):
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class _Closed(Exception):
+    """The connection closed before a reply came."""
 
 
 class Client:
@@ -37,36 +51,87 @@ class Client:
                 sock.connect(str(self.path))
             except OSError as exc:
                 sock.close()
-                raise DaemonUnreachable(
-                    f"obd: the daemon is not reachable at {self.path} ({exc.strerror or exc}).\n"
-                    "Start it with `obd daemon` (or `systemctl start obd`), or point to it with "
-                    "--socket / OBD_SOCKET."
-                ) from exc
+                raise DaemonUnreachable(unreachable_message(self.path, exc)) from exc
             self._sock = sock
         return self._sock
 
     def call(self, op: str, **params: Any) -> Any:
-        sock = self._connect()
-        try:
-            sock.sendall(json.dumps({"op": op, **params}).encode() + b"\n")
-            while b"\n" not in self._buf:
-                chunk = sock.recv(1 << 20)
-                if not chunk:
-                    raise DaemonUnreachable("obd: the daemon closed the connection; check its log")
-                self._buf += chunk
-                if len(self._buf) > MAX_REPLY:
-                    raise DaemonUnreachable("obd: the daemon's reply is too large")
-        except OSError as exc:
-            self.close()
-            raise DaemonUnreachable(f"obd: lost the daemon at {self.path}: {exc}") from exc
-        line, self._buf = self._buf.split(b"\n", 1)
-        reply = json.loads(line)
+        line = json.dumps({"op": op, **params}).encode() + b"\n"
+        if len(line) > MAX_MESSAGE:
+            raise RequestFailed(
+                f"the request is {len(line) >> 10} KiB, over the daemon's limit of {MAX_MESSAGE >> 10} KiB "
+                "(large --env values or --secret values?); pass large values in a file instead",
+                "usage",
+            )
+        deadline = time.monotonic() + BUSY_RETRY_FOR
+        reused = self._sock is not None
+        while True:
+            try:
+                reply = self._exchange(line)
+            except _Closed as exc:
+                # A connection kept between calls may have been closed by the daemon while idle
+                # (it makes way for others when full); a request that cannot act twice is sent again.
+                if reused and op in IDEMPOTENT:
+                    reused = False
+                    continue
+                raise DaemonUnreachable(f"obd: the daemon closed the connection ({exc}); check its log") from exc
+            if reply.get("kind") == "busy" and not reply.get("ok"):
+                self.close()
+                if time.monotonic() >= deadline:
+                    raise DaemonBusy(
+                        f"obd: the daemon at {self.path} is busy with other callers: {reply.get('error')}; "
+                        "retry in a moment"
+                    )
+                time.sleep(0.2)
+                continue
+            break
         if not reply.get("ok"):
             raise RequestFailed(reply.get("error", "unknown error"), reply.get("kind", "error"))
         return reply.get("result")
+
+    def _exchange(self, line: bytes) -> dict[str, Any]:
+        sock = self._connect()
+        try:
+            try:
+                sock.sendall(line)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon may have answered already (busy, too large): read what it said
+            while b"\n" not in self._buf:
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    self.close()
+                    raise _Closed("no reply")
+                self._buf += chunk
+                if len(self._buf) > MAX_REPLY:
+                    self.close()
+                    raise DaemonUnreachable("obd: the daemon's reply is too large")
+        except ConnectionResetError as exc:
+            self.close()
+            raise _Closed(str(exc)) from exc
+        except OSError as exc:
+            self.close()
+            raise DaemonUnreachable(f"obd: lost the daemon at {self.path}: {exc}") from exc
+        reply_line, self._buf = self._buf.split(b"\n", 1)
+        reply: dict[str, Any] = json.loads(reply_line)
+        return reply
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
             self._buf = b""
+
+
+def unreachable_message(path: Path, exc: OSError) -> str:
+    """Why the socket could not be reached, and what to do: a permission error is not a daemon to start."""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"obd: permission denied on the daemon's socket {path}: it is for root, the daemon's user and, "
+            "if the administrator set socket_group, that group's members. Run the command with sudo, ask to be "
+            "added to the socket's group, or start a daemon of your own (`obd daemon`, or "
+            "`systemctl --user start obd`) and point to it with --socket / OBD_SOCKET."
+        )
+    return (
+        f"obd: the daemon is not reachable at {path} ({exc.strerror or exc}).\n"
+        "Start it with `obd daemon` (or `systemctl start obd`), or point to it with --socket / OBD_SOCKET."
+    )

@@ -124,6 +124,8 @@ class Handlers:
         reason = normalise_reason(req.reason) or "requested"
         if record.state.final:
             raise ApiError(f"run {record.id} already ended ({record.state.value}): {record.message}", "state")
+        if not record.snapshots and record.state == RunState.running:
+            await self._refresh(record)  # the job may have announced the plugin since the last poll
         if not record.snapshots:
             raise ApiError(
                 f"run {record.id} cannot snapshot: its job has not announced obd's snapshot plugin "
@@ -141,6 +143,17 @@ class Handlers:
                 "unavailable",
             ) from exc
         return record.public()
+
+    async def _refresh(self, record: RunRecord) -> None:
+        """Read the run's directory now (one probe) and fold it into the record."""
+        try:
+            executor = self.daemon.targets.executor(record)
+            with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
+                [probe] = await executor.probe([(job_handle(record), record.remote_dir)])
+        except (ExecutorError, TimeoutError, OSError, ApiError) as exc:
+            log.info("refresh_failed", run_id=record.id, error=str(exc))
+            return
+        await self.daemon.follow.apply(record, probe)
 
     async def cancel(self, req: IdRequest, uid: int) -> dict[str, Any]:
         daemon = self.daemon

@@ -2,7 +2,10 @@
 
 Each connection is served on its own; a caller that is not allowed (checked with SO_PEERCRED),
 sends garbage, a message over 1 MiB, or goes quiet halfway gets an error or is dropped, and
-nothing it does reaches another caller's request.
+nothing it does reaches another caller's request. Callers that hold connections without using
+them (silent, or not reading their replies) cannot lock others out: a reply that cannot be
+sent within `SEND_TIMEOUT` drops its connection, each uid has a share of the connections, and
+when there is no room the caller that has waited on its peer the longest makes way.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import pwd
 import socket
 import stat
 import struct
+import time
 from collections.abc import Awaitable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +35,10 @@ from daemon.config import DaemonSection
 
 log = structlog.get_logger("obd.server")
 IDLE_TIMEOUT = 60.0
-MAX_CONNECTIONS = 256  # beyond this a new caller is told the daemon is busy and dropped
+SEND_TIMEOUT = 5.0  # a reply the caller does not read within this drops the connection
+MAX_CONNECTIONS = 512
+MAX_PER_UID = 64  # one user's share of MAX_CONNECTIONS
+DRAIN_LIMIT = 64 << 20  # what is read (and thrown away) of an over-long message before hanging up
 
 
 class Handler(Protocol):
@@ -39,6 +47,53 @@ class Handler(Protocol):
     def model(self, op: str) -> type[BaseModel] | None: ...
 
     def __call__(self, request: Any, uid: int) -> Awaitable[Any]: ...
+
+
+@dataclass(eq=False)
+class Caller:
+    """One connection: whose it is, and since when it has been waiting on its peer (None while
+    the daemon works on its request)."""
+
+    uid: int
+    stalled_since: float | None = field(default_factory=time.monotonic)
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+
+class Callers:
+    """The connections being served, and who makes way when there is no room for a new one."""
+
+    def __init__(self, total: int = MAX_CONNECTIONS, per_uid: int = MAX_PER_UID) -> None:
+        self.total = total
+        self.per_uid = per_uid
+        self.callers: set[Caller] = set()
+
+    def count(self, uid: int) -> int:
+        return sum(c.uid == uid for c in self.callers)
+
+    def admit(self, caller: Caller) -> bool:
+        """Take a new caller, evicting the longest-stalled connection (its own uid's first when
+        it is at its share); False when everyone is busy with a request."""
+        if self.count(caller.uid) >= self.per_uid and not self._evict({c for c in self.callers if c.uid == caller.uid}):
+            return False
+        if len(self.callers) >= self.total:
+            heaviest = max({c.uid for c in self.callers}, key=self.count)
+            if not self._evict({c for c in self.callers if c.uid == heaviest}) and not self._evict(self.callers):
+                return False
+        self.callers.add(caller)
+        return True
+
+    def _evict(self, among: set[Caller]) -> bool:
+        stalled = [c for c in among if c.stalled_since is not None and not c.scope.cancel_called]
+        if not stalled:
+            return False
+        victim = min(stalled, key=lambda c: c.stalled_since or 0.0)
+        victim.scope.cancel()
+        self.callers.discard(victim)
+        log.info("caller_evicted", uid=victim.uid, stalled_s=round(time.monotonic() - (victim.stalled_since or 0), 3))
+        return True
+
+    def leave(self, caller: Caller) -> None:
+        self.callers.discard(caller)
 
 
 def raise_fd_limit() -> None:
@@ -66,6 +121,7 @@ class ControlServer:
         self.mode = config.socket_mode
         self.group = config.socket_group
         self.handler = handler
+        self.callers = Callers()
         self.gid: int | None = None
         if self.group:
             try:
@@ -128,15 +184,6 @@ class ControlServer:
 
     async def _accept_loop(self, listener: Any, tg: Any) -> None:
         """Accept callers for ever: running out of descriptors or a flood of callers never ends it."""
-        active = 0
-
-        async def serve_one(stream: SocketStream) -> None:
-            nonlocal active
-            try:
-                await self._connection(stream)
-            finally:
-                active -= 1
-
         while True:
             try:
                 stream = await listener.accept()
@@ -144,13 +191,7 @@ class ControlServer:
                 log.warning("accept_failed", error=str(exc.__cause__ or exc))
                 await anyio.sleep(0.1)  # e.g. EMFILE: let connections close, then go on
                 continue
-            if active >= MAX_CONNECTIONS:
-                with anyio.move_on_after(1):
-                    await _send(stream, {"ok": False, "kind": "busy", "error": "the daemon is busy; retry"})
-                await stream.aclose()
-                continue
-            active += 1
-            tg.start_soon(serve_one, stream)
+            tg.start_soon(self._connection, stream)
 
     async def _connection(self, stream: SocketStream) -> None:
         async with stream:
@@ -158,29 +199,103 @@ class ControlServer:
                 _pid, uid, gid = peer_credentials(stream.extra(SocketAttribute.raw_socket))
             except OSError:
                 return
+            reader = BufferedByteReceiveStream(stream)
             if not self.allowed(uid, gid):
                 log.warning("caller_refused", uid=uid)
-                await _send(stream, {"ok": False, "kind": "denied", "error": f"uid {uid} may not use this daemon"})
+                await self._refuse(stream, reader, "denied", self.denied_message(uid))
                 return
-            reader = BufferedByteReceiveStream(stream)
-            while True:
-                try:
-                    with anyio.fail_after(IDLE_TIMEOUT):
-                        line = await reader.receive_until(b"\n", MAX_MESSAGE)
-                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, TimeoutError):
-                    return
-                except anyio.DelimiterNotFound:
-                    await _send(stream, {"ok": False, "kind": "usage", "error": "message over 1 MiB; dropped"})
-                    return
-                reply = await self._answer(line, uid)
-                try:
+            caller = Caller(uid)
+            if not self.callers.admit(caller):
+                log.warning("caller_busy", uid=uid, connections=self.callers.count(uid))
+                await self._refuse(stream, reader, "busy", "the daemon is busy with other callers")
+                return
+            try:
+                with caller.scope:
+                    await self._serve(stream, reader, caller)
+            finally:
+                self.callers.leave(caller)
+
+    def denied_message(self, uid: int) -> str:
+        """Who may use this socket, and how, for a caller who may not."""
+        who = "root and the daemon's own user"
+        if self.group:
+            who += f", and members of the group {self.group!r}"
+        return (
+            f"uid {uid} may not use this daemon: its socket {self.path} is for {who}. Run the command "
+            "as one of them (e.g. with sudo), ask the administrator to add you to the daemon's socket_group, "
+            "or run a daemon of your own (`obd daemon`, or `systemctl --user start obd`)"
+        )
+
+    async def _serve(self, stream: SocketStream, reader: BufferedByteReceiveStream, caller: Caller) -> None:
+        while True:
+            caller.stalled_since = time.monotonic()
+            try:
+                with anyio.fail_after(IDLE_TIMEOUT):
+                    line = await reader.receive_until(b"\n", MAX_MESSAGE)
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, TimeoutError):
+                return
+            except anyio.DelimiterNotFound:
+                await self._refuse(
+                    stream, reader, "too_large", f"the request is over {MAX_MESSAGE >> 20} MiB; it was not read"
+                )
+                return
+            caller.stalled_since = None
+            reply = await self._answer_unless_gone(stream, reader, line, caller.uid)
+            if reply is None:
+                return  # the caller hung up while its request was being answered (a long `wait`)
+            caller.stalled_since = time.monotonic()
+            try:
+                with anyio.fail_after(SEND_TIMEOUT):
                     await _send(stream, reply)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    return
+            except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                return
+
+    async def _answer_unless_gone(
+        self, stream: SocketStream, reader: BufferedByteReceiveStream, line: bytes, uid: int
+    ) -> dict[str, Any] | None:
+        """Answer a request, but give up (None) if the caller hangs up meanwhile, so a long
+        request whose caller went away does not hold its connection."""
+        reply: dict[str, Any] | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def answer() -> None:
+                nonlocal reply
+                reply = await self._answer(line, uid)
+                tg.cancel_scope.cancel()
+
+            async def watch_hangup() -> None:
+                if reader.buffer:
+                    return  # a pipelined request is waiting: the caller is there
+                raw = stream.extra(SocketAttribute.raw_socket)
+                await anyio.wait_readable(raw)
+                with contextlib.suppress(OSError):
+                    if raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                        tg.cancel_scope.cancel()
+
+            tg.start_soon(answer)
+            tg.start_soon(watch_hangup)
+        return reply
+
+    @staticmethod
+    async def _refuse(stream: SocketStream, reader: BufferedByteReceiveStream, kind: str, error: str) -> None:
+        """Answer a caller that is not served, then hang up cleanly: the rest of what it sends is
+        read and thrown away first, so it gets the answer and not a reset connection."""
+        with anyio.move_on_after(SEND_TIMEOUT):
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                await _send(stream, {"ok": False, "kind": kind, "error": error})
+            with contextlib.suppress(OSError):
+                stream.extra(SocketAttribute.raw_socket).shutdown(socket.SHUT_WR)
+            drained = len(reader.buffer)
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                while drained < DRAIN_LIMIT:
+                    drained += len(await reader.receive())
 
     async def _answer(self, line: bytes, uid: int) -> dict:
         try:
-            raw = json.loads(line)
+            try:
+                raw = json.loads(line)
+            except RecursionError as exc:
+                raise ApiError("bad request: JSON nested too deeply", "usage") from exc
             if not isinstance(raw, dict) or not isinstance(raw.get("op"), str):
                 raise ApiError('a request is a JSON object with an "op" string', "usage")
             model = self.handler.model(raw["op"])
@@ -190,9 +305,16 @@ class ControlServer:
             return {"ok": True, "result": await self.handler(request, uid)}
         except ApiError as exc:
             return {"ok": False, "kind": exc.kind, "error": str(exc)}
-        except (ValueError, ValidationError) as exc:
-            text = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else "not valid JSON"
-            return {"ok": False, "kind": "usage", "error": f"bad request: {text}"}
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return {
+                "ok": False,
+                "kind": "usage",
+                "error": f"bad request: {where + ': ' if where else ''}{first['msg']}",
+            }
+        except ValueError:
+            return {"ok": False, "kind": "usage", "error": "bad request: not valid JSON"}
         except Exception as exc:  # one request's bug must not take the daemon down
             log.exception("request_failed")
             return {"ok": False, "kind": "error", "error": f"internal error: {type(exc).__name__}: {exc}"}

@@ -15,7 +15,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import DaemonProc
+from tests.conftest import DaemonProc, wait_for
 
 
 def _raw(path: Path, payload: bytes, read: bool = True) -> bytes:
@@ -189,3 +189,113 @@ def test_running_out_of_file_descriptors_never_ends_the_daemon(make_daemon) -> N
             s.close()
     time.sleep(0.5)
     assert d.call("ping")["pid"] == d.proc.pid
+
+
+def _open_many(path: Path, count: int, payload: bytes = b"") -> list[socket.socket]:
+    """`count` connections that send `payload` (as much as the socket takes) and never read."""
+    held = []
+    for _ in range(count):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(path))
+        if payload:
+            s.setblocking(False)
+            try:
+                s.send(payload)
+            except BlockingIOError:
+                pass
+        held.append(s)
+    return held
+
+
+def test_silent_connections_do_not_lock_a_new_caller_out(daemon: DaemonProc) -> None:
+    held = _open_many(daemon.socket, 300)
+    try:
+        out = daemon.cli("train", "list", timeout=30)
+        assert out.returncode == 0, out.stderr
+    finally:
+        for s in held:
+            s.close()
+    assert "caller_evicted" in daemon.log_path.read_text()
+
+
+def test_callers_that_never_read_their_replies_do_not_lock_a_new_caller_out(daemon: DaemonProc) -> None:
+    for i in range(20):
+        daemon.call("start", command=["true"], name=f"filler-{i}")
+    pipelined = b'{"op": "list"}\n' * 2000
+    held = _open_many(daemon.socket, 300, pipelined)
+    try:
+        out = daemon.cli("train", "list", timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "filler-19" in out.stdout
+    finally:
+        for s in held:
+            s.close()
+    assert daemon.proc.poll() is None
+
+
+def test_a_busy_answer_is_not_reported_as_an_unreachable_daemon(daemon: DaemonProc) -> None:
+    from daemon.client import Client, DaemonBusy
+
+    # Every connection of this uid busy with a request (a long `wait`), none stalled: no room.
+    rid = daemon.call("start", command=["sleep", "30"])["id"]
+    waiters = []
+    try:
+        for _ in range(64):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(daemon.socket))
+            s.sendall(json.dumps({"op": "wait", "id": rid, "timeout": 60}).encode() + b"\n")
+            waiters.append(s)
+        time.sleep(1)
+        c = Client(daemon.socket, timeout=10)
+        try:
+            c.call("ping")
+            raise AssertionError("a caller over its share was served")
+        except DaemonBusy as exc:
+            assert "busy" in str(exc)
+        finally:
+            c.close()
+        out = daemon.cli("train", "list", timeout=30)
+        assert out.returncode == 75 and "busy" in out.stderr, (out.returncode, out.stderr)
+    finally:
+        for s in waiters:
+            s.close()
+    # Callers that hung up during their request gave their connections back at once.
+    assert wait_for(lambda: daemon.cli("train", "cancel", rid).returncode == 0, 10, 0.2, "a free connection")
+
+
+def test_a_request_nested_too_deeply_is_answered_as_bad_input(daemon: DaemonProc) -> None:
+    reply = json.loads(_raw(daemon.socket, b"[" * 100000 + b"\n"))
+    assert reply["kind"] == "usage" and "nested too deeply" in reply["error"]
+    reply = json.loads(_raw(daemon.socket, b'{"op": "list", "x": ' + b"[" * 100000 + b"\n"))
+    assert reply["kind"] == "usage"
+    assert "request_failed" not in daemon.log_path.read_text()  # no traceback: it is bad input
+
+
+def test_a_request_over_the_limit_gets_the_too_large_answer_not_a_reset(daemon: DaemonProc) -> None:
+    reply = _raw(daemon.socket, b'{"op": "list", "pad": "' + b"x" * (3 << 20) + b'"}\n')
+    assert json.loads(reply)["kind"] == "too_large"
+    assert daemon.call("ping")["pid"] == daemon.proc.pid
+
+
+def test_a_start_with_secrets_over_the_limit_is_refused_with_a_usage_error(daemon: DaemonProc) -> None:
+    big = {f"BIG_SECRET_{i}": "s" * 120_000 for i in range(10)}
+    args = [arg for name in big for arg in ("--secret", name)]
+    out = daemon.cli("train", "start", *args, "--", "true", env=big)
+    assert out.returncode == 2, out.stderr
+    assert "over the daemon's limit" in out.stderr and "secret" in out.stderr
+    assert daemon.call("list") == []
+
+
+def test_requests_are_typed_strictly(daemon: DaemonProc) -> None:
+    reply = json.loads(_raw(daemon.socket, b'{"op": "start", "command": ["true"], "profile": "yes"}\n'))
+    assert reply["kind"] == "usage" and "profile" in reply["error"]
+    reply = json.loads(_raw(daemon.socket, b'{"op": "read", "id": "x", "offset": "12"}\n'))
+    assert reply["kind"] == "usage" and "offset" in reply["error"]
+    assert daemon.call("list") == []
+
+
+def test_a_run_name_with_control_characters_is_refused(daemon: DaemonProc) -> None:
+    for name in ("evil\x1b[2J", "two\nlines", "tab\there"):
+        out = daemon.cli("train", "start", "--name", name, "--", "true")
+        assert out.returncode == 2 and "control characters" in out.stderr, out.stderr
+    assert daemon.call("list") == []
