@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--config", default=argparse.SUPPRESS)
     d.add_argument("--socket", default=argparse.SUPPRESS)
     d.add_argument("--state-dir", default=argparse.SUPPRESS)
-    d.add_argument("--log-level")
+    d.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), help="what the daemon logs (default: info)"
+    )
 
     train = sub.add_parser("train", help="start, stop and follow runs").add_subparsers(dest="action", required=True)
     s = train.add_parser("start", help="start a run: obd train start [OPTIONS] -- COMMAND [ARG]...")
@@ -170,7 +172,11 @@ def _daemon(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"obd: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    configure(args.log_level or config.daemon.log_level)
+    try:
+        configure(args.log_level or config.daemon.log_level)
+    except ValueError as exc:
+        print(f"obd: [daemon] {exc}", file=sys.stderr)
+        return EXIT_USAGE
     anyio.run(Daemon(config).run)
     return 0
 
@@ -247,7 +253,11 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
         record = client.call("cancel", id=args.id)
         if args.wait:
             record = _wait(client, args.id)
-        print(json.dumps(record, indent=1) if args.json else render.printable(f"{record['id']}: {record['state']} {record['message']}"))
+        print(
+            json.dumps(record, indent=1)
+            if args.json
+            else render.printable(f"{record['id']}: {record['state']} {record['message']}")
+        )
         return 0
     raise UsageError(f"unknown action {action}")
 

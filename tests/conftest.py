@@ -70,10 +70,16 @@ class DaemonProc:
     def write_config(self, text: str) -> None:
         self.config_path.write_text(text)
 
-    def start(self, extra_env: dict[str, str] | None = None, wait: bool = True, preexec_fn: Callable[[], None] | None = None) -> None:
+    def start(
+        self,
+        extra_env: dict[str, str] | None = None,
+        wait: bool = True,
+        preexec_fn: Callable[[], None] | None = None,
+        log_level: str = "debug",
+    ) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.cli", "daemon", "--log-level", "debug"],
+                [sys.executable, "-m", "daemon.cli", "daemon", "--log-level", log_level],
                 env={**self.env, **(extra_env or {})},
                 stdout=log,
                 stderr=log,

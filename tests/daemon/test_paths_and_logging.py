@@ -345,3 +345,63 @@ def test_the_log_format_follows_whether_stderr_is_a_terminal(tmp_path: Path) -> 
     text = ANSI.sub("", b"".join(chunks).decode())
     assert "run_started" in text and "run_id=r-9" in text and "pid=7" in text
     assert not text.lstrip().startswith("{")
+
+
+def test_library_chatter_is_kept_below_warning_and_rendered_like_obds_own_lines() -> None:
+    import io
+    import logging
+    import sys
+
+    from daemon.log import configure
+
+    err = io.StringIO()
+    old = sys.stderr
+    sys.stderr = err
+    try:
+        configure("info", json_output=True)
+        logging.basicConfig(level=logging.INFO)  # what importing the runpod SDK does: now a no-op
+        logging.getLogger("asyncssh").info("Running remote command: secret shell script body")
+        logging.getLogger("asyncssh").warning("connection lost")
+        logging.getLogger("runpod").info("sdk chatter")
+    finally:
+        sys.stderr = old
+        logging.getLogger().handlers.clear()
+    lines = [json.loads(line) for line in err.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["connection lost"]
+    assert lines[0]["level"] == "warning" and lines[0]["logger"] == "asyncssh"
+
+
+def test_a_daemon_with_runpod_and_ssh_targets_logs_only_json_and_no_remote_script(make_daemon, short_tmp) -> None:
+    from tests.conftest import FAST_CONFIG
+    from tests.sshd import running_sshd
+
+    for server in running_sshd():
+        f = server.target_fields()
+        config = FAST_CONFIG + (
+            '\n[targets.pods]\nkind = "runpod"\n'
+            f'\n[targets.box]\nkind = "ssh"\nhost = "{f["host"]}"\nport = {f["port"]}\nuser = "{f["user"]}"\n'
+            f'identity_file = "{f["identity_file"]}"\nknown_hosts = "{f["known_hosts"]}"\n'
+            f'workdir = "{short_tmp / "remote"}"\npython = "{sys.executable}"\n'
+        )
+        d = make_daemon(config)
+        d.env.update(RUNPOD_API_BASE_URL="http://127.0.0.1:9", RUNPOD_API_KEY="not-a-key")
+        d.start(log_level="info")
+        rid = d.call("start", command=["sh", "-c", "echo hello"], target="box")["id"]
+        d.wait_state(rid, "succeeded")
+        d.stop()
+    text = d.log_path.read_text()
+    assert "pod_reconcile" in text  # the pod target was looked at (its SDK imported)
+    events = [json.loads(line) for line in text.splitlines()]  # every line is JSON, the libraries' too
+    assert not [e for e in events if e.get("logger") == "asyncssh" and e.get("level") in ("info", "debug")]
+    assert "setsid" not in text and "jobctl" not in text  # no remote script body
+
+
+def test_a_bad_log_level_is_a_usage_error_not_a_traceback(short_tmp) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "daemon", "--log-level", "verbose", "--state-dir", str(short_tmp)],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "log-level" in out.stderr
