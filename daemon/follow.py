@@ -20,7 +20,7 @@ from daemon.api import ApiError
 from daemon.hints import hint, last_lines
 from daemon.models import RunRecord, RunState
 from daemon.store import StoreError
-from daemon.supervise import apply_probe, final_state
+from daemon.stop_rules import apply_probe, final_state
 from executors.base import Executor, ExecutorError, JobHandle, JobState, JobStatus, RunEvents, RunProbe
 
 if TYPE_CHECKING:
@@ -211,21 +211,12 @@ class Follower:
     async def _finish(self, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
         supervision = self.daemon.targets.of(record)
         executor = supervision.executor(record)
-        state, message = final_state(record, status)
+        decision = final_state(record, status, probe.checkpoints)
+        state, message = decision.state, decision.message
         if status.state == JobState.lost:
             message = supervision.explain_lost(record, message)
         if state == RunState.failed and status.state == JobState.exited:
             message += await self._failure_detail(executor, record, status, probe)
-        if record.snapshot is not None and state == RunState.stopped:
-            name = record.snapshot.checkpoint.split("/", 1)[1]
-            if name not in probe.checkpoints:
-                state, message = (
-                    RunState.failed,
-                    (
-                        f"the snapshot proof names {record.snapshot.checkpoint}, which is not in the run "
-                        f"directory; see `obd train logs {record.id}`"
-                    ),
-                )
         if record.profile:
             await self._collect_metrics(record, executor)
         end_message = await supervision.on_end(record)
@@ -236,6 +227,8 @@ class Follower:
                 return
             record.exit_code = status.exit_code
             record.progress.eta_seconds = None
+            if not decision.snapshot_stands:
+                record.snapshot = None  # nothing may resume from a checkpoint that is not there
             if executor.events is not None:
                 executor.events.unwatch(record.remote_dir)
             record.transition(state, message)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.models import RunRecord
-from daemon.supervise import update_progress
+from daemon.progress import update_progress
 from executors.base import JobState, JobStatus, RunProbe
 
 T0 = 1_700_000_000.0
