@@ -10,8 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # The reason words and the run-id rule are the run directory's contract (trainer_plugin/rundir.py);
 # normalise_reason stays importable from here for the daemon's modules.
-from trainer_plugin.rundir import is_run_id
-from trainer_plugin.rundir import normalise_reason as normalise_reason
+from trainer_plugin.rundir import (
+    is_run_id,
+    normalise_reason,  # noqa: F401 - re-exported
+)
 
 HISTORY_NOTES_LIMIT = 500
 

@@ -126,7 +126,9 @@ class SnapshotCallback(TrainerCallback):
         if self._pending is not None and not self._proven:
             # Training stopped for a snapshot that was never saved: exiting 0 would read as
             # "succeeded", so fail loudly instead.
-            raise RuntimeError(f"obd: training stopped for a snapshot at step {self._pending[0]} but no checkpoint was saved")
+            raise RuntimeError(
+                f"obd: training stopped for a snapshot at step {self._pending[0]} but no checkpoint was saved"
+            )
         tear_down_at_exit(self._ranks)
 
     # --- the request --------------------------------------------------------------------
@@ -198,7 +200,9 @@ class SnapshotCallback(TrainerCallback):
         actual = os.path.realpath(str(args.output_dir))
         expected = os.path.realpath(str(self.env.output_dir))
         if actual != expected:
-            raise IncompleteCheckpoint(f"obd: the Trainer saved to {actual}, not the run's {expected}; no snapshot proof written")
+            raise IncompleteCheckpoint(
+                f"obd: the Trainer saved to {actual}, not the run's {expected}; no snapshot proof written"
+            )
 
     # --- metrics ------------------------------------------------------------------------
 
@@ -220,7 +224,7 @@ class SnapshotCallback(TrainerCallback):
                 "log", step=state.global_step, epoch=state.epoch, tokens=state.num_input_tokens_seen, heartbeat=True
             )
             self._last_progress = now
-        except Exception as exc:  # noqa: BLE001 - progress lines must never stop training
+        except Exception as exc:
             self._heartbeats = False
             log_error(f"obd: progress heartbeat failed ({exc!r}); no more heartbeat lines from this job")
 
@@ -301,7 +305,7 @@ def parameter_counts(model: Any) -> dict[str, int | None]:
             total += n
             if getattr(p, "requires_grad", False):
                 trainable += n
-    except Exception as exc:  # noqa: BLE001 - a count is optional; training goes on without it
+    except Exception as exc:
         log_error(f"obd: model parameters not counted ({type(exc).__name__}: {exc}); MFU will need them from elsewhere")
         return {"model_params": None, "trainable_params": None}
     if total <= 0:

@@ -42,7 +42,9 @@ class TrainerImportHook:
 
     _obd_trainer_finder = True
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname != TARGET:
             return None
         for finder in sys.meta_path:
@@ -87,11 +89,11 @@ def patch_module(module: ModuleType) -> None:
         return
     try:
         patch_trainer_class(trainer)
-    except Exception as exc:  # noqa: BLE001 - the job must still train, without snapshots, rather than crash
+    except Exception as exc:
         log_error(f"obd: could not patch transformers.Trainer ({type(exc).__name__}: {exc}); no snapshots")
 
 
-def patch_trainer_class(cls: type) -> None:
+def patch_trainer_class(cls: Any) -> None:
     """Wrap `cls.__init__` (output_dir, callback) and `cls.train` (resume, one callback); idempotent."""
     if not getattr(cls.__init__, MARKER, False):
         cls.__init__ = _wrap_init(cls.__init__)
@@ -166,7 +168,7 @@ def _default_training_args(env: RunEnv) -> Any:
     # What Trainer builds when given no arguments, minus the stray ./tmp_trainer directory.
     from transformers import TrainingArguments
 
-    training_args = TrainingArguments(output_dir=env.output_dir)
+    training_args: Any = TrainingArguments(output_dir=env.output_dir)
     training_args._obd_output_dir_requested = "tmp_trainer"
     return training_args
 

@@ -15,6 +15,7 @@ and signalled on another, and a reused pid (start time differs) is never mistake
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ import time
 try:  # imported as trainer_plugin.jobctl
     from . import rundir
 except ImportError:  # run as a script (`python3 jobctl.py ...`) beside rundir.py
-    import rundir  # type: ignore[no-redef]
+    import rundir  # type: ignore[no-redef, import-not-found]
 
 # Kept importable from here for the callers that knew them as jobctl's.
 atomic_write = rundir.atomic_write
@@ -236,7 +237,7 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int) -> i
         env["PYTHONPATH"] = os.pathsep.join(lead + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
     path_prepend = [p for p in (spec.get("path_prepend") or []) if p]
     if path_prepend:
-        env["PATH"] = os.pathsep.join(path_prepend + [os.environ.get("PATH", os.defpath)])
+        env["PATH"] = os.pathsep.join([*path_prepend, os.environ.get("PATH", os.defpath)])
     command = spec.get("command") or []
     cwd = spec.get("cwd") or run_dir
     try:
@@ -248,7 +249,8 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int) -> i
             stdout=log,
             stderr=log,
             restore_signals=True,
-            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+            # The wrapper is a forked, single-threaded process: preexec_fn is safe here.
+            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),  # noqa: PLW1509
         )
     except (OSError, ValueError) as exc:
         os.write(log, f"obd: could not start {command[:1]!r}: {exc}\n".encode())
@@ -305,7 +307,7 @@ def cancel(run_dir: str, grace: float, handle: dict | None = None) -> dict:
     now = time.time()
     atomic_write(os.path.join(run_dir, rundir.CANCELLING), f"{now}\n".encode())
     killed = False
-    if handle_alive(handle) or group_alive(handle):
+    if handle is not None and (handle_alive(handle) or group_alive(handle)):
         pgid = int(handle["pid"])
         _killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -322,10 +324,8 @@ def cancel(run_dir: str, grace: float, handle: dict | None = None) -> dict:
 
 
 def _killpg(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 # --- probe ------------------------------------------------------------------------------
@@ -401,7 +401,7 @@ def probe_dir(run_dir: str, handle: dict | None = None) -> dict:
         result["log_size"] = file_size(os.path.join(run_dir, rundir.JOB_LOG))
         result["handle"] = read_handle(run_dir)
         result["checkpoints"] = rundir.real_checkpoints(run_dir)
-    except Exception as exc:  # noqa: BLE001 - one hostile directory must not fail the batch
+    except Exception as exc:
         result.setdefault("status", {"state": "running", "exit_code": None})
         result["error"] = f"{type(exc).__name__}: {exc}"
     return result

@@ -8,6 +8,7 @@ watchdog.py as a plain sibling module, and inside the job as part of the `traine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -207,19 +208,25 @@ def parse_proof(data: bytes) -> Proof | InvalidProof:
     if checkpoint != expected:
         return InvalidProof(f"{SNAPSHOT_PROOF} names a checkpoint other than {expected}")
     when = value.get("time")
-    finite = isinstance(when, (int, float)) and not isinstance(when, bool) and math.isfinite(when)
+    if not isinstance(when, (int, float)) or isinstance(when, bool) or not math.isfinite(when):
+        when = None
     reason = value.get("reason")
     return Proof(
         checkpoint=expected,
         step=step,
         reason=normalise_reason(reason if isinstance(reason, str) else None) or DEFAULT_REASON,
-        time=float(when) if finite else None,
+        time=None if when is None else float(when),
     )
 
 
 def proof_bytes(step: int, reason: str, when: float) -> bytes:
     """The `snapshot.json` the plugin writes for `output/checkpoint-<step>`."""
-    proof = {"checkpoint": checkpoint_relpath(step), "step": int(step), "time": when, "reason": normalise_reason(reason) or DEFAULT_REASON}
+    proof = {
+        "checkpoint": checkpoint_relpath(step),
+        "step": int(step),
+        "time": when,
+        "reason": normalise_reason(reason) or DEFAULT_REASON,
+    }
     return (json.dumps(proof) + "\n").encode()
 
 
@@ -324,7 +331,5 @@ def fsync_dir(directory: str) -> None:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass

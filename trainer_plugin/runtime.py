@@ -21,7 +21,6 @@ from types import FrameType
 from typing import Any, TextIO
 
 from . import rundir
-
 from .rundir import DEFAULT_REASON, REASONS, REQUEST_LIMIT, atomic_write, fsync_dir, parse_request
 
 VERSION = "0.1.0"
@@ -93,7 +92,9 @@ def progress_interval(value: str | None) -> float:
     except ValueError:
         seconds = math.nan
     if math.isnan(seconds) or seconds < 0:
-        log_error(f"obd: OBD_PROGRESS_INTERVAL={text!r} is not a number of seconds >= 0; using {DEFAULT_PROGRESS_INTERVAL:g}")
+        log_error(
+            f"obd: OBD_PROGRESS_INTERVAL={text!r} is not a number of seconds >= 0; using {DEFAULT_PROGRESS_INTERVAL:g}"
+        )
         return DEFAULT_PROGRESS_INTERVAL
     return seconds
 
@@ -195,7 +196,9 @@ def write_proof(env: RunEnv, step: int, reason: str, required: tuple[str, ...] =
         )
     missing = [name for name in required if not os.path.exists(os.path.join(checkpoint, name))]
     if missing:
-        raise IncompleteCheckpoint(f"obd: checkpoint {checkpoint} lacks {', '.join(missing)}; no snapshot proof written")
+        raise IncompleteCheckpoint(
+            f"obd: checkpoint {checkpoint} lacks {', '.join(missing)}; no snapshot proof written"
+        )
     fsync_tree(checkpoint)
     data = rundir.proof_bytes(step, reason, time.time())
     atomic_write(env.proof_path, data)

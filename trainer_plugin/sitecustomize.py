@@ -18,7 +18,7 @@ def _obd_install() -> None:
         from trainer_plugin import inject
 
         inject.install()
-    except Exception as exc:  # noqa: BLE001 - a broken plugin must not stop the job from starting
+    except Exception as exc:
         sys.stderr.write(f"obd: trainer plugin not installed ({type(exc).__name__}: {exc})\n")
 
 
@@ -47,7 +47,7 @@ def _obd_chain() -> None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules["_obd_chained_sitecustomize"] = module
-    except Exception as exc:  # noqa: BLE001 - as site.py does: report and go on
+    except Exception as exc:
         sys.stderr.write(f"Error in sitecustomize {getattr(spec, 'origin', '?')}: {type(exc).__name__}: {exc}\n")
 
 

@@ -17,12 +17,14 @@ the device). Step timing continues after the window. Nothing here ever raises in
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
 import sys
 import time
+from typing import Any
 
 FORMAT_VERSION = 1
 KERNELS_FILE = "torch_kernels.csv"
@@ -46,8 +48,13 @@ class _Stats:
         self.high = value if self.high is None else max(self.high, value)
 
     def as_dict(self) -> dict:
-        return {"count": self.count, "total_s": self.total, "mean_s": self.total / self.count if self.count else None,
-                "min_s": self.low, "max_s": self.high}
+        return {
+            "count": self.count,
+            "total_s": self.total,
+            "mean_s": self.total / self.count if self.count else None,
+            "min_s": self.low,
+            "max_s": self.high,
+        }
 
 
 def _atomic_write(path: str, data: str) -> None:
@@ -71,8 +78,8 @@ class StepProfiler:
         self.wait, self.warmup, self.active = max(0, int(wait)), max(0, int(warmup)), max(1, int(active))
         self.errors: list[str] = []
         self.state = "idle"  # idle -> profiling -> done; "off" when torch or the profiler fails
-        self._torch = None
-        self._prof = None
+        self._torch: Any = None  # the torch module, once the window starts
+        self._prof: Any = None  # the torch.profiler.profile under way
         self._profiled_calls = 0
         self._window: list[int] = []
         self._steps: list[dict] = []
@@ -121,7 +128,7 @@ class StepProfiler:
                 self._first_step = step
             if self.state == "idle":
                 self._start()
-        except Exception as exc:  # noqa: BLE001 - profiling must never break training
+        except Exception as exc:
             self._fail(f"step_begin: {type(exc).__name__}: {exc}")
 
     def step_end(self, step: int) -> None:
@@ -147,7 +154,7 @@ class StepProfiler:
                 self._prof.step()
                 if self.state == "done" or self._profiled_calls >= self.wait + self.warmup + self.active:
                     self._stop()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._fail(f"step_end: {type(exc).__name__}: {exc}")
 
     def note_model(self, model: object) -> None:
@@ -159,7 +166,7 @@ class StepProfiler:
                 params += n
                 trainable += n if p.requires_grad else 0
             self._model = {"params": params, "trainable_params": trainable}
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.errors.append(f"note_model: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
@@ -169,10 +176,12 @@ class StepProfiler:
         self._closed = True
         try:
             if self.state == "profiling":
-                self.errors.append(f"the run ended after {self._profiled_calls} profiled steps, before the window "
-                                   f"of {self.wait}+{self.warmup}+{self.active} completed")
+                self.errors.append(
+                    f"the run ended after {self._profiled_calls} profiled steps, before the window "
+                    f"of {self.wait}+{self.warmup}+{self.active} completed"
+                )
                 self._stop()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._fail(f"close: {type(exc).__name__}: {exc}")
         self._write_summary()
 
@@ -185,7 +194,7 @@ class StepProfiler:
         try:
             import torch  # lazily: the plugin must load where torch is absent
             from torch.profiler import ProfilerActivity, profile, schedule
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._fail(f"torch.profiler unavailable: {type(exc).__name__}: {exc}")
             return
         self._torch = torch
@@ -213,7 +222,7 @@ class StepProfiler:
     def _on_trace_ready(self, prof: object) -> None:
         try:
             self._write_kernels(prof)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.errors.append(f"kernel table: {type(exc).__name__}: {exc}")
         self.state = "done"
 
@@ -248,20 +257,21 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         self.state = "off"
         if prof is not None:
-            try:
+            with contextlib.suppress(Exception):
                 prof.stop()
-            except Exception:  # noqa: BLE001
-                pass
 
     def _device(self) -> dict:
-        torch = self._torch
+        torch: Any = self._torch
         if torch is None:
             try:
                 import torch
-            except Exception:  # noqa: BLE001
+            except Exception:
                 return {"kind": "unknown", "torch_version": None}
-        info: dict = {"torch_version": torch.__version__, "hip_version": getattr(torch.version, "hip", None),
-                      "cuda_version": getattr(torch.version, "cuda", None)}
+        info: dict = {
+            "torch_version": torch.__version__,
+            "hip_version": getattr(torch.version, "hip", None),
+            "cuda_version": getattr(torch.version, "cuda", None),
+        }
         if torch.cuda.is_available():
             info["kind"] = "rocm" if info["hip_version"] else "cuda"
             info["count"] = torch.cuda.device_count()
@@ -270,7 +280,7 @@ class StepProfiler:
                 info["peak_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
                 info["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved()
                 info["total_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self.errors.append(f"device memory: {type(exc).__name__}: {exc}")
         else:
             info["kind"] = "cpu"
@@ -283,17 +293,27 @@ class StepProfiler:
                 "version": FORMAT_VERSION,
                 "time": time.time(),
                 "state": self.state,
-                "window": {"wait": self.wait, "warmup": self.warmup, "active": self.active,
-                           "profiled_steps": self._window},
+                "window": {
+                    "wait": self.wait,
+                    "warmup": self.warmup,
+                    "active": self.active,
+                    "profiled_steps": self._window,
+                },
                 "device": self._device(),
                 "host_peak_rss_bytes": _peak_rss(),
-                "steps": {"first": self._first_step, "last": self._last_step,
-                          "period": self._period.as_dict(), "in_step": self._inner.as_dict(),
-                          "wait_between": self._gap.as_dict(), "window_in_step": self._window_inner.as_dict(),
-                          "period_unprofiled": self._clean_period.as_dict(),
-                          "wait_between_unprofiled": self._clean_gap.as_dict()},
-                "device_time_per_window_step_s": (self._device_time_us / 1e6 / len(self._window)
-                                                  if self._device_time_us and self._window else None),
+                "steps": {
+                    "first": self._first_step,
+                    "last": self._last_step,
+                    "period": self._period.as_dict(),
+                    "in_step": self._inner.as_dict(),
+                    "wait_between": self._gap.as_dict(),
+                    "window_in_step": self._window_inner.as_dict(),
+                    "period_unprofiled": self._clean_period.as_dict(),
+                    "wait_between_unprofiled": self._clean_gap.as_dict(),
+                },
+                "device_time_per_window_step_s": (
+                    self._device_time_us / 1e6 / len(self._window) if self._device_time_us and self._window else None
+                ),
                 "kernel_rows": self._kernel_rows,
                 "step_records": self._steps,
                 "model": self._model,
@@ -302,7 +322,7 @@ class StepProfiler:
                 "errors": self.errors,
             }
             _atomic_write(os.path.join(self.profile_dir, PROFILE_FILE), json.dumps(summary, indent=1))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"obd torch_profile: could not write the summary: {exc}", file=sys.stderr)
 
 
@@ -311,5 +331,5 @@ def _peak_rss() -> int | None:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None

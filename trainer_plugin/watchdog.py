@@ -45,7 +45,7 @@ try:  # imported as trainer_plugin.watchdog
     from . import jobctl, rundir
 except ImportError:
     try:  # run as a script beside jobctl.py, which imports its sibling rundir.py
-        import jobctl  # type: ignore[no-redef]
+        import jobctl  # type: ignore[no-redef, import-not-found]
 
         rundir = jobctl.rundir
     except ImportError:  # fed on stdin, or copied without rundir.py beside it: main() calls import_tools
@@ -154,7 +154,7 @@ class Watchdog:
         self.base_url = self.cfg["api_base_url"] or env.get("RUNPOD_API_BASE_URL") or "https://api.runpod.io"
         self._needs_key = delete_pod is None
         self._delete = delete_pod or (lambda pod_id: delete_pod_http(self.base_url, self.api_key, pod_id))
-        self._cancel = cancel_job or (lambda run_dir, grace: jobctl.cancel(run_dir, grace))
+        self._cancel = cancel_job or jobctl.cancel
         self.started = clock()
         self.lost_since: float | None = None
         self.said: set[tuple[str, str]] = set()
@@ -373,7 +373,6 @@ def _lock(path: str) -> int | None:
 # --- the output manifest (for obd's verified retrieval) -----------------------------------------
 
 
-
 def sha256_file(path: str) -> tuple[int, str]:
     """(size, sha256 hex) of a regular file, read without following a link."""
     digest = hashlib.sha256()
@@ -463,7 +462,7 @@ def import_tools(run_dir: str, like: bytes | None = None) -> None:
         if (like is not None and source != like) or not os.path.isfile(os.path.join(directory, "rundir.py")):
             continue
         sys.path.insert(0, directory)
-        import jobctl as found  # type: ignore[no-redef]
+        import jobctl as found
 
         jobctl, rundir = found, found.rundir
         return
@@ -480,7 +479,7 @@ def _sibling_jobctl() -> bytes | None:
 
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "manifest":
-        if rundir is None:
+        if rundir is None and not argv[2:]:  # the default paths are the contract's OUTPUTS
             try:
                 import_tools(argv[1])
             except (ImportError, SyntaxError) as exc:

@@ -85,11 +85,15 @@ def test_outside_obd_every_helper_is_a_no_op(no_obd: None, tmp_path: Path, monke
 
 
 def stopped_at(log: str) -> list[tuple[int, int, str]]:
-    return sorted((int(r), int(s), why) for r, s, why in re.findall(r"rank (\d+) stopped at step (\d+) reason (\S+)", log))
+    return sorted(
+        (int(r), int(s), why) for r, s, why in re.findall(r"rank (\d+) stopped at step (\d+) reason (\S+)", log)
+    )
 
 
 def test_a_custom_loop_snapshots_on_request_and_resumes_to_the_end(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    job = start_job(run_dir, [PY, str(SCRIPT), "--write-at", "3", "--write-file", f"{run_dir.request}=deadline"], run_dir.env())
+    job = start_job(
+        run_dir, [PY, str(SCRIPT), "--write-at", "3", "--write-file", f"{run_dir.request}=deadline"], run_dir.env()
+    )
     assert_exit_zero(job, job.wait())
     assert stopped_at(job.log_text()) == [(0, 3, "deadline")]
     proof = run_dir.proof()
@@ -110,7 +114,9 @@ def torchrun(script: Path, *opts: str) -> list[str]:
 
 @pytest.mark.slow  # the Trainer's torchrun test covers a request under torchrun by default
 def test_under_torchrun_a_request_stops_both_ranks_at_the_same_step_with_one_proof(run_dir: RunDir, start_job) -> None:  # type: ignore[no-untyped-def]
-    job = start_job(run_dir, torchrun(SCRIPT, "--write-at", "4", "--write-file", f"{run_dir.request}=disk"), run_dir.env())
+    job = start_job(
+        run_dir, torchrun(SCRIPT, "--write-at", "4", "--write-file", f"{run_dir.request}=disk"), run_dir.env()
+    )
     assert_exit_zero(job, job.wait())
     # Rank 0 saw the file after step 4; rank 1 never looks at it and still stops at 4.
     assert stopped_at(job.log_text()) == [(0, 4, "disk"), (1, 4, "disk")]

@@ -36,7 +36,9 @@ def test_gloo_and_mixed_backends_reduce_on_the_cpu(two_gpus: None) -> None:
     assert ranks_on("cpu:gloo,cuda:nccl")._device() == torch.device("cpu")
 
 
-def test_nccl_reduces_on_the_gpu_of_the_ranks_local_rank_when_none_was_set(two_gpus: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nccl_reduces_on_the_gpu_of_the_ranks_local_rank_when_none_was_set(
+    two_gpus: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert ranks_on("nccl")._device() == torch.device("cuda", 1)
 
@@ -74,7 +76,9 @@ class GroupAtExit:
 
 
 @pytest.mark.parametrize(("backend", "destroyed"), [("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", False)])
-def test_the_exit_teardown_destroys_a_gloo_group_and_leaves_nccl_to_the_script(monkeypatch: pytest.MonkeyPatch, backend: str, destroyed: bool) -> None:
+def test_the_exit_teardown_destroys_a_gloo_group_and_leaves_nccl_to_the_script(
+    monkeypatch: pytest.MonkeyPatch, backend: str, destroyed: bool
+) -> None:
     from trainer_plugin import dist
 
     group = GroupAtExit(backend)

@@ -19,9 +19,18 @@ def final_steps(log: str) -> list[tuple[int, int]]:
     return sorted((int(r), int(s)) for s, r in re.findall(r"trained to step (\d+) of \d+ \(rank (\d+)\)", log))
 
 
-def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     argv = torchrun(
-        str(SCRIPTS / "plain_trainer.py"), "--output_dir", str(tmp_path / "mine"), "--write-at", "3", "--write-file", f"{run_dir.request}=cost", "--report-exit"
+        str(SCRIPTS / "plain_trainer.py"),
+        "--output_dir",
+        str(tmp_path / "mine"),
+        "--write-at",
+        "3",
+        "--write-file",
+        f"{run_dir.request}=cost",
+        "--report-exit",
     )
     job = start_job(run_dir, argv, run_dir.env())
     assert_exit_zero(job, job.wait())
@@ -40,12 +49,23 @@ def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(run
     assert job.log_text().count("obd: snapshot at step") == 1
     # The script never destroys its gloo group; the plugin does at exit, while the interpreter
     # is whole, so gloo's threads cannot abort the process during finalisation.
-    assert sorted(re.findall(r"process group at exit: (\w+) \(rank (\d)\)", job.log_text())) == [("destroyed", "0"), ("destroyed", "1")]
+    assert sorted(re.findall(r"process group at exit: (\w+) \(rank (\d)\)", job.log_text())) == [
+        ("destroyed", "0"),
+        ("destroyed", "1"),
+    ]
 
 
 @pytest.mark.slow
 def test_a_sigterm_on_one_rank_is_a_preempted_snapshot_of_all_ranks(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    argv = torchrun(str(SCRIPTS / "plain_trainer.py"), "--output_dir", str(tmp_path / "mine"), "--sigterm-at", "4", "--sigterm-rank", "1")
+    argv = torchrun(
+        str(SCRIPTS / "plain_trainer.py"),
+        "--output_dir",
+        str(tmp_path / "mine"),
+        "--sigterm-at",
+        "4",
+        "--sigterm-rank",
+        "1",
+    )
     job = start_job(run_dir, argv, run_dir.env(on_sigterm=True))
     assert_exit_zero(job, job.wait())
     assert final_steps(job.log_text()) == [(0, 4), (1, 4)]
@@ -54,9 +74,13 @@ def test_a_sigterm_on_one_rank_is_a_preempted_snapshot_of_all_ranks(run_dir: Run
 
 
 @pytest.mark.slow
-def test_the_tiny_lora_workload_under_torchrun_snapshots_and_resumes(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_tiny_lora_workload_under_torchrun_snapshots_and_resumes(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     run_dir.request.write_text("requested")  # there before the start: the first step end takes it
-    argv = torchrun(str(WORKLOAD), "--tiny", "--max_steps", "6", "--batch_size", "2", "--output_dir", str(tmp_path / "mine"))
+    argv = torchrun(
+        str(WORKLOAD), "--tiny", "--max_steps", "6", "--batch_size", "2", "--output_dir", str(tmp_path / "mine")
+    )
     job = start_job(run_dir, argv, run_dir.env())
     assert_exit_zero(job, job.wait())
     proof = run_dir.proof()

@@ -38,7 +38,15 @@ def garbage_request(tmp_path_factory: pytest.TempPathFactory) -> Done:
     root = tmp_path_factory.mktemp("plain")
     run = RunDir(root / "run")
     (root / "cwd").mkdir()
-    argv = plain(root / "mine", "--subclass", "--callback-by-hand", "--write-at", "3", "--write-file", f"{run.request}=stop it now please")
+    argv = plain(
+        root / "mine",
+        "--subclass",
+        "--callback-by-hand",
+        "--write-at",
+        "3",
+        "--write-file",
+        f"{run.request}=stop it now please",
+    )
     job = Job(run, argv, run.env(), root / "cwd")
     return Done(run, job, job.wait())
 
@@ -67,7 +75,9 @@ def test_a_callback_added_by_hand_is_not_doubled_by_the_injected_one(garbage_req
     assert log.count("obd: snapshot at step") == 1
 
 
-def test_resume_from_checkpoint_true_in_the_script_resumes_from_obds_checkpoint(garbage_request: Done, tmp_path: Path) -> None:
+def test_resume_from_checkpoint_true_in_the_script_resumes_from_obds_checkpoint(
+    garbage_request: Done, tmp_path: Path
+) -> None:
     # The script asks for "the last checkpoint in output_dir"; under obd that is OBD_RESUME_FROM.
     run = RunDir(tmp_path / "run2")
     (tmp_path / "cwd").mkdir()
@@ -80,20 +90,38 @@ def test_resume_from_checkpoint_true_in_the_script_resumes_from_obds_checkpoint(
     assert run.proof() is None
 
 
-def test_a_request_at_the_last_step_lets_the_run_end_as_usual_without_a_proof(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    job = start_job(run_dir, plain(tmp_path / "mine", "--save_steps", "3", "--write-at", "8", "--write-file", f"{run_dir.request}=requested"), run_dir.env())
+def test_a_request_at_the_last_step_lets_the_run_end_as_usual_without_a_proof(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    job = start_job(
+        run_dir,
+        plain(
+            tmp_path / "mine", "--save_steps", "3", "--write-at", "8", "--write-file", f"{run_dir.request}=requested"
+        ),
+        run_dir.env(),
+    )
     assert_exit_zero(job, job.wait())
     assert run_dir.proof() is None
     assert run_dir.metrics()[-1] == {**run_dir.metrics()[-1], "event": "end", "step": 8}
     # The script's own saves still happened, in the run's output/.
-    assert sorted(p.name for p in run_dir.output.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6", "checkpoint-8"]
+    assert sorted(p.name for p in run_dir.output.glob("checkpoint-*")) == [
+        "checkpoint-3",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
     assert "obd: snapshot" not in job.log_text()
 
 
-def test_outside_obd_the_plugin_on_the_path_writes_nothing_and_changes_nothing(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_outside_obd_the_plugin_on_the_path_writes_nothing_and_changes_nothing(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     mine = tmp_path / "mine"
     request = tmp_path / "stray.request"
-    job = start_job(run_dir, plain(mine, "--callback-by-hand", "--write-at", "2", "--write-file", f"{request}=requested"), run_dir.env(obd=False))
+    job = start_job(
+        run_dir,
+        plain(mine, "--callback-by-hand", "--write-at", "2", "--write-file", f"{request}=requested"),
+        run_dir.env(obd=False),
+    )
     assert_exit_zero(job, job.wait())
     assert sorted(p.name for p in run_dir.root.iterdir()) == ["job.log", "plugin"]
     assert "trained to step 8 of 8" in job.log_text()
@@ -101,7 +129,9 @@ def test_outside_obd_the_plugin_on_the_path_writes_nothing_and_changes_nothing(r
     assert mine.is_dir()  # ...but Trainer made its own output_dir, untouched by obd
 
 
-def test_sigterm_with_snapshot_on_sigterm_is_a_preempted_snapshot_at_that_step(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_with_snapshot_on_sigterm_is_a_preempted_snapshot_at_that_step(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     job = start_job(run_dir, plain(tmp_path / "mine", "--sigterm-at", "4"), run_dir.env(on_sigterm=True))
     assert_exit_zero(job, job.wait())
     proof = run_dir.proof()
@@ -113,7 +143,9 @@ def test_sigterm_with_snapshot_on_sigterm_is_a_preempted_snapshot_at_that_step(r
 
 
 @pytest.mark.slow  # ~10 s of imports; an edge of the SIGTERM test above
-def test_without_snapshot_on_sigterm_a_sigterm_ends_the_job_as_usual(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_without_snapshot_on_sigterm_a_sigterm_ends_the_job_as_usual(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     job = start_job(run_dir, plain(tmp_path / "mine", "--sigterm-at", "4"), run_dir.env())
     assert job.wait() == -signal.SIGTERM
     assert run_dir.proof() is None
@@ -121,7 +153,9 @@ def test_without_snapshot_on_sigterm_a_sigterm_ends_the_job_as_usual(run_dir: Ru
 
 
 @pytest.mark.slow  # ~10 s of imports; an edge of the SIGTERM test above
-def test_an_existing_request_reason_wins_over_a_sigterm_in_the_same_step(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_an_existing_request_reason_wins_over_a_sigterm_in_the_same_step(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     argv = plain(tmp_path / "mine", "--sigterm-at", "2", "--write-at", "2", "--write-file", f"{run_dir.request}=cost")
     job = start_job(run_dir, argv, run_dir.env(on_sigterm=True))
     assert_exit_zero(job, job.wait())
@@ -144,7 +178,9 @@ def test_a_later_training_in_the_same_job_never_replaces_the_proof(run_dir: RunD
     assert log.count("obd: snapshot at step") == 1
 
 
-def test_with_obd_torch_profile_the_callback_drives_the_step_profiler(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_with_obd_torch_profile_the_callback_drives_the_step_profiler(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     env = {**run_dir.env(), "OBD_TORCH_PROFILE": "1", "OBD_PROFILE_DIR": str(run_dir.root / "profile")}
     job = start_job(run_dir, plain(tmp_path / "mine", "--max_steps", "6"), env)
     assert_exit_zero(job, job.wait())
@@ -167,7 +203,9 @@ def test_a_callback_added_by_hand_works_without_obds_sitecustomize(run_dir: RunD
     assert not mine.exists()
 
 
-def test_a_profiled_trainer_run_reports_mfu_from_the_models_own_parameter_count(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_profiled_trainer_run_reports_mfu_from_the_models_own_parameter_count(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     # The first layer frozen, as LoRA freezes the base model: trainable is the second layer only.
     job = start_job(run_dir, plain(tmp_path / "mine", "--max_steps", "4", "--freeze-first"), run_dir.env())
     assert_exit_zero(job, job.wait())

@@ -36,7 +36,9 @@ def heartbeats(run: RunDir) -> list[dict[str, Any]]:
     return [m for m in run.logs() if m.get("heartbeat") is True]
 
 
-def test_steps_the_trainer_does_not_log_get_a_log_line_without_loss(run_dir: RunDir, start_job: Callable[..., Job]) -> None:
+def test_steps_the_trainer_does_not_log_get_a_log_line_without_loss(
+    run_dir: RunDir, start_job: Callable[..., Job]
+) -> None:
     train(run_dir, start_job, "--max_steps", "8", "--logging_steps", "4")
     logs = run_dir.logs()
     # One `log` line per step: the Trainer's at its logging steps, a heartbeat at every other step.
@@ -70,8 +72,21 @@ def test_the_runners_pace_reads_heartbeats_as_pace_points(run_dir: RunDir, start
 
 
 @pytest.mark.slow  # ~10 s of imports; the tiny workload's snapshot tests check the last log line
-def test_a_snapshot_still_ends_on_the_trainers_log_line_with_the_loss(run_dir: RunDir, start_job: Callable[..., Job]) -> None:
-    train(run_dir, start_job, "--max_steps", "8", "--logging_steps", "100", "--write-at", "3", "--write-file", f"{run_dir.request}=deadline")
+def test_a_snapshot_still_ends_on_the_trainers_log_line_with_the_loss(
+    run_dir: RunDir, start_job: Callable[..., Job]
+) -> None:
+    train(
+        run_dir,
+        start_job,
+        "--max_steps",
+        "8",
+        "--logging_steps",
+        "100",
+        "--write-at",
+        "3",
+        "--write-file",
+        f"{run_dir.request}=deadline",
+    )
     assert run_dir.proof() is not None and run_dir.proof()["step"] == 3  # type: ignore[index]
     logs = run_dir.logs()
     assert [m["step"] for m in logs] == [1, 2, 3]
@@ -98,9 +113,20 @@ def test_heartbeats_come_at_most_once_per_interval(run_dir: RunDir, start_job: C
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [(None, 10.0), ("", 10.0), ("0", 0.0), (" 2.5 ", 2.5), ("inf", math.inf), ("abc", 10.0), ("-1", 10.0), ("nan", 10.0)],
+    [
+        (None, 10.0),
+        ("", 10.0),
+        ("0", 0.0),
+        (" 2.5 ", 2.5),
+        ("inf", math.inf),
+        ("abc", 10.0),
+        ("-1", 10.0),
+        ("nan", 10.0),
+    ],
 )
-def test_the_interval_comes_from_obd_progress_interval(value: str | None, seconds: float, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_interval_comes_from_obd_progress_interval(
+    value: str | None, seconds: float, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert runtime.progress_interval(value) == seconds
     environ = {"OBD_RUN_DIR": "/run"} if value is None else {"OBD_RUN_DIR": "/run", "OBD_PROGRESS_INTERVAL": value}
     assert runtime.RunEnv.from_environ(environ).progress_interval == seconds
@@ -132,8 +158,14 @@ print("trained on", len(calls), "failed heartbeat")
 
 
 def test_a_failing_heartbeat_never_stops_training_and_is_said_once(run_dir: RunDir) -> None:
-    out = subprocess.run([PY, "-c", CALLBACK_WITH_A_BROKEN_WRITER, str(run_dir.root)], env=run_dir.env(obd=False),
-                         capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [PY, "-c", CALLBACK_WITH_A_BROKEN_WRITER, str(run_dir.root)],
+        env=run_dir.env(obd=False),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trained on 1 failed heartbeat" in out.stdout
     assert out.stderr.count("progress heartbeat failed") == 1

@@ -168,7 +168,9 @@ def test_a_consumed_sigterm_is_not_redelivered() -> None:
     assert out.stdout.strip() == "exited normally"
 
 
-def test_a_metrics_file_that_cannot_be_written_never_raises_into_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_metrics_file_that_cannot_be_written_never_raises_into_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     writer = MetricsWriter(str(tmp_path / "missing-dir" / "metrics.jsonl"))
     writer.write("begin", max_steps=1)
     writer.write("log", step=1)

@@ -31,7 +31,9 @@ def other_sitecustomize(root: Path, marker: Path) -> Path:
     return other
 
 
-def test_under_obd_it_installs_the_trainer_hook_without_importing_torch_or_transformers(run_dir: RunDir, tmp_path: Path) -> None:
+def test_under_obd_it_installs_the_trainer_hook_without_importing_torch_or_transformers(
+    run_dir: RunDir, tmp_path: Path
+) -> None:
     seen = probe(run_dir.env(), tmp_path)
     assert seen["sitecustomize"] == str(run_dir.plugin / "sitecustomize.py")
     assert seen["hook"] is True
@@ -56,13 +58,17 @@ def test_the_sitecustomize_it_hides_still_runs_under_obd_and_outside(run_dir: Ru
     assert marker.read_text() == "sitecustomize\nsitecustomize\n"
 
 
-def test_an_error_in_the_hidden_sitecustomize_is_reported_and_the_job_still_starts(run_dir: RunDir, tmp_path: Path) -> None:
+def test_an_error_in_the_hidden_sitecustomize_is_reported_and_the_job_still_starts(
+    run_dir: RunDir, tmp_path: Path
+) -> None:
     other = tmp_path / "broken_site"
     other.mkdir()
     (other / "sitecustomize.py").write_text("raise RuntimeError('broken distro hook')\n")
     env = run_dir.env()
     env["PYTHONPATH"] += f":{other}"
-    out = subprocess.run([PY, "-c", PROBE], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [PY, "-c", PROBE], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 0
     assert json.loads(out.stdout)["hook"] is True
     assert "broken distro hook" in out.stderr

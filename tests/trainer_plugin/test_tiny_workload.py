@@ -22,11 +22,27 @@ from tests.trainer_plugin.conftest import (
 )
 
 MAX_STEPS = 400  # far more than the run gets to: the request stops it
-CHECKPOINT_FILES = ("adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "scheduler.pt", "trainer_state.json")
+CHECKPOINT_FILES = (
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "optimizer.pt",
+    "scheduler.pt",
+    "trainer_state.json",
+)
 
 
 def workload(output_dir: Path, max_steps: int) -> list[str]:
-    return [PY, str(WORKLOAD), "--tiny", "--max_steps", str(max_steps), "--output_dir", str(output_dir), "--batch_size", "4"]
+    return [
+        PY,
+        str(WORKLOAD),
+        "--tiny",
+        "--max_steps",
+        str(max_steps),
+        "--output_dir",
+        str(output_dir),
+        "--batch_size",
+        "4",
+    ]
 
 
 @dataclass

@@ -66,7 +66,10 @@ def main() -> int:
             path = loop.checkpoint_dir(step)
             if rank == 0:
                 os.makedirs(path, exist_ok=True)
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, os.path.join(path, "state.pt"))
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                    os.path.join(path, "state.pt"),
+                )
             loop.write_proof(step, path, reason=reason)
             stopped = reason
             break

@@ -73,7 +73,10 @@ def report_process_group() -> None:
     import torch.distributed as dist
 
     up = dist.is_available() and dist.is_initialized()
-    print(f"process group at exit: {'initialised' if up else 'destroyed'} (rank {os.environ.get('RANK', '0')})", flush=True)
+    print(
+        f"process group at exit: {'initialised' if up else 'destroyed'} (rank {os.environ.get('RANK', '0')})",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -82,7 +85,9 @@ def main() -> int:
     p.add_argument("--max_steps", type=int, default=8)
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--logging_steps", type=int, default=1)
-    p.add_argument("--resume", choices=("none", "true"), default="none", help="resume_from_checkpoint passed to train()")
+    p.add_argument(
+        "--resume", choices=("none", "true"), default="none", help="resume_from_checkpoint passed to train()"
+    )
     p.add_argument("--subclass", action="store_true")
     p.add_argument("--callback-by-hand", action="store_true", help="pass SnapshotCallback and add another one")
     p.add_argument("--write-at", type=int, default=0, help="test: write --write-file at this step")
@@ -91,7 +96,9 @@ def main() -> int:
     p.add_argument("--sigterm-rank", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--stages", type=int, default=1, help="train this many times in a row, a new Trainer each")
-    p.add_argument("--report-exit", action="store_true", help="test: print at exit whether the process group is still up")
+    p.add_argument(
+        "--report-exit", action="store_true", help="test: print at exit whether the process group is still up"
+    )
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer, as LoRA freezes the base model")
     opts = p.parse_args()
     if opts.report_exit:
@@ -128,7 +135,9 @@ def main() -> int:
             trainer.add_callback(SnapshotCallback())
         resume = True if opts.resume == "true" and stage == 0 else None
         result = trainer.train(resume_from_checkpoint=resume)
-        print(f"trained to step {trainer.state.global_step} of {trainer.state.max_steps} (rank {os.environ.get('RANK', '0')})")
+        print(
+            f"trained to step {trainer.state.global_step} of {trainer.state.max_steps} (rank {os.environ.get('RANK', '0')})"
+        )
         print(f"callbacks: {[type(cb).__name__ for cb in trainer.callback_handler.callbacks]}")
         print(f"train_loss {result.training_loss}", flush=True)
     return 0

@@ -17,7 +17,23 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from trl import SFTConfig, SFTTrainer
 
-WORDS = "the a run step stops saves resumes model adapter checkpoint loss goes down every time".split()
+WORDS = [
+    "the",
+    "a",
+    "run",
+    "step",
+    "stops",
+    "saves",
+    "resumes",
+    "model",
+    "adapter",
+    "checkpoint",
+    "loss",
+    "goes",
+    "down",
+    "every",
+    "time",
+]
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -29,9 +45,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 def texts(n: int = 64) -> list[dict[str, str]]:
     g = torch.Generator().manual_seed(0)
-    return [
-        {"text": " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (12,), generator=g))} for _ in range(n)
-    ]
+    return [{"text": " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (12,), generator=g))} for _ in range(n)]
 
 
 def main() -> int:
@@ -43,9 +57,16 @@ def main() -> int:
     torch.manual_seed(0)
     tok = tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
     )
     args = SFTConfig(
         output_dir=opts.output_dir,
