@@ -214,7 +214,9 @@ RUN_STATES = [
 
 
 @pytest.mark.parametrize("end, state, message, snapshot_stands", RUN_STATES)
-def test_run_states(end: End, state: RunState, message: str, snapshot_stands: bool) -> None:
+def test_a_run_ends_as_its_line_of_run_states_says(
+    end: End, state: RunState, message: str, snapshot_stands: bool
+) -> None:
     record = running()
     for now, seen in end.probes:
         apply_probe(record, seen, now, STOP)
@@ -262,7 +264,7 @@ def test_asking_again_changes_only_the_reason() -> None:
         pytest.param("COST", "requested", id="words match exactly"),
     ],
 )
-def test_snapshot_request_words(written: str | None, reason: str | None) -> None:
+def test_a_request_file_means_the_reason_word_spec_gives_it(written: str | None, reason: str | None) -> None:
     record = running()
     follow(record, (12.0, probe(request=written)))
     assert record.stop.reason == reason
@@ -358,7 +360,7 @@ PROOFS = [
 
 
 @pytest.mark.parametrize("seen, expected", PROOFS)
-def test_proofs(seen: RunProbe, expected: Snapshot | str | None) -> None:
+def test_a_proof_is_taken_or_refused_as_the_proof_rule_says(seen: RunProbe, expected: Snapshot | str | None) -> None:
     record = running()
     follow(record, (10.0, seen))
     if isinstance(expected, Snapshot):
