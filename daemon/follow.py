@@ -19,15 +19,16 @@ import structlog
 from daemon.api import ApiError
 from daemon.hints import hint, last_lines
 from daemon.models import RunRecord, RunState
-from daemon.store import StoreError
 from daemon.stop_rules import apply_probe, final_state
+from daemon.store import StoreError
 from executors.base import Executor, ExecutorError, JobHandle, JobState, JobStatus, RunEvents, RunProbe
+from trainer_plugin import rundir
 
 if TYPE_CHECKING:
     from daemon.service import Daemon
 
 log = structlog.get_logger("obd")
-WATCHED_FILES = frozenset({"snapshot.request", "snapshot.json", "exit_code", "cancelled"})
+WATCHED_FILES = frozenset({rundir.SNAPSHOT_REQUEST, rundir.SNAPSHOT_PROOF, rundir.EXIT_CODE, rundir.CANCELLED})
 _TARGET_FAULTS = (ExecutorError, TimeoutError, OSError)
 
 
@@ -239,7 +240,7 @@ class Follower:
         tail = b""
         with contextlib.suppress(*_TARGET_FAULTS), anyio.fail_after(10):
             size = probe.log_size
-            tail = await executor.read_from(f"{record.remote_dir}/job.log", max(0, size - 8192), 8192)
+            tail = await executor.read_from(f"{record.remote_dir}/{rundir.JOB_LOG}", max(0, size - 8192), 8192)
         lines = last_lines(tail)
         detail = ""
         extra = hint(status.exit_code, "\n".join(lines))

@@ -21,6 +21,7 @@ from daemon.api import ApiError, IdRequest, ListRequest, ReadRequest, StartReque
 from daemon.follow import job_handle
 from daemon.models import RunRecord, RunState, normalise_reason
 from executors.base import Executor, ExecutorError
+from trainer_plugin import rundir
 
 if TYPE_CHECKING:
     from daemon.service import Daemon
@@ -97,7 +98,7 @@ class Handlers:
         if not record.remote_dir or (record.state == RunState.preparing and not record.job):
             return {"data": "", "offset": req.offset, "state": record.state.value}
         executor = self.daemon.targets.executor(record)
-        path = f"{record.remote_dir}/job.log"
+        path = f"{record.remote_dir}/{rundir.JOB_LOG}"
         offset = req.offset
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
@@ -121,7 +122,7 @@ class Handlers:
 
     async def stop(self, req: StopRequest, uid: int) -> dict[str, Any]:
         record = self.daemon.get(req.id)
-        reason = normalise_reason(req.reason) or "requested"
+        reason = normalise_reason(req.reason) or rundir.DEFAULT_REASON
         if record.state.final:
             raise ApiError(f"run {record.id} already ended ({record.state.value}): {record.message}", "state")
         if not record.snapshots and record.state == RunState.running:
@@ -186,7 +187,7 @@ async def request_snapshot(daemon: Daemon, record: RunRecord, reason: str, by: s
             record.stop.requested_at = time.time()
         record.stop.reason = reason
     try:
-        await executor.put_file(f"{record.remote_dir}/snapshot.request", reason.encode() + b"\n")
+        await executor.put_file(f"{record.remote_dir}/{rundir.SNAPSHOT_REQUEST}", rundir.request_bytes(reason))
     except BaseException:
         with anyio.CancelScope(shield=True):
             async with daemon.editing(record):

@@ -26,6 +26,7 @@ from daemon.api import ApiError, StartRequest
 from daemon.models import RunRecord, RunState
 from daemon.store import StoreError
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain
+from trainer_plugin import rundir
 
 if TYPE_CHECKING:
     from daemon.service import Daemon
@@ -193,13 +194,14 @@ class Launcher:
             async with daemon.editing(record):
                 record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
         rd = record.remote_dir
-        await executor.upload(self._plugin_stage(), f"{rd}/plugin")
+        await executor.upload(self._plugin_stage(), f"{rd}/{rundir.PLUGIN}")
         cwd = record.cwd
         if cwd and not Path(cwd).is_dir():
             cwd = None  # the client's directory went away before the launch: the run directory instead
         if cwd and not executor.shares_filesystem:
-            await executor.upload(Path(cwd), f"{rd}/src")
-            cwd = f"{rd}/src"
+            cwd_there = f"{rd}/{rundir.SOURCES}"
+            await executor.upload(Path(cwd), cwd_there)
+            cwd = cwd_there
         env = job_env(record, rd)
         if source is not None:
             env["OBD_RESUME_FROM"] = await self._resume_path(record, source, executor)
@@ -208,22 +210,22 @@ class Launcher:
         if req.profile:
             from runner import wrap_command
 
-            command = wrap_command(command, f"{rd}/plugin", rd, await executor.python())
-            env["OBD_PROFILE_DIR"] = f"{rd}/profile"
+            command = wrap_command(command, f"{rd}/{rundir.PLUGIN}", rd, await executor.python())
+            env["OBD_PROFILE_DIR"] = f"{rd}/{rundir.PROFILE}"
         spec = JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
         return executor, spec
 
     async def _resume_path(self, record: RunRecord, source: RunRecord, executor: Executor) -> str:
         assert source.snapshot is not None
-        name = source.snapshot.checkpoint.split("/", 1)[1]  # validated: checkpoint-<step>
+        name = rundir.checkpoint_name(source.snapshot.step)  # the proof was judged: output/<this name>
         targets = self.daemon.targets
         if targets.key(source) == targets.key(record):
-            return f"{source.remote_dir}/output/{name}"
+            return f"{source.remote_dir}/{rundir.OUTPUT}/{name}"
         # Another target: bring the checkpoint here, then send it to the new run's directory.
-        local = self.daemon.store.run_dir(source.id) / "retrieved" / "output" / name
+        local = self.daemon.store.run_dir(source.id) / "retrieved" / rundir.OUTPUT / name
         if not local.exists():
-            await targets.executor(source).download(f"{source.remote_dir}/output/{name}", local)
-        dest = f"{record.remote_dir}/resume/{name}"
+            await targets.executor(source).download(f"{source.remote_dir}/{rundir.OUTPUT}/{name}", local)
+        dest = f"{record.remote_dir}/{rundir.RESUME}/{name}"
         await executor.upload(local, dest)
         return dest
 
@@ -256,10 +258,10 @@ def job_env(record: RunRecord, rd: str) -> dict[str, str]:
     env.update(
         OBD_RUN_ID=record.id,
         OBD_RUN_DIR=rd,
-        OBD_OUTPUT_DIR=f"{rd}/output",
-        OBD_SNAPSHOT_REQUEST=f"{rd}/snapshot.request",
-        OBD_SNAPSHOT_FILE=f"{rd}/snapshot.json",
-        OBD_METRICS_FILE=f"{rd}/metrics.jsonl",
+        OBD_OUTPUT_DIR=f"{rd}/{rundir.OUTPUT}",
+        OBD_SNAPSHOT_REQUEST=f"{rd}/{rundir.SNAPSHOT_REQUEST}",
+        OBD_SNAPSHOT_FILE=f"{rd}/{rundir.SNAPSHOT_PROOF}",
+        OBD_METRICS_FILE=f"{rd}/{rundir.METRICS}",
     )
     if record.snapshot_on_sigterm:
         env["OBD_SNAPSHOT_ON_SIGTERM"] = "1"
