@@ -7,6 +7,7 @@ new one, never half of one; a full disk leaves the old record and raises `StoreE
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,12 +72,24 @@ class RunStore:
             if not entry.is_dir() or entry.name.startswith("."):
                 continue
             path = entry / "run.json"
+            _clear_leftovers(entry)
             try:
                 check_run_id(entry.name)
                 records[entry.name] = parse_record(path, entry.name)
             except (StoreError, ValueError) as exc:
                 bad.append(BadRecord(entry.name, path, str(exc)))
         return records, bad
+
+
+def _clear_leftovers(directory: Path) -> None:
+    """Remove the temporary files of saves cut short (a SIGKILL between write and rename)."""
+    try:
+        names = [p for p in directory.iterdir() if p.name.startswith(".run.json.tmp.")]
+    except OSError:
+        return
+    for leftover in names:
+        with contextlib.suppress(OSError):
+            leftover.unlink()
 
 
 def parse_record(path: Path, run_id: str) -> RunRecord:

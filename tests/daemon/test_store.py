@@ -105,3 +105,14 @@ def test_an_atomic_write_replaces_a_planted_link_instead_of_writing_through_it(t
     atomic_write(str(link), b"requested\n")
     assert victim.read_text() == "precious"
     assert not link.is_symlink() and link.read_text() == "requested\n"
+
+
+def test_the_temporary_files_of_saves_cut_short_are_cleared_at_load(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    store.ensure()
+    store.save(RunRecord(id="20260101-000000-aaaaaa"))
+    leftover = store.run_dir("20260101-000000-aaaaaa") / ".run.json.tmp.123.abcdef"
+    leftover.write_text('{"half": ')
+    records, bad = store.load_all()
+    assert list(records) == ["20260101-000000-aaaaaa"] and not bad
+    assert not leftover.exists()
