@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from daemon.config import Config
+
 
 def admin_main(args: argparse.Namespace) -> int:
     import anyio
@@ -28,29 +30,31 @@ def admin_main(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "targets":
         return anyio.run(_check, config, args.name, args.json)
-    from executors.pods_cli import pods_main
+    from daemon.pods_cli import pods_main
 
     return pods_main(list(getattr(args, "unknown", [])) + args.rest, config)
 
 
-async def _check(config, name: str, as_json: bool) -> int:
-    from daemon.config import ConfigError, LocalTarget
+async def _check(config: Config, name: str, as_json: bool) -> int:
+    """`obd targets check NAME`: the checks of executors/check.py against the target's executor."""
+    from daemon.config import ConfigError
+    from executors.base import ExecutorError
     from executors.check import check_target
-    from executors.local import LocalExecutor
+    from executors.factory import make_executor, makes_pods
 
     try:
         target = config.target(name)
     except ConfigError as exc:
         print(f"obd: {exc}", file=sys.stderr)
         return 2
-    if isinstance(target, LocalTarget):
-        executor = LocalExecutor(name, Path(target.workdir or Path(config.daemon.state_dir) / "jobs"), target.python)
-    elif target.kind == "ssh":
-        from executors.ssh import SshExecutor
-
-        executor = SshExecutor(name, target)
-    else:
+    if makes_pods(target):
         print("obd: `targets check` covers local and ssh targets; for pods use `obd pods list`", file=sys.stderr)
+        return 2
+    assert config.daemon.state_dir is not None
+    try:
+        executor = make_executor(name, target, config.daemon.state_dir)
+    except ExecutorError as exc:
+        print(f"obd: {exc}", file=sys.stderr)
         return 2
     try:
         results = await check_target(executor)

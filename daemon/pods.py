@@ -5,14 +5,14 @@ calls it. It overrides the hooks of `daemon/targets.Supervision`, so the launch 
 treat a pod run like any other: it is followed through an SSH executor to its pod, with a lease
 renewed and the caps checked before every probe; when its job ends, the outputs are retrieved
 and verified before the pod is terminated. Everything Runpod-specific that the daemon does is
-here.
+here. A run's pod is a `PodInfo`; the record keeps it as a plain dict (`target_info`), converted
+here and nowhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -21,28 +21,59 @@ import structlog
 
 from daemon.models import RunRecord, RunState
 from daemon.targets import Supervision
-from executors.base import Executor, RunProbe
-from executors.factory import make_pod_driver
+from executors.base import Executor, ExecutorError, RunProbe
+from executors.factory import make_pod_driver, makes_pods
+from executors.runpod import Finding, PodInfo, PodObservation, PodPhase
 from trainer_plugin import jobctl
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from daemon.service import Daemon
-    from executors.runpod import RunpodDriver
+    from executors.config import RunpodTarget
 
 log = structlog.get_logger("obd.pods")
-Save = Callable[[dict[str, Any]], Awaitable[None]]
-SETTLED_POD_PHASES = frozenset({"terminated", "terminate_failed", "create_failed"})
 POD_RECONCILE_INTERVAL = 300.0  # how often pods are matched with runs while the daemon runs
+STATUS_CACHE_TTL = 60.0  # `status` shows the pod as the follow last saw it, if no older than this
+
+
+class PodEnded(ExecutorError):
+    """The run's pod is being emptied and ended, or was: it is not probed any more."""
 
 
 class PodSupervision(Supervision):
     """A Runpod target: each run gets a pod of its own, followed on its own."""
 
-    def __init__(self, daemon: Daemon, name: str, config: Any) -> None:
+    config: RunpodTarget
+
+    def __init__(self, daemon: Daemon, name: str, config: RunpodTarget) -> None:
         super().__init__(daemon, name, config)
-        self.driver: RunpodDriver = make_pod_driver(name, config, daemon.state_dir)
+        self.driver = make_pod_driver(name, config, daemon.state_dir)
         self._executors: dict[str, Executor] = {}
         self._checked: dict[str, float] = {}
+        self._seen: dict[str, PodObservation] = {}  # each run's pod as the API last showed it
+        self._looking_again = False  # a reconcile is due soon for a run recorded mid-create
+
+    # --- the record's pod ------------------------------------------------------------------
+
+    @staticmethod
+    def info(record: RunRecord) -> PodInfo:
+        """The run's pod, from its record."""
+        return PodInfo.from_record(record.target_info)
+
+    @staticmethod
+    def keep(record: RunRecord, info: PodInfo) -> None:
+        """Put the run's pod into its record (saved by the caller)."""
+        record.target_info = info.to_record()
+
+    def _saver(self, record: RunRecord) -> Callable[[PodInfo], Awaitable[None]]:
+        async def save(info: PodInfo) -> None:
+            # Raises on a failed save: a pod is never created without a record of it on disk.
+            async with self.daemon.lock(record.id):
+                self.keep(record, info)
+                self.daemon.save(record)
+
+        return save
 
     # --- executors -----------------------------------------------------------------------
 
@@ -51,7 +82,7 @@ class PodSupervision(Supervision):
 
     def executor(self, record: RunRecord) -> Executor:
         if record.id not in self._executors:
-            self._executors[record.id] = self.driver.executor(record.target_info)
+            self._executors[record.id] = self.driver.executor(self.info(record))
         return self._executors[record.id]
 
     def workdir(self, record: RunRecord) -> str:
@@ -75,30 +106,45 @@ class PodSupervision(Supervision):
             with contextlib.suppress(Exception):
                 await executor.aclose()
 
-    def _saver(self, record: RunRecord) -> Save:
-        async def save(info: dict[str, Any]) -> None:
-            # Raises on a failed save: a pod is never created without a record of it on disk.
-            async with self.daemon.lock(record.id):
-                record.target_info = dict(info)
-                self.daemon.save(record)
-
-        return save
-
     # --- launch --------------------------------------------------------------------------
 
     async def prepare(self, record: RunRecord) -> Executor:
-        """Create the run's pod (its record saved before the create call), lease it, start its watchdog."""
+        """Create the run's pod (its record saved before the create call), lease it, start its watchdog.
+
+        A failure once the pod exists ends the pod before the launch is recorded failed, and says so.
+        """
         info = await self.driver.create(record.id, self._saver(record))
-        executor = self.driver.executor(info)
-        self._executors[record.id] = executor
-        workdir = await executor.resolve_workdir()
-        remote_dir = f"{workdir.rstrip('/')}/{record.id}"
-        await self.driver.renew_lease(executor, remote_dir, self.lease_ttl())
-        await self.driver.start_watchdog(executor, remote_dir, info)
+        try:
+            executor = self.driver.executor(info)
+            self._executors[record.id] = executor
+            workdir = await executor.resolve_workdir()
+            remote_dir = f"{workdir.rstrip('/')}/{record.id}"
+            await self.driver.renew_lease(executor, remote_dir, self.lease_ttl())
+            await self.driver.start_watchdog(executor, remote_dir, info)
+        except Exception as exc:
+            why = str(exc) or "the pod did not answer in time"
+            with anyio.CancelScope(shield=True):
+                ended = await self._end_unused(record, info, why)
+            raise ExecutorError(f"{why}; {ended}") from exc
         return executor
 
+    async def _end_unused(self, record: RunRecord, info: PodInfo, why: str) -> str:
+        """Terminate a pod whose job never started (nothing on it to retrieve); what became of it."""
+        await self.forget(record)
+        pod_id = info.pod_id
+        assert pod_id is not None
+        try:
+            with anyio.fail_after(120):
+                await self.driver.terminate(pod_id, record.id)
+        except (ExecutorError, TimeoutError) as exc:
+            log.error("pod_terminate_failed", run_id=record.id, pod_id=pod_id, error=str(exc))
+            return f"terminating pod {pod_id} failed too ({exc}): remove it with `obd pods rm {pod_id}`"
+        async with self.daemon.editing(record):
+            self.keep(record, info.model_copy(update={"phase": PodPhase.terminated, "error": why, "ended": True}))
+        return f"pod {pod_id} was terminated"
+
     async def on_launch_failed(self, record: RunRecord) -> None:
-        if not record.target_info.get("pod_id"):
+        if not self.info(record).pod_id:
             # The create may have made a pod after all (an ambiguous answer): look for it soon.
             self.daemon.start_soon(self._reconcile_soon)
 
@@ -106,30 +152,38 @@ class PodSupervision(Supervision):
 
     async def ready(self, record: RunRecord) -> bool:
         """Make sure a pod run left by an earlier daemon has a ready, pinned pod; fail it if it cannot."""
-        info = record.target_info
-        if info.get("phase") in SETTLED_POD_PHASES:
-            await self.daemon.fail(
-                record, f"its pod was never ready ({info.get('phase')}: {info.get('error') or 'no detail'})"
-            )
+        info = self.info(record)
+        if info.settled:
+            await self.daemon.fail(record, f"its pod was never ready ({info.phase.value}: {info.error or 'no detail'})")
             return False
-        if info.get("phase") == "ready" and info.get("host_key"):
+        if info.is_ready:
             return True
-        if not info.get("pod_id"):
+        if not info.pod_id:
             return False  # reconcile adopts it by its tag, or fails it as never created
         try:
-            record.target_info = await self.driver.resume(record.target_info, self._saver(record))
+            self.keep(record, await self.driver.resume(info, self._saver(record)))
             return True
         except Exception as exc:
-            if record.target_info.get("phase") in SETTLED_POD_PHASES:  # `resume` ended the pod
+            if self.info(record).settled:  # `resume` ended the pod
                 await self.daemon.fail(record, f"its pod never became ready: {exc}")
             else:
                 log.warning("pod_resume_deferred", run_id=record.id, error=str(exc))
             return False
 
+    def _ending(self, record: RunRecord) -> bool:
+        """Whether the run's pod is being emptied and ended (or was): no more probes for it."""
+        return self.info(record).ended or record.id in self.daemon.follow.finishing
+
     async def before_poll(self, record: RunRecord, executor: Executor) -> None:
-        """Renew the pod's lease; enforce its caps from this side too (snapshot, then cancel)."""
+        """Renew the pod's lease; enforce its caps from this side too (snapshot, then cancel).
+
+        A pod whose end is under way is not probed again (its retrieval keeps the lease itself),
+        so a terminated pod is never reported unreachable.
+        """
         from daemon.handlers import request_snapshot
 
+        if self._ending(record):
+            raise PodEnded(f"the pod of run {record.id} is being emptied and ended")
         with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
             request, cancel = await self._tick(record, executor)
         if self._due_for_check(record) and await self._ended_outside(record):
@@ -143,10 +197,11 @@ class PodSupervision(Supervision):
         """Renew the lease and check the caps: (reason to request a snapshot, reason to cancel now)."""
         await self.driver.renew_lease(executor, record.remote_dir, self.lease_ttl())
         now = time.time()
-        reached = await self.driver.cap_reached(record.target_info, now)
+        info = self.info(record)
+        reached = self.driver.cap_reached(info, now)
         if reached:
-            return reached, f"the {reached} cap of pod {record.target_info.get('pod_id')} was reached"
-        return await self.driver.check_caps(record.target_info, now), None
+            return reached, f"the {reached} cap of pod {info.pod_id} was reached"
+        return self.driver.check_caps(info, now), None
 
     def _due_for_check(self, record: RunRecord) -> bool:
         """Whether to ask the API if the pod still exists (at most every api_poll_interval, 30 s tops)."""
@@ -157,32 +212,39 @@ class PodSupervision(Supervision):
         return True
 
     async def on_unreachable(self, record: RunRecord) -> bool:
+        if self._ending(record):
+            return True  # not probed on purpose (see before_poll): nothing to note
         return await self._ended_outside(record) or await self._cap_on_unreachable(record)
 
     async def _cap_on_unreachable(self, record: RunRecord) -> bool:
         """A pod past its cap that cannot be reached for a lease's time is terminated: the cap holds
         even with the pod's SSH and watchdog gone (its outputs are then lost, and the run says so)."""
-        try:
-            reason = await self.driver.cap_reached(record.target_info, time.time())
-        except Exception:
-            return False
+        info = self.info(record)
+        reason = self.driver.cap_reached(info, time.time())
         since = record.unreachable_since
-        if not reason or since is None or time.time() - since < self.lease_ttl():
+        if not reason or not info.pod_id or since is None or time.time() - since < self.lease_ttl():
             return False
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
-                await self.driver.terminate(record.target_info["pod_id"], record.id)
+                await self.driver.terminate(info.pod_id, record.id)
         except Exception as exc:
             log.error("pod_cap_terminate_failed", run_id=record.id, error=str(exc))
             return False
-        record.target_info["ended"] = True
+        self.keep(record, info.model_copy(update={"ended": True}))
         await self.daemon.fail(
             record,
-            f"the {reason} cap of pod {record.target_info.get('pod_id')} passed while the pod could not be reached; "
+            f"the {reason} cap of pod {info.pod_id} passed while the pod could not be reached; "
             "the pod was terminated and the outputs on it are lost",
         )
         log.error("pod_cap_terminated_unreachable", run_id=record.id, reason=reason)
         return True
+
+    async def _observe(self, record: RunRecord) -> PodObservation:
+        """Ask the API for the run's pod now, and remember the answer for `status`."""
+        with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
+            seen = await self.driver.observe(self.info(record))
+        self._seen[record.id] = seen
+        return seen
 
     async def _ended_outside(self, record: RunRecord) -> bool:
         """Whether the run's pod was terminated or stopped outside obd (the run is failed, or its
@@ -190,17 +252,15 @@ class PodSupervision(Supervision):
         if record.id in self.daemon.follow.finishing:
             return False  # its finish retrieves the outputs and then ends the pod itself
         try:
-            with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
-                described = await self.driver.describe(record.target_info)
+            seen = await self._observe(record)
         except Exception:
             return False
-        state = str(described.get("state") or "unknown")
-        if state == "EXITED":
+        if seen.state == "EXITED":
             await self._restart_stopped(record)
             return True
-        if state != "gone":
+        if seen.state != "gone":
             return False
-        why = f"pod {record.target_info.get('pod_id')} no longer exists (terminated outside obd, or reclaimed)"
+        why = f"pod {self.info(record).pod_id} no longer exists (terminated outside obd, or reclaimed)"
         if await self.daemon.fail(record, why):
             log.error("pod_gone", run_id=record.id, reason=why)
         return True
@@ -208,12 +268,13 @@ class PodSupervision(Supervision):
     async def _restart_stopped(self, record: RunRecord) -> None:
         """A pod stopped outside obd ended its job, but its volume holds the run directory: start it
         again so the follow finds the job ended and retrieves the outputs, then ends the pod."""
-        pod_id = record.target_info.get("pod_id")
+        pod_id = self.info(record).pod_id
         async with self.daemon.editing(record):
             if record.state.final:
                 return
-            if not record.target_info.get("stopped_outside"):
-                record.target_info["stopped_outside"] = time.time()
+            info = self.info(record)
+            if not info.stopped_outside:
+                self.keep(record, info.model_copy(update={"stopped_outside": time.time()}))
                 record.note(
                     f"pod {pod_id} was stopped outside obd (EXITED), which ended its job; "
                     "starting it again to recover the outputs on its volume"
@@ -222,7 +283,7 @@ class PodSupervision(Supervision):
         grace = float(self.config.boot_grace)
         try:
             with anyio.fail_after(grace + 4 * self.daemon.config.daemon.probe_timeout):
-                await self.driver.restart_stopped(record.target_info, self._saver(record))
+                await self.driver.restart_stopped(self.info(record), self._saver(record))
         except Exception as exc:
             log.error("pod_restart_failed", run_id=record.id, pod_id=pod_id, error=str(exc))
             await self.daemon.fail(
@@ -237,58 +298,71 @@ class PodSupervision(Supervision):
             record.note(f"pod {pod_id} started again; its job ended with the stop")
 
     def explain_lost(self, record: RunRecord, message: str) -> str:
-        if record.target_info.get("stopped_outside"):
-            return (
-                f"pod {record.target_info.get('pod_id')} was stopped outside obd (EXITED), which killed the job; "
-                + message
-            )
+        info = self.info(record)
+        if info.stopped_outside:
+            return f"pod {info.pod_id} was stopped outside obd (EXITED), which killed the job; " + message
         return message
 
     async def describe(self, record: RunRecord) -> dict[str, Any]:
-        if not record.target_info.get("pod_id"):
+        """The pod for `status`: as the follow last saw it (no API call), or as the API says now if
+        that is older than STATUS_CACHE_TTL; its spend is counted up to now either way."""
+        info = self.info(record)
+        if not info.pod_id:
             return {}
-        return {"pod": await self.driver.describe(record.target_info)}
+        now = time.time()
+        seen = self._seen.get(record.id)
+        if seen is None or now - seen.at > STATUS_CACHE_TTL:
+            seen = await self._observe(record)
+        return {"pod": self.driver.view(info, seen, now)}
 
     # --- the end -------------------------------------------------------------------------
 
     def _retrieved_at(self, record: RunRecord) -> float | None:
         """When the run's outputs were retrieved and verified (the driver's book), if they were."""
-        entry = self.driver.book.get(record.id) or {}
-        retrieved = entry.get("retrieved")
-        return float(retrieved) if isinstance(retrieved, (int, float)) else None
+        entry = self.driver.book.get(record.id)
+        return entry.retrieved if entry is not None else None
 
     async def on_end(self, record: RunRecord) -> str:
         """Retrieve a pod run's outputs and terminate its pod, once; the message says how it went."""
-        if not record.target_info.get("pod_id") or record.target_info.get("ended"):
+        info = self.info(record)
+        if not info.pod_id or info.ended:
             return ""
         local = self.daemon.store.run_dir(record.id) / "retrieved"
         try:
             if self._retrieved_at(record):
                 with contextlib.suppress(Exception):
-                    await self.driver.terminate(record.target_info["pod_id"], record.id)
-                message = f"outputs retrieved and verified into {local}; pod {record.target_info['pod_id']} ended"
+                    await self.driver.terminate(info.pod_id, record.id)
+                message = f"outputs retrieved and verified into {local}; pod {info.pod_id} ended"
             else:
-                ok, message = await self.driver.finish(record.id, record.remote_dir, record.target_info, local)
+                ok, message = await self.driver.finish(
+                    record.id, record.remote_dir, info, local, lease_ttl=self.lease_ttl()
+                )
                 log.info("pod_finished", run_id=record.id, outputs_safe=ok, message=message)
         except Exception as exc:  # the record's final state must not wait on the pod
             message = f"the pod could not be emptied and ended: {exc} (see `obd pods list`)"
-        record.target_info["ended"] = True
+        self.keep(record, self.info(record).model_copy(update={"ended": True}))
+        self._seen.pop(record.id, None)
         await self.forget(record)
         return message
 
     # --- reconcile -----------------------------------------------------------------------
 
+    def _takes_untagged_pods(self) -> bool:
+        """Pods made before they were tagged with their target go to one target: the first by name."""
+        pod_targets = sorted(n for n, t in self.daemon.config.targets.items() if makes_pods(t))
+        return not pod_targets or pod_targets[0] == self.name
+
     async def reconcile(self) -> None:
-        """Match the pods obd created with the runs; fail runs whose pod is gone, empty orphan pods."""
+        """Match this target's pods with its runs; fail runs whose pod is gone, empty orphan pods."""
         launching = self.daemon.launcher.launching
         live = {
-            r.id: r.target_info
+            r.id: self.info(r)
             for r in self.daemon.records.values()
             if r.target == self.name and r.state in (RunState.preparing, RunState.running) and r.id not in launching
         }
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout * 3):
-                findings = await self.driver.reconcile(live)
+                findings = await self.driver.reconcile(live, take_untagged=self._takes_untagged_pods())
         except Exception as exc:  # the API is down: decide nothing now, the follow retries
             log.warning("pod_reconcile_deferred", target=self.name, error=str(exc))
             return
@@ -302,6 +376,24 @@ class PodSupervision(Supervision):
         except Exception:
             log.exception("pod_reconcile_failed", target=self.name)
 
+    def _look_again(self, until: float) -> None:
+        """A run was recorded mid-create: reconcile again shortly (again and again while its
+        create's outcome is unknown), rather than leave a late pod unowned for minutes."""
+        if self._looking_again:
+            return
+        self._looking_again = True
+        delay = min(max(1.0, self.config.api_poll_interval), 20.0, max(0.5, until - time.time()))
+
+        async def again() -> None:
+            await anyio.sleep(delay)
+            self._looking_again = False
+            try:
+                await self.reconcile()
+            except Exception:
+                log.exception("pod_reconcile_failed", target=self.name)
+
+        self.daemon.start_soon(again)
+
     async def periodically(self) -> None:
         """Match pods with runs now and then: a pod whose create looked failed is found and ended."""
         while True:
@@ -311,65 +403,70 @@ class PodSupervision(Supervision):
             except Exception:
                 log.exception("pod_reconcile_failed", target=self.name)
 
-    async def _apply_finding(self, item: dict[str, Any]) -> None:
+    async def _apply_finding(self, item: Finding) -> None:
         daemon = self.daemon
-        record = daemon.records.get(item.get("run_id") or "")
-        kind = item["kind"]
+        record = daemon.records.get(item.run_id or "")
         if record is not None and record.id in daemon.launcher.launching:
             return  # its launch is under way and decides
-        if kind == "orphan" and record is not None and not record.state.final:
+        if item.kind == "orphan" and record is not None and not record.state.final:
             return  # a live run's pod, not yet in its record
-        if kind == "gone" and record is not None and record.state == RunState.running and self._retrieved_at(record):
+        if (
+            item.kind == "gone"
+            and record is not None
+            and record.state == RunState.running
+            and self._retrieved_at(record)
+        ):
             # Its outputs were retrieved and verified before the pod went: finish from the local copy.
             local = daemon.store.run_dir(record.id) / "retrieved"
             raw = await anyio.to_thread.run_sync(jobctl.probe_dir, str(local), None)
             await daemon.follow.apply(record, RunProbe.model_validate(raw))
             return
-        if kind == "orphan":
-            log.warning("pod_orphan", pod_id=item["pod_id"], run_id=item.get("run_id"))
+        if item.kind == "orphan":
+            log.warning("pod_orphan", target=self.name, pod_id=item.pod_id, run_id=item.run_id)
             daemon.start_soon(self._empty_orphan, item)
+            return
+        if item.kind == "creating" and item.look_again_at is not None:
+            self._look_again(item.look_again_at)
             return
         if record is None:
             return
-        if kind in ("gone", "not_created"):
-            await daemon.fail(record, item["reason"])
-        elif kind == "adopted":
+        if item.kind in ("gone", "not_created"):
+            await daemon.fail(record, item.reason or "its pod is gone")
+        elif item.kind == "adopted" and item.target_info is not None:
             async with daemon.editing(record):
-                record.target_info = item["target_info"]
-                record.note(f"pod {item['pod_id']} found by its tag and adopted")
+                self.keep(record, item.target_info)
+                record.note(f"pod {item.pod_id} found by its tag and adopted")
 
-    async def _empty_orphan(self, item: dict[str, Any]) -> None:
-        """A pod obd created that no run knows: wait for its SSH, retrieve its outputs, terminate it.
+    async def _empty_orphan(self, item: Finding) -> None:
+        """A pod of this target that no run knows: wait for its SSH, retrieve its outputs, terminate it.
 
         A pod that never answers within its boot grace is terminated by `resume`, and a stopped one
         is started again; one whose retrieval fails is left up and reported (its outputs come first).
         """
         daemon = self.daemon
-        info = item["target_info"]
-        owner = info.get("target") or self.name
-        driver = self.driver
-        if owner != self.name and owner in daemon.config.targets:
-            supervision = daemon.targets.get(owner)
-            driver = supervision.driver if isinstance(supervision, PodSupervision) else driver
-        run_id = item.get("run_id") or f"orphan-{item['pod_id']}"
+        assert item.pod_id is not None and item.target_info is not None
+        run_id = item.run_id or f"orphan-{item.pod_id}"
 
-        async def keep(_info: dict[str, Any]) -> None:
+        async def keep(_info: PodInfo) -> None:
             return None
 
         record = daemon.records.get(run_id)
         try:
-            info = await driver.resume(info, keep)
+            info = await self.driver.resume(item.target_info, keep)
             # A run that ended without its outputs (its pod was stopped, say) gets them in its own directory.
-            if record:
-                local = daemon.store.run_dir(run_id) / "retrieved"
-            else:
-                local = daemon.state_dir / "orphans" / str(item["pod_id"])
-            ok, message = await driver.finish(run_id, item.get("remote_dir") or "", info, local)
+            local = daemon.store.run_dir(run_id) if record else daemon.state_dir / "orphans"
+            local = local / "retrieved" if record else local / item.pod_id
+            ok, message = await self.driver.finish(run_id, item.remote_dir or "", info, local)
         except Exception as exc:
             ok, message = False, str(exc)
         log.warning(
-            "pod_orphan_finished", run_id=item.get("run_id"), pod_id=item["pod_id"], outputs_safe=ok, message=message
+            "pod_orphan_finished",
+            target=self.name,
+            run_id=item.run_id,
+            pod_id=item.pod_id,
+            outputs_safe=ok,
+            message=message,
         )
         if record is not None:
             async with daemon.editing(record):
-                record.note(f"after the run ended, its pod {item['pod_id']}: {message}")
+                record.note(f"after the run ended, its pod {item.pod_id}: {message}")

@@ -94,12 +94,37 @@ class LaunchUncertain(TargetUnreachable):
     """
 
 
+class HostKeyError(ExecutorError):
+    """The target's host key is unknown, changed, or not the pinned one: the connection was refused."""
+
+
+class AuthError(ExecutorError):
+    """The target answered but refused the login (wrong key or user)."""
+
+
+class WorkdirError(ExecutorError):
+    """The workdir (or obd's files in it) cannot be created on the target."""
+
+
+class LinkRefused(ExecutorError):
+    """A transfer met a symbolic link it must not follow (one that could lead out of the run
+    directory): nothing was copied through it."""
+
+
 class CommandResult(BaseModel):
     """What a command run on the target returned."""
 
     returncode: int
     stdout: bytes = b""
     stderr: bytes = b""
+
+
+class Reached(BaseModel):
+    """What reaching a target found, for `obd targets check`."""
+
+    where: str  # where jobs run, in words: "this machine", "me@gpu1:22"
+    trust: str  # how the target's identity was checked: "matches known_hosts", "not applicable", ...
+    workdir: str  # the workdir as an absolute path there
 
 
 class RunEvents(Protocol):
@@ -130,15 +155,35 @@ class Executor(Protocol):
     capability (`events`), None where absent, so callers never ask an executor what it is.
     """
 
-    name: str
-    workdir: str  # as configured; may need the target to resolve it (`~/obd`)
-    # True when the target sees the daemon's filesystem: a job's --cwd is used where it is,
-    # not uploaded into the run directory.
-    shares_filesystem: bool
-    events: RunEvents | None
+    # Read-only to callers: an executor may hold them as plain attributes or compute them.
+    @property
+    def name(self) -> str:
+        """The target's name in the config."""
+        ...
+
+    @property
+    def workdir(self) -> str:
+        """The workdir as configured; may need the target to resolve it (`~/obd`)."""
+        ...
+
+    @property
+    def shares_filesystem(self) -> bool:
+        """True when the target sees the daemon's filesystem: a job's --cwd is used where it is,
+        not uploaded into the run directory."""
+        ...
+
+    @property
+    def events(self) -> RunEvents | None:
+        """The events capability, where the target has it."""
+        ...
 
     async def resolve_workdir(self) -> str:
         """The workdir as an absolute path on the target (connecting if need be)."""
+        ...
+
+    async def reach(self) -> Reached:
+        """Connect (where there is anything to connect to) and say how; raises TargetUnreachable,
+        HostKeyError, AuthError or WorkdirError with what to do next."""
         ...
 
     async def python(self) -> str:

@@ -11,9 +11,7 @@ import json
 import time
 from typing import Any
 
-import anyio
-
-from executors.base import Executor, ExecutorError, TargetUnreachable
+from executors.base import AuthError, Executor, ExecutorError, HostKeyError, TargetUnreachable, WorkdirError
 
 CHECKS = ["reachable", "host key known", "workdir writable", "python found", "torch found", "free disk"]
 
@@ -42,76 +40,33 @@ def _item(check: str, ok: bool, detail: str) -> dict[str, Any]:
     return {"check": check, "ok": ok, "detail": detail}
 
 
-async def _run_python(executor: Executor, argv: list[str], timeout: float) -> tuple[int, bytes, bytes] | None:
-    """Run `<target python> ARGV` on the target; None if this executor cannot run commands."""
-    from executors.local import LocalExecutor
-    from executors.ssh import SshExecutor
-
-    if isinstance(executor, SshExecutor):
-        python = await executor.python_command()
-        return await executor.run_command([python, *argv], timeout=timeout)
-    if isinstance(executor, LocalExecutor):
-        try:
-            with anyio.fail_after(timeout):
-                r = await anyio.run_process([executor.python, *argv], check=False)
-        except OSError as exc:
-            return 127, b"", str(exc).encode()
-        return r.returncode, r.stdout, r.stderr
-    run_command = getattr(executor, "run_command", None)
-    interpreter: str | None = getattr(executor, "python", None)
-    if run_command is None or interpreter is None:
-        return None
-    result: tuple[int, bytes, bytes] = await run_command([interpreter, *argv], timeout=timeout)
-    return result
-
-
 async def _reach(executor: Executor, items: list[dict[str, Any]]) -> str | None:
-    """Connect (SSH) and fill the first checks; return the workdir, or None to stop checking."""
-    from executors.ssh import AuthError, HostKeyError, SshExecutor, WorkdirError
-
-    if not isinstance(executor, SshExecutor):
-        items.append(_item("reachable", True, "local target"))
-        items.append(_item("host key known", True, "not applicable"))
-        return executor.workdir
+    """Reach the target and fill the first checks; return the workdir, or None to stop checking."""
     started = time.monotonic()
     try:
-        workdir = await executor.resolve_workdir()
+        reached = await executor.reach()
     except TargetUnreachable as exc:
         items.append(_item("reachable", False, str(exc)))
         return None
     except HostKeyError as exc:
-        items.append(_item("reachable", True, f"{executor.address} answered"))
+        items.append(_item("reachable", True, "the host answered"))
         items.append(_item("host key known", False, str(exc)))
         return None
     except AuthError as exc:
-        items.append(_item("reachable", False, f"{executor.address} answered but refused the login: {exc}"))
+        items.append(_item("reachable", False, f"the host answered but refused the login: {exc}"))
         return None
     except WorkdirError as exc:
-        items.append(_item("reachable", True, f"{executor.address} answered"))
-        items.append(_item("host key known", True, _host_key_detail(executor.host_key_status)))
+        items.append(_item("reachable", True, "the host answered and let obd in"))
+        items.append(_item("host key known", True, "verified before the workdir was tried"))
         items.append(_item("workdir writable", False, str(exc)))
         return None
     except ExecutorError as exc:
         items.append(_item("reachable", False, str(exc)))
         return None
     took = time.monotonic() - started
-    items.append(
-        _item(
-            "reachable",
-            True,
-            f"{executor.address} as {executor.target.user or '(default user)'}, connected in {took:.2f}s",
-        )
-    )
-    items.append(_item("host key known", True, _host_key_detail(executor.host_key_status)))
-    return workdir
-
-
-def _host_key_detail(status: str | None) -> str:
-    return {
-        "known": "matches known_hosts",
-        "pinned": "matches the pinned key",
-        "accepted": "was unknown: accepted (accept_unknown_host) and recorded in known_hosts",
-    }.get(status or "", status or "unknown")
+    items.append(_item("reachable", True, f"{reached.where}, reached in {took:.2f}s"))
+    items.append(_item("host key known", True, reached.trust))
+    return reached.workdir
 
 
 async def check_target(executor: Executor, *, min_free_gb: float = 1.0, timeout: float = 60.0) -> list[dict[str, Any]]:
@@ -143,18 +98,15 @@ async def _python_checks(
     executor: Executor, workdir: str, items: list[dict[str, Any]], min_free_gb: float, timeout: float
 ) -> None:
     try:
-        result = await _run_python(executor, ["-c", _PROBE_PY, workdir], timeout)
+        python = await executor.python()
+        result = await executor.run_command([python, "-c", _PROBE_PY, workdir], timeout=timeout)
     except ExecutorError as exc:
         items.append(_item("python found", False, str(exc)))
         return
-    if result is None:
-        items.append(_item("python found", False, "this executor cannot run a command to check"))
-        return
-    code, out, err = result
     try:
-        info = json.loads(out.decode().strip().splitlines()[-1])
+        info = json.loads(result.stdout.decode().strip().splitlines()[-1])
     except (ValueError, IndexError):
-        tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {code}"]
+        tail = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {result.returncode}"]
         items.append(_item("python found", False, f"{tail[0]}; set `python` or `venv` for this target"))
         return
     items.append(_item("python found", True, f"{info['python']} ({info['executable']})"))

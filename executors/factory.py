@@ -8,34 +8,37 @@ instead of switching on the kind themselves.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeGuard
 
 from executors.base import Executor, ExecutorError
+from executors.config import AnyTarget, LocalTarget, RunpodTarget, SshTarget
 
 if TYPE_CHECKING:
     from executors.runpod import RunpodDriver
 
 
-def makes_pods(target: Any) -> bool:
+def makes_pods(target: AnyTarget) -> TypeGuard[RunpodTarget]:
     """Whether the target gives each run a machine of its own (a pod) instead of sharing one."""
-    return getattr(target, "kind", None) == "runpod"
+    return isinstance(target, RunpodTarget)
 
 
-def make_executor(name: str, target: Any, state_dir: Path) -> Executor:
+def make_executor(name: str, target: AnyTarget, state_dir: Path) -> Executor:
     """The executor of a machine target; local run directories default to STATE_DIR/jobs."""
-    kind = getattr(target, "kind", None)
-    if kind == "local":
+    if isinstance(target, LocalTarget):
         from executors.local import LocalExecutor
 
         return LocalExecutor(name, Path(target.workdir or state_dir / "jobs"), target.python)
-    if kind == "ssh":
+    if isinstance(target, SshTarget):
         from executors.ssh import SshExecutor
 
         return SshExecutor(name, target)
-    raise ExecutorError(f"target {name!r} of kind {kind!r} has no machine of its own; each run gets one")
+    raise ExecutorError(
+        f"target {name!r} of kind {target.kind!r} has no machine of its own; each run gets one "
+        "(`obd pods list` shows the pods)"
+    )
 
 
-def make_pod_driver(name: str, target: Any, state_dir: Path) -> RunpodDriver:
+def make_pod_driver(name: str, target: RunpodTarget, state_dir: Path) -> RunpodDriver:
     """The driver that makes, watches and ends the pods of a pod target."""
     from executors.runpod import RunpodDriver
 

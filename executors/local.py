@@ -23,7 +23,16 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from executors.base import CommandResult, ExecutorError, JobHandle, JobSpec, JobState, JobStatus, RunProbe
+from executors.base import (
+    CommandResult,
+    ExecutorError,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Reached,
+    RunProbe,
+)
 from trainer_plugin import jobctl
 
 log = structlog.get_logger("obd.local")
@@ -145,6 +154,10 @@ class LocalExecutor:
 
     async def resolve_workdir(self) -> str:
         return str(Path(self.workdir).expanduser().resolve())
+
+    async def reach(self) -> Reached:
+        """Nothing to connect to: this machine, trusted as it is."""
+        return Reached(where="this machine", trust="not applicable", workdir=await self.resolve_workdir())
 
     async def python(self) -> str:
         return self.interpreter

@@ -12,8 +12,8 @@ import pytest
 
 from daemon.store import RunStore
 from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+from tests.executors.runpod.conftest import kill_jobs
 from tests.fakes.runpod_api import FakeRunpod
-from tests.runpod.conftest import kill_jobs
 from tests.sshd import SshServer, running_sshd
 
 PY = sys.executable

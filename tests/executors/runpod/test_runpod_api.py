@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import fast_api
-from fakes.runpod_api import FakeRunpod, GraphQLSyntaxError, Parser, tokenize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executors.runpod_api import (
+from executors.runpod.api import (
     AuthError,
     NoCapacity,
     RunpodApiError,
@@ -19,6 +17,8 @@ from executors.runpod_api import (
     rate_from_gpu,
     resolve_api_key,
 )
+from tests.executors.runpod.conftest import fast_api
+from tests.fakes.runpod_api import FakeRunpod, GraphQLSyntaxError, Parser, tokenize
 
 GPU = "NVIDIA GeForce RTX 4090"
 

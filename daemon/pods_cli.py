@@ -12,17 +12,19 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import anyio
 
 from daemon.config import Config, RunpodTarget
 from executors.base import ExecutorError
-from executors.runpod import RUN_ID_RE, RunpodDriver
+from executors.factory import makes_pods
+from executors.runpod import PodBook, RunpodDriver
+from trainer_plugin.rundir import is_run_id
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise _Usage(f"{self.prog}: {message}")
 
 
@@ -46,9 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def runpod_targets(config: Config) -> dict[str, RunpodTarget]:
+    return {n: t for n, t in config.targets.items() if makes_pods(t)}
+
+
 def driver_for(config: Config, name: str | None, **kwargs: Any) -> RunpodDriver:
     """The driver of the named runpod target, else of the first one, else of the defaults."""
-    targets = {n: t for n, t in config.targets.items() if isinstance(t, RunpodTarget)}
+    targets = runpod_targets(config)
     if name is not None and name not in targets:
         raise _Usage(
             f"obd pods: {name!r} is not a runpod target; the runpod targets are: {', '.join(targets) or 'none'}"
@@ -118,14 +124,14 @@ async def _rm(driver: RunpodDriver, pod_id: str, force: bool, out: TextIO, err: 
 
 async def _retrieve(driver: RunpodDriver, run_id: str, to: Path | None, out: TextIO, err: TextIO) -> int:
     entry = driver.book.get(run_id)
-    if not entry or not entry.get("target_info", {}).get("pod_id"):
+    info = entry.target_info if entry else None
+    if entry is None or info is None or not info.pod_id:
         print(f"obd has no pod on record for run {run_id}; `obd pods list` shows obd's pods", file=err)
         return 1
-    info = entry["target_info"]
-    remote_dir = entry.get("remote_dir") or f"{driver.target.workdir.rstrip('/')}/{run_id}"
-    local = to or (Path(entry["local_dir"]) if entry.get("local_dir") else None)
+    remote_dir = entry.remote_dir or driver.ctx.remote_dir(info, run_id)
+    local = to or (Path(entry.local_dir) if entry.local_dir else None)
     run_dir = driver.state_dir / "runs" / run_id
-    if local is None and RUN_ID_RE.match(run_id) and run_dir.is_dir():
+    if local is None and is_run_id(run_id) and run_dir.is_dir():
         local = run_dir / "retrieved"  # where the daemon puts a run's outputs
     if local is None:
         print(f"where should the outputs of {run_id} go? give a directory with --to DIR", file=err)
@@ -135,6 +141,16 @@ async def _retrieve(driver: RunpodDriver, run_id: str, to: Path | None, out: Tex
     return 0 if ok else 1
 
 
+def _booked_target(config: Config, run_id: str) -> str | None:
+    """The runpod target a run's pod was made for, as the pod book says (when it is still configured)."""
+    state_dir = config.daemon.state_dir
+    if state_dir is None:
+        return None
+    info = PodBook(state_dir).info(run_id)
+    name = info.target if info is not None else None
+    return name if name in runpod_targets(config) else None
+
+
 def pods_main(
     argv: list[str], config: Config, *, out: TextIO | None = None, err: TextIO | None = None, **driver_kwargs: Any
 ) -> int:
@@ -142,7 +158,10 @@ def pods_main(
     out, err = out or sys.stdout, err or sys.stderr
     try:
         args = build_parser().parse_args(argv)
-        driver = driver_for(config, args.target, **driver_kwargs)
+        name = args.target
+        if name is None and args.command == "retrieve":
+            name = _booked_target(config, args.run_id)  # its own target's settings and workdir
+        driver = driver_for(config, name, **driver_kwargs)
         if args.command == "retrieve" and args.keep:
             driver.target = driver.target.model_copy(update={"keep_pod": True})
     except _Usage as exc:

@@ -12,10 +12,11 @@ from pathlib import Path
 import anyio
 import pytest
 
+from executors import remote
 from executors.base import ExecutorError, JobHandle, JobSpec, JobState, JobStatus
 from executors.check import check_target
 from executors.ssh import SshExecutor
-from tests.ssh.helpers import group_environs, job, make_target, wait_file, wait_state
+from tests.executors.ssh.helpers import group_environs, job, make_target, wait_file, wait_state
 from tests.sshd import SshServer
 
 
@@ -246,7 +247,7 @@ async def test_the_workdir_tilde_is_resolved_on_the_host(shared_sshd: SshServer)
         resolved = await ex.resolve_workdir()
         assert resolved == str(Path.home() / name)
         assert ex.workdir == resolved
-        assert list((Path(resolved) / ".obd").glob("jobctl-*.py"))
+        assert (Path(remote.jobctl_remote_path(resolved))).is_file()
     finally:
         await ex.aclose()
         import shutil
@@ -254,13 +255,15 @@ async def test_the_workdir_tilde_is_resolved_on_the_host(shared_sshd: SshServer)
         shutil.rmtree(Path.home() / name, ignore_errors=True)
 
 
-async def test_jobctl_is_installed_once_under_its_content_hash(executor: SshExecutor, workdir: Path) -> None:
+async def test_the_job_tools_are_installed_once_under_their_content_hash(executor: SshExecutor, workdir: Path) -> None:
     await executor.connect()
-    installed = list((workdir / ".obd").glob("jobctl-*.py"))
-    assert len(installed) == 1
-    source = (Path(__file__).resolve().parents[2] / "trainer_plugin" / "jobctl.py").read_bytes()
-    assert installed[0].name == f"jobctl-{hashlib.sha256(source).hexdigest()[:12]}.py"
-    assert installed[0].read_bytes() == source
+    installed = list((workdir / ".obd").glob("tools-*"))
+    assert [p.name for p in installed] == [f"tools-{remote.JOBCTL_HASH}"]
+    for tool in remote.TOOL_FILES:
+        assert (installed[0] / tool.name).read_bytes() == tool.read_bytes()
+    await executor.aclose()
+    await executor.connect()  # a second connection finds them there
+    assert list((workdir / ".obd").glob("tools-*")) == installed
 
 
 async def test_a_python_that_is_not_there_is_reported_with_what_to_set(shared_sshd: SshServer, workdir: Path) -> None:

@@ -1,4 +1,4 @@
-"""`obd pods list | rm | retrieve`, straight through the driver (no daemon)."""
+"""`obd pods list | rm | retrieve` (daemon/pods_cli.py), straight through the driver (no daemon)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import anyio
-from conftest import Saves, fast_api
-from fakes.runpod_api import FakeRunpod
 
 from daemon.config import Config
-from executors.pods_cli import format_pods, pods_main
+from daemon.pods_cli import format_pods, pods_main
+from tests.executors.runpod.conftest import Saves, fast_api
+from tests.fakes.runpod_api import FakeRunpod
 
 
 def config_for(driver, state_dir: Path) -> Config:
@@ -38,10 +38,10 @@ def test_pods_list_shows_only_the_pods_this_obd_created_with_rate_and_spend(
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["POD", "RUN", "STATE", "GPU", "$/H", "SPEND", "$", "UP", "SSH"]
-    assert len(lines) == 2 and info["pod_id"] in lines[1] and "r1" in lines[1] and "0.69" in lines[1]
+    assert len(lines) == 2 and info.pod_id in lines[1] and "r1" in lines[1] and "0.69" in lines[1]
     code, out, _ = cli(config, driver, "list", "--json")
     [pod] = json.loads(out)
-    assert pod["pod_id"] == info["pod_id"] and pod["run_id"] == "r1" and pod["spend_usd"] is not None
+    assert pod["pod_id"] == info.pod_id and pod["run_id"] == "r1" and pod["spend_usd"] is not None
 
 
 def test_pods_rm_terminates_one_of_obd_s_pods_and_refuses_anyone_else_s(
@@ -54,10 +54,10 @@ def test_pods_rm_terminates_one_of_obd_s_pods_and_refuses_anyone_else_s(
     code, _, err = cli(config, driver, "rm", other)
     assert code == 1 and "not created by this obd install" in err and "--force" in err
     assert other in {p["id"] for p in fake.live_pods()}
-    code, out, _ = cli(config, driver, "rm", info["pod_id"])
+    code, out, _ = cli(config, driver, "rm", info.pod_id)
     assert code == 0 and "terminated" in out
     assert {p["id"] for p in fake.live_pods()} == {other}
-    code, _, err = cli(config, driver, "rm", info["pod_id"])
+    code, _, err = cli(config, driver, "rm", info.pod_id)
     assert code == 1 and "does not exist" in err
 
 
@@ -69,11 +69,11 @@ def test_pods_retrieve_fetches_a_run_s_outputs_after_a_failed_finish(
     remote = Path(driver.target.workdir) / "r1"
     (remote / "output").mkdir(parents=True)
     (remote / "output" / "adapter.bin").write_bytes(b"w" * 1000)
-    broken = {**info, "ssh_port": 1}
+    broken = info.model_copy(update={"ssh_port": 1})
     ok, message = anyio.run(driver.finish, "r1", str(remote), broken, tmp_path / "out")
     assert not ok and "obd pods retrieve r1" in message
     driver.book.put("r1", target_info=info)  # the daemon's record keeps the right port
-    code, out, err = cli(config_for(driver, tmp_path / "state"), driver, "retrieve", "r1")
+    code, _, err = cli(config_for(driver, tmp_path / "state"), driver, "retrieve", "r1")
     assert code == 0, err
     assert (tmp_path / "out" / "output" / "adapter.bin").read_bytes() == b"w" * 1000
     assert fake.live_pods() == []

@@ -15,7 +15,7 @@ import pytest
 from executors.base import ExecutorError, JobState, TargetUnreachable
 from executors.check import check_target
 from executors.ssh import AuthError, HostKeyError, SshExecutor, WorkdirError
-from tests.ssh.helpers import job, make_target, wait_file, wait_state
+from tests.executors.ssh.helpers import job, make_target, wait_file, wait_state
 from tests.sshd import SshServer, _children, free_port, write_key_pair
 
 
@@ -126,7 +126,9 @@ def tiny_disk(tmp_path: Path) -> object:
     """A 256 KiB tmpfs, standing for a remote disk that fills up (needs root and mount)."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True, check=False
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here to fill a disk ({r.stderr.strip()}); run as root")
     yield mnt
@@ -187,7 +189,7 @@ async def test_concurrent_callers_share_one_reconnect_attempt(own_sshd: SshServe
     await ex.connect()
     own_sshd.kill()
     with anyio.fail_after(5):  # let the client notice, so no caller retries on the dead connection
-        while ex._session is not None and ex._session.alive:
+        while ex.connection.session is not None and ex.connection.session.alive:
             await anyio.sleep(0.02)
     connects = ex.connects
     errors: list[BaseException] = []

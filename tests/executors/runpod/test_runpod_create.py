@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Saves, fast_api
-from fakes.runpod_api import FakeRunpod, Gpu
-from sshd import SshServer
 
 from executors.base import ExecutorError
-from executors.runpod import owner_id
-from executors.runpod_api import AuthError
+from executors.runpod import PodInfo, owner_id
+from executors.runpod.api import AuthError
+from tests.executors.runpod.conftest import Saves, fast_api
+from tests.fakes.runpod_api import FakeRunpod, Gpu
+from tests.sshd import SshServer
 
 RTX, A40, H100 = "NVIDIA GeForce RTX 4090", "NVIDIA A40", "NVIDIA H100 80GB HBM3"
 
@@ -20,14 +20,14 @@ async def test_a_pod_is_created_tagged_and_reached_over_ssh_with_its_host_key_pi
     driver = make_driver()
     info = await driver.create("r1", saves)
     [pod] = fake.live_pods()
-    assert info["pod_id"] == pod["id"] and info["pod_name"] == "obd-r1" == pod["name"]
+    assert info.pod_id == pod["id"] and info.pod_name == "obd-r1" == pod["name"]
     assert "OBD_RUN_ID=r1" in pod["env"] and f"OBD_OWNER={driver.owner}" in pod["env"]
     assert any(e.startswith("PUBLIC_KEY=ssh-ed25519 ") for e in pod["env"])
-    assert (info["ssh_host"], info["ssh_port"]) == (pod_sshd.host, pod_sshd.port)
-    assert info["host_key"] == " ".join(pod_sshd.host_key_line.split()[:2])
-    assert info["cost_per_hr"] == pytest.approx(0.69) and info["gpu_type"] == RTX
-    assert info["started_at"] <= info["requested_at"] + 5
-    assert info["phase"] == "ready"
+    assert (info.ssh_host, info.ssh_port) == (pod_sshd.host, pod_sshd.port)
+    assert info.host_key == " ".join(pod_sshd.host_key_line.split()[:2])
+    assert info.cost_per_hr == pytest.approx(0.69) and info.gpu_type == RTX
+    assert info.started_at <= info.requested_at + 5
+    assert info.phase == "ready"
 
 
 async def test_the_pod_name_is_saved_before_the_create_call_and_the_id_as_soon_as_known(
@@ -35,10 +35,10 @@ async def test_the_pod_name_is_saved_before_the_create_call_and_the_id_as_soon_a
 ) -> None:
     info = await make_driver().create("r1", saves)
     first = saves.records[0]
-    assert first["pod_id"] is None and first["pod_name"] == "obd-r1" and first["phase"] == "creating"
+    assert first.pod_id is None and first.pod_name == "obd-r1" and first.phase == "creating"
     assert saves.pods_at_save[0] == set()  # nothing existed yet when the name was saved
-    booting = next(r for r in saves.records if r["phase"] == "booting")
-    assert booting["pod_id"] == info["pod_id"] and "host_key" not in booting
+    booting = next(r for r in saves.records if r.phase == "booting")
+    assert booting.pod_id == info.pod_id and booting.host_key is None
     assert saves.last == info
 
 
@@ -50,7 +50,7 @@ async def test_the_owner_id_is_stable_across_drivers_of_one_state_dir(tmp_path) 
 async def test_gpu_types_are_tried_in_order_until_one_has_capacity(make_driver, fake: FakeRunpod, saves: Saves) -> None:
     fake.set_capacity(RTX, 0)
     info = await make_driver(gpu_type=[RTX, A40, H100]).create("r1", saves)
-    assert info["gpu_type"] == A40
+    assert info.gpu_type == A40
     assert [c["gpuTypeId"] for c in fake.creates] == [A40]
     assert len(fake.live_pods()) == 1
 
@@ -64,7 +64,7 @@ async def test_no_capacity_for_any_gpu_type_is_a_clear_error_and_nothing_is_crea
         await make_driver(gpu_type=[RTX, A40]).create("r1", saves)
     assert fake.live_pods() == [] and fake.creates == []
     assert fake.ops().count("podFindAndDeployOnDemand") == 2
-    assert saves.last["phase"] == "create_failed"
+    assert saves.last.phase == "create_failed"
 
 
 async def test_a_create_that_times_out_but_happened_is_found_by_its_tag_and_not_duplicated(
@@ -74,7 +74,7 @@ async def test_a_create_that_times_out_but_happened_is_found_by_its_tag_and_not_
     driver = make_driver(api=fast_api(call_timeout=0.4))
     info = await driver.create("r1", saves)
     assert len(fake.creates) == 1
-    assert [p["id"] for p in fake.live_pods()] == [info["pod_id"]]
+    assert [p["id"] for p in fake.live_pods()] == [info.pod_id]
 
 
 @pytest.mark.parametrize("kind", ["drop", "502", "429", "drop_before"])
@@ -83,7 +83,7 @@ async def test_a_create_that_failed_ambiguously_never_leaves_two_pods(
 ) -> None:
     fake.inject(kind, op="podFindAndDeployOnDemand")
     info = await make_driver().create("r1", saves)
-    assert [p["id"] for p in fake.live_pods()] == [info["pod_id"]]
+    assert [p["id"] for p in fake.live_pods()] == [info.pod_id]
     assert len(fake.creates) == 1
 
 
@@ -103,13 +103,13 @@ async def test_a_pod_that_never_gets_a_public_ssh_port_is_terminated_after_boot_
     with pytest.raises(ExecutorError, match="no working public SSH port within boot_grace .* was terminated"):
         await make_driver(boot_grace=0.5).create("r1", saves)
     assert fake.live_pods() == [] and len(fake.terminated) == 1
-    assert saves.last["phase"] == "terminated" and saves.last["pod_id"] in fake.terminated
+    assert saves.last.phase == "terminated" and saves.last.pod_id in fake.terminated
 
 
 async def test_a_public_port_where_no_sshd_answers_is_not_taken_for_a_ready_pod(
     make_driver, fake: FakeRunpod, saves: Saves
 ) -> None:
-    from sshd import free_port
+    from tests.sshd import free_port
 
     fake.ssh_endpoint = ("127.0.0.1", free_port())
     with pytest.raises(ExecutorError, match="does not answer SSH"):
@@ -123,10 +123,10 @@ async def test_a_pod_terminated_from_outside_while_booting_is_reported(
     fake.ssh_endpoint = None
     fake.ready_after = 10**6
 
-    async def save_and_kill(record: dict) -> None:
+    async def save_and_kill(record: PodInfo) -> None:
         await saves(record)
-        if record["phase"] == "booting":
-            fake.terminate_from_outside(record["pod_id"])
+        if record.phase == "booting":
+            fake.terminate_from_outside(record.pod_id)
 
     with pytest.raises(ExecutorError, match="disappeared while it was booting"):
         await make_driver().create("r1", save_and_kill)
@@ -147,7 +147,7 @@ async def test_a_cost_cap_skips_gpu_types_without_a_rate_and_uses_the_next(
 ) -> None:
     fake.add_gpu(Gpu("NVIDIA Mystery", secure_price=None, community_price=None))
     info = await make_driver(gpu_type=["NVIDIA Mystery", A40], max_cost_usd=10).create("r1", saves)
-    assert info["gpu_type"] == A40 and info["cost_per_hr"] == pytest.approx(0.40)
+    assert info.gpu_type == A40 and info.cost_per_hr == pytest.approx(0.40)
 
 
 async def test_a_bad_api_key_is_a_clear_error_before_anything_is_recorded(

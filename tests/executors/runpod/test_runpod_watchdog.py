@@ -12,8 +12,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fakes.runpod_api import FakeRunpod
 
+from tests.fakes.runpod_api import FakeRunpod
 from trainer_plugin import watchdog
 from trainer_plugin.watchdog import Watchdog, manifest
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from executors.ssh import SshExecutor
-from tests.ssh.helpers import make_target
+from tests.executors.ssh.helpers import make_target
 from tests.sshd import SshServer, sshd_skip_reason
 
 SKIP = sshd_skip_reason()

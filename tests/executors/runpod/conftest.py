@@ -9,16 +9,11 @@ from typing import Any
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent.parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
-
-from fakes.runpod_api import FakeRunpod  # noqa: E402
-from sshd import SshServer, running_sshd  # noqa: E402
-
-from daemon.config import RunpodTarget  # noqa: E402
-from executors.runpod import RunpodDriver  # noqa: E402
-from executors.runpod_api import RunpodApi  # noqa: E402
+from daemon.config import RunpodTarget
+from executors.runpod import PodInfo, RunpodDriver
+from executors.runpod.api import RunpodApi
+from tests.fakes.runpod_api import FakeRunpod
+from tests.sshd import SshServer, running_sshd
 
 API_KEY = "test-key"
 
@@ -95,22 +90,22 @@ class Saves:
 
     def __init__(self, fake: FakeRunpod) -> None:
         self.fake = fake
-        self.records: list[dict[str, Any]] = []
+        self.records: list[PodInfo] = []
         self.pods_at_save: list[set[str]] = []
 
-    async def __call__(self, record: dict[str, Any]) -> None:
-        self.records.append(dict(record))
+    async def __call__(self, record: PodInfo) -> None:
+        self.records.append(record.model_copy())
         self.pods_at_save.append({p["id"] for p in self.fake.live_pods()})
 
     @property
-    def last(self) -> dict[str, Any]:
+    def last(self) -> PodInfo:
         return self.records[-1]
 
     def names(self) -> set[str]:
-        return {r["pod_name"] for r in self.records}
+        return {r.pod_name for r in self.records}
 
     def ids(self) -> set[str]:
-        return {r["pod_id"] for r in self.records if r.get("pod_id")}
+        return {r.pod_id for r in self.records if r.pod_id}
 
 
 @pytest.fixture

@@ -10,12 +10,12 @@ import json
 from pathlib import Path, PurePosixPath
 
 import pytest
-from conftest import Saves
-from fakes.runpod_api import FakeRunpod
 from pydantic import ValidationError
 
 from daemon.config import ConfigError, RunpodTarget, load_config
 from executors.base import ExecutorError
+from tests.executors.runpod.conftest import Saves
+from tests.fakes.runpod_api import FakeRunpod
 
 VOLUME = "vol-eu"  # the fake account's network volume, in data center EU-RO-1
 
@@ -35,8 +35,8 @@ async def test_a_network_volume_target_creates_its_pod_on_that_volume(
     assert create["dataCenterId"] == "EU-RO-1"  # the pod is placed where the volume is
     assert create.get("volumeInGb", 0) == 0  # no pod volume is asked for (and billed) besides it
     [pod] = fake.live_pods()
-    assert pod["id"] == info["pod_id"] and pod["networkVolumeId"] == VOLUME
-    assert info["phase"] == "ready"
+    assert pod["id"] == info.pod_id and pod["networkVolumeId"] == VOLUME
+    assert info.phase == "ready"
 
 
 async def test_a_volume_gb_target_asks_for_a_pod_volume_of_that_size_and_no_network_volume(
@@ -78,7 +78,7 @@ async def test_a_network_volume_the_account_does_not_have_fails_the_create_clear
     with pytest.raises(ExecutorError, match="refused .*Network volume vol-gone was not found"):
         await make_driver(network_volume_id="vol-gone").create("r1", saves)
     assert fake.live_pods() == [] and fake.creates == []
-    assert saves.last["phase"] == "create_failed" and "vol-gone" in saves.last["error"]
+    assert saves.last.phase == "create_failed" and "vol-gone" in saves.last.error
 
 
 def test_a_network_volume_target_without_volume_gb_is_a_valid_config(tmp_path: Path) -> None:
@@ -116,9 +116,7 @@ def test_a_malformed_network_volume_id_is_a_config_error_naming_the_key(
     assert fake.calls == []
 
 
-def test_a_bad_volume_config_never_gets_as_far_as_a_driver_or_the_api(
-    make_driver, fake: FakeRunpod
-) -> None:
+def test_a_bad_volume_config_never_gets_as_far_as_a_driver_or_the_api(make_driver, fake: FakeRunpod) -> None:
     with pytest.raises(ValidationError, match="network_volume_id"):
         make_driver(network_volume_id="vol eu")
     with pytest.raises(ValidationError, match="both set"):

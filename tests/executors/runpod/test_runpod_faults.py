@@ -17,15 +17,15 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import Saves, fast_api
-from fakes.runpod_api import FakeRunpod
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sshd import SshServer
 
 from daemon.config import RunpodTarget
 from executors.base import ExecutorError
-from executors.runpod import RunpodDriver
+from executors.runpod import PodInfo, RunpodDriver
+from tests.executors.runpod.conftest import Saves, fast_api
+from tests.fakes.runpod_api import FakeRunpod
+from tests.sshd import SshServer
 
 KINDS = ["429", "500", "502", "503", "nodata", "drop", "drop_before", "timeout"]
 OPS = ["podFindAndDeployOnDemand", "myself", "pod", "gpuTypes", "podTerminate", None]
@@ -75,10 +75,10 @@ def check_no_unknown_pod(fake: FakeRunpod, saves: Saves, driver: RunpodDriver, o
         assert pod["name"] in saves.names()
         assert f"OBD_OWNER={driver.owner}" in pod["env"]
     live = {p["id"] for p in fake.live_pods()}
-    if isinstance(outcome, dict):
-        assert live == {outcome["pod_id"]} and saves.last["pod_id"] == outcome["pod_id"]
+    if isinstance(outcome, PodInfo):
+        assert live == {outcome.pod_id} and saves.last.pod_id == outcome.pod_id
         return
-    last_id = saves.last.get("pod_id") if saves.records else None
+    last_id = saves.last.pod_id if saves.records else None
     if live <= ({last_id} - {None}):
         return
     # The API failed too hard to tell: the daemon's reconcile (once the API answers) reports them all.
@@ -88,7 +88,7 @@ def check_no_unknown_pod(fake: FakeRunpod, saves: Saves, driver: RunpodDriver, o
         found = anyio.run(driver.reconcile, {})
     finally:
         os.environ.pop("RUNPOD_API_BASE_URL", None)
-    assert {f["pod_id"] for f in found if f["kind"] == "orphan"} >= live
+    assert {f.pod_id for f in found if f.kind == "orphan"} >= live
 
 
 fault_lists = st.lists(st.tuples(st.sampled_from(KINDS), st.sampled_from(OPS), st.integers(1, 3)), max_size=4)
@@ -104,7 +104,7 @@ def test_no_sequence_of_api_faults_leaves_a_pod_obd_does_not_know_about(
         check_no_unknown_pod(fake, saves, driver, outcome)
         if not ssh_ready and isinstance(outcome, Exception):
             live = {p["id"] for p in fake.live_pods()}
-            assert not live or saves.last["phase"] in ("terminate_failed", "create_failed")
+            assert not live or saves.last.phase in ("terminate_failed", "create_failed")
     finally:
         fake.stop()
         shutil.rmtree(driver.state_dir, ignore_errors=True)

@@ -10,7 +10,6 @@ without `data`, or an `errors` message, and all of those are retried with backof
 from __future__ import annotations
 
 import os
-import random
 import re
 import threading
 from collections.abc import Awaitable, Callable
@@ -22,6 +21,7 @@ import structlog
 from pydantic import BaseModel, Field
 
 from executors.base import ExecutorError
+from executors.retry import Backoff, retrying
 
 log = structlog.get_logger("obd.runpod.api")
 T = TypeVar("T")
@@ -283,19 +283,23 @@ class RunpodApi:
 
     async def _retrying(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """An idempotent call, retried with exponential backoff and jitter on transient errors."""
-        delay = self.backoff
-        for attempt in range(self.retries + 1):
-            try:
-                return await self._once(what, fn, *args, **kwargs)
-            except TransientError as exc:
-                if attempt >= self.retries:
-                    raise TransientError(
-                        f"{exc} (gave up after {attempt + 1} tries); check https://uptime.runpod.io and retry"
-                    ) from exc
-                log.warning("runpod_api_retry", call=what, attempt=attempt + 1, error=str(exc))
-                await self._sleep(delay * (0.5 + random.random() / 2))
-                delay = min(delay * 2, self.backoff_max)
-        raise AssertionError("unreachable")
+
+        def note(attempt: int, exc: BaseException, wait: float) -> None:
+            log.warning("runpod_api_retry", call=what, attempt=attempt, error=str(exc), retry_in=round(wait, 3))
+
+        try:
+            return await retrying(
+                lambda: self._once(what, fn, *args, **kwargs),
+                transient=(TransientError,),
+                retries=self.retries,
+                backoff=Backoff(self.backoff, self.backoff_max, jitter=True),
+                sleep=self._sleep,
+                on_retry=note,
+            )
+        except TransientError as exc:
+            raise TransientError(
+                f"{exc} (gave up after {self.retries + 1} tries); check https://uptime.runpod.io and retry"
+            ) from exc
 
     async def get_pod(self, pod_id: str) -> Pod | None:
         """The pod, or None when it no longer exists (terminated)."""

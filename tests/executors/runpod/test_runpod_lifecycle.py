@@ -10,12 +10,13 @@ from pathlib import Path
 
 import anyio
 import pytest
-from conftest import Saves
-from fakes.runpod_api import FakeRunpod
-from sshd import free_port
 
 from executors.base import JobSpec, JobState
-from executors.runpod import RunpodDriver
+from executors.runpod import PodInfo, RunpodDriver, sha256_local
+from executors.runpod.retrieve import Retrieval
+from tests.executors.runpod.conftest import Saves
+from tests.fakes.runpod_api import FakeRunpod
+from tests.sshd import free_port
 
 JOB = r"""
 import json, os, sys
@@ -35,7 +36,7 @@ print("trained", flush=True)
 """
 
 
-async def run_job(driver: RunpodDriver, info: dict, run_id: str, command: list[str] | None = None) -> str:
+async def run_job(driver: RunpodDriver, info: PodInfo, run_id: str, command: list[str] | None = None) -> str:
     """Start a job on the pod through the driver's executor and wait for it to end; its remote dir."""
     remote_dir = f"{driver.target.workdir}/{run_id}"
     ex = driver.executor(info)
@@ -94,7 +95,7 @@ async def test_finish_retrieves_and_verifies_every_output_then_terminates_the_po
     local = tmp_path / "outputs"
     ok, message = await driver.finish("r1", remote_dir, info, local)
     assert ok, message
-    assert "sha256 verified" in message and f"pod {info['pod_id']} terminated" in message
+    assert "sha256 verified" in message and f"pod {info.pod_id} terminated" in message
     assert fake.live_pods() == []
     remote = tree(Path(remote_dir))
     got = tree(local)
@@ -113,8 +114,8 @@ async def test_keep_pod_leaves_the_pod_up_and_tells_its_watchdog_the_outputs_are
     info = await driver.create("r1", saves)
     remote_dir = write_outputs(driver, "r1")
     ok, message = await driver.finish("r1", remote_dir, info, tmp_path / "out")
-    assert ok and "kept (keep_pod)" in message and f"obd pods rm {info['pod_id']}" in message
-    assert [p["id"] for p in fake.live_pods()] == [info["pod_id"]]
+    assert ok and "kept (keep_pod)" in message and f"obd pods rm {info.pod_id}" in message
+    assert [p["id"] for p in fake.live_pods()] == [info.pod_id]
     assert (Path(remote_dir) / "retrieved").exists()
 
 
@@ -124,11 +125,11 @@ async def test_a_failed_retrieval_leaves_the_pod_up_and_says_how_to_retry(
     driver = make_driver()
     info = await driver.create("r1", saves)
     remote_dir = write_outputs(driver, "r1")
-    unreachable = {**info, "ssh_port": free_port()}
+    unreachable = info.model_copy(update={"ssh_port": free_port()})
     ok, message = await driver.finish("r1", remote_dir, unreachable, tmp_path / "out")
     assert not ok
-    assert "left up" in message and "obd pods retrieve r1" in message and f"obd pods rm {info['pod_id']}" in message
-    assert [p["id"] for p in fake.live_pods()] == [info["pod_id"]]
+    assert "left up" in message and "obd pods retrieve r1" in message and f"obd pods rm {info.pod_id}" in message
+    assert [p["id"] for p in fake.live_pods()] == [info.pod_id]
 
 
 async def test_a_download_that_does_not_match_the_pod_s_sha256_fails_and_keeps_the_pod(
@@ -153,16 +154,47 @@ async def test_a_download_that_does_not_match_the_pod_s_sha256_fails_and_keeps_t
     assert len(fake.live_pods()) == 1
 
 
+async def test_outputs_listed_through_a_link_are_left_out_and_nothing_outside_the_run_is_copied(
+    make_driver, fake: FakeRunpod, saves: Saves, tmp_path: Path, monkeypatch
+) -> None:
+    driver = make_driver()
+    info = await driver.create("r1", saves)
+    remote_dir = Path(write_outputs(driver, "r1"))
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "private.key").write_text("not yours")
+    (remote_dir / "output" / "linked").symlink_to(outside)
+    (remote_dir / "output" / "key").symlink_to(outside / "private.key")
+    size, digest = sha256_local(outside / "private.key")
+    listed = Retrieval.remote_manifest
+
+    async def careless_listing(self, ex, rd):  # a manifest naming what it should have skipped
+        manifest = await listed(self, ex, rd)
+        for path in ("output/linked/private.key", "output/key"):
+            manifest["files"].append({"path": path, "size": size, "sha256": digest})
+        return manifest
+
+    monkeypatch.setattr(Retrieval, "remote_manifest", careless_listing)
+    local = tmp_path / "out"
+    ok, message = await driver.finish("r1", str(remote_dir), info, local)
+    assert ok, message
+    assert "left out 2" in message and "output/key" in message
+    assert not any(p.name in ("private.key", "key") for p in local.rglob("*"))
+    assert (local / "output" / "checkpoint-1" / "adapter_model.safetensors").exists()
+    assert json.loads((local / "retrieved.json").read_text())["refused"] == ["output/linked/private.key", "output/key"]
+    assert fake.live_pods() == []
+
+
 async def test_a_pod_terminated_from_outside_mid_run_is_reported_gone_everywhere(
     make_driver, fake: FakeRunpod, saves: Saves, tmp_path: Path
 ) -> None:
     driver = make_driver()
     info = await driver.create("r1", saves)
     remote_dir = await run_job(driver, info, "r1", command=[sys.executable, "-c", "import time; time.sleep(30)"])
-    fake.terminate_from_outside(info["pod_id"])
+    fake.terminate_from_outside(info.pod_id)
     assert (await driver.describe(info))["state"] == "gone"
     [finding] = await driver.reconcile({"r1": info})
-    assert finding["kind"] == "gone" and "no longer exists" in finding["reason"]
+    assert finding.kind == "gone" and "no longer exists" in (finding.reason or "")
     ok, message = await driver.finish("r1", remote_dir, info, tmp_path / "out")
     assert not ok and "no longer exists" in message and "lost" in message
 
@@ -170,11 +202,11 @@ async def test_a_pod_terminated_from_outside_mid_run_is_reported_gone_everywhere
 async def test_describe_shows_the_pod_state_rate_and_spend_so_far(make_driver, fake: FakeRunpod, saves: Saves) -> None:
     driver = make_driver(max_cost_usd=5.0)
     info = await driver.create("r1", saves)
-    info = {**info, "started_at": time.time() - 1800}  # half an hour ago
+    info = info.model_copy(update={"started_at": time.time() - 1800})  # half an hour ago
     shown = await driver.describe(info)
     assert shown["state"] == "RUNNING" and shown["cost_per_hr"] == pytest.approx(0.69)
     assert shown["spend_usd"] == pytest.approx(0.345, abs=0.01)
-    assert shown["max_cost_usd"] == 5.0 and shown["ssh"].endswith(f":{info['ssh_port']}")
+    assert shown["max_cost_usd"] == 5.0 and shown["ssh"].endswith(f":{info.ssh_port}")
 
 
 async def test_describe_answers_quickly_with_an_unknown_state_when_the_api_hangs(
@@ -192,23 +224,23 @@ async def test_describe_answers_quickly_with_an_unknown_state_when_the_api_hangs
 
 async def test_the_daemon_side_caps_say_deadline_or_cost_ahead_of_the_cap(make_driver, fake: FakeRunpod) -> None:
     driver = make_driver(max_hours=2.0, max_cost_usd=1.0)
-    info = {"started_at": 1000.0, "cost_per_hr": 1.0, "max_hours": 2.0, "max_cost_usd": 1.0}
+    info = PodInfo(started_at=1000.0, cost_per_hr=1.0, max_hours=2.0, max_cost_usd=1.0)
     # cost reaches $1 at 1 h, before the 2 h deadline
-    assert await driver.check_caps(info, 1000.0 + 3600 - 901) is None
-    assert await driver.check_caps(info, 1000.0 + 3600 - 899) == "cost"
-    assert await driver.cap_reached(info, 1000.0 + 3599) is None
-    assert await driver.cap_reached(info, 1000.0 + 3601) == "cost"
-    no_cost = {**info, "max_cost_usd": None}
-    assert await driver.check_caps(no_cost, 1000.0 + 7200 - 899) == "deadline"
-    assert await driver.check_caps({**no_cost, "max_hours": None}, 10**12) is None
+    assert driver.check_caps(info, 1000.0 + 3600 - 901) is None
+    assert driver.check_caps(info, 1000.0 + 3600 - 899) == "cost"
+    assert driver.cap_reached(info, 1000.0 + 3599) is None
+    assert driver.cap_reached(info, 1000.0 + 3601) == "cost"
+    no_cost = info.model_copy(update={"max_cost_usd": None})
+    assert driver.check_caps(no_cost, 1000.0 + 7200 - 899) == "deadline"
+    assert driver.check_caps(no_cost.model_copy(update={"max_hours": None}), 10**12) is None
 
 
 async def test_a_short_cap_is_not_asked_for_at_once(make_driver, fake: FakeRunpod) -> None:
     driver = make_driver()
-    info = {"started_at": 0.0, "cost_per_hr": 1.0, "max_hours": 0.2, "max_cost_usd": None}  # a 12 min cap
-    assert await driver.check_caps(info, 60.0) is None
-    assert await driver.check_caps(info, 720.0 - 181) is None
-    assert await driver.check_caps(info, 720.0 - 179) == "deadline"
+    info = PodInfo(started_at=0.0, cost_per_hr=1.0, max_hours=0.2, max_cost_usd=None)  # a 12 min cap
+    assert driver.check_caps(info, 60.0) is None
+    assert driver.check_caps(info, 720.0 - 181) is None
+    assert driver.check_caps(info, 720.0 - 179) == "deadline"
 
 
 async def test_a_pod_whose_boot_the_daemon_did_not_see_through_is_resumed(
@@ -216,9 +248,9 @@ async def test_a_pod_whose_boot_the_daemon_did_not_see_through_is_resumed(
 ) -> None:
     driver = make_driver()
     info = await driver.create("r1", saves)
-    booting = {k: v for k, v in info.items() if k not in ("host_key", "ssh_host", "ssh_port")} | {"phase": "booting"}
+    booting = info.model_copy(update={"host_key": None, "ssh_host": None, "ssh_port": None, "phase": "booting"})
     resumed = await make_driver().resume(booting, saves)
-    assert resumed["host_key"] == info["host_key"] and resumed["phase"] == "ready"
+    assert resumed.host_key == info.host_key and resumed.phase == "ready"
     assert saves.last == resumed
 
 
@@ -228,10 +260,10 @@ async def test_resuming_a_pod_past_its_boot_grace_terminates_it(make_driver, fak
     fake.ssh_endpoint = None
     for pod in fake.pods.values():
         pod["ssh"] = None
-    stale = {**info, "phase": "booting", "host_key": None, "started_at": time.time() - 3600}
+    stale = info.model_copy(update={"phase": "booting", "host_key": None, "started_at": time.time() - 3600})
     with pytest.raises(Exception, match="boot_grace"):
         await driver.resume(stale, saves)
-    assert fake.live_pods() == [] and saves.last["phase"] == "terminated"
+    assert fake.live_pods() == [] and saves.last.phase == "terminated"
 
 
 async def test_a_stopped_pod_found_on_resume_is_started_again_not_terminated(
@@ -239,10 +271,12 @@ async def test_a_stopped_pod_found_on_resume_is_started_again_not_terminated(
 ) -> None:
     driver = make_driver()
     info = await driver.create("r1", saves)
-    fake.stop_from_outside(info["pod_id"])
-    booting = {**info, "phase": "booting", "host_key": None, "started_at": time.time() - 3600}  # long past boot_grace
+    fake.stop_from_outside(info.pod_id)
+    booting = info.model_copy(
+        update={"phase": "booting", "host_key": None, "started_at": time.time() - 3600}
+    )  # long past boot_grace
     resumed = await driver.resume(booting, saves)
-    assert resumed["phase"] == "ready" and resumed["host_key"] and saves.last == resumed
+    assert resumed.phase == "ready" and resumed.host_key and saves.last == resumed
     assert [p["desiredStatus"] for p in fake.live_pods()] == ["RUNNING"] and "podResume" in fake.ops()
 
 
@@ -251,12 +285,12 @@ async def test_a_stopped_pod_that_never_gets_ready_again_is_stopped_again_keepin
 ) -> None:
     driver = make_driver(boot_grace=1.0)
     info = await driver.create("r1", saves)
-    fake.stop_from_outside(info["pod_id"])
+    fake.stop_from_outside(info.pod_id)
     fake.ssh_endpoint = None  # the new container never opens its SSH port
     with pytest.raises(Exception, match="boot_grace"):
         await driver.restart_stopped(info, saves)
     assert [p["desiredStatus"] for p in fake.live_pods()] == ["EXITED"]  # stopped, not terminated
-    assert saves.last["phase"] == "stopped" and "boot_grace" in saves.last["error"]
+    assert saves.last.phase == "stopped" and "boot_grace" in saves.last.error
     assert fake.ops()[-1] == "podStop"
 
 
@@ -271,16 +305,16 @@ async def test_reconcile_matches_runs_adopts_unsaved_ids_and_reports_orphans(
     fake.add_foreign_pod("my-notebook")
     known = {
         "a": a,  # matched
-        "b": {"pod_name": "obd-b", "pod_id": None},  # crashed after the create, before saving its id
-        "z": {"pod_name": "obd-z", "pod_id": None},  # crashed before the create call
+        "b": PodInfo(pod_name="obd-b"),  # crashed after the create, before saving its id
+        "z": PodInfo(pod_name="obd-z"),  # crashed before the create call
     }
-    found = {f["run_id"]: f for f in await driver.reconcile(known)}
-    assert found["a"]["kind"] == "matched"
-    assert found["b"]["kind"] == "adopted" and found["b"]["pod_id"] == b["pod_id"]
-    assert found["b"]["target_info"]["ssh_port"] == b["ssh_port"]
-    assert found["z"]["kind"] == "not_created"
-    assert found["c"]["kind"] == "orphan" and found["c"]["pod_id"] == c["pod_id"]
-    assert found["c"]["remote_dir"].endswith("/c") and found["c"]["target_info"]["host_key"] == c["host_key"]
+    found = {f.run_id: f for f in await driver.reconcile(known)}
+    assert found["a"].kind == "matched"
+    assert found["b"].kind == "adopted" and found["b"].pod_id == b.pod_id
+    assert found["b"].target_info.ssh_port == b.ssh_port
+    assert found["z"].kind == "not_created"
+    assert found["c"].kind == "orphan" and found["c"].pod_id == c.pod_id
+    assert found["c"].remote_dir.endswith("/c") and found["c"].target_info.host_key == c.host_key
     assert "x" not in found and len(found) == 4  # pods of others are never touched
 
 
@@ -292,10 +326,10 @@ async def test_an_orphan_found_by_reconcile_can_be_retrieved_and_terminated(
     remote_dir = write_outputs(driver, "r1")
     fresh = make_driver(state_dir=tmp_path / "state")  # a restarted daemon: same state dir
     [orphan] = await fresh.reconcile({})
-    assert orphan["kind"] == "orphan"
-    ok, message = await fresh.finish("r1", orphan["remote_dir"], orphan["target_info"], tmp_path / "orphan")
+    assert orphan.kind == "orphan"
+    ok, message = await fresh.finish("r1", orphan.remote_dir, orphan.target_info, tmp_path / "orphan")
     assert ok, message
-    assert orphan["remote_dir"] == remote_dir and fake.live_pods() == []
+    assert orphan.remote_dir == remote_dir and fake.live_pods() == []
 
 
 async def test_the_watchdog_started_beside_the_job_deletes_a_pod_whose_job_never_started(

@@ -1,0 +1,143 @@
+"""A pod's caps (`max_hours`, `max_cost_usd`) from the daemon's side, its lease, and its watchdog.
+
+The caps are enforced from both sides: the watchdog on the pod writes a snapshot request ahead of
+a cap and deletes a pod that is abandoned; the daemon renews a lease the watchdog honours and
+checks the same caps on every poll, so a cap holds with either side gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from executors.base import Executor, JobHandle, JobSpec
+from executors.runpod.api import AuthError, resolve_api_key
+from executors.runpod.context import PodContext
+from executors.runpod.info import PodInfo
+from trainer_plugin import rundir
+
+log = structlog.get_logger("obd.runpod")
+PLUGIN_DIR = Path(rundir.__file__).resolve().parent
+# What the watchdog imports on the pod, put beside it in the run's plugin directory.
+WATCHDOG_FILES = ("jobctl.py", "rundir.py", "watchdog.py")
+
+
+def snapshot_margin(margin: float, span: float) -> float:
+    """How long ahead of a cap to ask for the snapshot: `margin`, at most a quarter of the span."""
+    return max(0.0, min(margin, span / 4.0))
+
+
+def lease_bytes(now: float, ttl: float) -> bytes:
+    """The content of `<remote_dir>/lease`: the unix time until which the daemon is in charge."""
+    return f"{now + ttl:.3f}\n".encode()
+
+
+class PodCaps:
+    """The caps as the daemon checks them, the lease it renews, and the watchdog it starts."""
+
+    def __init__(self, ctx: PodContext, *, cap_margin: float = 900.0, watchdog_interval: float = 30.0) -> None:
+        self.ctx = ctx
+        self.cap_margin = cap_margin
+        self.watchdog_interval = watchdog_interval
+
+    def cap_points(self, info: PodInfo) -> dict[str, float]:
+        """Unix times at which each cap is reached, for the caps that apply."""
+        points: dict[str, float] = {}
+        if info.started_at is None:
+            return points
+        started = float(info.started_at)
+        if info.max_hours is not None:
+            points[rundir.DEADLINE] = started + float(info.max_hours) * 3600.0
+        if info.max_cost_usd is not None and info.cost_per_hr:
+            points[rundir.COST] = started + float(info.max_cost_usd) / float(info.cost_per_hr) * 3600.0
+        return points
+
+    def check_caps(self, info: PodInfo, now: float) -> str | None:
+        """`deadline` or `cost` once that cap is less than the snapshot margin away, else None.
+
+        The margin is `cap_margin`, but never more than a quarter of the way from the pod's start
+        to the cap, so a short cap does not ask for a snapshot at once.
+        """
+        started = float(info.started_at or 0)
+        for reason, at in sorted(self.cap_points(info).items(), key=lambda kv: kv[1]):
+            if now >= at - snapshot_margin(self.cap_margin, at - started):
+                return reason
+        return None
+
+    def cap_reached(self, info: PodInfo, now: float) -> str | None:
+        """`deadline` or `cost` once the cap itself is passed (the job must stop now), else None."""
+        for reason, at in sorted(self.cap_points(info).items(), key=lambda kv: kv[1]):
+            if now >= at:
+                return reason
+        return None
+
+    async def renew_lease(self, executor: Executor, remote_dir: str, ttl: float) -> None:
+        """Tell the watchdog the daemon is in charge for the next `ttl` seconds."""
+        await executor.put_file(f"{remote_dir}/{rundir.LEASE}", lease_bytes(self.ctx.clock(), ttl))
+
+    def watchdog_config(self, remote_dir: str, info: PodInfo) -> dict[str, Any]:
+        """The settings written to `<remote_dir>/watchdog.json` (no secret in it)."""
+        t = self.ctx.target
+        return {
+            "run_dir": remote_dir,
+            "pod_id": info.pod_id,
+            "started_at": info.started_at,
+            "cost_per_hr": info.cost_per_hr,
+            "max_hours": t.max_hours,
+            "max_cost_usd": t.max_cost_usd,
+            "disk_path": remote_dir,
+            "disk_min_free_gb": t.disk_min_free_gb,
+            "disk_max_used_pct": t.disk_max_used_pct,
+            "boot_grace": t.boot_grace,
+            "abandon_grace": t.abandon_grace,
+            "snapshot_margin": self.cap_margin,
+            "interval": self.watchdog_interval,
+            "api_base_url": os.environ.get("RUNPOD_API_BASE_URL"),
+        }
+
+    def watchdog_command(self, remote_dir: str) -> list[str]:
+        """argv of the watchdog on the pod (no secret: the key arrives through jobctl's stdin)."""
+        return [
+            self.ctx.target.python,
+            f"{remote_dir}/{rundir.PLUGIN}/trainer_plugin/watchdog.py",
+            "run",
+            "--config",
+            f"{remote_dir}/{rundir.WATCHDOG_CONFIG}",
+        ]
+
+    async def install_tools(self, executor: Executor, remote_dir: str) -> None:
+        """Put the watchdog (and what it imports) into the run's plugin dir, idempotently."""
+        for name in WATCHDOG_FILES:
+            data = (PLUGIN_DIR / name).read_bytes()
+            await executor.put_file(f"{remote_dir}/{rundir.PLUGIN}/trainer_plugin/{name}", data)
+
+    async def start_watchdog(self, executor: Executor, remote_dir: str, info: PodInfo) -> JobHandle:
+        """Write the watchdog's config and start it detached (jobctl: setsid), the key on stdin."""
+        key = resolve_api_key()
+        if not key:
+            raise AuthError("no Runpod API key for the pod watchdog: set RUNPOD_API_KEY or run `runpod config`")
+        await self.install_tools(executor, remote_dir)
+        config = self.watchdog_config(remote_dir, info)
+        await executor.put_file(f"{remote_dir}/{rundir.WATCHDOG_CONFIG}", json.dumps(config, indent=1).encode())
+        env = {"RUNPOD_API_BASE_URL": config["api_base_url"]} if config["api_base_url"] else {}
+        job = JobSpec(
+            run_id=f"{info.run_id or 'run'}-watchdog",
+            remote_dir=f"{remote_dir}/{rundir.WATCHDOG_JOB}",
+            command=self.watchdog_command(remote_dir),
+            cwd=remote_dir,
+            env=env,
+            secrets={"RUNPOD_API_KEY": key},
+        )
+        handle = await executor.spawn(job)
+        log.info(
+            "runpod.watchdog_started",
+            run_id=info.run_id,
+            pod_id=info.pod_id,
+            remote_dir=remote_dir,
+            pid=handle.pid,
+        )
+        return handle
