@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import unicodedata
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -18,6 +19,19 @@ class ApiError(Exception):
         self.kind = kind
 
 
+@dataclass(frozen=True)
+class Peer:
+    """Who is at the other end of the socket (SO_PEERCRED): every request acts as them."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+
 class _Req(BaseModel):
     # Strict: a request says exactly what it means ("profile": "yes" is not a bool).
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -30,8 +44,12 @@ class StartRequest(_Req):
     name: str | None = None
     cwd: str | None = None
     client_cwd: str | None = None  # where `obd train start` ran: a local job's default cwd
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, repr=False)
     secrets: dict[str, str] = Field(default_factory=dict, repr=False)
+    # The caller's environment: a local job starts from it (like `sbatch --export=ALL`).
+    environ: dict[str, str] | None = Field(default=None, repr=False)
+    env_clear: bool = False  # start from an empty environment instead
+    umask: int | None = Field(default=None, ge=0, le=0o777)  # the caller's, for what the job writes
     resume_from: str | None = None
     profile: bool = False
     snapshot_on_sigterm: bool = False
@@ -43,6 +61,8 @@ class StartRequest(_Req):
             return value
         if not value.strip() or len(value) > 100:
             raise ValueError("--name must be 1 to 100 characters")
+        if "/" in value or value in (".", "..", "last"):
+            raise ValueError("--name may not hold '/' nor be '.', '..' or 'last' (those name other things)")
         if any(unicodedata.category(ch).startswith("C") for ch in value):
             raise ValueError("--name may not hold control characters (escape sequences, newlines, tabs)")
         return value
@@ -55,7 +75,7 @@ class StopRequest(_Req):
 
 
 class IdRequest(_Req):
-    op: Literal["status", "cancel", "metrics"]
+    op: Literal["status", "cancel", "metrics", "outputs"]
     id: str
 
 
@@ -68,7 +88,20 @@ class WaitRequest(_Req):
 
 
 class ListRequest(_Req):
-    op: Literal["list", "ping", "targets"]
+    op: Literal["ping", "targets"]
+
+
+class ListRunsRequest(_Req):
+    """Which runs `list` answers with: by default the caller's active runs and recent ends."""
+
+    op: Literal["list"]
+    all: bool = False  # every run, of every user and any age
+    states: list[str] = Field(default_factory=list)
+    target: str | None = None
+    name: str | None = None
+    since: float | None = None  # unix time: runs created at or after it
+    limit: int | None = Field(default=None, ge=1, le=100_000)
+    recent: int = Field(default=10, ge=0, le=100_000)  # finished runs shown by default
 
 
 class ReadRequest(_Req):

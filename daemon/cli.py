@@ -60,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="pass $NAME from this environment, never on a command line",
     )
+    s.add_argument(
+        "--env-clear",
+        action="store_true",
+        help="start the job from an empty environment (HOME, USER, PATH), not this shell's",
+    )
     s.add_argument("--resume-from", metavar="ID")
     s.add_argument("--profile", action="store_true")
     s.add_argument(
@@ -85,6 +90,19 @@ def _parser() -> argparse.ArgumentParser:
         x.add_argument("--json", action="store_true")
     ls = train.add_parser("list")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument("--all", action="store_true", help="every run, of every user and any age")
+
+    out = train.add_parser("outputs", help="copy a run's outputs (model, checkpoints) into a directory of yours")
+    out.add_argument("id")
+    out.add_argument(
+        "--to", metavar="DIR", help="where to put them (default: ./<run name or id>); must be new or empty"
+    )
+    out.add_argument(
+        "--checkpoint",
+        metavar="WHICH",
+        help="latest, a step number, or final (what the trainer saved outside its checkpoints); default: everything",
+    )
+    out.add_argument("--json", action="store_true")
 
     lg = train.add_parser("logs")
     lg.add_argument("id")
@@ -182,22 +200,32 @@ def _daemon(args: argparse.Namespace) -> int:
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
-    env = {}
+    env: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--env {pair!r}: expected K=V")
+        if key in env:
+            raise UsageError(f"--env {key} is given twice: give each name once")
         env[key] = value
     return env
 
 
 def _secrets(names: list[str]) -> dict[str, str]:
-    out = {}
+    out: dict[str, str] = {}
     for name in names:
+        if name in out:
+            raise UsageError(f"--secret {name} is given twice: give each name once")
         if name not in os.environ:
             raise UsageError(f"--secret {name}: ${name} is not set in this environment")
         out[name] = os.environ[name]
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
@@ -216,14 +244,21 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             client_cwd=os.getcwd(),
             env=_env_pairs(args.env),
             secrets=_secrets(args.secret),
+            environ=dict(os.environ),
+            env_clear=args.env_clear,
+            umask=_umask(),
             resume_from=args.resume_from,
             profile=args.profile,
             snapshot_on_sigterm=args.snapshot_on_sigterm,
         )
         print(json.dumps(record, indent=1) if args.json else record["id"])
         return 0
+    if action == "outputs":
+        from daemon.outputs import copy_outputs
+
+        return copy_outputs(client.call("outputs", id=args.id), args.to, args.checkpoint, args.json)
     if action == "list":
-        runs = client.call("list")
+        runs = client.call("list", all=args.all)
         print(json.dumps(runs, indent=1) if args.json else render.table(runs))
         return 0
     if action == "status":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import socket
@@ -92,10 +93,9 @@ class Client:
     def _exchange(self, line: bytes) -> dict[str, Any]:
         sock = self._connect()
         try:
-            try:
+            # The daemon may have answered already (busy, too large): read what it said.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(line)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the daemon may have answered already (busy, too large): read what it said
             while b"\n" not in self._buf:
                 chunk = sock.recv(1 << 20)
                 if not chunk:

@@ -1,33 +1,47 @@
 """The control API's operations, in one table: each op, the message it takes, and what answers it.
 
 The server (daemon/server.py) reads a line, looks the op up here, validates the message
-against its model and calls the handler with the caller's uid; whatever a handler raises as
-`ApiError` goes back to the caller as it is.
+against its model and calls the handler with the caller (`Peer`, from SO_PEERCRED); whatever a
+handler raises as `ApiError` goes back to the caller as it is. Every handler that names a run
+finds it for that caller (`Daemon.find`): only the run's owner and root may act on it or read it.
 """
 
 from __future__ import annotations
 
 import base64
 import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
 from pydantic import BaseModel
 
-from daemon.api import ApiError, IdRequest, ListRequest, ReadRequest, StartRequest, StopRequest, WaitRequest
+from daemon.api import (
+    ApiError,
+    IdRequest,
+    ListRequest,
+    ListRunsRequest,
+    Peer,
+    ReadRequest,
+    StartRequest,
+    StopRequest,
+    WaitRequest,
+)
 from daemon.follow import job_handle
 from daemon.models import RunRecord, RunState, normalise_reason
 from executors.base import Executor, ExecutorError
+from executors.local import hand_over
 from trainer_plugin import rundir
 
 if TYPE_CHECKING:
     from daemon.service import Daemon
 
 log = structlog.get_logger("obd")
-Handler = Callable[[Any, int], Awaitable[Any]]
+Handler = Callable[[Any, Peer], Awaitable[Any]]
 
 
 class Handlers:
@@ -37,7 +51,7 @@ class Handlers:
         self.daemon = daemon
         self.table: dict[str, tuple[type[BaseModel], Handler]] = {
             "ping": (ListRequest, self.ping),
-            "list": (ListRequest, self.list_runs),
+            "list": (ListRunsRequest, self.list_runs),
             "targets": (ListRequest, self.targets),
             "start": (StartRequest, self.start),
             "stop": (StopRequest, self.stop),
@@ -46,55 +60,73 @@ class Handlers:
             "wait": (WaitRequest, self.wait),
             "metrics": (IdRequest, self.metrics),
             "read": (ReadRequest, self.read),
+            "outputs": (IdRequest, self.outputs),
         }
 
     def model(self, op: str) -> type[BaseModel] | None:
         entry = self.table.get(op)
         return entry[0] if entry else None
 
-    async def __call__(self, request: Any, uid: int) -> Any:
+    async def __call__(self, request: Any, peer: Peer) -> Any:
         entry = self.table.get(request.op)
         if entry is None:
             raise ApiError(f"unknown operation {request.op!r}", "usage")
-        return await entry[1](request, uid)
+        return await entry[1](request, peer)
 
     # --- reading -------------------------------------------------------------------------
 
-    async def ping(self, req: ListRequest, uid: int) -> dict[str, Any]:
-        return {"pid": os.getpid(), "runs": len(self.daemon.records)}
+    async def ping(self, req: ListRequest, peer: Peer) -> dict[str, Any]:
+        return {"pid": os.getpid(), "runs": len(self.daemon.visible(peer)), "uid": os.geteuid()}
 
-    async def list_runs(self, req: ListRequest, uid: int) -> list[dict[str, Any]]:
+    async def list_runs(self, req: ListRunsRequest, peer: Peer) -> list[dict[str, Any]]:
         d = self.daemon
-        return [r.public() for r in sorted(d.records.values(), key=lambda r: (r.created, r.id))] + [
-            {"id": rid, "state": "unreadable", "message": err} for rid, err in sorted(d.bad_records.items())
-        ]
+        runs = sorted(d.records.values(), key=lambda r: (r.created, r.id)) if req.all else d.visible(peer)
+        if req.states:
+            runs = [r for r in runs if r.state.value in req.states]
+        if req.target:
+            runs = [r for r in runs if r.target == req.target]
+        if req.name:
+            runs = [r for r in runs if r.name == req.name]
+        if req.since is not None:
+            runs = [r for r in runs if r.created >= req.since]
+        if not (req.all or req.states or req.limit):
+            # By default: every active run, and the most recent ends.
+            ended = [r for r in runs if r.state.final]
+            keep = {r.id for r in ended[-req.recent :]} if req.recent else set()
+            runs = [r for r in runs if not r.state.final or r.id in keep]
+        if req.limit:
+            runs = runs[-req.limit :]
+        out = [summary(r, full=peer.is_root or r.owner_uid == peer.uid) for r in runs]
+        if peer.is_root and (req.all or not req.states):
+            out += [{"id": rid, "state": "unreadable", "message": err} for rid, err in sorted(d.bad_records.items())]
+        return out
 
-    async def targets(self, req: ListRequest, uid: int) -> list[dict[str, Any]]:
+    async def targets(self, req: ListRequest, peer: Peer) -> list[dict[str, Any]]:
         config = self.daemon.config
         names = sorted({"local", *config.targets})
         return [{"name": n, "kind": config.target(n).kind} for n in names]
 
-    async def status(self, req: IdRequest, uid: int) -> dict[str, Any]:
-        record = self.daemon.get(req.id)
+    async def status(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
+        record = self.daemon.find(req.id, peer)
         out = record.public()
         if not record.state.final:
             with anyio.move_on_after(10):
                 out.update(await self.daemon.targets.of(record).describe(record))
         return out
 
-    async def wait(self, req: WaitRequest, uid: int) -> dict[str, Any]:
-        record = self.daemon.get(req.id)
+    async def wait(self, req: WaitRequest, peer: Peer) -> dict[str, Any]:
+        record = self.daemon.find(req.id, peer)
         if not record.state.final:
             with anyio.move_on_after(req.timeout):
                 await self.daemon.final_event(record.id).wait()
         return record.public()
 
-    async def metrics(self, req: IdRequest, uid: int) -> dict[str, Any]:
-        record = self.daemon.get(req.id)
+    async def metrics(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
+        record = self.daemon.find(req.id, peer)
         return {"id": record.id, "state": record.state.value, "metrics": record.metrics, "profile": record.profile}
 
-    async def read(self, req: ReadRequest, uid: int) -> dict[str, Any]:
-        record = self.daemon.get(req.id)
+    async def read(self, req: ReadRequest, peer: Peer) -> dict[str, Any]:
+        record = self.daemon.find(req.id, peer)
         if not record.remote_dir or (record.state == RunState.preparing and not record.job):
             return {"data": "", "offset": req.offset, "state": record.state.value}
         executor = self.daemon.targets.executor(record)
@@ -115,13 +147,43 @@ class Handlers:
             "progress": record.progress.model_dump(),
         }
 
+    async def outputs(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
+        """Where the run's outputs are on this machine, for the caller to copy (as themself).
+
+        A local run's are in its run directory, which is its owner's; a remote run's are
+        brought into a directory of the owner's under the state directory first."""
+        record = self.daemon.find(req.id, peer)
+        if not record.remote_dir:
+            raise ApiError(f"run {record.id} has no run directory yet ({record.state.value})", "state")
+        supervision = self.daemon.targets.of(record)
+        if supervision.shares_filesystem(record):
+            where = Path(record.remote_dir)
+        else:
+            try:
+                where = await mirror_outputs(self.daemon, record)
+            except (ExecutorError, TimeoutError, OSError) as exc:
+                raise ApiError(
+                    f"could not bring the outputs of run {record.id} from target {record.target}: {exc}; retry "
+                    f"`obd train outputs {record.id}` once it answers",
+                    "unavailable",
+                ) from exc
+        return {
+            "id": record.id,
+            "name": record.name,
+            "state": record.state.value,
+            "run_dir": str(where),
+            "output": str(where / rundir.OUTPUT),
+            "checkpoints": rundir.real_checkpoints(str(where)),
+            "snapshot": record.snapshot.model_dump() if record.snapshot else None,
+        }
+
     # --- acting --------------------------------------------------------------------------
 
-    async def start(self, req: StartRequest, uid: int) -> dict[str, Any]:
-        return (await self.daemon.launcher.start(req)).public()
+    async def start(self, req: StartRequest, peer: Peer) -> dict[str, Any]:
+        return (await self.daemon.launcher.start(req, peer)).public()
 
-    async def stop(self, req: StopRequest, uid: int) -> dict[str, Any]:
-        record = self.daemon.get(req.id)
+    async def stop(self, req: StopRequest, peer: Peer) -> dict[str, Any]:
+        record = self.daemon.find(req.id, peer)
         reason = normalise_reason(req.reason) or rundir.DEFAULT_REASON
         if record.state.final:
             raise ApiError(f"run {record.id} already ended ({record.state.value}): {record.message}", "state")
@@ -156,9 +218,9 @@ class Handlers:
             return
         await self.daemon.follow.apply(record, probe)
 
-    async def cancel(self, req: IdRequest, uid: int) -> dict[str, Any]:
+    async def cancel(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         daemon = self.daemon
-        record = daemon.get(req.id)
+        record = daemon.find(req.id, peer)
         if record.state.final:
             return record.public()  # idempotent: a run that ended is never signalled
         async with daemon.editing(record):
@@ -171,6 +233,66 @@ class Handlers:
         else:
             daemon.launcher.cancel_preparation(record)
         return record.public()
+
+
+def summary(record: RunRecord, full: bool = True) -> dict[str, Any]:
+    """What `list` shows of a run; another user's run shows no message (it may quote its log)."""
+    out: dict[str, Any] = {
+        "id": record.id,
+        "name": record.name,
+        "owner": record.owner,
+        "state": record.state.value,
+        "target": record.target,
+        "created": record.created,
+        "progress": record.progress.model_dump(),
+        "message": record.message if full else "",
+        "snapshot": record.snapshot.model_dump() if record.snapshot and full else None,
+        "resumed_from": record.resumed_from,
+    }
+    return out
+
+
+async def mirror_outputs(daemon: Daemon, record: RunRecord) -> Path:
+    """Bring a remote run's outputs into `STATE_DIR/jobs/<id>`, owned by the run's owner.
+
+    They are gathered in a directory only the daemon can enter, handed over to the owner, then
+    renamed into place, so nothing the owner can touch is ever written with the daemon's rights.
+    """
+    jobs = daemon.state_dir / "jobs"
+    stage = jobs / f".stage-{record.id}-{os.urandom(4).hex()}"
+    stage.mkdir(mode=0o700)
+    try:
+        retrieved = daemon.store.run_dir(record.id) / "retrieved" / rundir.OUTPUT
+        if retrieved.is_dir() and record.state.final:
+            await anyio.to_thread.run_sync(lambda: shutil.copytree(retrieved, stage / rundir.OUTPUT, symlinks=True))
+        else:
+            executor = daemon.targets.executor(record)
+            with anyio.fail_after(3600):
+                await executor.download(f"{record.remote_dir}/{rundir.OUTPUT}", stage / rundir.OUTPUT)
+        owner = record.owner_uid if record.owner_uid is not None else os.geteuid()
+        if owner != os.geteuid():
+            await anyio.to_thread.run_sync(hand_over, stage, owner, pwd_gid(owner))
+        final = jobs / record.id
+        if final.exists():
+            old = jobs / f".old-{record.id}-{os.urandom(4).hex()}"
+            os.rename(final, old)
+            os.rename(stage, final)
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(old, ignore_errors=True))
+        else:
+            os.rename(stage, final)
+        return final
+    finally:
+        if stage.exists():
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(stage, ignore_errors=True))
+
+
+def pwd_gid(uid: int) -> int:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return uid
 
 
 async def request_snapshot(daemon: Daemon, record: RunRecord, reason: str, by: str) -> None:

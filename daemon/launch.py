@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import pwd
 import secrets as pysecrets
 import shutil
 import time
@@ -22,10 +23,10 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from daemon.api import ApiError, StartRequest
+from daemon.api import ApiError, Peer, StartRequest
 from daemon.models import RunRecord, RunState
 from daemon.store import StoreError
-from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain
+from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
 from trainer_plugin import rundir
 
 if TYPE_CHECKING:
@@ -56,6 +57,94 @@ def target_secrets(target: str, names: list[str], given: dict[str, str], environ
     return {**{n: environ[n] for n in names if n not in given}, **given}
 
 
+MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
+RESERVED_NAMES = frozenset({"PYTHONPATH"})  # obd leads it with the run's plugin/
+
+
+def check_names(env: dict[str, str], secrets: dict[str, str]) -> None:
+    """`--env` and `--secret` names: valid, not obd's own (OBD_*, PYTHONPATH), each given once."""
+    for flag, names in (("--env", env), ("--secret", secrets)):
+        for key in names:
+            if not key or "=" in key or "\0" in key:
+                raise ApiError(f"{flag} {key!r}: not a valid environment variable name", "usage")
+            if key.startswith("OBD_") or key in RESERVED_NAMES:
+                raise ApiError(
+                    f"{flag} {key}: OBD_* and PYTHONPATH are set by obd for every job (the run's files, and its "
+                    "plugin ahead of your PYTHONPATH); choose another name",
+                    "usage",
+                )
+    both = sorted(set(env) & set(secrets))
+    if both:
+        raise ApiError(f"{', '.join(both)} given both with --env and --secret: give each name once", "usage")
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def caller_groups(peer: Peer, user: str, gid: int) -> list[int]:
+    """The caller's supplementary groups as its process has them, else as a login would."""
+    try:
+        with open(f"/proc/{peer.pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return [int(g) for g in line.split()[1:]] or [gid]
+    except (OSError, ValueError):
+        pass
+    return os.getgrouplist(user, gid)
+
+
+def account_for(peer: Peer) -> RunAs | None:
+    """The account a local job of this caller runs as, when the daemon must switch to it.
+
+    A root daemon runs each caller's jobs as the caller; a daemon of one user runs its own
+    user's, and refuses others (it cannot become them).
+    """
+    me = os.geteuid()
+    if peer.uid == me:
+        return None
+    if me != 0:
+        if peer.is_root:
+            return None  # root may use a user's daemon; the job runs as the daemon's user
+        raise ApiError(
+            f"this daemon runs as {user_name(me)} and can run jobs only as {user_name(me)}; start your own "
+            "(`obd daemon`, or `systemctl --user start obd`), or use the system's daemon",
+            "denied",
+        )
+    try:
+        pw = pwd.getpwuid(peer.uid)
+    except KeyError as exc:
+        raise ApiError(f"uid {peer.uid} has no account on this machine; jobs run as a user", "denied") from exc
+    return RunAs(
+        uid=peer.uid,
+        gid=peer.gid,
+        groups=caller_groups(peer, pw.pw_name, peer.gid),
+        user=pw.pw_name,
+        home=pw.pw_dir,
+    )
+
+
+def caller_environment(req: StartRequest, run_as: RunAs | None, target_names: list[str]) -> dict[str, str]:
+    """The environment a local job starts from: the caller's (like `sbatch --export=ALL`), never
+    the daemon's, except the names the target lists; with --env-clear, a minimal one."""
+    if run_as is not None:
+        user, home = run_as.user, run_as.home
+    else:
+        pw = pwd.getpwuid(os.geteuid())
+        user, home = pw.pw_name, pw.pw_dir
+    if req.env_clear or req.environ is None:
+        base = {"HOME": home, "USER": user, "LOGNAME": user, "PATH": MINIMAL_PATH}
+    else:
+        base = {k: v for k, v in req.environ.items() if not k.startswith("OBD_")}
+    for name in target_names:
+        if name in os.environ:
+            base[name] = os.environ[name]
+    return base
+
+
 class Launcher:
     """Makes run records and launches their jobs."""
 
@@ -72,17 +161,16 @@ class Launcher:
 
     # --- the record ----------------------------------------------------------------------
 
-    async def start(self, req: StartRequest) -> RunRecord:
+    async def start(self, req: StartRequest, peer: Peer) -> RunRecord:
         """Check the request, save the run `preparing`, and launch it in the background."""
         daemon = self.daemon
         supervision = daemon.targets.get(req.target)
-        for key in req.env:
-            if not key or "=" in key or "\0" in key or key.startswith("OBD_"):
-                raise ApiError(f"invalid environment variable name {key!r} (OBD_* names are obd's own)", "usage")
+        check_names(req.env, req.secrets)
+        run_as = account_for(peer)
         req.secrets = target_secrets(req.target, getattr(supervision.config, "secrets", []), req.secrets, os.environ)
         source = None
         if req.resume_from:
-            source = daemon.get(req.resume_from)
+            source = daemon.find(req.resume_from, peer)
             if source.state != RunState.stopped or source.snapshot is None:
                 raise ApiError(
                     f"run {source.id} is {source.state.value}, not stopped with a snapshot: "
@@ -100,14 +188,17 @@ class Launcher:
             name=req.name,
             target=req.target,
             command=req.command,
-            env=req.env,
+            env_names=sorted(req.env),
             secret_names=sorted(req.secrets),
+            owner_uid=peer.uid,
+            owner=user_name(peer.uid),
             resumed_from=source.id if source else None,
             profile=req.profile,
             snapshot_on_sigterm=req.snapshot_on_sigterm,
         )
         if supervision.shares_filesystem(record):
             record.cwd = req.cwd or req.client_cwd
+            record.env_from_caller = not req.env_clear
         else:
             record.cwd = req.cwd
         record.transition(RunState.preparing, "created")
@@ -122,25 +213,29 @@ class Launcher:
         daemon.records[run_id] = record
         log.info("run_created", run_id=run_id, target=record.target, command=record.command[:1])
         self.launching.add(run_id)
-        daemon.start_soon(self._launch, record, req, source)
+        daemon.start_soon(self._launch, record, req, source, run_as)
         return record
 
     # --- the job -------------------------------------------------------------------------
 
-    async def _launch(self, record: RunRecord, req: StartRequest, source: RunRecord | None) -> None:
+    async def _launch(
+        self, record: RunRecord, req: StartRequest, source: RunRecord | None, run_as: RunAs | None
+    ) -> None:
         try:
-            await self._launch_job(record, req, source)
+            await self._launch_job(record, req, source, run_as)
         finally:
             self.launching.discard(record.id)
 
-    async def _launch_job(self, record: RunRecord, req: StartRequest, source: RunRecord | None) -> None:
+    async def _launch_job(
+        self, record: RunRecord, req: StartRequest, source: RunRecord | None, run_as: RunAs | None
+    ) -> None:
         daemon = self.daemon
         follow = daemon.follow
         try:
             with anyio.CancelScope() as preparation:
                 self._preparing[record.id] = preparation
                 try:
-                    executor, spec = await self._prepare(record, req, source)
+                    executor, spec = await self._prepare(record, req, source, run_as)
                 finally:
                     self._preparing.pop(record.id, None)
             if preparation.cancelled_caught or record.stop.cancel_by == "user":
@@ -183,7 +278,7 @@ class Launcher:
         await self.daemon.follow.end_quietly(record)
 
     async def _prepare(
-        self, record: RunRecord, req: StartRequest, source: RunRecord | None
+        self, record: RunRecord, req: StartRequest, source: RunRecord | None, run_as: RunAs | None
     ) -> tuple[Executor, JobSpec]:
         """Everything before the job starts: the machine, the run directory, the plugin, the sources."""
         daemon = self.daemon
@@ -202,7 +297,10 @@ class Launcher:
             cwd_there = f"{rd}/{rundir.SOURCES}"
             await executor.upload(Path(cwd), cwd_there)
             cwd = cwd_there
-        env = job_env(record, rd)
+        env = {**req.env, **job_env(record, rd)}
+        base_env = None
+        if executor.shares_filesystem:
+            base_env = caller_environment(req, run_as, getattr(self.daemon.targets.of(record).config, "env", []))
         if source is not None:
             env["OBD_RESUME_FROM"] = await self._resume_path(record, source, executor)
             record.resume_checkpoint = env["OBD_RESUME_FROM"]
@@ -212,7 +310,17 @@ class Launcher:
 
             command = wrap_command(command, f"{rd}/{rundir.PLUGIN}", rd, await executor.python())
             env["OBD_PROFILE_DIR"] = f"{rd}/{rundir.PROFILE}"
-        spec = JobSpec(run_id=record.id, remote_dir=rd, command=command, cwd=cwd, env=env, secrets=req.secrets)
+        spec = JobSpec(
+            run_id=record.id,
+            remote_dir=rd,
+            command=command,
+            cwd=cwd,
+            env=env,
+            secrets=req.secrets,
+            base_env=base_env,
+            run_as=run_as if executor.shares_filesystem else None,
+            umask=req.umask,
+        )
         return executor, spec
 
     async def _resume_path(self, record: RunRecord, source: RunRecord, executor: Executor) -> str:
@@ -253,8 +361,8 @@ class Launcher:
 
 
 def job_env(record: RunRecord, rd: str) -> dict[str, str]:
-    """The variables obd gives every job: its run's files, and the user's `--env`."""
-    env = dict(record.env)
+    """The variables obd gives every job: where its run's files are."""
+    env: dict[str, str] = {}
     env.update(
         OBD_RUN_ID=record.id,
         OBD_RUN_DIR=rd,

@@ -6,7 +6,7 @@ import time
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # The reason words and the run-id rule are the run directory's contract (trainer_plugin/rundir.py);
 # normalise_reason stays importable from here for the daemon's modules.
@@ -92,8 +92,12 @@ class RunRecord(BaseModel):
     remote_dir: str = ""
     command: list[str] = Field(default_factory=list)
     cwd: str | None = None
-    env: dict[str, str] = Field(default_factory=dict)
+    # Names only: values (--env, --secret, the caller's environment) never reach a record.
+    env_names: list[str] = Field(default_factory=list)
     secret_names: list[str] = Field(default_factory=list)
+    env_from_caller: bool = False  # the job started from the caller's environment (a local target)
+    owner_uid: int | None = None  # who started the run: only they (and root) may act on it or read it
+    owner: str | None = None  # their user name, as `list` shows it
     message: str = ""
     snapshot: Snapshot | None = None
     resumed_from: str | None = None
@@ -110,6 +114,16 @@ class RunRecord(BaseModel):
     target_info: dict[str, Any] = Field(default_factory=dict)  # executor-specific (pod, host…)
     unreachable_since: float | None = None
     metrics: dict[str, Any] | None = None  # RunMetrics, when the run was profiled
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_values_from_old_records(cls, data: Any) -> Any:
+        """Records written before values were kept out of them had `env` as a dict: keep the names."""
+        if isinstance(data, dict) and isinstance(data.get("env"), dict):
+            data = dict(data)
+            env = data.pop("env")
+            data.setdefault("env_names", sorted(str(k) for k in env))
+        return data
 
     def transition(self, state: RunState, reason: str, at: float | None = None) -> None:
         self.state = state

@@ -86,13 +86,14 @@ def progress_line(progress: dict[str, Any]) -> str:
 
 def table(runs: list[dict[str, Any]]) -> str:
     """The text of `obd train list`: one row per run, columns padded to their widest cell."""
-    rows = [("ID", "NAME", "STATE", "TARGET", "PROGRESS", "STARTED", "MESSAGE")]
+    rows = [("ID", "NAME", "OWNER", "STATE", "TARGET", "PROGRESS", "STARTED", "MESSAGE")]
     for r in runs:
         # Escaped before they are cut and padded, so the widths are those of what is printed.
         rows.append(
             (
                 printable(r["id"]),
                 printable(r.get("name") or "-")[:20],
+                printable(r.get("owner") or "-")[:16],
                 printable(r.get("state", "?")),
                 printable(r.get("target", "-")),
                 printable(progress_text(r.get("progress"))),
@@ -131,6 +132,15 @@ def status(r: dict[str, Any]) -> str:
         f"command   {' '.join(r.get('command') or [])}",
         f"progress  {progress_text(r.get('progress'))}",
     ]
+    job = r.get("job") or {}
+    if r.get("owner"):
+        lines.insert(2, f"owner     {r['owner']}")
+    if job.get("cwd") or job.get("python"):
+        lines.append(
+            f"job       in {job.get('cwd') or '-'}; program {job.get('executable') or '-'}; python {job.get('python') or '-'}"
+        )
+    if r.get("remote_dir") and r["state"] not in ("preparing",):
+        lines.append(f"outputs   {r['remote_dir']}/output  (`obd train outputs {r['id']} --to DIR` copies them)")
     snap = r.get("snapshot")
     if snap:
         lines.append(f"snapshot  {snap['checkpoint']} at step {snap['step']} ({snap['reason']})")

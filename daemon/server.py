@@ -30,7 +30,7 @@ from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ValidationError
 
-from daemon.api import MAX_MESSAGE, ApiError
+from daemon.api import MAX_MESSAGE, ApiError, Peer
 from daemon.config import DaemonSection
 
 log = structlog.get_logger("obd.server")
@@ -46,7 +46,7 @@ class Handler(Protocol):
 
     def model(self, op: str) -> type[BaseModel] | None: ...
 
-    def __call__(self, request: Any, uid: int) -> Awaitable[Any]: ...
+    def __call__(self, request: Any, peer: Peer) -> Awaitable[Any]: ...
 
 
 @dataclass(eq=False)
@@ -55,6 +55,7 @@ class Caller:
     the daemon works on its request)."""
 
     uid: int
+    peer: Peer
     stalled_since: float | None = field(default_factory=time.monotonic)
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
@@ -196,7 +197,7 @@ class ControlServer:
     async def _connection(self, stream: SocketStream) -> None:
         async with stream:
             try:
-                _pid, uid, gid = peer_credentials(stream.extra(SocketAttribute.raw_socket))
+                pid, uid, gid = peer_credentials(stream.extra(SocketAttribute.raw_socket))
             except OSError:
                 return
             reader = BufferedByteReceiveStream(stream)
@@ -204,7 +205,7 @@ class ControlServer:
                 log.warning("caller_refused", uid=uid)
                 await self._refuse(stream, reader, "denied", self.denied_message(uid))
                 return
-            caller = Caller(uid)
+            caller = Caller(uid, Peer(pid, uid, gid))
             if not self.callers.admit(caller):
                 log.warning("caller_busy", uid=uid, connections=self.callers.count(uid))
                 await self._refuse(stream, reader, "busy", "the daemon is busy with other callers")
@@ -240,7 +241,7 @@ class ControlServer:
                 )
                 return
             caller.stalled_since = None
-            reply = await self._answer_unless_gone(stream, reader, line, caller.uid)
+            reply = await self._answer_unless_gone(stream, reader, line, caller.peer)
             if reply is None:
                 return  # the caller hung up while its request was being answered (a long `wait`)
             caller.stalled_since = time.monotonic()
@@ -251,7 +252,7 @@ class ControlServer:
                 return
 
     async def _answer_unless_gone(
-        self, stream: SocketStream, reader: BufferedByteReceiveStream, line: bytes, uid: int
+        self, stream: SocketStream, reader: BufferedByteReceiveStream, line: bytes, peer: Peer
     ) -> dict[str, Any] | None:
         """Answer a request, but give up (None) if the caller hangs up meanwhile, so a long
         request whose caller went away does not hold its connection."""
@@ -260,7 +261,7 @@ class ControlServer:
 
             async def answer() -> None:
                 nonlocal reply
-                reply = await self._answer(line, uid)
+                reply = await self._answer(line, peer)
                 tg.cancel_scope.cancel()
 
             async def watch_hangup() -> None:
@@ -290,7 +291,7 @@ class ControlServer:
                 while drained < DRAIN_LIMIT:
                     drained += len(await reader.receive())
 
-    async def _answer(self, line: bytes, uid: int) -> dict:
+    async def _answer(self, line: bytes, peer: Peer) -> dict:
         try:
             try:
                 raw = json.loads(line)
@@ -302,7 +303,7 @@ class ControlServer:
             if model is None:
                 raise ApiError(f"unknown operation {raw['op']!r}", "usage")
             request = model.model_validate(raw)
-            return {"ok": True, "result": await self.handler(request, uid)}
+            return {"ok": True, "result": await self.handler(request, peer)}
         except ApiError as exc:
             return {"ok": False, "kind": exc.kind, "error": str(exc)}
         except ValidationError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import pwd
 import signal
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
@@ -21,7 +22,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-from daemon.api import ApiError
+from daemon.api import ApiError, Peer
 from daemon.config import Config
 from daemon.follow import Follower
 from daemon.launch import Launcher
@@ -31,6 +32,13 @@ from daemon.systemd import Notifier
 from daemon.targets import Targets
 
 log = structlog.get_logger("obd")
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 class Daemon:
@@ -105,6 +113,49 @@ class Daemon:
             raise ApiError(f"the record of run {run_id} is unreadable: {self.bad_records[run_id]}")
         raise ApiError(f"no run {run_id!r}; `obd train list` shows the runs there are", "not_found")
 
+    def visible(self, peer: Peer) -> list[RunRecord]:
+        """The runs a caller may see in full: their own (root: everyone's), oldest first."""
+        runs = [r for r in self.records.values() if peer.is_root or r.owner_uid == peer.uid]
+        return sorted(runs, key=lambda r: (r.created, r.id))
+
+    def find(self, ref: str, peer: Peer) -> RunRecord:
+        """The run a reference names, for this caller: an id, a unique id prefix, a run name (its
+        newest run), or `last` (the caller's newest run). Only the owner or root may use a run."""
+        if not isinstance(ref, str) or not ref or len(ref) > 200 or "/" in ref or ref in (".", ".."):
+            raise ApiError(
+                f"invalid run id {ref!r}: a run is named by its id, a unique prefix of it, its name, or `last`; "
+                "see `obd train list`",
+                "usage",
+            )
+        if ref in self.records:
+            return self.allowed(self.records[ref], peer)
+        if ref in self.bad_records:
+            raise ApiError(f"the record of run {ref} is unreadable: {self.bad_records[ref]}")
+        mine = self.visible(peer)
+        if ref == "last":
+            if not mine:
+                raise ApiError("you have no runs yet; start one with `obd train start -- COMMAND`", "not_found")
+            return mine[-1]
+        prefixed = [r for r in mine if r.id.startswith(ref)]
+        if len(prefixed) == 1:
+            return prefixed[0]
+        if len(prefixed) > 1:
+            ids = ", ".join(r.id for r in prefixed[-5:])
+            raise ApiError(f"{ref!r} is the start of {len(prefixed)} run ids ({ids}); give more of the id", "usage")
+        named = [r for r in mine if r.name == ref]
+        if named:
+            return named[-1]  # the newest run of that name
+        theirs = [r for r in self.records.values() if r.id.startswith(ref) or r.name == ref]
+        if theirs:
+            raise ApiError(f"run {ref!r} is not yours: only its owner and root may use it", "denied")
+        raise ApiError(f"no run {ref!r}; `obd train list` shows your runs", "not_found")
+
+    @staticmethod
+    def allowed(record: RunRecord, peer: Peer) -> RunRecord:
+        if peer.is_root or record.owner_uid == peer.uid:
+            return record
+        raise ApiError(f"run {record.id} is not yours: only its owner ({record.owner}) and root may use it", "denied")
+
     def final_event(self, run_id: str) -> anyio.Event:
         return self._final.setdefault(run_id, anyio.Event())
 
@@ -124,7 +175,22 @@ class Daemon:
 
     # --- life cycle --------------------------------------------------------------------
 
+    def _prepare_state_dir(self) -> None:
+        """The state directory's layout and modes: records private to the daemon's user, each run
+        directory private to its owner, and their parents not listable by others."""
+        os.umask(0o077)  # whatever the daemon writes is private unless it says otherwise
+        for path, mode in ((self.state_dir, 0o711), (self.store.runs_dir, 0o700), (self.state_dir / "jobs", 0o711)):
+            path.mkdir(parents=True, exist_ok=True, mode=mode)
+            with contextlib.suppress(OSError):
+                if path.stat().st_uid == os.geteuid():
+                    path.chmod(mode)
+        with contextlib.suppress(OSError):
+            for run_dir in (self.state_dir / "jobs").iterdir():
+                if run_dir.is_dir() and not run_dir.is_symlink() and run_dir.stat().st_mode & 0o077:
+                    run_dir.chmod(0o700)  # a run directory made before they were private
+
     def _take_state_lock(self) -> None:
+        self._prepare_state_dir()
         self.store.ensure()
         fd = os.open(self.state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -136,6 +202,9 @@ class Daemon:
 
     def load(self) -> None:
         records, bad = self.store.load_all()
+        for record in records.values():
+            if record.owner_uid is None:  # a record from before runs had owners: the daemon's user's
+                record.owner_uid, record.owner = os.geteuid(), user_name(os.geteuid())
         self.records = records
         self.bad_records = {b.run_id: b.error for b in bad}
         for b in bad:

@@ -23,9 +23,26 @@ class JobSpec(BaseModel):
     remote_dir: str
     command: list[str]
     cwd: str | None = None
-    env: dict[str, str] = Field(default_factory=dict)
-    # Values that must reach the job but never a command line, a record or a log.
+    # Values that must reach the job but never a command line, a record, a log or a file:
+    # they go to the job wrapper on its stdin.
+    env: dict[str, str] = Field(default_factory=dict, repr=False, exclude=True)
     secrets: dict[str, str] = Field(default_factory=dict, repr=False, exclude=True)
+    # The environment the job starts from; None: the target's own (the remote login's).
+    base_env: dict[str, str] | None = Field(default=None, repr=False, exclude=True)
+    run_as: RunAs | None = None  # the user the job runs as, when not the executor's own
+    umask: int | None = None
+
+
+class RunAs(BaseModel):
+    """The account a job runs as on a daemon shared by several users (it switches to it)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    uid: int
+    gid: int
+    groups: list[int] = Field(default_factory=list)
+    user: str
+    home: str
 
 
 class JobHandle(BaseModel):
@@ -39,6 +56,11 @@ class JobHandle(BaseModel):
     start_time: int
     boot_id: str = ""
     host: str = ""
+    # What the job got, as the wrapper saw it: its uid, working directory, program and Python.
+    uid: int | None = None
+    cwd: str | None = None
+    executable: str | None = None
+    python: str | None = None
 
 
 class JobState(str, Enum):

@@ -9,6 +9,7 @@ kills no job.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -33,7 +34,7 @@ from executors.base import (
     Reached,
     RunProbe,
 )
-from trainer_plugin import jobctl
+from trainer_plugin import jobctl, rundir
 
 log = structlog.get_logger("obd.local")
 
@@ -146,10 +147,11 @@ class LocalExecutor:
 
     shares_filesystem = True
 
-    def __init__(self, name: str, workdir: Path, python: str | None = None) -> None:
+    def __init__(self, name: str, workdir: Path, python: str | None = None, venv: str | None = None) -> None:
         self.name = name
         self.workdir = str(workdir)
         self.interpreter = python or sys.executable
+        self.venv = venv  # its bin/ leads the job's PATH
         self.events: LocalEvents | None = LocalEvents()
 
     async def resolve_workdir(self) -> str:
@@ -172,16 +174,26 @@ class LocalExecutor:
 
     async def spawn(self, job: JobSpec) -> JobHandle:
         run_dir = Path(job.remote_dir)
-        await anyio.to_thread.run_sync(lambda: run_dir.mkdir(parents=True, exist_ok=True))
-        spec = {
+        await anyio.to_thread.run_sync(private_dir, run_dir)
+        spec: dict[str, Any] = {
             "command": job.command,
             "cwd": job.cwd,
-            "env": job.env,
-            "pythonpath": [str(run_dir / "plugin")],
+            "pythonpath": [str(run_dir / rundir.PLUGIN)],
+            "umask": job.umask,
         }
-        await self.put_file(str(run_dir / "job.json"), json.dumps(spec).encode())
+        if self.venv:
+            spec["path_prepend"] = [str(Path(self.venv) / "bin")]
+        if job.run_as is not None:
+            spec["run_as"] = job.run_as.model_dump()
+        await self.put_file(str(run_dir / rundir.JOB_SPEC), json.dumps(spec).encode())
+        if job.run_as is not None:
+            # Made by the daemon in a directory only it could enter so far: now the user's.
+            await anyio.to_thread.run_sync(hand_over, run_dir, job.run_as.uid, job.run_as.gid)
         wrapper = [self.interpreter, str(JOBCTL), "start", str(run_dir), "--secrets-stdin"]
-        secrets = json.dumps(job.secrets).encode()
+        values = {**(job.base_env or {}), **job.env, **job.secrets}
+        if job.base_env is not None:
+            wrapper.append("--clean-env")  # the job's whole environment is on stdin, not the daemon's
+        secrets = json.dumps(values).encode()
         scope = systemd_scope_prefix(job.run_id)
         result = await self._run_wrapper([*scope, *wrapper], secrets)
         if scope and result.returncode != 0 and jobctl.read_handle(str(run_dir)) is None:
@@ -218,10 +230,10 @@ class LocalExecutor:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(drain, proc.stdout, out)
                 tg.start_soon(drain, proc.stderr, err)
-                try:
+                assert proc.stdin is not None  # opened with a pipe
+                # It may exit without reading: its exit status and stderr say why.
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                     await proc.stdin.send(secrets)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    pass  # it exited without reading: its exit status and stderr say why
                 await proc.stdin.aclose()
             code = await proc.wait()
         return subprocess.CompletedProcess(argv, code, bytes(out), bytes(err))
@@ -266,9 +278,26 @@ class LocalExecutor:
         return None
 
 
+def private_dir(path: Path) -> None:
+    """Make a run directory (and missing parents) readable by its owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+
+
+def hand_over(run_dir: Path, uid: int, gid: int) -> None:
+    """Give a run directory the daemon made to the user its job runs as (links not followed)."""
+    for root, dirs, files in os.walk(run_dir):
+        for name in dirs + files:
+            os.lchown(os.path.join(root, name), uid, gid)
+    os.lchown(run_dir, uid, gid)
+
+
 def _copy(src: Path, dst: Path) -> None:
     if not src.exists():
         return
+    if not dst.parent.exists():
+        private_dir(dst.parent)
     if src.is_dir():
         shutil.copytree(src, dst, dirs_exist_ok=True, symlinks=True, ignore=_ignore)
     else:
@@ -283,4 +312,4 @@ def _ignore(directory: str, names: list[str]) -> set[str]:
     return out
 
 
-__all__ = ["LocalExecutor", "JobState"]
+__all__ = ["JobState", "LocalExecutor"]

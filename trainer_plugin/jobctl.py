@@ -5,7 +5,7 @@ every run's `plugin/` (and, for SSH targets, into `<workdir>/.obd/tools-<hash>/`
 *on the target*, so the same code starts, watches and cancels jobs on this machine, over SSH
 and on a pod:
 
-    python3 jobctl.py start RUN_DIR [--secrets-stdin]   # detach the job, print its handle
+    python3 jobctl.py start RUN_DIR [--secrets-stdin] [--clean-env]   # detach the job, print its handle
     python3 jobctl.py cancel RUN_DIR [--grace S]         # TERM the group, grace, KILL
     python3 jobctl.py probe < [{"dir": ..., "handle": ...}, ...]   # one read of many runs
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -190,11 +191,15 @@ def job_status(run_dir: str, handle: dict | None = None) -> dict:
 # --- start ------------------------------------------------------------------------------
 
 
-def start(run_dir: str, secrets: dict[str, str]) -> dict:
+def start(run_dir: str, secrets: dict[str, str], clean_env: bool = False) -> dict:
     """Start the job of `run_dir/job.json` detached, in its own session; return its handle.
 
-    job.json holds `command` (argv), `cwd`, `env`, `pythonpath` (put ahead of the target's
-    PYTHONPATH) and `path_prepend` (e.g. a venv's bin); secrets come separately, on stdin.
+    job.json holds `command` (argv), `cwd`, `pythonpath` (put ahead of the PYTHONPATH the job
+    would have), `path_prepend` (e.g. a venv's bin) and, for a job that runs as another user
+    than the caller of this script, `run_as` (`uid`, `gid`, `groups`, `user`, `home`) and
+    `umask`. Values come separately, on stdin (`secrets`: variables added to the job's
+    environment): never on a command line or in a file. With `clean_env`, stdin holds the
+    job's whole environment and the wrapper's own is not passed on.
     """
     spec = json.loads(read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
     read_end, write_end = os.pipe()
@@ -202,7 +207,7 @@ def start(run_dir: str, secrets: dict[str, str]) -> dict:
     if pid == 0:  # the wrapper: session and process-group leader for the job's lifetime
         os.close(read_end)
         try:
-            code = _wrap(run_dir, spec, secrets, write_end)
+            code = _wrap(run_dir, spec, secrets, write_end, clean_env)
         except BaseException:  # never return into the caller's stack from a fork
             code = 70
         os._exit(code)
@@ -215,31 +220,74 @@ def start(run_dir: str, secrets: dict[str, str]) -> dict:
     return handle
 
 
-def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int) -> int:
+def become(run_as: dict) -> None:
+    """Drop to the run's user for good (groups, gid, then uid), as a login would.
+
+    Done first thing in the wrapper, before it touches the run directory, so every file the
+    job and the wrapper write there is the user's, and nothing the user planted there is ever
+    written through with root's rights.
+    """
+    uid, gid = int(run_as["uid"]), int(run_as["gid"])
+    groups = [int(g) for g in run_as.get("groups") or [gid]]
+    if (os.getuid(), os.geteuid()) == (uid, uid):
+        return
+    os.setgroups(groups)
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+
+
+def job_environment(spec: dict, values: dict[str, str], clean_env: bool) -> dict[str, str]:
+    """The job's environment: its base (the wrapper's own, or what came on stdin) and obd's additions."""
+    base = {} if clean_env else dict(os.environ)
+    env = {**base, **(spec.get("env") or {}), **values}
+    run_as = spec.get("run_as") or {}
+    for key, value in (("HOME", run_as.get("home")), ("USER", run_as.get("user")), ("LOGNAME", run_as.get("user"))):
+        if value and key not in env:
+            env[key] = value
+    # The run's plugin/ leads PYTHONPATH; whatever the job would have had follows it.
+    lead = [p for p in (spec.get("pythonpath") or []) if p]
+    if lead:
+        had = (values.get("PYTHONPATH") if clean_env else os.environ.get("PYTHONPATH")) or ""
+        env["PYTHONPATH"] = os.pathsep.join(lead + [p for p in had.split(os.pathsep) if p])
+    path_prepend = [p for p in (spec.get("path_prepend") or []) if p]
+    if path_prepend:
+        env["PATH"] = os.pathsep.join([*path_prepend, env.get("PATH") or os.defpath])
+    if "PATH" not in env:
+        env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    return env
+
+
+def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int, clean_env: bool = False) -> int:
     os.setsid()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # TERM reaches the whole group; the wrapper outlives it so it can record the exit status.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if spec.get("run_as"):
+        become(spec["run_as"])
+    if spec.get("umask") is not None:
+        os.umask(int(spec["umask"]) & 0o777)
     devnull = os.open(os.devnull, os.O_RDWR)
-    log = os.open(os.path.join(run_dir, rundir.JOB_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = os.open(
+        os.path.join(run_dir, rundir.JOB_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600
+    )
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    me = os.getpid()
-    handle = {"pid": me, "start_time": process_start_time(me), "boot_id": boot_id()}
-    atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(handle).encode())
-    env = dict(os.environ)
-    env.update(spec.get("env") or {})
-    env.update(secrets)
-    # The run's plugin/ leads PYTHONPATH; whatever the target already had follows it.
-    lead = [p for p in (spec.get("pythonpath") or []) if p]
-    if lead:
-        env["PYTHONPATH"] = os.pathsep.join(lead + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
-    path_prepend = [p for p in (spec.get("path_prepend") or []) if p]
-    if path_prepend:
-        env["PATH"] = os.pathsep.join([*path_prepend, os.environ.get("PATH", os.defpath)])
+    env = job_environment(spec, secrets, clean_env)
     command = spec.get("command") or []
     cwd = spec.get("cwd") or run_dir
+    me = os.getpid()
+    handle = {
+        "pid": me,
+        "start_time": process_start_time(me),
+        "boot_id": boot_id(),
+        "uid": os.getuid(),
+        "cwd": cwd,
+        # What the job got, for `obd train status`: its program and the Python on its PATH.
+        "executable": _which(command[0], env, cwd) if command else None,
+        "python": _which("python3", env, cwd) or _which("python", env, cwd),
+    }
+    atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(handle).encode())
     try:
         child = subprocess.Popen(
             command,
@@ -263,6 +311,14 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int) -> i
     _finish(run_dir, code, None)
     _reap_group(me)
     return 0
+
+
+def _which(program: str, env: dict[str, str], cwd: str) -> str | None:
+    if "/" in program:
+        path = os.path.join(cwd, program)
+        return os.path.realpath(path) if os.access(path, os.X_OK) else None
+    found = shutil.which(program, path=env.get("PATH", os.defpath))
+    return os.path.abspath(found) if found else None
 
 
 def _reap_group(me: int, grace: float = 5.0) -> None:
@@ -414,7 +470,7 @@ def main(argv: list[str]) -> int:
     command = argv[0]
     if command == "start" and len(argv) >= 2:
         secrets = json.loads(sys.stdin.read() or "{}") if "--secrets-stdin" in argv else {}
-        print(json.dumps(start(argv[1], secrets)), flush=True)
+        print(json.dumps(start(argv[1], secrets, clean_env="--clean-env" in argv)), flush=True)
         return 0
     if command == "cancel" and len(argv) >= 2:
         grace = float(argv[argv.index("--grace") + 1]) if "--grace" in argv else 10.0

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 
 PY = sys.executable
-SCRIPTS = REPO / "tests" / "plugin" / "scripts"
+SCRIPTS = REPO / "tests" / "trainer_plugin" / "scripts"
 PLAIN = str(SCRIPTS / "plain_trainer.py")
 TRL = str(SCRIPTS / "trl_sft.py")
 
