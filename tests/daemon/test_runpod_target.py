@@ -41,14 +41,23 @@ def pods(make_daemon, fake: FakeRunpod, pod_sshd: SshServer, short_tmp: Path) ->
 
 
 def make_pods_daemon(
-    make_daemon, fake: FakeRunpod, sshd: SshServer, root: Path, extra: str = "", boot_grace: float = 20
+    make_daemon,
+    fake: FakeRunpod,
+    sshd: SshServer,
+    root: Path,
+    extra: str = "",
+    boot_grace: float = 20,
+    api_poll_interval: float = 0.2,
+    workdir: Path | None = None,
 ) -> DaemonProc:
-    workdir = root / "pod"
-    workdir.mkdir(exist_ok=True)
+    if workdir is None:
+        workdir = root / "pod"
+        workdir.mkdir(exist_ok=True)
     config = FAST_CONFIG + (
         f'\n[targets.pods]\nkind = "runpod"\ngpu_type = ["NVIDIA GeForce RTX 4090"]\n'
         f'identity_file = "{sshd.identity_file}"\nssh_user = "{sshd.user}"\nworkdir = "{workdir}"\n'
-        f'python = "{PY}"\nboot_grace = {boot_grace}\napi_poll_interval = 0.2\nwatchdog_interval = 0.5\n{extra}'
+        f'python = "{PY}"\nboot_grace = {boot_grace}\napi_poll_interval = {api_poll_interval}\n'
+        f"watchdog_interval = 0.5\n{extra}"
     )
     d = make_daemon(config)
     d.env.update(RUNPOD_API_BASE_URL=fake.url, RUNPOD_API_KEY=KEY)
@@ -297,3 +306,70 @@ def test_a_stopped_pod_with_no_gpu_free_is_kept_with_its_outputs_and_retrieve_ge
         assert fake.live_pods() == []
     finally:
         kill_jobs(short_tmp / "pod")
+
+
+def log_events(d: DaemonProc) -> list[dict]:
+    return [json.loads(x) for x in d.log_path.read_text().splitlines() if x.startswith("{")]
+
+
+def test_a_pod_whose_create_completes_after_a_restart_is_found_soon_and_ended(pods: DaemonProc, fake: FakeRunpod) -> None:
+    # The create is sent, then the daemon dies; Runpod makes the pod 6 s later, after the restart.
+    fake.inject("late", "podFindAndDeployOnDemand", delay=6)
+    rid = start(pods, "sleep", "30")
+    wait_for(lambda: "podFindAndDeployOnDemand" in fake.arrived, 20, 0.05, "the create call to be sent")
+    pods.kill()
+    assert fake.live_pods() == []  # not made yet
+    pods.start()
+    pod = wait_for(fake.live_pods, 20, 0.1, "the late create to make its pod")[0]
+    record = pods.wait_state(rid, "failed", "succeeded", "cancelled", timeout=60)
+    assert record["target_info"]["pod_id"] == pod["id"]  # found by its tag, not taken for "never created"
+    assert "before the pod was created" not in record["message"], record["message"]
+    # Ended at once, not after the 5-minute reconcile.
+    wait_for(lambda: fake.live_pods() == [], 30, 0.2, "the late pod to be ended")
+
+
+def test_status_of_a_pod_run_shows_the_pod_without_asking_the_api_each_time(
+    make_daemon, fake, pod_sshd, short_tmp
+) -> None:
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, api_poll_interval=20)
+    try:
+        rid = start(d, "sleep", "60")
+        d.wait_state(rid, "running", timeout=60)
+        wait_for(lambda: d.record(rid).get("pod", {}).get("state") == "RUNNING", 30, what="the pod's state")
+        before = fake.ops().count("pod")
+        for _ in range(8):
+            pod = d.record(rid)["pod"]
+            assert pod["state"] == "RUNNING" and pod["spend_usd"] is not None
+        assert fake.ops().count("pod") - before <= 1  # the follow's own look, at most
+        d.cli("train", "cancel", rid, "--wait")
+    finally:
+        kill_jobs(short_tmp / "pod")
+
+
+def test_a_pod_being_ended_is_not_probed_so_no_unreachable_target_is_reported(
+    make_daemon, fake, pod_sshd, short_tmp
+) -> None:
+    fake.relay_ssh = True  # a terminated pod's SSH port closes, as on Runpod
+    fake.inject("timeout", "podTerminate", delay=3)  # the pod is gone at once; the answer takes 3 s
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
+    try:
+        rid = start(d, "sh", "-c", "mkdir -p $OBD_OUTPUT_DIR && echo w > $OBD_OUTPUT_DIR/adapter.bin")
+        record = d.wait_state(rid, "succeeded", "failed", timeout=90)
+        assert record["state"] == "succeeded", record["message"]
+        assert "terminated" in record["message"]
+        assert [e for e in log_events(d) if e.get("event") == "target_unreachable"] == []
+        assert not any("unreachable" in h["reason"] for h in record["history"])
+    finally:
+        kill_jobs(short_tmp / "pod")
+
+
+def test_a_launch_that_fails_after_the_pod_was_made_ends_the_pod_before_the_run_is_failed(
+    make_daemon, fake, pod_sshd, short_tmp
+) -> None:
+    # The pod is made and answers SSH, but its workdir cannot be created: the job never starts.
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, workdir=Path("/proc/obd-no-such-dir"))
+    rid = start(d, "true")
+    record = d.wait_state(rid, "failed", timeout=60)
+    assert fake.live_pods() == []  # already ended when the run was recorded failed
+    assert "cannot be created" in record["message"] and "was terminated" in record["message"], record["message"]
+    assert len(fake.terminated) == 1

@@ -8,7 +8,9 @@ GPU types with prices and capacity, pods, network volumes. Point the SDK at it w
 
 Faults are queued with `inject(kind, op=None, times=1)` and consumed by the next matching
 request: `429`, `500` (JSON `errors`), `502`/`503` (an HTML body), `timeout` (the operation
-runs, then the answer is held back for `delay` seconds: an ambiguous create), `drop` (the
+runs, then the answer is held back for `delay` seconds: an ambiguous create), `late` (the request
+is held for `delay` seconds before the operation runs: a create that completes long after it was
+sent, whoever still waits for it), `drop` (the
 operation runs, then the connection is closed unanswered), `drop_before` (closed unanswered,
 nothing done), `nodata` (HTTP 200 with a JSON body that has no `data`).
 """
@@ -243,6 +245,7 @@ class FakeRunpod:
         self.network_volumes = [{"id": "vol-eu", "name": "data", "size": 100, "dataCenterId": "EU-RO-1"}]
         self.faults: list[Injected] = []
         self.calls: list[tuple[str, int]] = []  # (root field, HTTP status) per request
+        self.arrived: list[str] = []  # the root field of every request, as it arrives
         self.creates: list[dict[str, Any]] = []  # the decoded input of every create that ran
         self.ssh_endpoint: tuple[str, int] | None = None  # what new pods report for port 22
         # With relay_ssh each running pod gets its own port relaying to ssh_endpoint, which a stop
@@ -392,11 +395,15 @@ class FakeRunpod:
         except (ValueError, KeyError, TypeError):
             return self._send_json(req, 400, {"errors": [{"message": "Must provide query string."}]}, "?")
         op = fields[0].name
+        with self.lock:
+            self.arrived.append(op)
         fault = self._take_fault(op)
         if fault and fault.kind == "drop_before":
             return self._drop(req, op)
         if fault and fault.kind in ("429", "500", "502", "503", "nodata"):
             return self._send_fault(req, fault.kind, op)
+        if fault and fault.kind == "late":
+            self.closing.wait(fault.delay)
         try:
             data = self._execute(op_kind, fields)
             payload: dict[str, Any] = {"data": data}

@@ -51,7 +51,9 @@ def make_driver(tmp_path: Path, pod_sshd: SshServer, fake: FakeRunpod) -> Iterat
     workdir.mkdir()
     fake.ssh_endpoint = (pod_sshd.host, pod_sshd.port)
 
-    def make(*, api: RunpodApi | None = None, state_dir: Path | None = None, **target: Any) -> RunpodDriver:
+    def make(
+        *, api: RunpodApi | None = None, state_dir: Path | None = None, name: str = "pods", **target: Any
+    ) -> RunpodDriver:
         fields: dict[str, Any] = {
             "kind": "runpod",
             "gpu_type": "NVIDIA GeForce RTX 4090",
@@ -62,7 +64,7 @@ def make_driver(tmp_path: Path, pod_sshd: SshServer, fake: FakeRunpod) -> Iterat
         }
         fields.update(target)
         return RunpodDriver(
-            "pods",
+            name,
             RunpodTarget(**fields),
             state_dir or tmp_path / "state",
             api=api or fast_api(),
