@@ -50,6 +50,9 @@ class StartRequest(_Req):
     environ: dict[str, str] | None = Field(default=None, repr=False)
     env_clear: bool = False  # start from an empty environment instead
     umask: int | None = Field(default=None, ge=0, le=0o777)  # the caller's, for what the job writes
+    # Where a job that succeeds leaves its outputs (hard links or copies of output/), as its user;
+    # "asked": the output_dir the script asked for. Never into a directory that is not empty.
+    output_to: str | None = None
     resume_from: str | None = None
     profile: bool = False
     snapshot_on_sigterm: bool = False

@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start the job from an empty environment (HOME, USER, PATH), not this shell's",
     )
+    s.add_argument(
+        "--output-to",
+        metavar="DIR",
+        help="when the job succeeds, put its outputs in DIR (`asked`: the output_dir the script asked for); "
+        "never into a directory that is not empty",
+    )
     s.add_argument("--resume-from", metavar="ID")
     s.add_argument("--profile", action="store_true")
     s.add_argument(
@@ -247,6 +253,7 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             environ=dict(os.environ),
             env_clear=args.env_clear,
             umask=_umask(),
+            output_to=args.output_to,
             resume_from=args.resume_from,
             profile=args.profile,
             snapshot_on_sigterm=args.snapshot_on_sigterm,

@@ -320,6 +320,7 @@ class Launcher:
             base_env=base_env,
             run_as=run_as if executor.shares_filesystem else None,
             umask=req.umask,
+            output_to=req.output_to,
         )
         return executor, spec
 

@@ -66,6 +66,7 @@ class Progress(BaseModel):
     max_steps: int | None = None
     loss: float | None = None
     eta_seconds: float | None = None
+    last_checkpoint: str | None = None  # the newest output/checkpoint-<step> (a real directory)
 
 
 class StopState(BaseModel):

@@ -11,6 +11,7 @@ from typing import Any
 
 from daemon.models import RunRecord
 from executors.base import RunProbe
+from trainer_plugin.rundir import checkpoint_relpath, checkpoint_step
 
 
 def finite(value: object) -> float | None:
@@ -32,6 +33,9 @@ def update_progress(record: RunRecord, probe: RunProbe, now: float) -> None:
     if "loss" in log:
         record.progress.loss = finite(log.get("loss"))
     record.progress.eta_seconds = eta_seconds(begin, log, record.progress.max_steps, now)
+    steps = [s for s in (checkpoint_step(n) for n in probe.checkpoints) if s is not None]
+    if steps:
+        record.progress.last_checkpoint = checkpoint_relpath(max(steps))
 
 
 def eta_seconds(begin: dict[str, Any], log: dict[str, Any], max_steps: int | None, now: float) -> float | None:

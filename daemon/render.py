@@ -141,6 +141,9 @@ def status(r: dict[str, Any]) -> str:
         )
     if r.get("remote_dir") and r["state"] not in ("preparing",):
         lines.append(f"outputs   {r['remote_dir']}/output  (`obd train outputs {r['id']} --to DIR` copies them)")
+    last = (r.get("progress") or {}).get("last_checkpoint")
+    if last:
+        lines.append(f"latest    {last}")
     snap = r.get("snapshot")
     if snap:
         lines.append(f"snapshot  {snap['checkpoint']} at step {snap['step']} ({snap['reason']})")

@@ -31,6 +31,7 @@ class JobSpec(BaseModel):
     base_env: dict[str, str] | None = Field(default=None, repr=False, exclude=True)
     run_as: RunAs | None = None  # the user the job runs as, when not the executor's own
     umask: int | None = None
+    output_to: str | None = None  # where a successful job's outputs are placed ("asked": the script's output_dir)
 
 
 class RunAs(BaseModel):

@@ -180,6 +180,7 @@ class LocalExecutor:
             "cwd": job.cwd,
             "pythonpath": [str(run_dir / rundir.PLUGIN)],
             "umask": job.umask,
+            "output_to": job.output_to,
         }
         if self.venv:
             spec["path_prepend"] = [str(Path(self.venv) / "bin")]

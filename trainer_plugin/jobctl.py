@@ -267,9 +267,7 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int, clea
     if spec.get("umask") is not None:
         os.umask(int(spec["umask"]) & 0o777)
     devnull = os.open(os.devnull, os.O_RDWR)
-    log = os.open(
-        os.path.join(run_dir, rundir.JOB_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600
-    )
+    log = os.open(os.path.join(run_dir, rundir.JOB_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -308,9 +306,46 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int, clea
     code = child.wait()
     if code < 0:  # killed by a signal: the shell's convention, 128 + signal number
         code = 128 - code
+    if code == 0 and spec.get("output_to") and not os.path.lexists(os.path.join(run_dir, rundir.SNAPSHOT_PROOF)):
+        place_outputs(run_dir, spec["output_to"], cwd, log)
     _finish(run_dir, code, None)
     _reap_group(me)
     return 0
+
+
+def asked_output_dir(run_dir: str) -> str | None:
+    """The output_dir the script asked for, as the plugin's `begin` line recorded it."""
+    head = read_regular(os.path.join(run_dir, rundir.METRICS), rundir.METRICS_HEAD) or b""
+    begin = _parse_json_line(head.split(b"\n", 1)[0]) or {}
+    asked = begin.get("output_dir_requested")
+    return asked if isinstance(asked, str) and asked else None
+
+
+def place_outputs(run_dir: str, output_to: str, cwd: str, log_fd: int) -> None:
+    """Put a finished run's outputs where the user asked (`--output-to`), as the job's user: hard
+    links where the filesystem allows, else copies. An existing directory that is not empty is
+    never written into; the log says so and the outputs stay in the run directory."""
+    dest = asked_output_dir(run_dir) if output_to == "asked" else output_to
+    source = os.path.join(run_dir, rundir.OUTPUT)
+    if not dest:
+        os.write(log_fd, b"obd: --output-to asked: the script's output_dir is unknown; outputs stay in the run\n")
+        return
+    dest = os.path.join(cwd, dest)
+    try:
+        if os.path.lexists(dest) and (not os.path.isdir(dest) or os.path.islink(dest) or os.listdir(dest)):
+            os.write(log_fd, f"obd: outputs not placed in {dest}: it exists and is not empty\n".encode())
+            return
+        shutil.copytree(source, dest, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True)
+        os.write(log_fd, f"obd: outputs placed in {dest}\n".encode())
+    except OSError as exc:
+        os.write(log_fd, f"obd: outputs not placed in {dest}: {exc}\n".encode())
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _which(program: str, env: dict[str, str], cwd: str) -> str | None:

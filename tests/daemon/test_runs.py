@@ -290,3 +290,20 @@ def test_processes_a_finished_job_left_behind_in_its_group_are_ended(daemon: Dae
     assert record["state"] == "succeeded"
     stray = int(marker.read_text())
     wait_for(lambda: not os.path.exists(f"/proc/{stray}") or open(f"/proc/{stray}/stat").read().split()[2] == "Z", 15, what="the stray sleep to be ended")
+
+
+def test_output_to_places_a_successful_runs_outputs_and_never_writes_into_a_full_directory(daemon: DaemonProc, tmp_path: Path) -> None:
+    job = 'mkdir -p "$OBD_OUTPUT_DIR/checkpoint-2" && echo w > "$OBD_OUTPUT_DIR/checkpoint-2/a.bin" && echo m > "$OBD_OUTPUT_DIR/model.bin"'
+    dest = tmp_path / "placed"
+    out = daemon.cli("train", "start", "--cwd", str(tmp_path), "--output-to", "placed", "--", "sh", "-c", job)
+    rid = out.stdout.strip()
+    daemon.wait_state(rid, "succeeded")
+    assert (dest / "model.bin").read_text() == "m\n" and (dest / "checkpoint-2" / "a.bin").read_text() == "w\n"
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    out = daemon.cli("train", "start", "--cwd", str(tmp_path), "--output-to", "full", "--", "sh", "-c", job)
+    rid = out.stdout.strip()
+    daemon.wait_state(rid, "succeeded")
+    assert sorted(p.name for p in full.iterdir()) == ["keep.txt"]
+    assert "not placed" in daemon.cli("train", "logs", rid).stdout
