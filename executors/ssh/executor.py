@@ -31,6 +31,7 @@ from executors.base import (
 from executors.config import SshTarget
 from executors.ssh.connection import Session, SshConnection, as_bytes, returncode, tail
 from executors.ssh.files import SftpFiles
+from trainer_plugin import rundir
 
 log = structlog.get_logger()
 
@@ -151,20 +152,21 @@ class SshExecutor:
     # --- jobs -------------------------------------------------------------------------------
 
     async def spawn(self, job: JobSpec) -> JobHandle:
-        """Write job.json, then start the job detached with its secrets on stdin; return its handle."""
+        """Write job.json, then start the job detached with its environment on stdin; return its handle."""
         session = await self.connection.ensure()
         run_dir = job.remote_dir.rstrip("/") or "/"
+        # The environment's values go to the wrapper on its stdin with the secrets, never into job.json.
         spec: dict[str, Any] = {
             "command": job.command,
             "cwd": job.cwd,
-            "env": job.env,
-            "pythonpath": [f"{run_dir}/plugin"],
+            "pythonpath": [f"{run_dir}/{rundir.PLUGIN}"],
             "path_prepend": [],
+            "umask": job.umask,
         }
         if self.target.venv:
             spec["path_prepend"] = [str(PurePosixPath(session.python).parent)]
-        await self.put_file(f"{run_dir}/job.json", json.dumps(spec).encode())
-        secrets_json = json.dumps(job.secrets).encode()
+        await self.put_file(f"{run_dir}/{rundir.JOB_SPEC}", json.dumps(spec).encode())
+        secrets_json = json.dumps({**job.env, **job.secrets}).encode()
 
         async def op(s: Session) -> bytes:
             await self.connection.require_python(s)

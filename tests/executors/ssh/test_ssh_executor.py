@@ -240,6 +240,19 @@ async def test_secrets_reach_the_job_environment_but_no_command_line_and_no_log(
     assert secret not in captured.out + captured.err
 
 
+async def test_the_job_s_environment_reaches_it_through_stdin_never_through_job_json(
+    executor: SshExecutor, workdir: Path
+) -> None:
+    run = workdir / "env"
+    value = "v-" + os.urandom(6).hex()
+    handle = await executor.spawn(
+        job(run, 'printf %s "$MY_SETTING" > "$OBD_DIR/seen"', env={"MY_SETTING": value, "OBD_DIR": str(run)})
+    )
+    assert (await wait_state(executor, handle, str(run))).exit_code == 0
+    assert (run / "seen").read_text() == value
+    assert value.encode() not in (run / "job.json").read_bytes()
+
+
 async def test_the_workdir_tilde_is_resolved_on_the_host(shared_sshd: SshServer) -> None:
     name = f"obd-test-{os.urandom(4).hex()}"
     ex = SshExecutor("home", make_target(shared_sshd, f"~/{name}"))
