@@ -107,6 +107,14 @@ class ListRunsRequest(_Req):
     recent: int = Field(default=10, ge=0, le=100_000)  # finished runs shown by default
 
 
+class WatchRequest(_Req):
+    """Answer when any of the caller's runs changed after `since` (a version), or after `timeout`."""
+
+    op: Literal["watch"]
+    since: int = Field(default=0, ge=0)
+    timeout: float = Field(default=25.0, ge=0, le=300)
+
+
 class ReadRequest(_Req):
     op: Literal["read"]
     id: str

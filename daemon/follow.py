@@ -175,9 +175,12 @@ class Follower:
         async with self.daemon.lock(record.id):
             if record.state != RunState.running:
                 return
+            before = record.progress.model_copy()
             verdict = apply_probe(record, probe, time.time(), self.daemon.config.stop)
             if verdict.changed:
                 self.daemon.save_quietly(record)
+        if verdict.changed or record.progress != before:
+            self.daemon.touch(record)
         if verdict.final is not None:
             if record.id in self.cancelling or record.id in self.finishing:
                 return  # the cancel under way writes `cancelled` last; finish after it

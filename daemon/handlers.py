@@ -30,6 +30,7 @@ from daemon.api import (
     StartRequest,
     StopRequest,
     WaitRequest,
+    WatchRequest,
 )
 from daemon.follow import job_handle
 from daemon.models import RunRecord, RunState, normalise_reason
@@ -61,6 +62,7 @@ class Handlers:
             "metrics": (IdRequest, self.metrics),
             "read": (ReadRequest, self.read),
             "outputs": (IdRequest, self.outputs),
+            "watch": (WatchRequest, self.watch),
         }
 
     def model(self, op: str) -> type[BaseModel] | None:
@@ -120,6 +122,13 @@ class Handlers:
             with anyio.move_on_after(req.timeout):
                 await self.daemon.final_event(record.id).wait()
         return record.public()
+
+    async def watch(self, req: WatchRequest, peer: Peer) -> dict[str, Any]:
+        """A long poll: the summaries of the caller's runs that changed after version `since`."""
+        version = await self.daemon.wait_change(req.since, req.timeout)
+        changed = self.daemon.changed_at
+        runs = [summary(r) for r in self.daemon.visible(peer) if changed.get(r.id, 0) > req.since]
+        return {"version": version, "runs": runs}
 
     async def metrics(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         record = self.daemon.find(req.id, peer)

@@ -19,6 +19,7 @@ HISTORY_NOTES_LIMIT = 500
 
 
 class RunState(str, Enum):
+    queued = "queued"  # waiting for GPUs on its target, or for a scheduler (Slurm) to start it
     preparing = "preparing"
     running = "running"
     stopped = "stopped"

@@ -56,6 +56,12 @@ class Daemon:
         self._locks: dict[str, anyio.Lock] = {}
         self._final: dict[str, anyio.Event] = {}
         self._dirty: set[str] = set()  # records whose last save failed (a full disk): retried
+        # Every change of a run bumps `version`; watchers (`watch` op, notifications, the web
+        # view) wait on `_changed` and ask which runs changed since the version they saw.
+        self.version = 0
+        self.changed_at: dict[str, int] = {}
+        self._changed = anyio.Event()
+        self.listeners: list[Callable[[RunRecord], None]] = []
         self._tg: TaskGroup | None = None
         self._lock_fd: int | None = None
 
@@ -72,6 +78,7 @@ class Daemon:
             was_final = record.state.final
             yield record
             self.save_quietly(record)
+        self.touch(record)
         if record.state.final:
             self.final_event(record.id).set()
             if not was_final:  # every way a run ends is logged the same, once
@@ -82,6 +89,25 @@ class Daemon:
                     exit_code=record.exit_code,
                     message=record.message,
                 )
+
+    def touch(self, record: RunRecord) -> None:
+        """Tell whoever watches that a run changed (saved or not: progress is not always saved)."""
+        self.version += 1
+        self.changed_at[record.id] = self.version
+        self._changed.set()
+        self._changed = anyio.Event()
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception:  # a listener's bug must never cost a record its change
+                log.exception("listener_failed", run_id=record.id)
+
+    async def wait_change(self, since: int, timeout: float) -> int:
+        """Wait until something changed after version `since` (or `timeout`); the version now."""
+        if self.version <= since:
+            with anyio.move_on_after(timeout):
+                await self._changed.wait()
+        return self.version
 
     def save(self, record: RunRecord) -> None:
         """Save a record; on failure (a full disk) keep it in memory, retry later, and raise."""

@@ -109,8 +109,7 @@ def parse_record(path: Path, run_id: str) -> RunRecord:
         raise StoreError(f"{path}: not UTF-8 at byte {exc.start}") from exc
     except json.JSONDecodeError as exc:
         raise StoreError(
-            f"{path}: malformed JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); "
-            "the record was left as it is"
+            f"{path}: malformed JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); the record was left as it is"
         ) from exc
     except RecursionError as exc:
         raise StoreError(f"{path}: JSON nested too deeply to be a run record; the record was left as it is") from exc
