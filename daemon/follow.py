@@ -53,7 +53,7 @@ class Follower:
     def resume_all(self) -> None:
         """After the reconcile: a loop for every run left running or preparing."""
         for record in list(self.daemon.records.values()):
-            if record.state == RunState.running:
+            if record.has_job:
                 self.ensure_loop(record)
                 self.watch(record)
             elif record.state == RunState.preparing:
@@ -124,6 +124,8 @@ class Follower:
 
     def _runs(self, key: str, state: RunState) -> list[RunRecord]:
         targets = self.daemon.targets
+        if state == RunState.running:  # and those pending in a scheduler
+            return [r for r in self.daemon.records.values() if r.has_job and targets.key(r) == key]
         return [r for r in self.daemon.records.values() if r.state == state and targets.key(r) == key]
 
     async def _once(self, key: str) -> None:
@@ -173,7 +175,7 @@ class Follower:
     async def apply(self, record: RunRecord, probe: RunProbe) -> None:
         """Fold a probe into the record; finish the run, or cancel it, as the rules say."""
         async with self.daemon.lock(record.id):
-            if record.state != RunState.running:
+            if not record.has_job:
                 return
             before = record.progress.model_copy()
             verdict = apply_probe(record, probe, time.time(), self.daemon.config.stop)
@@ -227,7 +229,7 @@ class Follower:
         if end_message:
             message += "; " + end_message
         async with self.daemon.editing(record):
-            if record.state != RunState.running:
+            if not record.has_job:
                 return
             record.exit_code = status.exit_code
             record.progress.eta_seconds = None
@@ -304,7 +306,7 @@ class Follower:
                 )
         groups: dict[str, list[RunRecord]] = {}
         for record in records:
-            if record.state in (RunState.preparing, RunState.running):
+            if record.state == RunState.preparing or record.has_job:
                 groups.setdefault(self.daemon.targets.key(record), []).append(record)
         async with anyio.create_task_group() as tg:
             for runs in groups.values():
@@ -317,7 +319,7 @@ class Follower:
             log.exception("reconcile_failed", target=runs[0].target if runs else None)
 
     async def _reconcile_runs(self, runs: list[RunRecord]) -> None:
-        runs = [r for r in runs if r.state in (RunState.preparing, RunState.running)]
+        runs = [r for r in runs if r.state == RunState.preparing or r.has_job]
         if not runs:
             return
         supervision = self.daemon.targets.of(runs[0])
@@ -331,7 +333,7 @@ class Follower:
             log.warning("reconcile_deferred", target=runs[0].target, error=f"{type(exc).__name__}: {exc}")
             now = time.time()
             for record in runs:
-                if record.state == RunState.running:  # a preparing one is decided once the target answers
+                if record.has_job:  # a preparing one is decided once the target answers
                     record.unreachable_since = record.unreachable_since or now
             return
         for record, probe in zip(runs, probes, strict=True):

@@ -237,7 +237,7 @@ class Handlers:
                 record.stop.cancel_by = "user"
                 record.note("cancel requested by the user")
         log.info("cancel_requested", run_id=record.id)
-        if record.state == RunState.running:
+        if record.has_job:
             daemon.follow.start_cancel(record)
         else:
             daemon.launcher.cancel_preparation(record)

@@ -127,6 +127,11 @@ class RunRecord(BaseModel):
             data.setdefault("env_names", sorted(str(k) for k in env))
         return data
 
+    @property
+    def has_job(self) -> bool:
+        """Whether a job was started for it and has not ended: running, or pending in a scheduler."""
+        return self.state == RunState.running or (self.state == RunState.queued and self.job is not None)
+
     def transition(self, state: RunState, reason: str, at: float | None = None) -> None:
         self.state = state
         self.message = reason

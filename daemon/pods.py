@@ -212,9 +212,24 @@ class PodSupervision(Supervision):
         return True
 
     async def on_unreachable(self, record: RunRecord) -> bool:
-        if self._ending(record):
+        if record.id in self.daemon.follow.finishing:
             return True  # not probed on purpose (see before_poll): nothing to note
+        if self.info(record).ended:
+            # Its pod was ended but the run's end was not recorded (the daemon stopped in between).
+            await self._finish_without_pod(record)
+            return True
         return await self._ended_outside(record) or await self._cap_on_unreachable(record)
+
+    async def _finish_without_pod(self, record: RunRecord) -> None:
+        """End a run whose pod is no more: from the local copy of its run directory if its outputs
+        were retrieved and verified, else failed, saying the outputs are lost."""
+        if self._retrieved_at(record):
+            local = self.daemon.store.run_dir(record.id) / "retrieved"
+            raw = await anyio.to_thread.run_sync(jobctl.probe_dir, str(local), None)
+            await self.daemon.follow.apply(record, RunProbe.model_validate(raw))
+            return
+        pod_id = self.info(record).pod_id
+        await self.daemon.fail(record, f"pod {pod_id} was ended before the run's outputs were retrieved; they are lost")
 
     async def _cap_on_unreachable(self, record: RunRecord) -> bool:
         """A pod past its cap that cannot be reached for a lease's time is terminated: the cap holds
@@ -358,7 +373,7 @@ class PodSupervision(Supervision):
         live = {
             r.id: self.info(r)
             for r in self.daemon.records.values()
-            if r.target == self.name and r.state in (RunState.preparing, RunState.running) and r.id not in launching
+            if r.target == self.name and (r.state == RunState.preparing or r.has_job) and r.id not in launching
         }
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout * 3):
@@ -416,10 +431,7 @@ class PodSupervision(Supervision):
             and record.state == RunState.running
             and self._retrieved_at(record)
         ):
-            # Its outputs were retrieved and verified before the pod went: finish from the local copy.
-            local = daemon.store.run_dir(record.id) / "retrieved"
-            raw = await anyio.to_thread.run_sync(jobctl.probe_dir, str(local), None)
-            await daemon.follow.apply(record, RunProbe.model_validate(raw))
+            await self._finish_without_pod(record)  # its outputs came before the pod went
             return
         if item.kind == "orphan":
             log.warning("pod_orphan", target=self.name, pod_id=item.pod_id, run_id=item.run_id)

@@ -107,9 +107,18 @@ def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes)
     update_progress(record, probe, now)
     see_request(record, probe.request, now)
     see_proof(record, probe, now)
-    if probe.status.state != JobState.running:
+    if probe.status.state == JobState.pending:
+        # Waiting for the target's scheduler: queued, and no fallback (nothing runs to snapshot).
+        why = (
+            f"waiting for the scheduler: {probe.status.detail}" if probe.status.detail else "waiting for the scheduler"
+        )
+        if record.state != RunState.queued or record.message != why:
+            record.transition(RunState.queued, why, now)
+    elif probe.status.state != JobState.running:
         verdict.final = probe.status
     else:
+        if record.state == RunState.queued:
+            record.transition(RunState.running, "started by the target's scheduler", now)
         verdict.cancel = fallback_reason(record, now, stop)
     verdict.changed = record.model_dump_json(exclude={"progress"}) != before
     return verdict

@@ -65,6 +65,7 @@ class JobHandle(BaseModel):
 
 
 class JobState(str, Enum):
+    pending = "pending"  # submitted, waiting for a scheduler (Slurm) to start it
     running = "running"
     exited = "exited"
     cancelled = "cancelled"
@@ -74,6 +75,7 @@ class JobState(str, Enum):
 class JobStatus(BaseModel):
     state: JobState
     exit_code: int | None = None
+    detail: str | None = None  # what the target says of it (Slurm's pending reason, its end state)
 
 
 class RunProbe(BaseModel):
