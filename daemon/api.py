@@ -118,6 +118,7 @@ class WatchRequest(_Req):
 class ReadRequest(_Req):
     op: Literal["read"]
     id: str
+    file: Literal["log", "metrics"] = "log"  # job.log, or metrics.jsonl (the plugin's progress lines)
     offset: int = Field(default=0, ge=0)
     limit: int = Field(default=65536, ge=1, le=1 << 20)
     tail_lines: int | None = Field(default=None, ge=0, le=100000)

@@ -139,7 +139,9 @@ class Handlers:
         if not record.remote_dir or (record.state == RunState.preparing and not record.job):
             return {"data": "", "offset": req.offset, "state": record.state.value}
         executor = self.daemon.targets.executor(record)
-        path = f"{record.remote_dir}/{rundir.JOB_LOG}"
+        path = f"{record.remote_dir}/{rundir.JOB_LOG if req.file == 'log' else rundir.METRICS}"
+        if req.file != "log" and req.tail_lines is not None:
+            raise ApiError("tail_lines is for the log; read metrics from an offset", "usage")
         offset = req.offset
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
