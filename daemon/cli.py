@@ -125,9 +125,15 @@ def _parser() -> argparse.ArgumentParser:
     tc.add_argument("name")
     tc.add_argument("--json", action="store_true")
 
-    # `obd pods` has its own parser (executors/pods_cli.py): list, rm, retrieve and their options.
+    # `obd pods` has its own parser (daemon/pods_cli.py): list, rm, retrieve and their options.
     pods = sub.add_parser("pods", add_help=False)
     pods.add_argument("rest", nargs=argparse.REMAINDER)
+
+    # Commands that look at runs (plot, the web view): daemon/view_cli.py adds them. Each sets
+    # `view` to a function (args, client) -> exit code.
+    from daemon import view_cli
+
+    view_cli.add_commands(train, sub)
     return p
 
 
@@ -161,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return admin_main(args)
     client = Client(client_socket(args.socket, args.config, args.state_dir))
     try:
+        if getattr(args, "view", None) is not None:
+            return int(args.view(args, client))
         return _train(args, command, client)
     except UsageError as exc:
         print(f"obd: {exc}", file=sys.stderr)
