@@ -23,6 +23,7 @@ session are reaped at once when they end, as on a real host; `server.pid` is ssh
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import shutil
@@ -47,7 +48,7 @@ def sshd_skip_reason() -> str | None:
     return None
 
 
-def running_sshd() -> Iterator["SshServer"]:
+def running_sshd() -> Iterator[SshServer]:
     """For a pytest fixture: a started server, stopped after the test; a clear skip without sshd."""
     reason = sshd_skip_reason()
     if reason:
@@ -224,8 +225,7 @@ class SshServer:
         if os.geteuid() == 0:
             os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation dir
         self._write_config()
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:  # sshd keeps its own copy of the descriptor
             reaper = subprocess.Popen(
                 [sys.executable, "-c", _REAPER, SSHD, "-D", "-e", "-f", str(self.config_path)],
                 stdin=subprocess.DEVNULL,
@@ -233,8 +233,6 @@ class SshServer:
                 stderr=log,
                 start_new_session=True,
             )
-        finally:
-            log.close()
         assert reaper.stdout is not None
         line = reaper.stdout.readline()
         reaper.stdout.close()
@@ -268,10 +266,8 @@ class SshServer:
         if self.pid is None:
             return
         for pid in [self.pid, *_children(self.pid)]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self._wait_gone(self.pid)
         self.pid = None
 
@@ -282,10 +278,8 @@ class SshServer:
         if drop_connections:
             self.kill()
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         if not self._wait_gone(self.pid, 5):
             os.kill(self.pid, signal.SIGKILL)
             self._wait_gone(self.pid)
@@ -334,7 +328,5 @@ if __name__ == "__main__":  # a manual check: start one, print how to reach it, 
             f"ssh -p {server.port} -i {server.identity_file} -o UserKnownHostsFile={server.known_hosts} "
             f"{server.user}@{server.host}"
         )
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
-        except KeyboardInterrupt:
-            pass

@@ -17,6 +17,7 @@ nothing done), `nodata` (HTTP 200 with a JSON body that has no `data`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -343,7 +344,7 @@ class FakeRunpod:
             def log_message(self, *args: Any) -> None:  # quiet
                 return
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 fake._handle(self)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -430,10 +431,8 @@ class FakeRunpod:
         with self.lock:
             self.calls.append((op, 0))
         req.close_connection = True
-        try:
+        with contextlib.suppress(OSError):  # the client may have gone already
             req.connection.shutdown(2)
-        except OSError:
-            pass
 
     def _send_json(self, req: BaseHTTPRequestHandler, status: int, payload: Any, op: str) -> None:
         self._send(req, status, json.dumps(payload).encode(), "application/json", op)
@@ -508,12 +507,12 @@ class FakeRunpod:
         pod = self.pods.get(pod_id)
         return self._project(self._pod_view(pod), f, "Pod", POD_FIELDS) if pod else None
 
-    def _query_gpuTypes(self, f: Field) -> Any:  # noqa: N802
+    def _query_gpuTypes(self, f: Field) -> Any:
         wanted = (f.args.get("input") or {}).get("id")
         gpus = [g for g in self.gpus.values() if wanted is None or g.id == wanted]
         return self._project([self._gpu_view(g) for g in gpus], f, "GpuType", GPU_FIELDS)
 
-    def _mutation_podFindAndDeployOnDemand(self, f: Field) -> Any:  # noqa: N802
+    def _mutation_podFindAndDeployOnDemand(self, f: Field) -> Any:
         spec = f.args.get("input") or {}
         for required in ("name", "imageName", "gpuTypeId", "cloudType"):
             if required not in spec:
@@ -546,7 +545,7 @@ class FakeRunpod:
         view = {**self._pod_view(pod, count_poll=False), "machine": {"podHostId": pod["id"] + "-host"}}
         return self._project(view, f, "Pod")
 
-    def _mutation_podTerminate(self, f: Field) -> Any:  # noqa: N802
+    def _mutation_podTerminate(self, f: Field) -> Any:
         pod_id = (f.args.get("input") or {}).get("podId")
         if pod_id not in self.pods:
             raise QueryFailure("pod not found to terminate")
@@ -556,7 +555,7 @@ class FakeRunpod:
             raise QueryFailure('Field "podTerminate" must not have a selection since type "Void" has no subfields.')
         return None
 
-    def _mutation_podStop(self, f: Field) -> Any:  # noqa: N802
+    def _mutation_podStop(self, f: Field) -> Any:
         pod = self.pods.get((f.args.get("input") or {}).get("podId"))
         if pod is None:
             raise QueryFailure("pod not found")
@@ -564,7 +563,7 @@ class FakeRunpod:
         self._close_ssh(pod["id"])
         return self._project(self._pod_view(pod, count_poll=False), f, "Pod")
 
-    def _mutation_podResume(self, f: Field) -> Any:  # noqa: N802
+    def _mutation_podResume(self, f: Field) -> Any:
         args = f.args.get("input") or {}
         pod = self.pods.get(args.get("podId"))
         if pod is None:

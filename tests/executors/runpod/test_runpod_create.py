@@ -60,7 +60,7 @@ async def test_no_capacity_for_any_gpu_type_is_a_clear_error_and_nothing_is_crea
 ) -> None:
     fake.set_capacity(RTX, 0)
     fake.set_capacity(A40, 0)
-    with pytest.raises(ExecutorError, match="no capacity .* Nothing was created and nothing is billed"):
+    with pytest.raises(ExecutorError, match=r"no capacity .* Nothing was created and nothing is billed"):
         await make_driver(gpu_type=[RTX, A40]).create("r1", saves)
     assert fake.live_pods() == [] and fake.creates == []
     assert fake.ops().count("podFindAndDeployOnDemand") == 2
@@ -100,7 +100,7 @@ async def test_a_pod_that_never_gets_a_public_ssh_port_is_terminated_after_boot_
     make_driver, fake: FakeRunpod, saves: Saves
 ) -> None:
     fake.ssh_endpoint = None
-    with pytest.raises(ExecutorError, match="no working public SSH port within boot_grace .* was terminated"):
+    with pytest.raises(ExecutorError, match=r"no working public SSH port within boot_grace .* was terminated"):
         await make_driver(boot_grace=0.5).create("r1", saves)
     assert fake.live_pods() == [] and len(fake.terminated) == 1
     assert saves.last.phase == "terminated" and saves.last.pod_id in fake.terminated
@@ -137,7 +137,7 @@ async def test_a_cost_cap_with_no_known_hourly_rate_is_refused_before_anything_i
     make_driver, fake: FakeRunpod, saves: Saves
 ) -> None:
     fake.add_gpu(Gpu("NVIDIA Mystery", secure_price=None, community_price=None))
-    with pytest.raises(ExecutorError, match="max_cost_usd .* no hourly rate is known .* nothing was created"):
+    with pytest.raises(ExecutorError, match=r"max_cost_usd .* no hourly rate is known .* nothing was created"):
         await make_driver(gpu_type="NVIDIA Mystery", max_cost_usd=10).create("r1", saves)
     assert saves.records == [] and fake.creates == [] and "podFindAndDeployOnDemand" not in fake.ops()
 

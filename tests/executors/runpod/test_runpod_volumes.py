@@ -75,7 +75,7 @@ async def test_with_a_network_volume_the_run_directory_is_on_the_volume_mounted_
 async def test_a_network_volume_the_account_does_not_have_fails_the_create_clearly_and_leaves_no_pod(
     make_driver, fake: FakeRunpod, saves: Saves
 ) -> None:
-    with pytest.raises(ExecutorError, match="refused .*Network volume vol-gone was not found"):
+    with pytest.raises(ExecutorError, match=r"refused .*Network volume vol-gone was not found"):
         await make_driver(network_volume_id="vol-gone").create("r1", saves)
     assert fake.live_pods() == [] and fake.creates == []
     assert saves.last.phase == "create_failed" and "vol-gone" in saves.last.error
