@@ -327,7 +327,12 @@ class PodSupervision(Supervision):
         now = time.time()
         seen = self._seen.get(record.id)
         if seen is None or now - seen.at > STATUS_CACHE_TTL:
-            seen = await self._observe(record)
+            try:
+                seen = await self._observe(record)
+            except Exception as exc:  # status answers whatever the API does
+                seen = PodObservation(
+                    state="unknown", at=now, error=str(exc) or "the Runpod API did not answer in time"
+                )
         return {"pod": self.driver.view(info, seen, now)}
 
     # --- the end -------------------------------------------------------------------------
