@@ -250,7 +250,11 @@ class Launcher:
             log.warning("launch_uncertain", run_id=record.id, error=str(exc))
             follow.ensure_loop(record)
             return
+        except (ExecutorError, OSError, ApiError, TimeoutError, StoreError) as exc:
+            await self._launch_failed(record, exc)
+            return
         except Exception as exc:  # whatever broke, the run must not stay `preparing`
+            log.exception("launch_crashed", run_id=record.id)
             await self._launch_failed(record, exc)
             return
         async with daemon.editing(record):
@@ -263,19 +267,26 @@ class Launcher:
             follow.start_cancel(record)
 
     async def _launch_failed(self, record: RunRecord, exc: Exception) -> None:
-        if not isinstance(exc, (ExecutorError, OSError, ApiError, TimeoutError, StoreError)):
-            log.exception("launch_crashed", run_id=record.id)
         why = str(exc) or "the target did not answer in time"
+        log.error("launch_failed", run_id=record.id, error=why)
+        # What the launch made (a pod) is ended first, so the final record says how that went.
+        ended = await self._end_machine(record)
         async with self.daemon.editing(record):
-            record.transition(RunState.failed, f"launch failed: {why}")
-        log.error("launch_failed", run_id=record.id, error=str(exc))
-        await self.daemon.follow.end_quietly(record)
+            record.transition(RunState.failed, f"launch failed: {why}" + (f"; {ended}" if ended else ""))
         await self.daemon.targets.of(record).on_launch_failed(record)
 
     async def _cancelled_before_start(self, record: RunRecord) -> None:
+        ended = await self._end_machine(record)
         async with self.daemon.editing(record):
-            record.transition(RunState.cancelled, "cancelled by the user before the job started")
-        await self.daemon.follow.end_quietly(record)
+            message = "cancelled by the user before the job started"
+            record.transition(RunState.cancelled, message + (f"; {ended}" if ended else ""))
+
+    async def _end_machine(self, record: RunRecord) -> str:
+        try:
+            return await self.daemon.targets.of(record).on_end(record)
+        except Exception as exc:  # the record's end must not wait on it
+            log.exception("end_machine_failed", run_id=record.id)
+            return f"what the launch made could not be ended: {exc}"
 
     async def _prepare(
         self, record: RunRecord, req: StartRequest, source: RunRecord | None, run_as: RunAs | None
