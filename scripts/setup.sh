@@ -11,6 +11,11 @@ if [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nul
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null
 fi
 
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    bash scripts/setup_slurm.sh      # a real Slurm for the Slurm target's tests
+    bash scripts/setup_browser.sh    # a headless browser for the web view's tests
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
