@@ -47,6 +47,7 @@ class Follower:
         self.cancelling: set[str] = set()
         self.finishing: set[str] = set()  # runs whose end is being recorded (outputs, metrics)
         self._unreachable_noted: dict[str, set[str]] = {}  # kinds of failure noted while a target is away
+        self.last_read: dict[str, float] = {}  # executor key -> wall time its last probe answered
 
     # --- loops ---------------------------------------------------------------------------
 
@@ -152,6 +153,7 @@ class Follower:
                 return
             await self._note_unreachable(key, runs, exc)
             return
+        self.last_read[key] = time.time()
         for record, probe in zip(runs, probes, strict=True):
             self._unreachable_noted.pop(record.id, None)
             await self.apply(record, probe)
