@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from daemon.paths import default_config_path, default_socket, default_state_dir
 
@@ -19,11 +19,15 @@ from daemon.paths import default_config_path, default_socket, default_state_dir
 from executors.config import (
     AnyTarget,
     Duration,
+    Interval,
     LocalTarget,
+    LongTimeout,
+    Margin,
     RunpodTarget,
     SshTarget,
     StrictModel,
     Target,
+    Timeout,
     parse_duration,
 )
 
@@ -35,25 +39,35 @@ class ConfigError(Exception):
 class DaemonSection(StrictModel):
     state_dir: Path | None = None
     socket: Path | None = None
-    socket_mode: int = 0o600
+    socket_mode: int = Field(default=0o600, ge=0o600, le=0o777)  # no setuid/setgid/sticky bit
     socket_group: str | None = None  # members of this group may use the socket (mode 0660)
-    log_level: str = "info"
-    poll_interval: Duration = 1.0  # how often a local target is polled
-    remote_poll_interval: Duration = 3.0  # how often an SSH or pod target is polled
-    probe_timeout: Duration = 20.0  # a read of a target that takes longer is abandoned
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    poll_interval: Interval = 1.0  # how often a local target is polled
+    remote_poll_interval: Interval = 3.0  # how often an SSH or pod target is polled
+    probe_timeout: Timeout = 20.0  # a read of a target that takes longer is abandoned
 
 
 class StopSection(StrictModel):
-    proof_timeout: Duration = 1800.0
-    end_timeout: Duration = 600.0
-    request_poll: Duration = 30.0
-    cancel_grace: Duration = 10.0
+    proof_timeout: LongTimeout = 1800.0
+    end_timeout: LongTimeout = 600.0
+    request_poll: Interval = 30.0
+    cancel_grace: Margin = 10.0
 
 
 class Config(StrictModel):
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     stop: StopSection = Field(default_factory=StopSection)
     targets: dict[str, Target] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _local_is_local(self) -> Config:
+        local = self.targets.get("local")
+        if local is not None and local.kind != "local":
+            raise ValueError(
+                f'[targets.local] has kind = "{local.kind}": the name `local` is this machine; '
+                "give that target another name"
+            )
+        return self
 
     def target(self, name: str) -> AnyTarget:
         if name in self.targets:
@@ -116,6 +130,8 @@ def load_config(
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from exc
         except OSError as exc:
             raise ConfigError(f"{path}: cannot be read: {exc}") from exc
     elif explicit:

@@ -6,6 +6,7 @@ Kept apart from `daemon.config` so the `obd` client finds the socket without imp
 from __future__ import annotations
 
 import os
+import sys
 import tomllib
 from pathlib import Path
 
@@ -53,8 +54,11 @@ def client_socket(flag: str | None, config: str | None = None, state_dir: str | 
     try:
         raw = tomllib.loads(path.read_text())
         section = raw.get("daemon", {}) if isinstance(raw.get("daemon", {}), dict) else {}
-    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+    except FileNotFoundError:
         pass
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        # Said, not ignored: a socket set in a broken config would otherwise be silently missed.
+        sys.stderr.write(f"obd: warning: {path} cannot be read ({exc}); looking for the daemon's default socket\n")
     if section.get("socket"):
         return Path(section["socket"])
     state = state_dir or os.environ.get("OBD_STATE_DIR") or section.get("state_dir")

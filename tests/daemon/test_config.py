@@ -126,3 +126,77 @@ def test_a_client_given_the_daemons_state_dir_finds_its_socket(short_tmp: Path) 
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+import pytest as _pytest
+
+
+@_pytest.mark.parametrize(
+    ("section", "key", "value", "words"),
+    [
+        ("daemon", "poll_interval", "0", "out of range"),
+        ("daemon", "poll_interval", "nan", "bad duration"),
+        ("daemon", "probe_timeout", "inf", "bad duration"),
+        ("stop", "cancel_grace", "inf", "bad duration"),
+        ("stop", "proof_timeout", "99999999999999999999h", "out of range"),
+        ("stop", "request_poll", "0s", "out of range"),
+    ],
+)
+def test_durations_out_of_their_range_are_refused_naming_the_key_and_the_range(
+    tmp_path, section: str, key: str, value: str, words: str
+) -> None:
+    from daemon.config import ConfigError, load_config
+
+    path = tmp_path / "config.toml"
+    path.write_text(f'[{section}]\n{key} = "{value}"\n')
+    with _pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    text = str(err.value)
+    assert f"{section}.{key}" in text and words in text, text
+    if words == "out of range":
+        assert " to " in text  # the allowed range is said
+
+
+def test_nonsense_settings_are_refused(tmp_path) -> None:
+    from daemon.config import ConfigError, load_config
+
+    for body, words in (
+        ("[daemon]\nsocket_mode = 0o7777\n", "daemon.socket_mode"),
+        ('[targets.local]\nkind = "ssh"\nhost = "h"\n', "this machine"),
+        ('[daemon]\nlog_level = "verbose"\n', "daemon.log_level"),
+        ('[targets.box]\nkind = "ssh"\nhost = "h"\nport = 70000\n', "targets.box.ssh.port"),
+        ('[targets.pods]\nkind = "runpod"\nmax_hours = -1\n', "max_hours"),
+    ):
+        path = tmp_path / "c.toml"
+        path.write_text(body)
+        with _pytest.raises(ConfigError) as err:
+            load_config(path, environ={})
+        assert words in str(err.value), (body, str(err.value))
+
+
+def test_a_config_that_is_not_utf8_is_an_error_not_a_traceback(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "config.toml"
+    path.write_bytes(b'[daemon]\nlog_level = "\xff\xfe"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(path), "--state-dir", str(tmp_path / "s")],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode == 2 and "not UTF-8" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_client_whose_config_is_broken_says_so(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "config.toml"
+    path.write_text("[daemon\nsocket = ")
+    env = {k: v for k, v in os.environ.items() if k not in ("OBD_SOCKET", "OBD_STATE_DIR")}
+    out = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "--config", str(path), "train", "list"],
+        capture_output=True, text=True, timeout=30, env=env,
+    )
+    assert "cannot be read" in out.stderr and str(path) in out.stderr
