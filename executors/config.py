@@ -62,8 +62,8 @@ MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 # Durations with the range that makes sense for what they time (0, inf or 1e20 h never do).
 Interval = Annotated[float, BeforeValidator(parse_duration), between(0.05, HOUR)]  # how often something is done
-Timeout = Annotated[float, BeforeValidator(parse_duration), between(1, DAY)]  # how long something may take
-LongTimeout = Annotated[float, BeforeValidator(parse_duration), between(1, 30 * DAY)]
+Timeout = Annotated[float, BeforeValidator(parse_duration), between(0.1, DAY)]  # how long something may take
+LongTimeout = Annotated[float, BeforeValidator(parse_duration), between(0.1, 30 * DAY)]
 Margin = Annotated[float, BeforeValidator(parse_duration), between(0, DAY)]  # ahead of, or grace before, an act
 
 
