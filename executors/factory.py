@@ -27,7 +27,7 @@ def make_executor(name: str, target: AnyTarget, state_dir: Path) -> Executor:
     if isinstance(target, LocalTarget):
         from executors.local import LocalExecutor
 
-        return LocalExecutor(name, Path(target.workdir or state_dir / "jobs"), target.python)
+        return LocalExecutor(name, Path(target.workdir or state_dir / "jobs"), target.python, target.venv)
     if isinstance(target, SshTarget):
         from executors.ssh import SshExecutor
 
