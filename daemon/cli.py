@@ -279,6 +279,12 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     if action == "status":
         record = client.call("status", id=args.id)
         print(json.dumps(record, indent=1) if args.json else render.status(record))
+        if not args.json and sys.stdout.isatty():  # a person is looking: the recent loss at a glance
+            from daemon.view_cli import status_sparkline
+
+            line = status_sparkline(client, record)
+            if line:
+                print(line)
         return 0
     if action == "metrics":
         result = client.call("metrics", id=args.id)

@@ -1,18 +1,107 @@
-"""Commands that show runs rather than act on them (standard library only at import time).
+"""Commands that show runs rather than act on them: `obd train plot` and `obd ui` (standard library at import).
 
-The web view and plots are added here; each command sets `view` to a function
-`(args, client) -> exit code`. Heavy imports (a plotting library) happen inside those functions.
+Each command sets `view` to a function `(args, client) -> exit code`. What they need beyond the
+client (the plotting code, the web server, matplotlib for `--png`) is imported inside them, so
+`obd train list` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 from typing import Any
+
+EXIT_ERROR, EXIT_USAGE = 1, 2
+DEFAULT_UI_PORT = 8765
 
 
 def add_commands(train: Any, top: Any) -> None:
-    """Add the view commands to `obd train` (`train`) and to `obd` (`top`)."""
-    del train, top  # none yet
+    """Add `plot` to `obd train` (`train`) and `ui` to `obd` (`top`)."""
+    p = train.add_parser(
+        "plot",
+        help="plot a metric against the step: in the terminal, or into an SVG/PNG file",
+        description="Plot a metric of one or more runs against the step. A resumed run continues the curve of "
+        "the run it was resumed from; snapshots (S) and resumes (R) are marked.",
+    )
+    p.add_argument("ids", nargs="+", metavar="RUN", help="run ids, prefixes, names or `last`")
+    p.add_argument("--metric", default="loss", help="a key of the log lines: loss (default), learning_rate, grad_norm…")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--svg", metavar="FILE", help="write an SVG image (needs nothing installed)")
+    out.add_argument("--png", metavar="FILE", help="write a PNG image (needs matplotlib: pip install 'obd[plot]')")
+    p.add_argument("--width", type=int, help="terminal chart width in columns (default: the terminal's)")
+    p.add_argument("--height", type=int, default=16, help="terminal chart height in rows (default: 16)")
+    p.set_defaults(view=plot_command)
+
+    ui = top.add_parser(
+        "ui",
+        help="serve a live web view of your runs on 127.0.0.1 (open it through `ssh -L` from elsewhere)",
+        description="Serve a live web view of the runs you may see, on 127.0.0.1 only, behind a random token.",
+    )
+    ui.add_argument(
+        "--port", type=int, help=f"port on 127.0.0.1 (default: {DEFAULT_UI_PORT}, or the next free one; 0: any)"
+    )
+    ui.set_defaults(view=ui_command)
 
 
-__all__ = ["add_commands", "argparse"]
+def plot_command(args: argparse.Namespace, client: Any) -> int:
+    """`obd train plot`: one curve per RUN, in the terminal or into a file."""
+    from daemon import plot
+
+    try:
+        metric = plot.safe_metric(args.metric)
+        curves = [plot.load_curve(client, ref, metric) for ref in args.ids]
+        if args.svg:
+            _write(args.svg, plot.svg_chart(curves, metric))
+            print(f"wrote {args.svg}")
+        elif args.png:
+            plot.write_png(curves, metric, args.png)
+            print(f"wrote {args.png}")
+        else:
+            width = args.width or min(120, shutil.get_terminal_size((80, 24)).columns)
+            color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+            print(plot.terminal_chart(curves, metric, width=width, height=args.height, color=color))
+    except plot.PlotError as exc:
+        print(exc if str(exc).startswith("obd:") else f"obd: {exc}", file=sys.stderr)
+        return EXIT_USAGE if "--metric" in str(exc) or "--png" in str(exc) else EXIT_ERROR
+    except OSError as exc:
+        print(f"obd: cannot write the image: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0
+
+
+def _write(path: str, text: str) -> None:
+    """Write the image whole, or not at all (a temporary file renamed into place)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def status_sparkline(client: Any, record: dict[str, Any], width: int = 40) -> str | None:
+    """The line `obd train status` adds on a terminal: the recent loss as a sparkline, or None."""
+    from daemon import plot
+    from daemon.client import RequestFailed
+
+    try:
+        values = plot.recent_values(client, record["id"], "loss", width)
+    except RequestFailed:
+        return None  # the target cannot be read now; status said what it knows
+    if len(values) < 2:
+        return None
+    return f"loss      {plot.sparkline(values)}  {values[0]:.4g} → {values[-1]:.4g} (last {len(values)} logged)"
+
+
+def ui_command(args: argparse.Namespace, client: Any) -> int:
+    """`obd ui`: serve the web view until Ctrl-C."""
+    from daemon.ui.server import serve
+
+    return serve(client.path, args.port)
+
+
+__all__ = ["add_commands", "plot_command", "status_sparkline", "ui_command"]
