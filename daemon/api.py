@@ -54,6 +54,10 @@ class StartRequest(_Req):
     # "asked": the output_dir the script asked for. Never into a directory that is not empty.
     output_to: str | None = None
     resume_from: str | None = None
+    checkpoint: str | None = None  # with resume_from: latest, a step, or a path on the target
+    gpus: str | None = None  # "N" devices, "0,2" (or "device=0") those devices, "all"
+    priority: int = Field(default=0, ge=-100, le=100)
+    retry: int | None = Field(default=None, ge=0, le=100)  # None: the target's default
     profile: bool = False
     snapshot_on_sigterm: bool = False
 
@@ -69,6 +73,21 @@ class StartRequest(_Req):
         if any(unicodedata.category(ch).startswith("C") for ch in value):
             raise ValueError("--name may not hold control characters (escape sequences, newlines, tabs)")
         return value
+
+
+class ResumeRequest(_Req):
+    """Start a new run like RUN (target, command, name, GPUs, directory) from its checkpoint."""
+
+    op: Literal["resume"]
+    id: str
+    checkpoint: str | None = None  # latest (default: the proof's, else the newest complete), a step, a path
+    command: list[str] | None = None  # a new command; the old one when absent
+    env: dict[str, str] | None = Field(default=None, repr=False)  # None: the old run's --env values
+    secrets: dict[str, str] = Field(default_factory=dict, repr=False)
+    environ: dict[str, str] | None = Field(default=None, repr=False)
+    env_clear: bool = False
+    umask: int | None = Field(default=None, ge=0, le=0o777)
+    retry: int | None = Field(default=None, ge=0, le=100)
 
 
 class StopRequest(_Req):

@@ -6,12 +6,15 @@ seconds or strings with a unit (`90s`, `30m`, `2h`).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from daemon.paths import default_config_path, default_socket, default_state_dir
 
@@ -45,6 +48,26 @@ class DaemonSection(StrictModel):
     poll_interval: Interval = 1.0  # how often a local target is polled
     remote_poll_interval: Interval = 3.0  # how often an SSH or pod target is polled
     probe_timeout: Timeout = 20.0  # a read of a target that takes longer is abandoned
+    metrics_listen: str | None = None  # HOST:PORT for Prometheus' /metrics (daemon/prometheus.py); off unless set
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _listen_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_listen(value)
+        return value
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """(host, port) from `HOST:PORT` or `[IPv6]:PORT`, as `metrics_listen` takes them."""
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([A-Za-z0-9.-]+):(\d{1,5})", value.strip())
+    if not match:
+        raise ValueError(f'{value!r} is not HOST:PORT (e.g. "127.0.0.1:9464" or "[::1]:9464")')
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range: use 1 to 65535")
+    return host, port
 
 
 class StopSection(StrictModel):
@@ -54,10 +77,132 @@ class StopSection(StrictModel):
     cancel_grace: Margin = 10.0
 
 
+RetryCause = Literal["exit", "lost", "launch", "preempted", "deadline"]
+RETRY_CAUSES: tuple[RetryCause, ...] = ("exit", "lost", "launch", "preempted", "deadline")
+
+
+class RetrySection(StrictModel):
+    """Automatic recovery of runs started with `--retry N` (or a target's `retry`)."""
+
+    backoff: Timeout = 10.0  # before the second attempt; doubled for each one after
+    max_backoff: LongTimeout = 600.0
+    # What a retry can help with: a non-zero exit, a lost job, a failed launch, a preemption
+    # (a `preempted` snapshot, a pod stopped outside obd), a `deadline` snapshot.
+    on: list[RetryCause] = Field(default_factory=lambda: list(RETRY_CAUSES))
+
+
+NotifyEvent = Literal["failed", "stopped", "succeeded", "cancelled", "queued", "started", "snapshot", "cost_warning"]
+NOTIFY_EVENTS: tuple[str, ...] = get_args(NotifyEvent)
+FINAL_EVENTS: tuple[NotifyEvent, ...] = ("failed", "stopped", "succeeded", "cancelled")  # `on` by default
+_NOTIFY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class NotifyEntry(StrictModel):
+    """One `[[notify]]` entry: where the events of runs go (a command, a webhook, or both).
+
+    What it delivered is kept under `key`: its `name`, else a digest of where it delivers, so
+    reordering the entries or changing `on` or `timeout` never delivers an event twice.
+    """
+
+    name: str | None = None
+    command: list[str] | None = None  # run with the event's JSON on stdin
+    url: str | None = None  # POSTed the event's JSON
+    on: list[NotifyEvent] = Field(default_factory=lambda: list(FINAL_EVENTS))
+    timeout: Timeout = 10.0  # one attempt: a command's whole run, or a webhook's answer
+    retries: int = Field(default=3, ge=0, le=20)  # attempts after the first
+    backoff: Margin = 2.0  # before the first retry; doubled before each one after
+    owners: list[str] | None = None  # only the runs of these users (names)
+    targets: list[str] | None = None  # only the runs on these targets
+    env: list[str] = Field(default_factory=list)  # names from the daemon's environment the command gets
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not _NOTIFY_NAME_RE.match(value):
+            raise ValueError(
+                "a name is letters, digits, '-', '_' and '.' (at most 64), starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or not value[0]):
+            raise ValueError("a command is a non-empty list: the program, then its arguments")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        parts = urlsplit(value)
+        try:
+            port_ok = parts.port is None or 1 <= parts.port <= 65535
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+            raise ValueError("a url is http://HOST[:PORT]/PATH or https://HOST[:PORT]/PATH")
+        return value
+
+    @field_validator("on")
+    @classmethod
+    def _on(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError(f"name at least one event: {', '.join(NOTIFY_EVENTS)}")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not _ENV_NAME_RE.match(name) or name.startswith("OBD_"):
+                raise ValueError(f"{name!r} is not a variable name a command may be given (OBD_* names are obd's)")
+        return value
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> NotifyEntry:
+        if not self.command and not self.url:
+            raise ValueError('a [[notify]] entry needs `command = [...]` or `url = "..."` (or both)')
+        return self
+
+    @property
+    def key(self) -> str:
+        if self.name:
+            return self.name
+        where = repr((self.url, self.command)).encode()
+        return "h-" + hashlib.sha256(where).hexdigest()[:12]
+
+    @property
+    def label(self) -> str:
+        """How logs and metrics name it: never the url's path or query (where a webhook keeps its secret)."""
+        if self.name:
+            return self.name
+        if self.url:
+            parts = urlsplit(self.url)
+            return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]} ({self.key})"
+        assert self.command is not None
+        return f"{os.path.basename(self.command[0])} ({self.key})"
+
+
 class Config(StrictModel):
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     stop: StopSection = Field(default_factory=StopSection)
+    retry: RetrySection = Field(default_factory=RetrySection)
     targets: dict[str, Target] = Field(default_factory=dict)
+    notify: list[NotifyEntry] = Field(default_factory=list)  # `[[notify]]` entries (daemon/notify.py)
+
+    @field_validator("notify")
+    @classmethod
+    def _distinct_notify(cls, entries: list[NotifyEntry]) -> list[NotifyEntry]:
+        keys = [e.key for e in entries]
+        for key in keys:
+            if keys.count(key) > 1:
+                raise ValueError(
+                    f"two entries deliver to the same place or share the name {key!r}: give each a distinct `name`"
+                )
+        return entries
 
     @model_validator(mode="after")
     def _local_is_local(self) -> Config:
@@ -84,12 +229,14 @@ __all__ = [
     "DaemonSection",
     "Duration",
     "LocalTarget",
+    "NotifyEntry",
     "RunpodTarget",
     "SshTarget",
     "StopSection",
     "Target",
     "load_config",
     "parse_duration",
+    "parse_listen",
 ]
 
 

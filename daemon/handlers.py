@@ -34,6 +34,7 @@ from daemon.api import (
 )
 from daemon.follow import job_handle
 from daemon.models import RunRecord, RunState, normalise_reason
+from daemon.recovery import chain_of
 from executors.base import Executor, ExecutorError
 from executors.local import hand_over
 from trainer_plugin import rundir
@@ -91,6 +92,8 @@ class Handlers:
             runs = [r for r in runs if r.name == req.name]
         if req.since is not None:
             runs = [r for r in runs if r.created >= req.since]
+        if not req.all:
+            runs = [r for r in runs if r.retried_by is None]  # a chain shows its latest attempt
         if not (req.all or req.states or req.limit):
             # By default: every active run, and the most recent ends.
             ended = [r for r in runs if r.state.final]
@@ -111,6 +114,13 @@ class Handlers:
     async def status(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         record = self.daemon.find(req.id, peer)
         out = record.public()
+        if record.state == RunState.queued and record.job is None:
+            out["queue"] = {
+                "position": self.daemon.scheduler.position(record),
+                "waiting_for": self.daemon.inventory.waiting_for(record),
+            }
+        if record.chain or record.retries:
+            out["chain"] = chain_of(self.daemon, record)
         if not record.state.final:
             with anyio.move_on_after(10):
                 out.update(await self.daemon.targets.of(record).describe(record))
@@ -198,6 +208,12 @@ class Handlers:
         reason = normalise_reason(req.reason) or rundir.DEFAULT_REASON
         if record.state.final:
             raise ApiError(f"run {record.id} already ended ({record.state.value}): {record.message}", "state")
+        if record.state == RunState.queued and record.job is None:
+            raise ApiError(
+                f"run {record.id} is queued and has not started: there is nothing to snapshot; "
+                f"`obd train cancel {record.id}` takes it out of the queue",
+                "state",
+            )
         if not record.snapshots and record.state == RunState.running:
             await self._refresh(record)  # the job may have announced the plugin since the last poll
         if not record.snapshots:
@@ -239,7 +255,11 @@ class Handlers:
                 record.stop.cancel_by = "user"
                 record.note("cancel requested by the user")
         log.info("cancel_requested", run_id=record.id)
-        if record.has_job:
+        if record.state == RunState.queued and record.job is None:
+            async with daemon.editing(record):
+                if record.state == RunState.queued:  # never started, and now never will
+                    record.transition(RunState.cancelled, "cancelled by the user while queued")
+        elif record.has_job:
             daemon.follow.start_cancel(record)
         else:
             daemon.launcher.cancel_preparation(record)
@@ -259,6 +279,9 @@ def summary(record: RunRecord, full: bool = True) -> dict[str, Any]:
         "message": record.message if full else "",
         "snapshot": record.snapshot.model_dump() if record.snapshot and full else None,
         "resumed_from": record.resumed_from,
+        "gpus": record.gpus,
+        "attempt": record.attempt,
+        "attempts": record.retries + 1,
     }
     return out
 

@@ -24,9 +24,13 @@ import anyio
 import structlog
 
 from daemon.api import ApiError, Peer, StartRequest
+from daemon.gpus import parse_wanted
 from daemon.models import RunRecord, RunState
+from daemon.queue import load_spec, save_spec
+from daemon.recovery import Checkpoint, resume_point
 from daemon.store import StoreError
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
+from executors.gpus import visible_devices
 from trainer_plugin import rundir
 
 if TYPE_CHECKING:
@@ -162,59 +166,141 @@ class Launcher:
     # --- the record ----------------------------------------------------------------------
 
     async def start(self, req: StartRequest, peer: Peer) -> RunRecord:
-        """Check the request, save the run `preparing`, and launch it in the background."""
+        """Check the request, save the run (`queued` when it waits for GPUs, else `preparing`),
+        and launch it in the background when it can start."""
         daemon = self.daemon
         supervision = daemon.targets.get(req.target)
         check_names(req.env, req.secrets)
         run_as = account_for(peer)
         req.secrets = target_secrets(req.target, getattr(supervision.config, "secrets", []), req.secrets, os.environ)
-        source = None
+        wanted = parse_wanted(req.gpus)
+        daemon.inventory.check(req.target, wanted)
+        source, point = None, None
         if req.resume_from:
             source = daemon.find(req.resume_from, peer)
-            if source.state != RunState.stopped or source.snapshot is None:
+            point = await resume_point(daemon, source, req.checkpoint)
+            if point is None:
                 raise ApiError(
-                    f"run {source.id} is {source.state.value}, not stopped with a snapshot: "
-                    "only a stopped run can be resumed",
-                    "usage",
+                    f"run {source.id} has no snapshot and no complete checkpoint to resume from; "
+                    f"start it again with `obd train start`",
+                    "state",
                 )
         if req.cwd and not Path(req.cwd).is_dir():
             # On a local target it is where the job runs; elsewhere the directory uploaded as the job's src/.
             raise ApiError(f"--cwd {req.cwd}: no such directory on the daemon's machine", "usage")
+        record = self._new_record(req, peer.uid)
+        record.gpus_wanted = wanted
+        record.retries = req.retry if req.retry is not None else getattr(supervision.config, "retry", 0)
+        if supervision.shares_filesystem(record):
+            record.cwd = req.cwd or req.client_cwd
+            record.env_from_caller = not req.env_clear
+        else:
+            record.cwd = req.cwd
+        if source is not None and point is not None:
+            record.resumed_from, record.resume_checkpoint, record.resume_reason = source.id, point.name, point.reason
+        return self._admit(record, req, run_as, source)
+
+    def _new_record(self, req: StartRequest, owner_uid: int) -> RunRecord:
+        daemon = self.daemon
         run_id = new_run_id()
         while run_id in daemon.records:
             run_id = new_run_id()
-        record = RunRecord(
+        return RunRecord(
             id=run_id,
             name=req.name,
             target=req.target,
             command=req.command,
             env_names=sorted(req.env),
             secret_names=sorted(req.secrets),
-            owner_uid=peer.uid,
-            owner=user_name(peer.uid),
-            resumed_from=source.id if source else None,
+            owner_uid=owner_uid,
+            owner=user_name(owner_uid),
+            priority=req.priority,
             profile=req.profile,
             snapshot_on_sigterm=req.snapshot_on_sigterm,
         )
-        if supervision.shares_filesystem(record):
-            record.cwd = req.cwd or req.client_cwd
-            record.env_from_caller = not req.env_clear
+
+    def _admit(self, record: RunRecord, req: StartRequest, run_as: RunAs | None, source: RunRecord | None) -> RunRecord:
+        """Save a new run, and its launch settings; launch it now, or queue it."""
+        daemon = self.daemon
+        supervision = daemon.targets.of(record)
+        waits = bool(daemon.inventory.wanted(record)) or record.not_before is not None
+        if waits:
+            record.transition(RunState.queued, self._waiting_message(record))
         else:
-            record.cwd = req.cwd
-        record.transition(RunState.preparing, "created")
+            record.transition(RunState.preparing, "created")
         workdir = supervision.workdir(record)
         # An SSH workdir like ~/obd is resolved on the target when the launch connects.
         if workdir.startswith("/"):
-            record.remote_dir = f"{workdir.rstrip('/')}/{run_id}"
+            record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
         try:
+            save_spec(daemon, record.id, req, run_as)
             daemon.save(record)
-        except StoreError as exc:
+        except (StoreError, OSError) as exc:
             raise ApiError(str(exc)) from exc
-        daemon.records[run_id] = record
-        log.info("run_created", run_id=run_id, target=record.target, command=record.command[:1])
-        self.launching.add(run_id)
-        daemon.start_soon(self._launch, record, req, source, run_as)
+        daemon.records[record.id] = record
+        log.info(
+            "run_created", run_id=record.id, target=record.target, command=record.command[:1], state=record.state.value
+        )
+        if waits:
+            daemon.touch(record)  # the queue looks at it
+        else:
+            self.launching.add(record.id)
+            daemon.start_soon(self._launch, record, req, source, run_as)
         return record
+
+    def _waiting_message(self, record: RunRecord) -> str:
+        if record.not_before is not None and record.not_before > time.time():
+            when = time.strftime("%H:%M:%S", time.localtime(record.not_before))
+            return f"attempt {record.attempt} of {record.retries + 1}: waiting until {when} (backoff)"
+        return self.daemon.inventory.waiting_for(record)
+
+    async def launch_queued(self, record: RunRecord, devices: list[str]) -> None:
+        """Start a queued run with these devices (the scheduler's call)."""
+        daemon = self.daemon
+        spec = load_spec(daemon, record.id)
+        if spec is None:
+            await daemon.fail(
+                record, "its launch settings (launch.json) are gone; start it again with `obd train start`"
+            )
+            return
+        req, run_as = spec
+        async with daemon.editing(record):
+            leaving = record.state == RunState.queued  # not when it was cancelled meanwhile
+            if leaving:
+                record.gpus = devices
+                record.not_before = None
+                gpus = f" with GPU{'s' if len(devices) != 1 else ''} {','.join(devices)}" if devices else ""
+                record.transition(RunState.preparing, f"leaving the queue{gpus}")
+        if not leaving:
+            return
+        source = daemon.records.get(record.resumed_from or "")
+        self.launching.add(record.id)
+        daemon.start_soon(self._launch, record, req, source, run_as)
+
+    async def next_attempt(
+        self,
+        prev: RunRecord,
+        req: StartRequest,
+        run_as: RunAs | None,
+        point: Checkpoint | None,
+        not_before: float,
+        cause: str,
+    ) -> RunRecord:
+        """The next attempt of a chain: like `prev`, from `point` (or the start), after `not_before`."""
+        record = self._new_record(req, prev.owner_uid if prev.owner_uid is not None else os.geteuid())
+        record.chain = prev.chain or prev.id
+        record.attempt = prev.attempt + 1
+        record.retries = prev.retries
+        record.gpus_wanted = prev.gpus_wanted
+        record.priority = prev.priority
+        record.cwd = prev.cwd
+        record.env_from_caller = prev.env_from_caller
+        record.not_before = not_before
+        if point is not None:
+            record.resumed_from, record.resume_checkpoint = prev.id, point.name
+            record.resume_reason = point.reason
+        record.note(f"attempt {record.attempt} of {record.retries + 1} after {prev.id} ended ({cause})")
+        return self._admit(record, req, run_as, prev)
 
     # --- the job -------------------------------------------------------------------------
 
@@ -312,9 +398,11 @@ class Launcher:
         base_env = None
         if executor.shares_filesystem:
             base_env = caller_environment(req, run_as, getattr(self.daemon.targets.of(record).config, "env", []))
-        if source is not None:
-            env["OBD_RESUME_FROM"] = await self._resume_path(record, source, executor)
+        if source is not None and record.resume_checkpoint:
+            env["OBD_RESUME_FROM"] = await self._resume_path(record, source, record.resume_checkpoint, executor)
             record.resume_checkpoint = env["OBD_RESUME_FROM"]
+        if daemon_gpus := self.daemon.inventory.of(record.target):
+            env.update(visible_devices([g for g in daemon_gpus if g.id in record.gpus]))
         command = list(req.command)
         if req.profile:
             from runner import wrap_command
@@ -335,13 +423,15 @@ class Launcher:
         )
         return executor, spec
 
-    async def _resume_path(self, record: RunRecord, source: RunRecord, executor: Executor) -> str:
-        assert source.snapshot is not None
-        name = rundir.checkpoint_name(source.snapshot.step)  # the proof was judged: output/<this name>
+    async def _resume_path(self, record: RunRecord, source: RunRecord, checkpoint: str, executor: Executor) -> str:
+        """Where the new run's job finds the checkpoint: in place on the same target, else copied
+        into its run directory (from the copy obd retrieved, or from the source's target)."""
+        if checkpoint.startswith("/"):
+            return checkpoint  # a path the user gave, on the target
+        name = checkpoint.rsplit("/", 1)[-1]
         targets = self.daemon.targets
         if targets.key(source) == targets.key(record):
             return f"{source.remote_dir}/{rundir.OUTPUT}/{name}"
-        # Another target: bring the checkpoint here, then send it to the new run's directory.
         local = self.daemon.store.run_dir(source.id) / "retrieved" / rundir.OUTPUT / name
         if not local.exists():
             await targets.executor(source).download(f"{source.remote_dir}/{rundir.OUTPUT}/{name}", local)

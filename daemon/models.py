@@ -100,6 +100,18 @@ class RunRecord(BaseModel):
     env_from_caller: bool = False  # the job started from the caller's environment (a local target)
     owner_uid: int | None = None  # who started the run: only they (and root) may act on it or read it
     owner: str | None = None  # their user name, as `list` shows it
+    # GPUs: what the run asked for (a count, or device ids; None: the target's default), and
+    # the devices it holds from leaving `queued` until its record is final.
+    gpus_wanted: int | list[str] | None = None
+    gpus: list[str] = Field(default_factory=list)
+    priority: int = 0
+    not_before: float | None = None  # a retry waits in the queue until then (its backoff)
+    # Recovery: the attempts of one logical run form a chain (its first run's id).
+    chain: str | None = None
+    attempt: int = 1
+    retries: int = 0  # how many more attempts the chain may make after its first
+    retried_by: str | None = None  # the next attempt, once made
+    resume_reason: str | None = None  # why the checkpoint it resumed from is trusted
     message: str = ""
     snapshot: Snapshot | None = None
     resumed_from: str | None = None

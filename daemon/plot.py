@@ -9,6 +9,7 @@ that was stopped and resumed reads as one line, with its snapshot and resume poi
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 import re
@@ -285,7 +286,7 @@ def _column_values(curve: Curve, scale: Scale, columns: int) -> dict[int, float]
         buckets.setdefault(round(scale.fx(step) * (columns - 1)), []).append(value)
     out = {c: sum(vs) / len(vs) for c, vs in buckets.items()}
     known = sorted(out)
-    for a, b in zip(known, known[1:], strict=False):
+    for a, b in itertools.pairwise(known):
         for c in range(a + 1, b):
             out[c] = out[a] + (out[b] - out[a]) * (c - a) / (b - a)
     return out
@@ -386,19 +387,19 @@ def svg_chart(curves: list[Curve], metric: str, width: int = SVG_WIDTH, height: 
     ]
     grid = ['<g class="y-ticks" stroke="#e5e5e5">']
     for tick in nice_ticks(scale.y_low, scale.y_high, 6):
-        y = _fmt(py(tick))
-        grid.append(f'<line x1="{MARGIN_LEFT}" x2="{MARGIN_LEFT + plot_w}" y1="{y}" y2="{y}"/>')
+        ty = _fmt(py(tick))
+        grid.append(f'<line x1="{MARGIN_LEFT}" x2="{MARGIN_LEFT + plot_w}" y1="{ty}" y2="{ty}"/>')
         grid.append(
-            f'<text class="y-tick" x="{MARGIN_LEFT - 6}" y="{y}" dy="4" text-anchor="end" stroke="none" '
+            f'<text class="y-tick" x="{MARGIN_LEFT - 6}" y="{ty}" dy="4" text-anchor="end" stroke="none" '
             f'fill="#333" data-value="{tick!r}">{tick_text(tick)}</text>'
         )
     grid.append("</g>")
     grid.append('<g class="x-ticks" stroke="#e5e5e5">')
     for tick in nice_ticks(scale.x_low, scale.x_high, 8):
-        x = _fmt(px(tick))
-        grid.append(f'<line x1="{x}" x2="{x}" y1="{MARGIN_TOP}" y2="{MARGIN_TOP + plot_h}"/>')
+        tx = _fmt(px(tick))
+        grid.append(f'<line x1="{tx}" x2="{tx}" y1="{MARGIN_TOP}" y2="{MARGIN_TOP + plot_h}"/>')
         grid.append(
-            f'<text class="x-tick" x="{x}" y="{MARGIN_TOP + plot_h + 16}" text-anchor="middle" stroke="none" '
+            f'<text class="x-tick" x="{tx}" y="{MARGIN_TOP + plot_h + 16}" text-anchor="middle" stroke="none" '
             f'fill="#333" data-value="{tick!r}">{tick_text(tick)}</text>'
         )
     grid.append("</g>")
@@ -411,9 +412,9 @@ def svg_chart(curves: list[Curve], metric: str, width: int = SVG_WIDTH, height: 
         points = " ".join(f"{_fmt(px(s))},{_fmt(py(v))}" for s, v in curve.points)
         out.append(f'<g class="curve" data-run={quoteattr(curve.run_id)}>')
         for step, _ in curve.resumes:
-            x = _fmt(px(step))
+            rx = _fmt(px(step))
             out.append(
-                f'<line class="resume-line" x1="{x}" x2="{x}" y1="{MARGIN_TOP}" y2="{MARGIN_TOP + plot_h}" '
+                f'<line class="resume-line" x1="{rx}" x2="{rx}" y1="{MARGIN_TOP}" y2="{MARGIN_TOP + plot_h}" '
                 f'stroke="{colour}" stroke-dasharray="4 3" opacity="0.6"/>'
             )
         out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.6" points="{points}"/>')
@@ -470,16 +471,35 @@ def write_png(curves: list[Curve], metric: str, path: str) -> None:
         for i, curve in enumerate(curves):
             colour = PALETTE[i % len(PALETTE)]
             chain = f" (resumed from {' → '.join(curve.runs[:-1])})" if len(curve.runs) > 1 else ""
-            ax.plot([p[0] for p in curve.points], [p[1] for p in curve.points], color=colour, lw=1.6,
-                    label=curve.label + chain)
+            ax.plot(
+                [p[0] for p in curve.points],
+                [p[1] for p in curve.points],
+                color=colour,
+                lw=1.6,
+                label=curve.label + chain,
+            )
             for step, _ in curve.resumes:
                 ax.axvline(step, color=colour, ls="--", lw=1, alpha=0.6)
             if curve.snapshots:
-                ax.plot(*zip(*curve.snapshots, strict=True), ls="none", marker="s", ms=8, mfc="white", mec=colour,
-                        mew=2, label=f"snapshot ({curve.run_id})")
+                ax.plot(
+                    *zip(*curve.snapshots, strict=True),
+                    ls="none",
+                    marker="s",
+                    ms=8,
+                    mfc="white",
+                    mec=colour,
+                    mew=2,
+                    label=f"snapshot ({curve.run_id})",
+                )
             if curve.resumes:
-                ax.plot(*zip(*curve.resumes, strict=True), ls="none", marker=">", ms=8, color=colour,
-                        label=f"resumed ({curve.run_id})")
+                ax.plot(
+                    *zip(*curve.resumes, strict=True),
+                    ls="none",
+                    marker=">",
+                    ms=8,
+                    color=colour,
+                    label=f"resumed ({curve.run_id})",
+                )
         ax.set_xlabel("step")
         ax.set_ylabel(metric)
         ax.set_title(f"{metric} by step")

@@ -25,7 +25,10 @@ from anyio.abc import TaskGroup
 from daemon.api import ApiError, Peer
 from daemon.config import Config
 from daemon.follow import Follower
+from daemon.gpus import Inventory
 from daemon.launch import Launcher
+from daemon.queue import Scheduler
+from daemon.recovery import Recovery
 from daemon.models import InvalidRunId, RunRecord, RunState, check_run_id
 from daemon.store import RunStore, StoreError
 from daemon.systemd import Notifier
@@ -53,6 +56,9 @@ class Daemon:
         self.targets = Targets(self)
         self.follow = Follower(self)
         self.launcher = Launcher(self)
+        self.inventory = Inventory(self)
+        self.scheduler = Scheduler(self)
+        self.recovery = Recovery(self)
         self._locks: dict[str, anyio.Lock] = {}
         self._final: dict[str, anyio.Event] = {}
         self._dirty: set[str] = set()  # records whose last save failed (a full disk): retried
@@ -238,19 +244,33 @@ class Daemon:
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         from daemon.handlers import Handlers
+        from daemon.notify import Notifications
+        from daemon.prometheus import MetricsExporter
         from daemon.server import ControlServer
 
         self._take_state_lock()
         self.load()
+        notifications = Notifications(self, self.config.notify) if self.config.notify else None
+        if notifications is not None:  # from before the reconcile: the runs it ends are events too
+            self.listeners.append(notifications.listener)
         log.info("daemon_starting", state_dir=str(self.state_dir), runs=len(self.records))
         server = ControlServer(self.config.daemon, Handlers(self))
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._signals, tg.cancel_scope)
+                if notifications is not None:
+                    tg.start_soon(notifications.serve)
+                if self.config.daemon.metrics_listen:
+                    await tg.start(MetricsExporter(self, notifications).serve)
                 await self.follow.reconcile()
                 await tg.start(server.serve)
                 self.follow.resume_all()
+                # The queue and recovery act on changes from now on, and on what an earlier
+                # daemon left undone (runs queued, attempts ended but not retried).
+                self.listeners += [self.scheduler.on_change, self.recovery.on_change]
+                tg.start_soon(self.scheduler.run)
+                self.recovery.catch_up()
                 tg.start_soon(self.notifier.watchdog_loop)
                 for supervision in self.targets.configured():
                     tg.start_soon(supervision.periodically)

@@ -82,6 +82,21 @@ class LocalTarget(StrictModel):
     # reaches no job otherwise): plain values, and secrets (never logged).
     env: list[str] = Field(default_factory=list)
     secrets: list[str] = Field(default_factory=list)
+    # The GPUs jobs are given: found with nvidia-smi/amd-smi when unset; a list of device ids;
+    # or 0 for none. Each run gets the ones it asks for (--gpus), alone.
+    gpus: list[str] | int | None = None
+    gpu_vendor: Literal["nvidia", "amd"] | None = None
+    retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_ids(cls, value: list[str] | int | None) -> list[str] | int | None:
+        if isinstance(value, int) and not 0 <= value <= 64:
+            raise ValueError("gpus is a list of device ids, or a count from 0 to 64")
+        if isinstance(value, list):
+            if len(set(value)) != len(value) or not all(v and v.replace("-", "").isalnum() for v in value):
+                raise ValueError('gpus is a list of distinct device ids such as ["0", "1"]')
+        return value
 
 
 class SshTarget(StrictModel):
@@ -150,7 +165,125 @@ class RunpodTarget(StrictModel):
         return [self.gpu_type] if isinstance(self.gpu_type, str) else list(self.gpu_type)
 
 
-AnyTarget = LocalTarget | SshTarget | RunpodTarget
+# A Slurm time limit as sbatch takes it: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_SLURM_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+# sbatch options obd sets itself for every job: a target may not set them again.
+SBATCH_OWN_OPTIONS = (
+    "--job-name", "-J", "--comment", "--output", "-o", "--error", "-e", "--open-mode", "--parsable",
+    "--signal", "--chdir", "-D", "--wrap", "--export", "--nodes", "-N", "--ntasks-per-node", "--requeue",
+    "--no-requeue",
+)  # fmt: skip
+
+
+def slurm_time_seconds(value: str) -> int | None:
+    """Seconds in a Slurm time limit (`2` is two minutes, `1-12` a day and a half); None for no limit."""
+    text = value.strip()
+    if text.upper() in ("INFINITE", "UNLIMITED"):
+        return None
+    match = _SLURM_TIME_RE.match(text)
+    if not match:
+        raise ValueError(
+            f"time {value!r} is not a Slurm time limit: use minutes (\"90\"), \"HH:MM:SS\", \"D-HH:MM\" or \"INFINITE\""
+        )
+    days, first, second, third = (int(g) if g is not None else None for g in match.groups())
+    if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+        return days * 86400 + (first or 0) * 3600 + (second or 0) * 60 + (third or 0)
+    if third is not None:  # HH:MM:SS
+        return (first or 0) * 3600 + (second or 0) * 60 + third
+    if second is not None:  # MM:SS
+        return (first or 0) * 60 + second
+    return (first or 0) * 60  # minutes
+
+
+class SlurmLogin(StrictModel):
+    """The login node obd reaches over SSH to run sbatch, squeue and scancel (its SSH settings)."""
+
+    host: str
+    port: int = Field(default=22, ge=1, le=65535)
+    user: str | None = None
+    identity_file: Path | None = None
+    known_hosts: Path | None = None  # default ~/.ssh/known_hosts
+    accept_unknown_host: bool = False
+    keepalive: Interval = 15.0
+    connect_timeout: Timeout = 15.0
+
+
+class SlurmTarget(StrictModel):
+    """A Slurm cluster: jobs submitted with sbatch on this machine, or on `login` over SSH.
+
+    `workdir` must be on the filesystem the compute nodes share with the submitting machine:
+    run directories live there, and the job wrapper writes them from the nodes.
+    """
+
+    kind: Literal["slurm"]
+    login: SlurmLogin | None = None  # None: sbatch works on the daemon's own machine
+    workdir: str = "~/obd"
+    python: str = "python3"  # on the compute nodes (and the login node), with torch for torchrun
+    venv: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None  # the job's time limit, as sbatch --time takes it
+    nodes: int = Field(default=1, ge=1, le=10_000)
+    gpus_per_node: int | None = Field(default=None, ge=0, le=64)
+    cpus_per_task: int | None = Field(default=None, ge=1, le=10_000)
+    mem: str | None = None  # per node, as sbatch --mem takes it ("64G")
+    constraint: str | None = None
+    sbatch_options: list[str] = Field(default_factory=list)  # more sbatch options, one word each
+    # How the command runs on each node: as given under srun, or torchrun with the c10d
+    # rendezvous on the first node (--nnodes, --nproc-per-node set by obd).
+    launcher: Literal["srun", "torchrun"] = "srun"
+    nproc_per_node: int | None = Field(default=None, ge=1, le=1024)  # torchrun's; default gpus_per_node or 1
+    signal_margin: Margin = 300.0  # ask for a `deadline` snapshot this long before the time limit
+    secrets: list[str] = Field(default_factory=list)  # names read from the daemon's environment
+    retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
+
+    @field_validator("time")
+    @classmethod
+    def _time_is_slurm_time(cls, value: str | None) -> str | None:
+        if value is not None:
+            slurm_time_seconds(value)
+        return value
+
+    @field_validator("partition", "account", "qos", "mem", "constraint")
+    @classmethod
+    def _one_word(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or any(c in value for c in "\n\0")):
+            raise ValueError(f"{value!r} is not a value sbatch takes: one line, not empty")
+        return value
+
+    @field_validator("sbatch_options")
+    @classmethod
+    def _not_obds_own(cls, value: list[str]) -> list[str]:
+        for option in value:
+            name = option.split("=", 1)[0]
+            if not option.startswith("-") or "\n" in option or "\0" in option:
+                raise ValueError(f"sbatch_options: {option!r} is not an option (one word such as \"--exclusive\")")
+            if name in SBATCH_OWN_OPTIONS:
+                raise ValueError(
+                    f"sbatch_options: {name} is set by obd for every job (job name, log, signals, nodes); "
+                    "use the target's own keys (nodes, time, signal_margin) instead"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _margin_inside_the_limit(self) -> SlurmTarget:
+        limit = slurm_time_seconds(self.time) if self.time else None
+        if limit is not None and self.signal_margin > 0 and self.signal_margin >= limit:
+            raise ValueError(
+                f"signal_margin ({self.signal_margin:g}s) is not shorter than the time limit ({limit}s): the "
+                "deadline snapshot would be asked for before the job starts; lower signal_margin or raise time"
+            )
+        if self.signal_margin > 65535:
+            raise ValueError("signal_margin is at most 65535 s (18 h 12 min): Slurm's --signal takes no more")
+        return self
+
+    def time_limit(self) -> int | None:
+        """The time limit in seconds, None when the partition's default applies or there is none."""
+        return slurm_time_seconds(self.time) if self.time else None
+
+
+AnyTarget = LocalTarget | SshTarget | RunpodTarget | SlurmTarget
 Target = Annotated[AnyTarget, Field(discriminator="kind")]
 
 __all__ = [
@@ -164,9 +297,12 @@ __all__ = [
     "LongTimeout",
     "Margin",
     "RunpodTarget",
+    "SlurmLogin",
+    "SlurmTarget",
     "SshTarget",
     "StrictModel",
     "Target",
     "Timeout",
     "parse_duration",
+    "slurm_time_seconds",
 ]

@@ -187,11 +187,11 @@ def test_the_tiny_lora_run_stops_at_a_step_boundary_with_a_proof_and_resumes_to_
     assert logs[0]["step"] == snap["step"] + 1 and logs[-1]["step"] == snap["step"] + 3
 
 
-def test_only_a_stopped_run_with_a_proof_can_be_resumed(sd: DaemonProc) -> None:
+def test_a_run_with_no_snapshot_and_no_complete_checkpoint_cannot_be_resumed(sd: DaemonProc) -> None:
     rid = start(sd, "true")
     sd.wait_state(rid, "succeeded")
     out = sd.cli("train", "start", "--resume-from", rid, "--", "true")
-    assert out.returncode == 2 and "not stopped with a snapshot" in out.stderr
+    assert out.returncode == 1 and "no complete checkpoint" in out.stderr
 
 
 def test_a_sigterm_to_a_job_started_with_snapshot_on_sigterm_becomes_a_preempted_snapshot(sd: DaemonProc) -> None:

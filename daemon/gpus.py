@@ -1,0 +1,120 @@
+"""Which GPUs a run asks for, which a target has, and which are free.
+
+A local target's GPUs are found with the vendors' tools or given by its config
+(`executors/gpus.py`). A run holds the devices it was given from the moment it leaves the queue
+until its record is final; no two runs ever hold the same device. A run without `--gpus` on a
+target that has GPUs asks for all of them (a fine-tune uses the box; two never fight over it).
+Targets that do not share the daemon's machine (SSH, pods, Slurm) have no inventory here: their
+jobs see what their machine gives them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from daemon.api import ApiError
+from daemon.models import RunRecord, RunState
+from executors.gpus import Gpu, configured, discover
+
+if TYPE_CHECKING:
+    from daemon.service import Daemon
+
+
+def parse_wanted(text: str | None) -> int | list[str] | None:
+    """`--gpus`: N devices, `0,2` (or `device=0`) those devices, `all`; None when not given."""
+    if text is None or text.strip() == "all":
+        return None
+    text = text.strip()
+    if text.startswith("device="):
+        text = text[len("device=") :] + ","
+    if "," in text:
+        ids = [part.strip() for part in text.split(",") if part.strip()]
+        if not ids or len(set(ids)) != len(ids):
+            raise ApiError(f"--gpus {text!r}: name each device once, e.g. --gpus 0,2", "usage")
+        return ids
+    if text.isdigit() and int(text) <= 64:
+        return int(text)
+    raise ApiError(f"--gpus {text!r}: use a number of GPUs (2), device ids (0,2 or device=1), or all", "usage")
+
+
+class Inventory:
+    """The GPUs of each target, looked up once (discovery runs the vendors' tools)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self._by_target: dict[str, list[Gpu]] = {}
+
+    def of(self, target: str) -> list[Gpu]:
+        if target not in self._by_target:
+            self._by_target[target] = self._find(target)
+        return self._by_target[target]
+
+    def _find(self, target: str) -> list[Gpu]:
+        supervision = self.daemon.targets.get(target)
+        config = supervision.config
+        if getattr(config, "kind", None) != "local":
+            return []
+        given = configured(config.gpus, config.gpu_vendor)
+        return discover() if given is None else given
+
+    def wanted(self, record: RunRecord) -> list[str] | int:
+        """What a run asks for on its target: device ids, or a count (0 on a target without GPUs)."""
+        gpus = self.of(record.target)
+        if record.gpus_wanted is None:
+            return len(gpus)
+        return record.gpus_wanted
+
+    def check(self, target: str, wanted: int | list[str] | None) -> None:
+        """Refuse at start what the target can never give."""
+        gpus = self.of(target)
+        if wanted is None or wanted == 0:
+            return
+        if not gpus:
+            raise ApiError(
+                f"target {target} has no GPUs obd hands out (none found with nvidia-smi or amd-smi, and no "
+                "`gpus` in its config); drop --gpus, or set gpus in [targets." + target + "]",
+                "usage",
+            )
+        ids = {g.id for g in gpus}
+        if isinstance(wanted, list):
+            unknown = [w for w in wanted if w not in ids]
+            if unknown:
+                raise ApiError(
+                    f"--gpus: target {target} has no device {', '.join(unknown)} (it has {', '.join(sorted(ids))})",
+                    "usage",
+                )
+        elif wanted > len(gpus):
+            raise ApiError(f"--gpus {wanted}: target {target} has only {len(gpus)} GPUs", "usage")
+
+    def held(self, target: str) -> dict[str, str]:
+        """device id -> the run holding it, on one target."""
+        holders: dict[str, str] = {}
+        for record in self.daemon.records.values():
+            if record.target == target and record.gpus and not record.state.final and record.state != RunState.queued:
+                for device in record.gpus:
+                    holders[device] = record.id
+        return holders
+
+    def choose(self, record: RunRecord, held: dict[str, str]) -> list[str] | None:
+        """The devices to give a run now, or None when they are not free."""
+        gpus = self.of(record.target)
+        free = [g.id for g in gpus if g.id not in held]
+        wanted = self.wanted(record)
+        if isinstance(wanted, list):
+            return list(wanted) if all(w in free for w in wanted) else None
+        return free[:wanted] if len(free) >= wanted else None
+
+    def devices(self, target: str, ids: list[str]) -> list[Gpu]:
+        by_id = {g.id: g for g in self.of(target)}
+        return [by_id[i] for i in ids if i in by_id]
+
+    def waiting_for(self, record: RunRecord) -> str:
+        """What a queued run waits for, in words."""
+        wanted = self.wanted(record)
+        held = self.held(record.target)
+        total = len(self.of(record.target))
+        free = total - len(held)
+        what = f"GPUs {','.join(wanted)}" if isinstance(wanted, list) else f"{wanted} GPU{'s' if wanted != 1 else ''}"
+        holders = sorted(set(held.values()))
+        by = f" (held by {', '.join(holders)})" if holders else ""
+        return f"waiting for {what}: {free} of {total} free{by}"

@@ -1,0 +1,95 @@
+"""The GPUs of this machine: found with the vendors' tools, or given by the config.
+
+NVIDIA's are listed with `nvidia-smi`, AMD's with `amd-smi` (or `rocm-smi`); a machine without
+them has none. The config may name them instead (`gpus = ["0", "1"]`, or `gpus = 0` for none),
+which is also how a machine without GPUs tests the queue.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+VENDORS = ("nvidia", "amd")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One device as jobs name it (`CUDA_VISIBLE_DEVICES`/`HIP_VISIBLE_DEVICES` take `id`)."""
+
+    id: str
+    vendor: str | None = None  # None: given by the config without a vendor
+    name: str = ""
+
+
+def _run(argv: list[str], timeout: float = 10.0) -> str | None:
+    if not shutil.which(argv[0]):
+        return None
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def nvidia_gpus() -> list[Gpu]:
+    text = _run(["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"])
+    gpus = []
+    for line in (text or "").splitlines():
+        index, _, name = line.partition(",")
+        if index.strip().isdigit():
+            gpus.append(Gpu(index.strip(), "nvidia", name.strip()))
+    return gpus
+
+
+def amd_gpus() -> list[Gpu]:
+    text = _run(["amd-smi", "list", "--json"])
+    if text:
+        try:
+            items = json.loads(text)
+        except ValueError:
+            items = []
+        gpus = [
+            Gpu(str(i["gpu"]), "amd", str(i.get("market_name") or ""))
+            for i in items
+            if isinstance(i, dict) and "gpu" in i
+        ]
+        if gpus:
+            return gpus
+    text = _run(["rocm-smi", "--showid", "--json"])
+    try:
+        cards = json.loads(text) if text else {}
+    except ValueError:
+        cards = {}
+    return [Gpu(key.removeprefix("card"), "amd") for key in sorted(cards) if key.startswith("card")]
+
+
+def discover() -> list[Gpu]:
+    """This machine's GPUs, NVIDIA's first; none where no vendor tool answers."""
+    return nvidia_gpus() or amd_gpus()
+
+
+def configured(value: list[str] | int | None, vendor: str | None) -> list[Gpu] | None:
+    """The GPUs a target's config names (None: discover them)."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        if value == 0:
+            return []
+        return [Gpu(str(i), vendor) for i in range(value)]
+    return [Gpu(str(v), vendor) for v in value]
+
+
+def visible_devices(gpus: list[Gpu]) -> dict[str, str]:
+    """The variables that give a job exactly these devices, as each vendor expects."""
+    ids = ",".join(g.id for g in gpus)
+    vendors = {g.vendor for g in gpus}
+    env = {"CUDA_VISIBLE_DEVICES": ids}
+    if "amd" in vendors or None in vendors or not gpus:
+        # ROCm reads HIP_VISIBLE_DEVICES (and ROCR_VISIBLE_DEVICES below the runtime); PyTorch on
+        # ROCm also honours CUDA_VISIBLE_DEVICES. An empty list hides every device.
+        env["HIP_VISIBLE_DEVICES"] = ids
+        env["ROCR_VISIBLE_DEVICES"] = ids
+    return env
