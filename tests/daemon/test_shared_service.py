@@ -1,134 +1,27 @@
 """obd as the GPU box's shared service (issue 12): a root daemon runs each user's job as that
 user, with that user's environment, and keeps every run private to its owner.
 
-Root only: the tests create throwaway users (and a group for the socket) and delete them.
-Those users cannot run this repository's Python (it may live under root's private home), so
-they get a venv made from Debian's /usr/bin/python3 and a copy of the client's modules.
+Root only: the tests create throwaway users (and a group for the socket) and delete them;
+the fixtures that do it are in tests/users.py, shared with the web view's tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import hashlib
 import json
 import os
-import pwd
-import shutil
 import stat
 import subprocess
-import tempfile
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from tests import users
+from tests.users import Box, User
 
-from tests.conftest import FAST_CONFIG, REPO, DaemonProc
-
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("useradd") or not Path("/usr/bin/python3").exists(),
-    reason="needs root, useradd and /usr/bin/python3 (it creates throwaway users)",
-)
-CLIENT_MODULES = ("__init__.py", "cli.py", "client.py", "render.py", "paths.py", "outputs.py")
-
-
-@dataclass
-class User:
-    name: str
-    uid: int
-    gid: int
-    home: Path
-
-
-@dataclass
-class Box:
-    """A root daemon shared by two throwaway users, and what they need to use it."""
-
-    daemon: DaemonProc
-    alice: User
-    bob: User
-    group: str
-    client_dir: Path
-    venv: Path
-
-    def env(self, user: User, **extra: str) -> dict[str, str]:
-        return {
-            "HOME": str(user.home),
-            "USER": user.name,
-            "LOGNAME": user.name,
-            "PATH": f"{self.venv}/bin:/usr/bin:/bin",
-            "OBD_SOCKET": str(self.daemon.socket),
-            "PYTHONPATH": str(self.client_dir),
-            **extra,
-        }
-
-    def obd(self, user: User, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        """`obd ARGS` run by `user`, with the client's modules copied where they can read them."""
-        return subprocess.run(
-            [f"{self.venv}/bin/python", "-m", "daemon.cli", *args],
-            env=env or self.env(user),
-            cwd=cwd or user.home,
-            user=user.uid,
-            group=user.gid,
-            extra_groups=[grp.getgrnam(self.group).gr_gid],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-
-def _add_user(name: str, group: str, base: Path) -> User:
-    home = base / name
-    subprocess.run(["useradd", "-m", "-d", str(home), "-s", "/bin/sh", "-G", group, name], check=True)
-    pw = pwd.getpwnam(name)
-    return User(name, pw.pw_uid, pw.pw_gid, home)
-
-
-@pytest.fixture(scope="module")
-def accounts() -> Iterator[tuple[User, User, str, Path, Path]]:
-    tag = uuid.uuid4().hex[:6]
-    group = f"obdg{tag}"
-    base = Path(tempfile.mkdtemp(prefix="obd-users-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    subprocess.run(["groupadd", group], check=True)
-    made: list[str] = []
-    try:
-        alice = _add_user(f"obda{tag}", group, base)
-        made.append(alice.name)
-        bob = _add_user(f"obdb{tag}", group, base)
-        made.append(bob.name)
-        venv = base / "venv"
-        subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True)
-        client = base / "client"
-        (client / "daemon").mkdir(parents=True)
-        for name in CLIENT_MODULES:
-            shutil.copy(REPO / "daemon" / name, client / "daemon" / name)
-        for path in (venv, client):
-            for root, dirs, files in os.walk(path):
-                for n in dirs + files:
-                    p = Path(root) / n
-                    if not p.is_symlink():
-                        p.chmod(p.stat().st_mode | 0o055)
-            path.chmod(0o755)
-        yield alice, bob, group, client, venv
-    finally:
-        for name in made:
-            subprocess.run(["pkill", "-KILL", "-u", name], check=False)
-            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
-        subprocess.run(["groupdel", group], check=False)
-        shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def box(make_daemon, short_tmp: Path, accounts) -> Iterator[Box]:
-    alice, bob, group, client, venv = accounts
-    os.chmod(short_tmp, 0o711)  # the socket's directory: reachable, not listable
-    d = make_daemon(FAST_CONFIG.replace("[daemon]", f'[daemon]\nsocket_group = "{group}"'))
-    d.env["DAEMON_ONLY_SECRET"] = "daemon-secret-value-" + uuid.uuid4().hex
-    d.start()
-    yield Box(d, alice, bob, group, client, venv)
+pytestmark = users.needs_root_and_users
+accounts, box = users.accounts, users.box  # the fixtures, shared with the web view's tests
 
 
 def _start(box: Box, user: User, *command: str, opts: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
@@ -174,8 +67,14 @@ def test_another_user_can_neither_act_on_nor_read_a_run_but_root_can(box: Box) -
     rid = _start(box, box.alice, "sh", "-c", "echo private-output-of-alice; sleep 60")
     box.daemon.wait_state(rid, "running")
     bob = box.bob
-    for args in (("status", rid), ("logs", rid), ("stop", rid), ("cancel", rid), ("outputs", rid, "--to", "x"),
-                 ("metrics", rid)):
+    for args in (
+        ("status", rid),
+        ("logs", rid),
+        ("stop", rid),
+        ("cancel", rid),
+        ("outputs", rid, "--to", "x"),
+        ("metrics", rid),
+    ):
         out = box.obd(bob, "train", *args)
         assert out.returncode == 77, (args, out.returncode, out.stderr)
         assert "not yours" in out.stderr and "private-output" not in out.stdout + out.stderr
@@ -194,15 +93,20 @@ def test_no_value_reaches_a_command_line_a_log_a_record_or_a_file_others_can_rea
     alice = box.alice
     secret, value = "s3cret-" + uuid.uuid4().hex, "v4lue-" + uuid.uuid4().hex
     env = box.env(alice, TOKEN=secret, MYVAR=value)
-    rid = _start(box, alice, "sh", "-c", 'test -n "$TOKEN" && test -n "$VISIBLE" && sleep 30',
-                 opts=("--secret", "TOKEN", "--env", f"VISIBLE={value}"), env=env)
+    rid = _start(
+        box,
+        alice,
+        "sh",
+        "-c",
+        'test -n "$TOKEN" && test -n "$VISIBLE" && sleep 30',
+        opts=("--secret", "TOKEN", "--env", f"VISIBLE={value}"),
+        env=env,
+    )
     box.daemon.wait_state(rid, "running")
     cmdlines = b""
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
+        with contextlib.suppress(OSError):
             cmdlines += Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            pass
     assert secret.encode() not in cmdlines and value.encode() not in cmdlines
     box.daemon.call("cancel", id=rid)
     box.daemon.wait_state(rid, "cancelled")
@@ -232,7 +136,7 @@ def test_state_records_and_run_directories_are_private(box: Box) -> None:
     assert stat.S_IMODE((rd / "job.log").stat().st_mode) & 0o077 == 0
     # Bob cannot list the run directories, nor enter alice's.
     for path in (state / "jobs", rd):
-        out = subprocess.run(["ls", str(path)], user=box.bob.uid, group=box.bob.gid, capture_output=True)
+        out = subprocess.run(["ls", str(path)], check=False, user=box.bob.uid, group=box.bob.gid, capture_output=True)
         assert out.returncode != 0, path
 
 
@@ -261,15 +165,26 @@ def test_a_user_without_access_to_the_socket_is_told_who_may_use_it(box: Box, ac
     try:
         out = box.obd(box.alice, "train", "list")
         assert out.returncode == 69
-        assert "permission denied" in out.stderr and "socket_group" in out.stderr and "obd daemon" not in out.stderr.split("start")[0]
+        assert (
+            "permission denied" in out.stderr
+            and "socket_group" in out.stderr
+            and "obd daemon" not in out.stderr.split("start")[0]
+        )
     finally:
         os.chmod(box.daemon.socket, 0o660)
 
 
 def test_env_clear_starts_from_an_empty_environment(box: Box) -> None:
     alice = box.alice
-    rid = _start(box, alice, "sh", "-c", 'echo "myvar=$MYVAR path=$PATH home=$HOME"',
-                 opts=("--env-clear",), env=box.env(alice, MYVAR="should-not-pass"))
+    rid = _start(
+        box,
+        alice,
+        "sh",
+        "-c",
+        'echo "myvar=$MYVAR path=$PATH home=$HOME"',
+        opts=("--env-clear",),
+        env=box.env(alice, MYVAR="should-not-pass"),
+    )
     box.daemon.wait_state(rid, "succeeded")
     log = box.obd(alice, "train", "logs", rid).stdout
     assert "myvar= " in log and f"home={alice.home}" in log and "path=/usr/local/bin:/usr/bin:/bin" in log
@@ -295,4 +210,3 @@ def test_a_job_of_a_user_sees_the_callers_sys_executable_as_its_python(box: Box)
     rid = _start(box, alice, "python3", "-c", "import sys; print(sys.executable)")
     box.daemon.wait_state(rid, "succeeded")
     assert box.obd(alice, "train", "logs", rid).stdout.strip() == f"{box.venv}/bin/python3"
-

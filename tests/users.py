@@ -1,0 +1,168 @@
+"""Throwaway users sharing a root daemon, for the tests of obd as the GPU box's shared service.
+
+Root only: the fixtures create two users (and a group for the socket) and delete them after.
+Those users cannot run this repository's Python (it may live under root's private home), so
+they get a venv made from Debian's /usr/bin/python3 and a copy of the client's modules (the
+`obd` command, `obd train plot` and `obd ui` with its page). A test module takes them with
+`accounts, box = users.accounts, users.box` and marks itself with `users.needs_root_and_users`.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc
+
+needs_root_and_users = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("useradd") or not Path("/usr/bin/python3").exists(),
+    reason="needs root, useradd and /usr/bin/python3 (it creates throwaway users)",
+)
+# What a user's `obd` needs, copied where they can read it: the client, plot and the web view.
+CLIENT_MODULES = (
+    "__init__.py",
+    "cli.py",
+    "client.py",
+    "render.py",
+    "paths.py",
+    "outputs.py",
+    "view_cli.py",
+    "plot.py",
+)
+CLIENT_PACKAGES = ("ui",)
+
+
+@dataclass
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: Path
+
+
+@dataclass
+class Box:
+    """A root daemon shared by two throwaway users, and what they need to use it."""
+
+    daemon: DaemonProc
+    alice: User
+    bob: User
+    group: str
+    client_dir: Path
+    venv: Path
+
+    def env(self, user: User, **extra: str) -> dict[str, str]:
+        return {
+            "HOME": str(user.home),
+            "USER": user.name,
+            "LOGNAME": user.name,
+            "PATH": f"{self.venv}/bin:/usr/bin:/bin",
+            "OBD_SOCKET": str(self.daemon.socket),
+            "PYTHONPATH": str(self.client_dir),
+            **extra,
+        }
+
+    def _as(self, user: User) -> dict[str, object]:
+        return {"user": user.uid, "group": user.gid, "extra_groups": [grp.getgrnam(self.group).gr_gid]}
+
+    def obd(
+        self,
+        user: User,
+        *args: str,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[str]:
+        """`obd ARGS` run by `user`, with the client's modules copied where they can read them."""
+        return subprocess.run(
+            [f"{self.venv}/bin/python", "-m", "daemon.cli", *args],
+            check=False,
+            env=env or self.env(user),
+            cwd=cwd or user.home,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **self._as(user),  # type: ignore[call-overload]
+        )
+
+    def popen(self, user: User, *args: str) -> subprocess.Popen[str]:
+        """`obd ARGS` started by `user` and left running (`obd ui`); its stdout is a pipe."""
+        return subprocess.Popen(  # type: ignore[call-overload]
+            [f"{self.venv}/bin/python", "-m", "daemon.cli", *args],
+            env=self.env(user),
+            cwd=user.home,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **self._as(user),
+        )
+
+
+def _add_user(name: str, group: str, base: Path) -> User:
+    home = base / name
+    subprocess.run(["useradd", "-m", "-d", str(home), "-s", "/bin/sh", "-G", group, name], check=True)
+    pw = pwd.getpwnam(name)
+    return User(name, pw.pw_uid, pw.pw_gid, home)
+
+
+def _copy_client(client: Path) -> None:
+    (client / "daemon").mkdir(parents=True)
+    for name in CLIENT_MODULES:
+        shutil.copy(REPO / "daemon" / name, client / "daemon" / name)
+    for package in CLIENT_PACKAGES:
+        shutil.copytree(
+            REPO / "daemon" / package, client / "daemon" / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+
+
+@pytest.fixture(scope="module")
+def accounts() -> Iterator[tuple[User, User, str, Path, Path]]:
+    tag = uuid.uuid4().hex[:6]
+    group = f"obdg{tag}"
+    base = Path(tempfile.mkdtemp(prefix="obd-users-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    subprocess.run(["groupadd", group], check=True)
+    made: list[str] = []
+    try:
+        alice = _add_user(f"obda{tag}", group, base)
+        made.append(alice.name)
+        bob = _add_user(f"obdb{tag}", group, base)
+        made.append(bob.name)
+        venv = base / "venv"
+        subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True)
+        client = base / "client"
+        _copy_client(client)
+        for path in (venv, client):
+            for root, dirs, files in os.walk(path):
+                for n in dirs + files:
+                    p = Path(root) / n
+                    if not p.is_symlink():
+                        p.chmod(p.stat().st_mode | 0o055)
+            path.chmod(0o755)
+        yield alice, bob, group, client, venv
+    finally:
+        for name in made:
+            subprocess.run(["pkill", "-KILL", "-u", name], check=False)
+            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+        subprocess.run(["groupdel", group], check=False)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def box(make_daemon, short_tmp: Path, accounts) -> Iterator[Box]:
+    alice, bob, group, client, venv = accounts
+    os.chmod(short_tmp, 0o711)  # the socket's directory: reachable, not listable
+    d = make_daemon(FAST_CONFIG.replace("[daemon]", f'[daemon]\nsocket_group = "{group}"'))
+    d.env["DAEMON_ONLY_SECRET"] = "daemon-secret-value-" + uuid.uuid4().hex
+    d.start()
+    yield Box(d, alice, bob, group, client, venv)
