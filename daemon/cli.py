@@ -71,13 +71,38 @@ def _parser() -> argparse.ArgumentParser:
         help="when the job succeeds, put its outputs in DIR (`asked`: the output_dir the script asked for); "
         "never into a directory that is not empty",
     )
-    s.add_argument("--resume-from", metavar="ID")
+    s.add_argument("--resume-from", metavar="RUN", help="resume RUN's snapshot, or its newest complete checkpoint")
+    s.add_argument("--checkpoint", metavar="WHICH", help="with --resume-from: latest, a step number, or a path")
+    s.add_argument(
+        "--gpus", metavar="N|IDS", help="how many GPUs (2), or which (0,2 or device=1); default: all of the target's"
+    )
+    s.add_argument(
+        "--priority", type=int, default=0, metavar="P", help="higher starts first from the queue (-100..100)"
+    )
+    s.add_argument(
+        "--retry",
+        type=int,
+        metavar="N",
+        help="start it again up to N times from its checkpoint if it fails or is preempted",
+    )
     s.add_argument("--profile", action="store_true")
     s.add_argument(
         "--snapshot-on-sigterm", action="store_true", help="a SIGTERM to the job becomes a snapshot request (preempted)"
     )
     s.add_argument("--json", action="store_true")
     s.add_argument("command", nargs="*")
+
+    rs = train.add_parser(
+        "resume", help="start a new run like RUN from its snapshot or newest complete checkpoint: obd train resume RUN"
+    )
+    rs.add_argument("id", metavar="RUN")
+    rs.add_argument("--checkpoint", metavar="WHICH", help="latest, a step number, or a path on the target")
+    rs.add_argument("--env", action="append", default=[], metavar="K=V", help="replaces the old run's --env values")
+    rs.add_argument("--secret", action="append", default=[], metavar="NAME", help="pass $NAME from this environment")
+    rs.add_argument("--env-clear", action="store_true", help="start the job from an empty environment")
+    rs.add_argument("--retry", type=int, metavar="N", help="start it again up to N times if it fails or is preempted")
+    rs.add_argument("--json", action="store_true")
+    rs.add_argument("command", nargs="*", help="a new command (after --); the old run's by default")
 
     st = train.add_parser("stop", help="ask the run for a snapshot, then stop")
     st.add_argument("id")
@@ -263,8 +288,27 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             umask=_umask(),
             output_to=args.output_to,
             resume_from=args.resume_from,
+            checkpoint=args.checkpoint,
+            gpus=args.gpus,
+            priority=args.priority,
+            retry=args.retry,
             profile=args.profile,
             snapshot_on_sigterm=args.snapshot_on_sigterm,
+        )
+        print(json.dumps(record, indent=1) if args.json else record["id"])
+        return 0
+    if action == "resume":
+        record = client.call(
+            "resume",
+            id=args.id,
+            checkpoint=args.checkpoint,
+            command=(args.command + command) or None,
+            env=_env_pairs(args.env) if args.env else None,
+            secrets=_secrets(args.secret),
+            environ=dict(os.environ),
+            env_clear=args.env_clear,
+            umask=_umask(),
+            retry=args.retry,
         )
         print(json.dumps(record, indent=1) if args.json else record["id"])
         return 0

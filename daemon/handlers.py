@@ -27,6 +27,7 @@ from daemon.api import (
     ListRunsRequest,
     Peer,
     ReadRequest,
+    ResumeRequest,
     StartRequest,
     StopRequest,
     WaitRequest,
@@ -34,6 +35,7 @@ from daemon.api import (
 )
 from daemon.follow import job_handle
 from daemon.models import RunRecord, RunState, normalise_reason
+from daemon.queue import load_spec
 from daemon.recovery import chain_of
 from executors.base import Executor, ExecutorError
 from executors.local import hand_over
@@ -64,6 +66,7 @@ class Handlers:
             "read": (ReadRequest, self.read),
             "outputs": (IdRequest, self.outputs),
             "watch": (WatchRequest, self.watch),
+            "resume": (ResumeRequest, self.resume),
         }
 
     def model(self, op: str) -> type[BaseModel] | None:
@@ -120,7 +123,7 @@ class Handlers:
                 "waiting_for": self.daemon.inventory.waiting_for(record),
             }
         if record.chain or record.retries:
-            out["chain"] = chain_of(self.daemon, record)
+            out["chain_runs"] = chain_of(self.daemon, record)
         if not record.state.final:
             with anyio.move_on_after(10):
                 out.update(await self.daemon.targets.of(record).describe(record))
@@ -203,6 +206,36 @@ class Handlers:
     async def start(self, req: StartRequest, peer: Peer) -> dict[str, Any]:
         return (await self.daemon.launcher.start(req, peer)).public()
 
+    async def resume(self, req: ResumeRequest, peer: Peer) -> dict[str, Any]:
+        """A new run like RUN (target, command, name, GPUs, directory, --env values), from its
+        checkpoint, with the environment of whoever resumes it."""
+        daemon = self.daemon
+        source = daemon.find(req.id, peer)
+        spec = load_spec(daemon, source.id)
+        old = spec[0] if spec else None
+        start = StartRequest(
+            op="start",
+            command=req.command or source.command,
+            target=source.target,
+            name=resumed_name(daemon, source.name),
+            cwd=source.cwd if not daemon.targets.of(source).shares_filesystem(source) else None,
+            client_cwd=source.cwd,
+            env=req.env if req.env is not None else (dict(old.env) if old else {}),
+            secrets=req.secrets,
+            environ=req.environ,
+            env_clear=req.env_clear,
+            umask=req.umask,
+            resume_from=source.id,
+            checkpoint=req.checkpoint,
+            gpus=gpus_text(source.gpus_wanted),
+            priority=source.priority,
+            retry=req.retry,
+            profile=source.profile,
+            snapshot_on_sigterm=source.snapshot_on_sigterm,
+            output_to=old.output_to if old else None,
+        )
+        return (await daemon.launcher.start(start, peer)).public()
+
     async def stop(self, req: StopRequest, peer: Peer) -> dict[str, Any]:
         record = self.daemon.find(req.id, peer)
         reason = normalise_reason(req.reason) or rundir.DEFAULT_REASON
@@ -264,6 +297,27 @@ class Handlers:
         else:
             daemon.launcher.cancel_preparation(record)
         return record.public()
+
+
+def resumed_name(daemon: Daemon, name: str | None) -> str | None:
+    """`sft` resumed is `sft-r2`, then `sft-r3`: each name stays a run's own."""
+    if not name:
+        return None
+    base = name
+    head, sep, tail = name.rpartition("-r")
+    if sep and tail.isdigit() and head:
+        base = head
+    taken = {r.name for r in daemon.records.values()}
+    n = 2
+    while f"{base}-r{n}" in taken:
+        n += 1
+    return f"{base}-r{n}"
+
+
+def gpus_text(wanted: int | list[str] | None) -> str | None:
+    if wanted is None:
+        return None
+    return ",".join(wanted) + ("," if len(wanted) == 1 else "") if isinstance(wanted, list) else str(wanted)
 
 
 def summary(record: RunRecord, full: bool = True) -> dict[str, Any]:

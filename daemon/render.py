@@ -144,6 +144,16 @@ def status(r: dict[str, Any]) -> str:
     last = (r.get("progress") or {}).get("last_checkpoint")
     if last:
         lines.append(f"latest    {last}")
+    if r.get("gpus"):
+        lines.append(f"gpus      {','.join(r['gpus'])}")
+    queue = r.get("queue") or {}
+    if queue:
+        lines.append(f"queue     position {queue.get('position') or '-'}; {queue.get('waiting_for') or ''}")
+    if r.get("retries"):
+        chain = "; ".join(f"{a['id']} {a['state']}" for a in r.get("chain_runs") or [])
+        lines.append(f"attempt   {r.get('attempt', 1)} of {r['retries'] + 1}" + (f" ({chain})" if chain else ""))
+    if r.get("resume_reason"):
+        lines.append(f"trusted   {r['resume_reason']}")
     snap = r.get("snapshot")
     if snap:
         lines.append(f"snapshot  {snap['checkpoint']} at step {snap['step']} ({snap['reason']})")

@@ -1,0 +1,142 @@
+"""GPUs given by config, and the queue: runs wait for the devices they asked for (issue 13)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+
+TWO_GPUS = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\n'
+
+
+@pytest.fixture
+def box(make_daemon) -> DaemonProc:
+    d = make_daemon(TWO_GPUS)
+    d.start()
+    return d
+
+
+def start(d: DaemonProc, *command: str, opts: tuple[str, ...] = ()) -> str:
+    out = d.cli("train", "start", *opts, "--", *command)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def log(d: DaemonProc, rid: str) -> str:
+    return d.cli("train", "logs", rid).stdout
+
+
+SHOW = 'echo "cuda=$CUDA_VISIBLE_DEVICES hip=$HIP_VISIBLE_DEVICES"; echo "$OBD_RUN_ID" >> "$LEDGER"; sleep 60'
+
+
+def test_runs_get_their_own_gpus_and_a_third_waits_until_one_is_free(box: DaemonProc, tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    env_opt = ("--env", f"LEDGER={ledger}")
+    a, b, c = (start(box, "sh", "-c", SHOW, opts=("--gpus", "1", *env_opt)) for _ in range(3))
+    for rid in (a, b):
+        box.wait_state(rid, "running")
+    wait_for(lambda: all("cuda=" in log(box, r) for r in (a, b)), 20, 0.1, "the jobs to print their devices")
+    seen = sorted(log(box, r).split()[0] for r in (a, b))
+    assert seen == ["cuda=0", "cuda=1"]  # each sees only its own device
+    third = box.record(c)
+    assert third["state"] == "queued" and third["queue"]["position"] == 1
+    assert "1 GPU" in third["queue"]["waiting_for"] and "0 of 2 free" in third["queue"]["waiting_for"]
+    text = box.cli("train", "status", c).stdout
+    assert "queued" in text
+    box.call("cancel", id=a)
+    box.wait_state(a, "cancelled")
+    started = box.wait_state(c, "running", timeout=10)
+    assert started["gpus"] == box.record(a)["gpus"]  # it got the device that was freed
+    ended_a = next(h["time"] for h in box.record(a)["history"] if h["state"] == "cancelled")
+    left_queue = next(h["time"] for h in started["history"] if h["state"] == "preparing")
+    assert left_queue >= ended_a
+    for rid in (b, c):
+        box.call("cancel", id=rid)
+
+
+def test_a_run_that_wants_both_gpus_waits_for_both(box: DaemonProc, tmp_path: Path) -> None:
+    env_opt = ("--env", f"LEDGER={tmp_path / 'ledger'}")
+    one = start(box, "sh", "-c", SHOW, opts=("--gpus", "1", *env_opt))
+    box.wait_state(one, "running")
+    both = start(box, "sh", "-c", SHOW, opts=("--gpus", "2", *env_opt))
+    assert box.record(both)["state"] == "queued"
+    box.call("cancel", id=one)
+    record = box.wait_state(both, "running", timeout=10)
+    assert sorted(record["gpus"]) == ["0", "1"]
+    wait_for(lambda: "cuda=0,1" in log(box, both), 20, 0.1, "the job to print its devices")
+    box.call("cancel", id=both)
+
+
+def test_a_run_without_gpus_takes_all_and_explicit_devices_are_honoured(box: DaemonProc, tmp_path: Path) -> None:
+    env_opt = ("--env", f"LEDGER={tmp_path / 'ledger'}")
+    whole = start(box, "sh", "-c", SHOW, opts=env_opt)
+    assert sorted(box.wait_state(whole, "running")["gpus"]) == ["0", "1"]
+    box.call("cancel", id=whole)
+    box.wait_state(whole, "cancelled")
+    second = start(box, "sh", "-c", SHOW, opts=("--gpus", "device=1", *env_opt))
+    assert box.wait_state(second, "running")["gpus"] == ["1"]
+    none = start(box, "sh", "-c", 'echo "cuda=[$CUDA_VISIBLE_DEVICES]"', opts=("--gpus", "0"))
+    box.wait_state(none, "succeeded")
+    assert "cuda=[]" in log(box, none)  # no device, and it did not wait for one
+    box.call("cancel", id=second)
+    bad = box.cli("train", "start", "--gpus", "3", "--", "true")
+    assert bad.returncode == 2 and "only 2 GPUs" in bad.stderr
+    bad = box.cli("train", "start", "--gpus", "7,", "--", "true")
+    assert bad.returncode == 2 and "no device 7" in bad.stderr
+
+
+def test_cancelling_a_queued_run_never_starts_it(box: DaemonProc, tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    env_opt = ("--env", f"LEDGER={ledger}")
+    holder = start(box, "sh", "-c", SHOW, opts=env_opt)
+    box.wait_state(holder, "running")
+    waiting = start(box, "sh", "-c", SHOW, opts=env_opt)
+    out = box.cli("train", "stop", waiting)
+    assert out.returncode == 1 and "queued" in out.stderr and "cancel" in out.stderr
+    assert box.cli("train", "cancel", waiting).returncode == 0
+    assert box.wait_state(waiting, "cancelled")["message"] == "cancelled by the user while queued"
+    box.call("cancel", id=holder)
+    box.wait_state(holder, "cancelled")
+    wait_for(lambda: ledger.exists(), 10, 0.1, "the holder's line")
+    assert waiting not in ledger.read_text()
+    assert box.record(waiting)["job"] is None
+
+
+def test_priority_then_the_user_with_fewest_gpus_goes_first(box: DaemonProc, tmp_path: Path) -> None:
+    env_opt = ("--env", f"LEDGER={tmp_path / 'ledger'}")
+    holder = start(box, "sh", "-c", SHOW, opts=env_opt)
+    box.wait_state(holder, "running")
+    low = start(box, "sh", "-c", SHOW, opts=("--gpus", "1", *env_opt))
+    high = start(box, "sh", "-c", SHOW, opts=("--gpus", "1", "--priority", "5", *env_opt))
+    assert box.record(high)["queue"]["position"] == 1 and box.record(low)["queue"]["position"] == 2
+    box.call("cancel", id=holder)
+    for rid in (high, low):
+        box.wait_state(rid, "running", timeout=10)
+        box.call("cancel", id=rid)
+
+
+def test_a_daemon_killed_with_runs_queued_and_running_starts_each_queued_run_exactly_once(
+    box: DaemonProc, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger"
+    env_opt = ("--env", f"LEDGER={ledger}")
+    running = [start(box, "sh", "-c", SHOW, opts=("--gpus", "1", *env_opt)) for _ in range(2)]
+    queued = [start(box, "sh", "-c", SHOW, opts=("--gpus", "1", *env_opt)) for _ in range(3)]
+    for rid in running:
+        box.wait_state(rid, "running")
+    box.kill()
+    box.start()
+    assert all(box.record(r)["state"] == "queued" for r in queued)
+    for rid in running + queued:  # end them one by one: each queued run starts as a device frees
+        box.wait_state(rid, "running", timeout=20)
+        box.call("cancel", id=rid)
+        box.wait_state(rid, "cancelled")
+    lines = ledger.read_text().split()
+    assert sorted(lines) == sorted(running + queued)  # each started exactly once
+    box.kill()  # and once more, with nothing queued: nothing starts again
+    box.start()
+    assert sorted(ledger.read_text().split()) == sorted(running + queued)
+    assert json.loads(box.cli("train", "list", "--json").stdout)
