@@ -16,7 +16,7 @@ from daemon.api import ApiError
 from daemon.config import ConfigError
 from daemon.models import RunRecord
 from executors.base import Executor, ExecutorError
-from executors.factory import make_executor, makes_pods
+from executors.factory import make_executor, makes_pods, schedules_jobs
 
 if TYPE_CHECKING:
     from daemon.service import Daemon
@@ -129,6 +129,10 @@ class Targets:
             from daemon.pods import PodSupervision
 
             return PodSupervision(self.daemon, name, config)
+        if schedules_jobs(config):
+            from daemon.slurm import SlurmSupervision
+
+            return SlurmSupervision(self.daemon, name, config)
         return Supervision(self.daemon, name, config)
 
     def of(self, record: RunRecord) -> Supervision:

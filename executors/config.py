@@ -183,7 +183,7 @@ def slurm_time_seconds(value: str) -> int | None:
     match = _SLURM_TIME_RE.match(text)
     if not match:
         raise ValueError(
-            f"time {value!r} is not a Slurm time limit: use minutes (\"90\"), \"HH:MM:SS\", \"D-HH:MM\" or \"INFINITE\""
+            f'time {value!r} is not a Slurm time limit: use minutes ("90"), "HH:MM:SS", "D-HH:MM" or "INFINITE"'
         )
     days, first, second, third = (int(g) if g is not None else None for g in match.groups())
     if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
@@ -258,7 +258,7 @@ class SlurmTarget(StrictModel):
         for option in value:
             name = option.split("=", 1)[0]
             if not option.startswith("-") or "\n" in option or "\0" in option:
-                raise ValueError(f"sbatch_options: {option!r} is not an option (one word such as \"--exclusive\")")
+                raise ValueError(f'sbatch_options: {option!r} is not an option (one word such as "--exclusive")')
             if name in SBATCH_OWN_OPTIONS:
                 raise ValueError(
                     f"sbatch_options: {name} is set by obd for every job (job name, log, signals, nodes); "

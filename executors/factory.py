@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeGuard
 
 from executors.base import Executor, ExecutorError
-from executors.config import AnyTarget, LocalTarget, RunpodTarget, SshTarget
+from executors.config import AnyTarget, LocalTarget, RunpodTarget, SlurmTarget, SshTarget
 
 if TYPE_CHECKING:
     from executors.runpod import RunpodDriver
@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 def makes_pods(target: AnyTarget) -> TypeGuard[RunpodTarget]:
     """Whether the target gives each run a machine of its own (a pod) instead of sharing one."""
     return isinstance(target, RunpodTarget)
+
+
+def schedules_jobs(target: AnyTarget) -> TypeGuard[SlurmTarget]:
+    """Whether a scheduler (Slurm) queues the target's jobs and ends them on its own terms
+    (time limits, node failures, preemption), which the daemon then explains."""
+    return isinstance(target, SlurmTarget)
 
 
 def make_executor(name: str, target: AnyTarget, state_dir: Path) -> Executor:
@@ -32,6 +38,10 @@ def make_executor(name: str, target: AnyTarget, state_dir: Path) -> Executor:
         from executors.ssh import SshExecutor
 
         return SshExecutor(name, target)
+    if isinstance(target, SlurmTarget):
+        from executors.slurm import SlurmExecutor
+
+        return SlurmExecutor(name, target)
     raise ExecutorError(
         f"target {name!r} of kind {target.kind!r} has no machine of its own; each run gets one "
         "(`obd pods list` shows the pods)"

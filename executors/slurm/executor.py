@@ -1,0 +1,349 @@
+"""The Slurm executor: sbatch, squeue and scancel on the machine where they work.
+
+That machine is this one (`login` unset) or a login node reached over SSH; either way it is an
+executor of its own (local or SSH: its connection, known hosts and quoting), which this one
+composes: files move through it, and Slurm's commands run there through obd's helper
+(`trainer_plugin/slurm_batch.py`, installed under `<workdir>/.obd/`). The run directory is on
+the workdir the compute nodes share, so the job wrapper on a node writes `job.pid`,
+`exit_code`, requests and proofs where the daemon reads them.
+
+A run's handle holds the Slurm job id where other targets hold a pid. A probe of every run of
+the target is one helper call, which asks `squeue` once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from executors.base import (
+    CommandResult,
+    Executor,
+    ExecutorError,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    LaunchUncertain,
+    Reached,
+    RunEvents,
+    RunProbe,
+    TargetUnreachable,
+)
+from executors.config import SlurmTarget, SshTarget
+from executors.slurm import script
+from executors.slurm.states import NOTABLE, SlurmJob, parse_sacct, parse_scontrol
+from trainer_plugin import jobctl, rundir, slurm_batch
+
+log = structlog.get_logger("obd.slurm")
+
+# What the helper needs beside it on the submitting machine.
+HELPER_FILES: tuple[Path, ...] = (Path(slurm_batch.__file__), Path(jobctl.__file__), Path(rundir.__file__))
+_ENDED = frozenset({JobState.lost, JobState.cancelled})
+
+
+def _helper_hash() -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in HELPER_FILES:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+HELPER_HASH = _helper_hash()
+
+
+def host_executor(name: str, target: SlurmTarget) -> Executor:
+    """The executor of the machine where sbatch works: this one, or the login node over SSH."""
+    if target.login is None:
+        from executors.local import LocalExecutor
+
+        return LocalExecutor(name, Path(target.workdir).expanduser(), target.python, target.venv)
+    from executors.ssh import SshExecutor
+
+    login = target.login
+    ssh = SshTarget(
+        kind="ssh",
+        host=login.host,
+        port=login.port,
+        user=login.user,
+        identity_file=login.identity_file,
+        known_hosts=login.known_hosts,
+        accept_unknown_host=login.accept_unknown_host,
+        workdir=target.workdir,
+        python=target.python,
+        venv=target.venv,
+        keepalive=login.keepalive,
+        connect_timeout=login.connect_timeout,
+    )
+    return SshExecutor(name, ssh)
+
+
+class SlurmExecutor:
+    """Runs jobs on a Slurm cluster; see the module docstring for how."""
+
+    shares_filesystem = False  # a --cwd is uploaded into the run directory, on the shared workdir
+    events: RunEvents | None = None
+
+    def __init__(self, name: str, target: SlurmTarget, *, host: Executor | None = None, settle: float = 5.0) -> None:
+        self.name = name
+        self.target = target
+        self.host = host if host is not None else host_executor(name, target)
+        # A job Slurm ended with no exit code in its run directory is reported ended only after
+        # this long: on a shared filesystem the wrapper's last write may reach the login node late.
+        self.settle = settle
+        self._helper: str | None = None
+        self._helper_lock = anyio.Lock()
+        self._ended_seen: dict[str, float] = {}
+        self.last_seen: dict[str, SlurmJob] = {}  # run directory -> its job as the last probe saw it
+        self.slurm_calls = 0  # helper calls that ask Slurm something (a probe asks squeue once)
+        self.compute_nodes = ComputeNodes(self)
+
+    # --- the machine where sbatch works --------------------------------------------------------
+
+    @property
+    def workdir(self) -> str:
+        return self.host.workdir
+
+    async def resolve_workdir(self) -> str:
+        return await self.host.resolve_workdir()
+
+    async def reach(self) -> Reached:
+        reached = await self.host.reach()
+        return Reached(where=f"{reached.where} (sbatch there)", trust=reached.trust, workdir=reached.workdir)
+
+    async def python(self) -> str:
+        if self.target.login is None and self.target.venv:
+            return str(Path(self.target.venv).expanduser() / "bin" / "python")
+        return await self.host.python()
+
+    async def run_command(self, argv: list[str], *, stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
+        return await self.host.run_command(argv, stdin=stdin, timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self.host.aclose()
+
+    async def helper(self) -> str:
+        """The helper's path there, installed under `<workdir>/.obd/` once per executor (same content, same place)."""
+        async with self._helper_lock:
+            if self._helper is None:
+                workdir = (await self.resolve_workdir()).rstrip("/")
+                where = f"{workdir}/.obd/slurm-{HELPER_HASH}"
+                for path in HELPER_FILES:
+                    await self.host.put_file(f"{where}/{path.name}", path.read_bytes())
+                self._helper = f"{where}/{Path(slurm_batch.__file__).name}"
+            return self._helper
+
+    async def _call(self, what: str, args: list[str], stdin: bytes = b"", *, timeout: float = 60.0) -> Any:
+        """Run the helper with these arguments; its JSON answer. ExecutorError says what failed."""
+        helper = await self.helper()
+        python = await self.python()
+        result = await self.host.run_command([python, helper, *args], stdin=stdin, timeout=timeout)
+        if result.returncode != 0:
+            lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit {result.returncode}"]
+            raise ExecutorError(f"{what} on target {self.name} failed: {' | '.join(lines[-3:])}")
+        try:
+            return json.loads(result.stdout.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError) as exc:
+            raise ExecutorError(f"{what} on target {self.name} printed no answer: {result.stdout[-300:]!r}") from exc
+
+    # --- jobs ------------------------------------------------------------------------------------
+
+    async def spawn(self, job: JobSpec) -> JobHandle:
+        """Write the run's job files and batch script, then submit it once; the handle names the Slurm job."""
+        rd = job.remote_dir.rstrip("/")
+        python = await self.python()
+        spec: dict[str, Any] = {
+            "command": job.command,
+            "cwd": job.cwd,
+            "pythonpath": [f"{rd}/{rundir.PLUGIN}"],
+            "path_prepend": [str(Path(python).parent)] if self.target.venv else [],
+            "umask": job.umask,
+            "output_to": job.output_to,
+        }
+        await self.host.put_file(f"{rd}/{rundir.JOB_SPEC}", json.dumps(spec).encode())
+        plan = script.launch_plan(self.target, python)
+        await self.host.put_file(f"{rd}/{script.LAUNCH_PLAN}", json.dumps(plan).encode())
+        await self.host.put_file(f"{rd}/{script.BATCH_SCRIPT}", script.batch_script(python, rd, job.run_id).encode())
+        request = {
+            "sbatch": script.sbatch_arguments(self.target, job.run_id, rd),
+            "script": f"{rd}/{script.BATCH_SCRIPT}",
+            # The job's values reach sbatch's environment on the helper's stdin, never a command line.
+            "env": {**job.env, **job.secrets},
+        }
+        try:
+            answer = await self._call(
+                f"the submit of run {job.run_id}", ["submit", rd], json.dumps(request).encode(), timeout=180
+            )
+        except (TargetUnreachable, TimeoutError) as exc:
+            # The submit may have gone through: never submitted again; the probe finds the job by name.
+            raise LaunchUncertain(
+                f"{exc or 'the submit did not answer in time'}; whether Slurm took the job is not known yet"
+            ) from exc
+        except ExecutorError as exc:
+            raise ExecutorError(f"{exc}; see {rd}/{rundir.JOB_LOG} (`obd train logs {job.run_id}`)") from exc
+        job_id = str(answer["job_id"])
+        log.info("slurm.submitted", target=self.name, run_id=job.run_id, job_id=job_id, reused=answer.get("reused"))
+        return JobHandle.model_validate(slurm_batch.slurm_handle(job_id))
+
+    async def status(self, handle: JobHandle, remote_dir: str) -> JobStatus:
+        return (await self.probe([(handle, remote_dir)]))[0].status
+
+    async def probe(self, runs: list[tuple[JobHandle | None, str]]) -> list[RunProbe]:
+        """Every run directory and one `squeue` for all their jobs, in one helper call."""
+        if not runs:
+            return []
+        items = [{"dir": d, "job_id": str(h.pid) if h is not None and h.pid > 0 else None} for h, d in runs]
+        self.slurm_calls += 1
+        answer = await self._call("a probe", ["probe"], json.dumps({"runs": items}).encode())
+        if answer.get("squeue_error"):
+            raise TargetUnreachable(
+                f"Slurm's controller did not answer squeue on target {self.name}: {answer['squeue_error']}; "
+                "jobs keep running, and obd reads them again on the next poll"
+            )
+        probes = []
+        now = time.monotonic()
+        for raw in answer["probes"]:
+            seen = SlurmJob.model_validate({**(raw.pop("slurm", None) or {}), "source": "squeue"})
+            probe = RunProbe.model_validate(raw)
+            if seen.job_id:
+                self.last_seen[probe.remote_dir] = seen
+            probes.append(self._settled(probe, now))
+        return probes
+
+    def _settled(self, probe: RunProbe, now: float) -> RunProbe:
+        """A job Slurm ended with no exit code written stays `running` for `settle` seconds first."""
+        key = probe.remote_dir
+        ended_by_slurm = probe.status.state in _ENDED and probe.status.exit_code is None
+        if not ended_by_slurm or self.settle <= 0:
+            self._ended_seen.pop(key, None)
+            return probe
+        first = self._ended_seen.setdefault(key, now)
+        if now - first >= self.settle:
+            self._ended_seen.pop(key, None)
+            return probe
+        detail = f"ended in Slurm ({probe.status.detail}); waiting for its exit code"
+        return probe.model_copy(update={"status": JobStatus(state=JobState.running, detail=detail)})
+
+    async def cancel(self, handle: JobHandle, remote_dir: str, grace: float) -> JobStatus:
+        """scancel the job (Slurm's TERM, KILL after `grace`), then mark the run cancelled; one helper call."""
+        args = ["cancel", remote_dir, "--grace", repr(float(grace))]
+        if handle.pid > 0:
+            args += ["--job-id", str(handle.pid)]
+        self.slurm_calls += 1
+        answer = await self._call(f"the cancel of {remote_dir}", args, timeout=grace + 180)
+        return JobStatus.model_validate(answer)
+
+    # --- what Slurm says of one job (the end of a run, `obd targets check`) -----------------------
+
+    async def slurm_job(self, remote_dir: str, *, wait: float = 0.0) -> SlurmJob | None:
+        """The run's job from `scontrol show job` (or sacct once Slurm's controller forgot it),
+        waiting up to `wait` seconds for Slurm to finish ending it; else what the last probe saw."""
+        seen = self.last_seen.get(remote_dir)
+        if seen is None or not seen.job_id:
+            return seen
+        deadline = time.monotonic() + wait
+        while True:
+            found = await self._scontrol(seen.job_id) or await self._sacct(seen.job_id)
+            state = (found.state if found else "") or ""
+            ending = state in slurm_batch.ACTIVE_STATES or state in slurm_batch.PENDING_STATES
+            if found is not None and (not ending or time.monotonic() >= deadline):
+                return found
+            if found is None or time.monotonic() >= deadline:
+                return found or seen
+            await anyio.sleep(0.3)
+
+    async def _scontrol(self, job_id: str) -> SlurmJob | None:
+        with anyio.move_on_after(30):
+            result = await self.host.run_command(["scontrol", "show", "job", "--oneliner", job_id], timeout=30)
+            if result.returncode == 0:
+                return parse_scontrol(result.stdout.decode(errors="replace"))
+        return None
+
+    async def _sacct(self, job_id: str) -> SlurmJob | None:
+        argv = ["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", job_id]
+        with anyio.move_on_after(30):
+            result = await self.host.run_command([*argv, "--format=JobID,State,ExitCode,NodeList,Reason"], timeout=30)
+            if result.returncode == 0:
+                return parse_sacct(result.stdout.decode(errors="replace"))
+        return None
+
+    async def obd_jobs(self) -> list[SlurmJob]:
+        """The submitting user's jobs that obd made (named `obd-<run id>`) and Slurm still runs or queues."""
+        argv = ["squeue", "--me", "--noheader", "--states=PENDING,RUNNING,SUSPENDED,CONFIGURING", "--format=%i|%j|%T"]
+        self.slurm_calls += 1
+        result = await self.host.run_command(argv, timeout=60)
+        if result.returncode != 0:
+            raise TargetUnreachable(f"squeue on target {self.name}: {result.stderr.decode(errors='replace').strip()}")
+        jobs = []
+        for line in result.stdout.decode(errors="replace").splitlines():
+            parts = line.split("|")
+            if len(parts) == 3 and parts[1].startswith("obd-"):
+                jobs.append(SlurmJob(job_id=parts[0], name=parts[1], state=parts[2], source="squeue"))
+        return jobs
+
+    async def scancel(self, job_id: str) -> None:
+        """End one job that no run owns any more (a second submit that got through)."""
+        self.slurm_calls += 1
+        await self.host.run_command(["scancel", job_id], timeout=60)
+
+    @staticmethod
+    def notable(job: SlurmJob | None) -> bool:
+        """Whether Slurm's end state says more than the exit code does (a time limit, a node, memory)."""
+        return job is not None and (job.state or "").split("+")[0] in NOTABLE
+
+    # --- files ------------------------------------------------------------------------------------
+
+    async def read_from(self, path: str, offset: int, limit: int) -> bytes:
+        return await self.host.read_from(path, offset, limit)
+
+    async def put_file(self, path: str, data: bytes) -> None:
+        await self.host.put_file(path, data)
+
+    async def upload(self, local: Path, remote: str) -> None:
+        await self.host.upload(local, remote)
+
+    async def download(self, remote: str, local: Path) -> None:
+        await self.host.download(remote, local)
+
+
+class ComputeNodes:
+    """A capability for `obd targets check`: the cluster's partitions, and a command on a compute node."""
+
+    def __init__(self, executor: SlurmExecutor) -> None:
+        self._executor = executor
+
+    @property
+    def partition(self) -> str | None:
+        """The partition jobs go to (None: the cluster's default)."""
+        return self._executor.target.partition
+
+    def sinfo_argv(self) -> list[str]:
+        """Lists the partitions: `name|availability|nodes|node states`, the default one marked `*`."""
+        return ["sinfo", "--noheader", "--format=%P|%a|%D|%t"]
+
+    def on_a_node(self, argv: list[str], *, seconds: int = 120) -> list[str]:
+        """`srun` of this command on one compute node, with the target's partition, account and qos."""
+        target = self._executor.target
+        options = [
+            f"--{k}={v}"
+            for k, v in (("partition", target.partition), ("account", target.account), ("qos", target.qos))
+            if v
+        ]
+        minutes = max(1, seconds // 60)
+        return [
+            "srun",
+            "--nodes=1",
+            "--ntasks=1",
+            "--job-name=obd-check",
+            f"--time={minutes}",
+            "--quiet",
+            *options,
+            *argv,
+        ]

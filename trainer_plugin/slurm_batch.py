@@ -1,0 +1,466 @@
+"""obd's side of a Slurm job, run on the cluster (standard library only).
+
+The Slurm executor installs this file beside jobctl.py and rundir.py on the machine where
+sbatch works (this one, or a login node) and every run's `plugin/` carries it to the compute
+nodes through the shared workdir. Its commands:
+
+    python3 slurm_batch.py submit RUN_DIR < {"sbatch": [...], "script": ..., "env": {...}}
+    python3 slurm_batch.py probe < {"runs": [{"dir": ..., "job_id": ...}, ...]}
+    python3 slurm_batch.py cancel RUN_DIR [--grace S] [--job-id ID]
+    python3 slurm_batch.py batch RUN_DIR     # the batch script execs this on the first node
+    python3 slurm_batch.py node RUN_DIR      # srun runs this on every node of a multi-node job
+
+`submit` writes its intent into the run directory before sbatch and the job id right after,
+and submits nothing when the run already has a job (by id, or by its name `obd-<run id>`), so
+a daemon killed between the submit and its record never gets a second job. `probe` reads every
+run directory and asks `squeue` once for all of them. `batch` is the job wrapper of a Slurm job:
+it writes `job.pid` and `exit_code` as jobctl does everywhere, turns Slurm's USR1 (sent
+`signal_margin` before the time limit) into a `deadline` snapshot request and a TERM that is not
+obd's cancel into a `preempted` one, and launches the command on every node with srun.
+Values (environment, secrets) reach sbatch on stdin and the job through its environment, never
+a command line or a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+try:  # imported as trainer_plugin.slurm_batch
+    from . import jobctl, rundir
+except ImportError:  # run as a script beside jobctl.py and rundir.py
+    import jobctl  # type: ignore[no-redef, import-not-found]
+    import rundir  # type: ignore[no-redef, import-not-found]
+
+SUBMIT = "slurm.json"  # the submit's intent, then the job id: {"job_name", "submitting", "job_id"}
+LAUNCH = "slurm_launch.json"  # how the batch wrapper launches the command: nodes, launcher, python
+BATCH_SCRIPT = "slurm_batch.sh"  # the batch script sbatch was given
+SUBMIT_GRACE = 120.0  # a submit whose intent is younger than this may still be under way
+
+# Slurm job states (squeue %T), by what they mean for obd.
+PENDING_STATES = frozenset(
+    {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SPECIAL_EXIT", "CONFIGURING"}
+)
+ACTIVE_STATES = frozenset(
+    {
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "STOPPED",
+        "SIGNALING",
+        "STAGE_OUT",
+        "RESIZING",
+        "UPDATE_DB",
+        "POWER_UP_NODE",
+    }
+)
+# Variables of the submitting environment a job keeps (the rest of it, such as the daemon's own
+# secrets, never reaches a job); obd's values and the target's secrets are added to these.
+KEPT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "SHELL", "SLURM_CONF", "TMPDIR")
+SQUEUE_FORMAT = "%i|%j|%T|%N|%r"
+
+
+# --- Slurm commands ------------------------------------------------------------------------
+
+
+def _run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return subprocess.CompletedProcess(argv, 127, "", f"{argv[0]}: {exc}")
+
+
+def squeue_by_name(names: list[str]) -> tuple[dict[str, list[dict]], str | None]:
+    """Every job Slurm still knows under these names (`squeue -t all`), in one call; or why not."""
+    if not names:
+        return {}, None
+    out = _run(["squeue", "--noheader", "--states=all", f"--name={','.join(names)}", f"--format={SQUEUE_FORMAT}"])
+    if out.returncode != 0:
+        return {}, (out.stderr.strip().splitlines() or [f"squeue exited {out.returncode}"])[-1]
+    jobs: dict[str, list[dict]] = {}
+    for line in out.stdout.splitlines():
+        parts = line.split("|", 4)
+        if len(parts) == 5:
+            job = {"job_id": parts[0], "name": parts[1], "state": parts[2], "nodes": parts[3], "reason": parts[4]}
+            jobs.setdefault(parts[1], []).append(job)
+    return jobs, None
+
+
+def job_state(job_id: str) -> str | None:
+    """The state of one job (`squeue -j`), None when Slurm no longer knows it."""
+    out = _run(["squeue", "--noheader", "--states=all", f"--jobs={job_id}", "--format=%T"], timeout=30)
+    if out.returncode != 0:
+        return None if "Invalid job id" in out.stderr else "UNKNOWN"
+    states = out.stdout.split()
+    return states[0] if states else None
+
+
+# --- the submit's record in the run directory ------------------------------------------------
+
+
+def job_name(run_dir: str) -> str:
+    """The Slurm job name of a run: `obd-<run id>`, the run id being its directory's name."""
+    return "obd-" + os.path.basename(os.path.normpath(run_dir))
+
+
+def read_submit(run_dir: str) -> dict:
+    data = rundir.read_regular(os.path.join(run_dir, SUBMIT), 4096)
+    try:
+        value = json.loads(data) if data else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_submit(run_dir: str, record: dict) -> None:
+    rundir.atomic_write(os.path.join(run_dir, SUBMIT), json.dumps(record).encode())
+
+
+def submit_env(values: dict[str, str]) -> dict[str, str]:
+    """sbatch's environment (which `--export=ALL` hands to the job): a login's basics and obd's values."""
+    env = {k: v for k, v in os.environ.items() if k in KEPT_ENV or k.startswith("LC_")}
+    env.update(values)
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    return env
+
+
+def pick_job(jobs: list[dict], job_id: str | None) -> dict | None:
+    """The job of a run among those with its name: the recorded id, else the newest one."""
+    if job_id:
+        return next((j for j in jobs if j["job_id"] == job_id), None)
+    if not jobs:
+        return None
+    return max(jobs, key=lambda j: int(j["job_id"].split("_")[0]) if j["job_id"].split("_")[0].isdigit() else 0)
+
+
+def submit(run_dir: str, request: dict) -> dict:
+    """Submit the run's batch script once: {"job_id", "reused"}; raises SystemExit with sbatch's error."""
+    name = job_name(run_dir)
+    known = read_submit(run_dir)
+    if known.get("job_id"):
+        return {"job_id": known["job_id"], "reused": True}
+    found, error = squeue_by_name([name])
+    if error is not None:
+        raise SystemExit(f"obd: Slurm's controller did not answer squeue: {error}; nothing was submitted")
+    existing = pick_job(found.get(name, []), None)
+    if existing is not None:  # submitted before, its id never recorded: that job is the run's
+        _write_submit(run_dir, {**known, "job_name": name, "job_id": existing["job_id"]})
+        return {"job_id": existing["job_id"], "reused": True}
+    _write_submit(run_dir, {"job_name": name, "submitting": time.time(), "job_id": None})
+    argv = ["sbatch", "--parsable", *request["sbatch"], request["script"]]
+    out = _run(argv, env=submit_env(request.get("env") or {}), timeout=float(request.get("timeout", 120)))
+    if out.returncode != 0:
+        _write_submit(run_dir, {"job_name": name, "submitting": None, "job_id": None, "error": out.stderr[-2000:]})
+        lines = out.stderr.strip().splitlines() or [f"exit {out.returncode}"]
+        raise SystemExit(f"obd: sbatch refused the job: {' | '.join(lines[-3:])}")
+    job_id = out.stdout.strip().splitlines()[-1].split(";")[0].strip()
+    _write_submit(run_dir, {"job_name": name, "submitting": None, "job_id": job_id, "submitted": time.time()})
+    return {"job_id": job_id, "reused": False}
+
+
+# --- probe ---------------------------------------------------------------------------------------
+
+
+def file_facts(run_dir: str) -> dict:
+    """What the run directory says of the job's end: its exit code and obd's cancel files."""
+    return {
+        "exit_code": jobctl.read_int(os.path.join(run_dir, rundir.EXIT_CODE)),
+        "cancelled": os.path.lexists(os.path.join(run_dir, rundir.CANCELLED)),
+        "cancelling": os.path.lexists(os.path.join(run_dir, rundir.CANCELLING)),
+    }
+
+
+def combine(facts: dict, job: dict | None, submit_record: dict, now: float) -> dict:
+    """The job's status from the run directory (the wrapper's exit code wins) and Slurm's view of it.
+
+    Returns {state, exit_code, detail}; `detail` says what Slurm says (its pending reason, its
+    end state), for the daemon's message.
+    """
+    code = facts["exit_code"]
+    if facts["cancelled"]:
+        return {"state": "cancelled", "exit_code": code, "detail": None}
+    if code is not None:
+        return {"state": "cancelled" if facts["cancelling"] else "exited", "exit_code": code, "detail": None}
+    if job is None:
+        started = submit_record.get("submitting")
+        if not submit_record.get("job_id") and isinstance(started, (int, float)) and now - started < SUBMIT_GRACE:
+            return {"state": "pending", "exit_code": None, "detail": "being submitted to Slurm"}
+        if facts["cancelling"]:
+            return {"state": "cancelled", "exit_code": None, "detail": None}
+        if submit_record.get("job_id"):
+            why = f"Slurm no longer knows job {submit_record['job_id']} and it left no exit code"
+        else:
+            why = "no Slurm job was submitted for it"
+        return {"state": "lost", "exit_code": None, "detail": why}
+    state = job["state"]
+    if state in PENDING_STATES:
+        return {"state": "pending", "exit_code": None, "detail": job["reason"] or state}
+    if state in ACTIVE_STATES:
+        return {"state": "running", "exit_code": None, "detail": state}
+    # Slurm ended it, and the wrapper wrote no exit code: it was killed (time limit, node, memory, scancel).
+    if facts["cancelling"] or state == "CANCELLED":
+        return {"state": "cancelled", "exit_code": None, "detail": state}
+    return {"state": "lost", "exit_code": None, "detail": state}
+
+
+def slurm_handle(job_id: str | None) -> dict:
+    """A run's handle as the daemon records it: the Slurm job id stands where a pid would."""
+    number = int(job_id.split("_")[0]) if job_id and job_id.split("_")[0].isdigit() else 0
+    return {"pid": number, "start_time": 0, "boot_id": "", "host": f"slurm job {job_id}" if job_id else "slurm"}
+
+
+def probe(runs: list[dict]) -> dict:
+    """One read of many runs: each run directory, and one `squeue` for all their jobs."""
+    jobs, error = squeue_by_name(sorted({job_name(r["dir"]) for r in runs}))
+    now = time.time()
+    out = []
+    for run in runs:
+        result = jobctl.probe_dir(run["dir"], None)
+        record = read_submit(run["dir"])
+        job_id = record.get("job_id") or run.get("job_id")
+        job = pick_job(jobs.get(job_name(run["dir"]), []), job_id)
+        job_id = job_id or (job["job_id"] if job else None)
+        facts = file_facts(run["dir"])
+        if error is None:
+            result["status"] = combine(facts, job, record, now)
+        result["handle"] = slurm_handle(job_id) if (job_id or record.get("submitting")) else None
+        result["slurm"] = {**(job or {}), "job_id": job_id, "exit_code_written": facts["exit_code"] is not None}
+        out.append(result)
+    return {"probes": out, "squeue_error": error}
+
+
+# --- cancel --------------------------------------------------------------------------------------
+
+
+def _wait_job(job_id: str, seconds: float) -> bool:
+    """Wait until Slurm says the job ended (or forgot it); True if it did within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        state = job_state(job_id)
+        if state is None or (state not in PENDING_STATES and state not in ACTIVE_STATES and state != "UNKNOWN"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def find_job_id(run_dir: str, name: str, given: str | None, wait: float) -> str | None:
+    """The run's job id: recorded, given, or found by name; waits `wait` s for a submit under way."""
+    deadline = time.monotonic() + wait
+    while True:
+        record = read_submit(run_dir)
+        if record.get("job_id") or given:
+            return record.get("job_id") or given
+        found, _ = squeue_by_name([name])
+        job = pick_job(found.get(name, []), None)
+        if job is not None:
+            return job["job_id"]
+        started = record.get("submitting")
+        under_way = isinstance(started, (int, float)) and time.time() - started < SUBMIT_GRACE
+        if not under_way or time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
+
+
+def cancel(run_dir: str, grace: float, job_id: str | None) -> dict:
+    """scancel the run's job (Slurm's TERM, then KILL after `grace`) and mark the run cancelled; idempotent."""
+    facts = file_facts(run_dir)
+    if facts["cancelled"] or (facts["exit_code"] is not None and not facts["cancelling"]):
+        return {"state": "cancelled" if facts["cancelled"] else "exited", "exit_code": facts["exit_code"]}
+    # Written first: the batch wrapper then takes Slurm's TERM for the cancel it is, not a preemption.
+    rundir.atomic_write(os.path.join(run_dir, rundir.CANCELLING), f"{time.time()}\n".encode())
+    job_id = find_job_id(run_dir, job_name(run_dir), job_id, wait=min(30.0, SUBMIT_GRACE))
+    killed = False
+    if job_id is not None:
+        out = _run(["scancel", job_id], timeout=60)
+        if out.returncode != 0 and "Invalid job id" not in out.stderr and "already completing" not in out.stderr:
+            raise SystemExit(f"obd: scancel {job_id} failed: {out.stderr.strip()}")
+        if not _wait_job(job_id, grace):
+            _run(["scancel", "--full", "--signal=KILL", job_id], timeout=60)
+            killed = True
+            _wait_job(job_id, 60)
+    record = {"time": time.time(), "killed": killed, "job_id": job_id}
+    rundir.atomic_write(os.path.join(run_dir, rundir.CANCELLED), json.dumps(record).encode())
+    return {"state": "cancelled", "exit_code": jobctl.read_int(os.path.join(run_dir, rundir.EXIT_CODE))}
+
+
+# --- in the job: the batch wrapper and the per-node launcher -------------------------------------
+
+
+def request_snapshot(run_dir: str, reason: str) -> None:
+    """Write `snapshot.request` unless there is one already (a request's reason is the first asker's)."""
+    path = os.path.join(run_dir, rundir.SNAPSHOT_REQUEST)
+    if rundir.read_regular(path, rundir.REQUEST_LIMIT):
+        return
+    with contextlib.suppress(OSError):
+        rundir.atomic_write(path, f"{reason}\n".encode())
+        print(f"obd: snapshot requested ({reason}) by a signal from Slurm", file=sys.stderr, flush=True)
+
+
+def node_address(node: str) -> str:
+    """A node's address for the others: its NodeAddr (node names need not resolve), else its name."""
+    out = _run(["scontrol", "show", "node", "--oneliner", node], timeout=30)
+    for word in out.stdout.split():
+        if word.startswith("NodeAddr="):
+            return word.split("=", 1)[1]
+    return node
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def node_command(spec: dict, plan: dict, env: dict[str, str]) -> list[str]:
+    """The argv one node runs: the command as given, or torchrun around it."""
+    command = list(spec.get("command") or [])
+    if plan.get("launcher") != "torchrun":
+        return command
+    nodes = int(plan.get("nodes") or 1)
+    argv = [plan.get("python") or sys.executable, "-m", "torch.distributed.run"]
+    argv.append(f"--nproc-per-node={int(plan.get('nproc_per_node') or 1)}")
+    if nodes == 1:
+        argv.append("--standalone")
+    else:
+        first = env.get("SLURM_NODEID", "0") == "0"
+        argv += [
+            f"--nnodes={nodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={env['OBD_SLURM_RDZV']}",
+            f"--rdzv-id=obd-{env.get('SLURM_JOB_ID', 'job')}",
+            f"--rdzv-conf=is_host={1 if first else 0}",
+        ]
+    return [*argv, "--no-python", *command]
+
+
+def _launch_argv(run_dir: str, spec: dict, plan: dict, env: dict[str, str]) -> list[str]:
+    nodes = int(plan.get("nodes") or 1)
+    if nodes == 1:
+        return node_command(spec, plan, env)
+    if plan.get("launcher") == "torchrun":
+        # The rendezvous is on this node (the first of the job): its address, and a port free here.
+        env["OBD_SLURM_RDZV"] = f"{node_address(env.get('SLURMD_NODENAME', socket.gethostname()))}:{free_port()}"
+    here = os.path.abspath(__file__)
+    return [
+        "srun",
+        f"--nodes={nodes}",
+        f"--ntasks={nodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+        plan.get("python") or sys.executable,
+        here,
+        "node",
+        run_dir,
+    ]
+
+
+def batch(run_dir: str) -> int:
+    """The job wrapper of a Slurm job: job.pid, the command (on every node), exit_code; signals become requests."""
+    spec = json.loads(rundir.read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
+    plan = json.loads(rundir.read_regular(os.path.join(run_dir, LAUNCH), 65536) or b"{}")
+    if spec.get("umask") is not None:
+        os.umask(int(spec["umask"]) & 0o777)
+    env = jobctl.job_environment(spec, {}, False)
+    cwd = spec.get("cwd") or run_dir
+    started = time.monotonic()
+    limit = plan.get("time_limit")
+    child: list[subprocess.Popen] = []
+
+    def on_usr1(signum: int, frame: object) -> None:
+        request_snapshot(run_dir, rundir.DEADLINE)
+
+    def on_term(signum: int, frame: object) -> None:
+        if os.path.lexists(os.path.join(run_dir, rundir.CANCELLING)):
+            for proc in child:  # obd's cancel: the job ends (Slurm signals its steps too)
+                with contextlib.suppress(OSError):
+                    proc.send_signal(signal.SIGTERM)
+            return
+        # Slurm's TERM at the time limit, or a preemption's (GraceTime): ask for the snapshot.
+        near_limit = isinstance(limit, (int, float)) and time.monotonic() - started >= limit - 10
+        request_snapshot(run_dir, rundir.DEADLINE if near_limit else rundir.PREEMPTED)
+
+    signal.signal(signal.SIGUSR1, on_usr1)
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    me = os.getpid()
+    command = spec.get("command") or []
+    handle = {
+        "pid": me,
+        "start_time": jobctl.process_start_time(me),
+        "boot_id": jobctl.boot_id(),
+        "host": socket.gethostname(),
+        "node": os.environ.get("SLURMD_NODENAME"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "uid": os.getuid(),
+        "cwd": cwd,
+        "executable": jobctl._which(command[0], env, cwd) if command else None,
+        "python": jobctl._which("python3", env, cwd) or jobctl._which("python", env, cwd),
+    }
+    rundir.atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(handle).encode())
+    argv = _launch_argv(run_dir, spec, plan, env)
+    try:
+        # Left in the batch's process group (no new session): Slurm's process tracking must find
+        # and end everything the job starts.
+        child.append(subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL))
+    except (OSError, ValueError) as exc:
+        print(f"obd: could not start {argv[:1]!r}: {exc}", file=sys.stderr, flush=True)
+        rundir.atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), b"127\n")
+        return 127
+    code = child[0].wait()
+    if code < 0:  # killed by a signal: the shell's convention, 128 + signal number
+        code = 128 - code
+    proof = os.path.lexists(os.path.join(run_dir, rundir.SNAPSHOT_PROOF))
+    if code == 0 and spec.get("output_to") and not proof:
+        jobctl.place_outputs(run_dir, spec["output_to"], cwd, sys.stderr.fileno())
+    rundir.atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), f"{code}\n".encode())
+    return min(code, 255)
+
+
+def node(run_dir: str) -> int:
+    """On each node of a multi-node job (under srun): run the node's command in the job's directory."""
+    spec = json.loads(rundir.read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
+    plan = json.loads(rundir.read_regular(os.path.join(run_dir, LAUNCH), 65536) or b"{}")
+    env = dict(os.environ)
+    argv = node_command(spec, plan, env)
+    os.chdir(spec.get("cwd") or run_dir)
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as exc:
+        print(f"obd: could not start {argv[:1]!r} on {socket.gethostname()}: {exc}", file=sys.stderr, flush=True)
+    return 127
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else None
+
+
+def main(argv: list[str]) -> int:
+    command = argv[0] if argv else ""
+    if command == "submit" and len(argv) >= 2:
+        print(json.dumps(submit(argv[1], json.loads(sys.stdin.read() or "{}"))), flush=True)
+        return 0
+    if command == "probe":
+        print(json.dumps(probe(json.loads(sys.stdin.read() or "{}").get("runs", []))), flush=True)
+        return 0
+    if command == "cancel" and len(argv) >= 2:
+        grace = float(_option(argv, "--grace") or 10.0)
+        print(json.dumps(cancel(argv[1], grace, _option(argv, "--job-id"))), flush=True)
+        return 0
+    if command == "batch" and len(argv) >= 2:
+        return batch(argv[1])
+    if command == "node" and len(argv) >= 2:
+        return node(argv[1])
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
