@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         from runner.cli import profile_parse_main
 
         return profile_parse_main(args.rest + command)
+    if args.cmd == "targets" and args.action == "list":
+        return _targets_list(args)
     if args.cmd in ("targets", "pods"):
         from daemon.admin import admin_main
 
@@ -259,6 +261,53 @@ def _secrets(names: list[str]) -> dict[str, str]:
             raise UsageError(f"--secret {name}: ${name} is not set in this environment")
         out[name] = os.environ[name]
     return out
+
+
+def _targets_list(args: argparse.Namespace) -> int:
+    """The targets and their GPUs (with what holds each), from the daemon; from the config file
+    alone when no daemon answers. Standard library only: this must stay fast."""
+    client = Client(client_socket(args.socket, args.config, args.state_dir), timeout=10)
+    try:
+        rows = client.call("targets")
+    except (DaemonUnreachable, DaemonBusy, RequestFailed) as exc:
+        rows = _targets_from_config(args.config)
+        if not args.json:
+            print(f"(the daemon did not answer: {str(exc).splitlines()[0]}; GPUs and queues unknown)", file=sys.stderr)
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for row in rows:
+        gpus = row.get("gpus")
+        if gpus is None:
+            detail = ""
+        elif not gpus:
+            detail = "no GPUs"
+        else:
+            detail = "GPUs " + ", ".join(f"{g['id']}:{g.get('held_by') or 'free'}" for g in gpus)
+        queued = f", {row['queued']} queued" if row.get("queued") else ""
+        print(render.printable(f"{row['name']:20} {row['kind']:8} {detail}{queued}".rstrip()))
+    return 0
+
+
+def _targets_from_config(config: str | None) -> list[dict[str, Any]]:
+    import tomllib
+
+    from daemon.paths import default_config_path
+
+    path = Path(config) if config else default_config_path()
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        raw = {}
+    found = raw.get("targets")
+    targets: dict[str, Any] = found if isinstance(found, dict) else {}
+    rows = [{"name": "local", "kind": "local"}] if "local" not in targets else []
+    rows += [
+        {"name": n, "kind": str(t.get("kind", "?")) if isinstance(t, dict) else "?"} for n, t in sorted(targets.items())
+    ]
+    return rows
 
 
 def _umask() -> int:

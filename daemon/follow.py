@@ -22,7 +22,7 @@ from daemon.models import RunRecord, RunState
 from daemon.stop_rules import apply_probe, final_state
 from daemon.store import StoreError
 from executors.base import Executor, ExecutorError, JobHandle, JobState, JobStatus, RunEvents, RunProbe
-from trainer_plugin import rundir
+from trainer_plugin import jobctl, rundir
 
 if TYPE_CHECKING:
     from daemon.service import Daemon
@@ -223,8 +223,8 @@ class Follower:
         state, message = decision.state, decision.message
         if status.state == JobState.lost:
             message = supervision.explain_lost(record, message)
-        if state == RunState.failed and status.state == JobState.exited:
-            message += await self._failure_detail(executor, record, status, probe)
+        if status.state == JobState.exited:
+            message += await self._exit_detail(executor, record, status, probe, state == RunState.failed)
         if record.profile:
             await self._collect_metrics(record, executor)
         end_message = await supervision.on_end(record)
@@ -242,14 +242,21 @@ class Follower:
             record.transition(state, message)
 
     @staticmethod
-    async def _failure_detail(executor: Executor, record: RunRecord, status: JobStatus, probe: RunProbe) -> str:
-        """A hint from the exit code and the log's last lines, for the message of a failed run."""
+    async def _exit_detail(
+        executor: Executor, record: RunRecord, status: JobStatus, probe: RunProbe, failed: bool
+    ) -> str:
+        """What the log's end adds to the message: processes the job left behind (which may hold a
+        GPU), and for a failed run a hint from the exit code and its last lines."""
         tail = b""
         with contextlib.suppress(*_TARGET_FAULTS), anyio.fail_after(10):
             size = probe.log_size
             tail = await executor.read_from(f"{record.remote_dir}/{rundir.JOB_LOG}", max(0, size - 8192), 8192)
-        lines = last_lines(tail)
-        detail = ""
+        text = tail.decode(errors="replace")
+        left = [line for line in text.splitlines() if line.startswith(jobctl.LEFT_BEHIND)]
+        detail = f"; {left[-1][len('obd: ') :]}" if left else ""
+        if not failed:
+            return detail
+        lines = [line for line in last_lines(tail) if not line.startswith(jobctl.LEFT_BEHIND)]
         extra = hint(status.exit_code, "\n".join(lines))
         if extra:
             detail += f"; {extra}"

@@ -111,8 +111,16 @@ class Handlers:
 
     async def targets(self, req: ListRequest, peer: Peer) -> list[dict[str, Any]]:
         config = self.daemon.config
-        names = sorted({"local", *config.targets})
-        return [{"name": n, "kind": config.target(n).kind} for n in names]
+        inventory = self.daemon.inventory
+        out = []
+        for name in sorted({"local", *config.targets}):
+            held = inventory.held(name)
+            gpus = [
+                {"id": g.id, "vendor": g.vendor, "name": g.name, "held_by": held.get(g.id)} for g in inventory.of(name)
+            ]
+            queued = len(self.daemon.scheduler.queued(name))
+            out.append({"name": name, "kind": config.target(name).kind, "gpus": gpus, "queued": queued})
+        return out
 
     async def status(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         record = self.daemon.find(req.id, peer)

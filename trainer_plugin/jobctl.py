@@ -308,6 +308,10 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int, clea
         code = 128 - code
     if code == 0 and spec.get("output_to") and not os.path.lexists(os.path.join(run_dir, rundir.SNAPSHOT_PROOF)):
         place_outputs(run_dir, spec["output_to"], cwd, log)
+    left = [pid for pid in group_members(me) or [] if pid != me]
+    if left:  # said before the exit status, so the run's record says it (a GPU may be held)
+        pids = " ".join(str(p) for p in sorted(left)[:10])
+        os.write(log, f"{LEFT_BEHIND} {len(left)} processes in its group (pids {pids}); ending them\n".encode())
     _finish(run_dir, code, None)
     _reap_group(me)
     return 0
@@ -354,6 +358,9 @@ def _which(program: str, env: dict[str, str], cwd: str) -> str | None:
         return os.path.realpath(path) if os.access(path, os.X_OK) else None
     found = shutil.which(program, path=env.get("PATH", os.defpath))
     return os.path.abspath(found) if found else None
+
+
+LEFT_BEHIND = "obd: the job left"
 
 
 def _reap_group(me: int, grace: float = 5.0) -> None:

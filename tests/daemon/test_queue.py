@@ -140,3 +140,14 @@ def test_a_daemon_killed_with_runs_queued_and_running_starts_each_queued_run_exa
     box.start()
     assert sorted(ledger.read_text().split()) == sorted(running + queued)
     assert json.loads(box.cli("train", "list", "--json").stdout)
+
+
+def test_targets_list_shows_the_gpus_and_what_holds_each(box: DaemonProc, tmp_path: Path) -> None:
+    rid = start(box, "sh", "-c", SHOW, opts=("--gpus", "1", "--env", f"LEDGER={tmp_path / 'l'}"))
+    box.wait_state(rid, "running")
+    rows = json.loads(box.cli("targets", "list", "--json").stdout)
+    [local] = [r for r in rows if r["name"] == "local"]
+    assert [(g["id"], g["held_by"]) for g in local["gpus"]] == [("0", rid), ("1", None)]
+    text = box.cli("targets", "list").stdout
+    assert f"0:{rid}" in text and "1:free" in text
+    box.call("cancel", id=rid)

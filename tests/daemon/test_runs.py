@@ -307,3 +307,12 @@ def test_output_to_places_a_successful_runs_outputs_and_never_writes_into_a_full
     daemon.wait_state(rid, "succeeded")
     assert sorted(p.name for p in full.iterdir()) == ["keep.txt"]
     assert "not placed" in daemon.cli("train", "logs", rid).stdout
+
+
+def test_a_job_that_leaves_a_process_behind_is_reported_and_the_process_ended(daemon: DaemonProc) -> None:
+    rid = daemon.call("start", command=["sh", "-c", "sleep 300 & echo started"])["id"]
+    record = daemon.wait_state(rid, "succeeded", "failed")
+    assert record["state"] == "succeeded"
+    assert "the job left 1 processes in its group" in record["message"], record["message"]
+    pid = int(record["message"].split("pids ")[1].split(")")[0])
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or b"Z" in open(f"/proc/{pid}/stat", "rb").read().split(b")")[1][:3], 10, 0.1, "the stray to end")

@@ -79,7 +79,8 @@ def test_a_cancel_on_an_ssh_target_ends_the_job_and_list_shows_the_run(box: Daem
 
 def test_targets_list_and_check_on_the_command_line(box: DaemonProc) -> None:
     listed = json.loads(box.cli("targets", "list", "--json").stdout)
-    assert {"name": "box", "kind": "ssh"} in listed and {"name": "local", "kind": "local"} in listed
+    kinds = {r["name"]: r["kind"] for r in listed}
+    assert kinds["box"] == "ssh" and kinds["local"] == "local"
     out = box.cli("targets", "check", "box", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     checks = {c["check"]: c["ok"] for c in json.loads(out.stdout)}
