@@ -92,7 +92,7 @@ def exposition(families: Iterable[Family]) -> str:
 def histogram(fam: Family, values: list[float], buckets: tuple[float, ...], **labels: str) -> None:
     """Cumulative buckets, +Inf, sum and count of `values` into a histogram family."""
     for bound in buckets:
-        fam.add(sum(v <= bound for v in values), "_bucket", **labels, le=_number(bound))
+        fam.add(sum(v <= bound for v in values), "_bucket", **labels, le=repr(float(bound)))
     fam.add(len(values), "_bucket", **labels, le="+Inf")
     fam.add(sum(values), "_sum", **labels)
     fam.add(len(values), "_count", **labels)

@@ -255,6 +255,24 @@ def test_a_daemon_killed_and_restarted_delivers_what_was_pending_in_order_and_no
     assert len(ids) == len(set(ids)) == 5
 
 
+def test_a_run_waiting_for_gpus_is_notified_queued_then_started(make_daemon, receivers: list[Receiver]) -> None:
+    hook = receiver(receivers)
+    config = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\n' + notify_block("web", url=hook.url)
+    d = make_daemon(config)
+    d.start()
+    holder = start(d, "sleep", "60", opts=("--gpus", "2"))
+    d.wait_state(holder, "running")
+    waiting = start(d, "sleep", "60", opts=("--gpus", "1"))
+    d.wait_state(waiting, "queued")
+    d.call("cancel", id=holder)
+    d.wait_state(waiting, "running")
+    d.call("cancel", id=waiting)
+    d.wait_state(waiting, "cancelled")
+    wait_for(lambda: kinds(hook.acknowledged(waiting))[-1:] == ["cancelled"], 30, what="the queued run's events")
+    assert kinds(hook.received(waiting)) == ["queued", "started", "cancelled"]
+    assert "GPU" in hook.received(waiting)[0]["message"]
+
+
 def test_a_hook_that_hangs_or_answers_500_holds_up_no_run_and_no_other_hook(
     make_daemon, receivers: list[Receiver], short_tmp: Path
 ) -> None:
