@@ -110,6 +110,7 @@ class SshTarget(StrictModel):
     workdir: str = "~/obd"
     python: str = "python3"
     venv: str | None = None
+    retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
     keepalive: Interval = 15.0
     connect_timeout: Timeout = 15.0
     secrets: list[str] = Field(default_factory=list)  # names read from the daemon's environment
@@ -119,6 +120,7 @@ class RunpodTarget(StrictModel):
     kind: Literal["runpod"]
     gpu_type: str | list[str] = "NVIDIA GeForce RTX 4090"
     gpu_count: int = Field(default=1, ge=1, le=64)
+    retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
     image: str = "runpod/pytorch:2.4.0-py3.11-cuda12.4.1-devel-ubuntu22.04"
     cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "SECURE"
     volume_gb: int = Field(default=50, ge=1, le=100_000)
