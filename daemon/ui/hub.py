@@ -87,7 +87,7 @@ class Hub:
                     client = Client(self.socket_path, timeout=WATCH_TIMEOUT + 30)
                     since = client.call("watch", since=0, timeout=0)["version"]
                     self._pod_kinds = {t["name"] for t in client.call("targets") if t.get("kind") == "runpod"}
-                    self._publish(self._with_pods(client, client.call("list"), force=True), None, replace=True)
+                    self._publish(self._with_pods(client, client.call("list")), None, replace=True)
                     backoff = 0.5
                 reply = client.call("watch", since=since, timeout=WATCH_TIMEOUT)
                 if reply["version"] < since:  # the daemon restarted: its versions began again
@@ -95,7 +95,7 @@ class Hub:
                     client = None
                     continue
                 since = reply["version"]
-                runs = self._with_pods(client, reply["runs"], force=True) + self._stale_pods(client, reply["runs"])
+                runs = self._with_pods(client, reply["runs"]) + self._stale_pods(client, reply["runs"])
                 if runs or self.error:
                     self._publish(runs, None)
             except (DaemonUnreachable, DaemonBusy, RequestFailed, OSError, KeyError, TypeError) as exc:
@@ -110,12 +110,10 @@ class Hub:
         if client is not None:
             client.close()
 
-    def _with_pods(self, client: Client, runs: list[dict[str, Any]], force: bool) -> list[dict[str, Any]]:
+    def _with_pods(self, client: Client, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Runs on Runpod targets get `pod` (id, state, rate, spend) from a `status` call."""
         return [
-            {**run, "pod": self._pod_of(client, run["id"])}
-            if run.get("target") in self._pod_kinds and (force or run.get("state") not in FINAL)
-            else run
+            {**run, "pod": self._pod_of(client, run["id"])} if run.get("target") in self._pod_kinds else run
             for run in runs
         ]
 
@@ -132,7 +130,7 @@ class Hub:
                 and r["id"] not in done
                 and now - self._pod_read.get(r["id"], 0) > POD_REFRESH
             ]
-        return self._with_pods(client, due, force=True)
+        return self._with_pods(client, due)
 
     def _pod_of(self, client: Client, run_id: str) -> dict[str, Any] | None:
         self._pod_read[run_id] = time.monotonic()
