@@ -264,13 +264,13 @@ class MetricsExporter:
         return [alive, spend, rate]
 
     def _notify(self) -> list[Family]:
-        if self.notifications is None:
-            return []
         fam = Family(
             "obd_notify_deliveries_total",
             "counter",
             "Notification deliveries since the daemon started, by [[notify]] entry and outcome.",
         )
+        if self.notifications is None:  # no [[notify]] entries: the metric, with no samples
+            return [fam]
         for label in sorted(self.notifications.delivered):
             fam.add(self.notifications.delivered[label], notify=label, outcome="delivered")
             fam.add(self.notifications.failed[label], notify=label, outcome="failed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import urllib.error
@@ -19,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.config import ConfigError, load_config
 from daemon.prometheus import Family, exposition, histogram
-from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 from tests.daemon.test_runpod_target import KEY, make_pods_daemon
 from tests.executors.runpod.conftest import kill_jobs
 from tests.fakes.runpod_api import FakeRunpod
@@ -139,6 +140,15 @@ def test_a_scrape_parses_and_its_numbers_match_the_run_list_and_the_records(make
     with open(f"/proc/{pid}/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     assert abs(value(found, "process_resident_memory_bytes") - rss) < 32 * 2**20
+    # Every metric the sample Grafana dashboard asks for is one the daemon exports.
+    dashboard = (REPO / "docs" / "grafana-dashboard.json").read_text()
+    exported = set(re.findall(r"^# TYPE (\S+)", text, re.M))
+    asked = set(
+        re.findall(
+            r"\b(?:obd|process)_[a-z_]+", json.dumps([p.get("targets") for p in json.loads(dashboard)["panels"]])
+        )
+    )
+    assert asked and {n for n in asked if n not in exported and n.removesuffix("_bucket") not in exported} == set()
     for rid in (holder, waiting):
         d.call("cancel", id=rid)
 
