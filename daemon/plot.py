@@ -133,11 +133,11 @@ def file_end(client: Caller, run_id: str, file: str = "metrics") -> int:
 
 def recent_values(client: Caller, run_id: str, metric: str = "loss", count: int = 40) -> list[float]:
     """The last `count` values of `metric` a run logged, reading only the end of its metrics.jsonl."""
-    first = client.call("read", id=run_id, file="metrics", offset=0, limit=READ_LIMIT)
+    tail = 256 << 10
+    first = client.call("read", id=run_id, file="metrics", offset=0, limit=tail)
     data = base64.b64decode(first.get("data", ""))
-    if len(data) == READ_LIMIT:  # a long run: read its last 256 KiB, not all of it
-        end = file_end(client, run_id)
-        start = max(0, end - (256 << 10))
+    if len(data) == tail:  # a long run: read its last 256 KiB, not all of it
+        start = max(0, file_end(client, run_id) - tail)
         data, _ = read_file(client, run_id, offset=start)
         data = data[data.find(b"\n") + 1 :] if start else data
     return [v for _, v in parse_metrics(data).points(metric)][-count:]

@@ -214,32 +214,58 @@ def test_a_metric_no_run_logged_is_refused_with_those_it_did_log(runs: Runs) -> 
     assert lr.returncode == 0 and lr.stdout.startswith("learning_rate by step")
 
 
-def test_status_on_a_terminal_shows_the_recent_loss_as_a_sparkline(runs: Runs) -> None:
-    d = runs.daemon
-    piped = d.cli("train", "status", runs.child)
-    assert piped.returncode == 0 and "loss      " not in piped.stdout  # only for a person at a terminal
+def on_a_terminal(d: DaemonProc, *args: str) -> str:
+    """What `obd ARGS` prints when its output is a terminal (a pseudo-terminal here)."""
     leader, follower = pty.openpty()
-    proc = subprocess.Popen(
-        [PY, "-m", "daemon.cli", "train", "status", runs.child], env=d.env, cwd=REPO, stdout=follower, stderr=follower
-    )
+    proc = subprocess.Popen([PY, "-m", "daemon.cli", *args], env=d.env, cwd=REPO, stdout=follower, stderr=follower)
     os.close(follower)
     text = b""
     while True:
         try:
             chunk = os.read(leader, 65536)
-        except OSError:
+        except OSError:  # the other end closed
             break
         if not chunk:
             break
         text += chunk
-    assert proc.wait(30) == 0
+    assert proc.wait(30) == 0, text
     os.close(leader)
-    [line] = [x for x in text.decode().splitlines() if x.startswith("loss ")]
-    losses = [v for _, v in logged(d, runs.child)][-40:]
+    return text.decode()
+
+
+def _sparkline_line(text: str, losses: list[float]) -> None:
+    [line] = [x for x in text.splitlines() if x.startswith("loss ")]
     spark = line.split()[1]
     assert len(spark) == len(losses) and set(spark) <= set("▁▂▃▄▅▆▇█")
     assert spark[losses.index(max(losses))] == "█" and spark[losses.index(min(losses))] == "▁"
     assert line.endswith(f"{losses[0]:.4g} → {losses[-1]:.4g} (last {len(losses)} logged)")
+
+
+def test_status_on_a_terminal_shows_the_recent_loss_as_a_sparkline(runs: Runs) -> None:
+    d = runs.daemon
+    piped = d.cli("train", "status", runs.child)
+    assert piped.returncode == 0 and "loss      " not in piped.stdout  # only for a person at a terminal
+    _sparkline_line(on_a_terminal(d, "train", "status", runs.child), [v for _, v in logged(d, runs.child)][-40:])
+
+
+def test_the_sparkline_of_a_long_run_shows_its_last_losses(runs: Runs, tmp_path: Path) -> None:
+    """A metrics.jsonl of megabytes: the sparkline is its end, not its first megabyte."""
+    job = tmp_path / "long.py"
+    job.write_text(
+        "from trainer_plugin import loop\n"
+        "loop.begin(max_steps=30000)\n"
+        "for step in range(1, 30001):\n"
+        "    loop.log_metrics(step, loss=1000.0 / step + (step % 7), note='x' * 60)\n"
+        "loop.end(30000)\n"
+    )
+    d = runs.daemon
+    out = d.cli("train", "start", "--", PY, str(job))
+    assert out.returncode == 0, out.stderr
+    rid = out.stdout.strip()
+    assert d.wait_state(rid, "succeeded", "failed", timeout=120)["state"] == "succeeded"
+    assert (Path(d.record(rid)["remote_dir"]) / "metrics.jsonl").stat().st_size > 3 << 20
+    losses = [v for _, v in logged(d, rid)][-40:]
+    _sparkline_line(on_a_terminal(d, "train", "status", rid), losses)
 
 
 # --- PNG -----------------------------------------------------------------------------------

@@ -193,6 +193,9 @@ def test_the_page_opens_with_its_token_and_nothing_is_served_without_it(browser:
     # An action needs the token in a header that only the page can read, not only the cookie.
     cookie = {"Cookie": f"obd_ui_{ui.port}={ui.token}"}
     assert http(f"{ui.base}/api/runs/last/stop", "POST", cookie)[0] == 403
+    # Through `ssh -L 9999:127.0.0.1:PORT` the browser names localhost and its own port.
+    status, body = http(f"{ui.base}/api/runs", headers={**cookie, "Host": "localhost:9999"})
+    assert status == 200 and json.loads(body)["error"] is None
 
     browser.get(f"{ui.base}/")
     assert "needs its token" in browser.find_element("tag name", "body").text
