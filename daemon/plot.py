@@ -36,7 +36,11 @@ class Caller(Protocol):
 
 
 class PlotError(Exception):
-    """Something the user can fix: a metric no run logged, a run that cannot be read."""
+    """Something the user can fix: a metric no run logged, a missing extra; `usage` picks exit code 2."""
+
+    def __init__(self, message: str, usage: bool = True) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 @dataclass

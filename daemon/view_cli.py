@@ -64,7 +64,7 @@ def plot_command(args: argparse.Namespace, client: Any) -> int:
             print(plot.terminal_chart(curves, metric, width=width, height=args.height, color=color))
     except plot.PlotError as exc:
         print(exc if str(exc).startswith("obd:") else f"obd: {exc}", file=sys.stderr)
-        return EXIT_USAGE if "--metric" in str(exc) or "--png" in str(exc) else EXIT_ERROR
+        return EXIT_USAGE if exc.usage else EXIT_ERROR
     except OSError as exc:
         print(f"obd: cannot write the image: {exc}", file=sys.stderr)
         return EXIT_ERROR
