@@ -200,7 +200,8 @@ def combine(facts: dict, job: dict | None, submit_record: dict, now: float) -> d
         return {"state": "lost", "exit_code": None, "detail": why}
     state = job["state"]
     if state in PENDING_STATES:
-        return {"state": "pending", "exit_code": None, "detail": job["reason"] or state}
+        reason = job["reason"] if job["reason"] not in ("", "None", "(null)") else "submitted, not scheduled yet"
+        return {"state": "pending", "exit_code": None, "detail": reason}
     if state in ACTIVE_STATES:
         return {"state": "running", "exit_code": None, "detail": state}
     # Slurm ended it, and the wrapper wrote no exit code: it was killed (time limit, node, memory, scancel).

@@ -232,6 +232,34 @@ def slurm_conf(root: Path, ctld_port: int, node_ports: dict[str, int], settings:
     return text
 
 
+class SharedCluster:
+    """One cluster for the whole test session, however many fixtures ask for it: up on the first
+    `acquire`, down when the last holder releases it."""
+
+    def __init__(self) -> None:
+        self._holders = 0
+        self._context: contextlib.AbstractContextManager[Cluster] | None = None
+        self.cluster: Cluster | None = None
+
+    def acquire(self) -> Cluster:
+        if self.cluster is None:
+            self._context = running_cluster(TEST_SETTINGS)
+            self.cluster = self._context.__enter__()
+        self._holders += 1
+        return self.cluster
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0 and self._context is not None:
+            context, self._context, self.cluster = self._context, None, None
+            context.__exit__(None, None, None)
+
+
+# Short enough for tests: a finished job stays visible 10 s, KILL comes 3 s after TERM.
+TEST_SETTINGS = {"MinJobAge": "10", "KillWait": "3"}
+SHARED = SharedCluster()
+
+
 @contextlib.contextmanager
 def running_cluster(settings: dict[str, str] | None = None) -> Iterator[Cluster]:
     """A cluster up for the duration of the block, torn down (every daemon and step) after it."""

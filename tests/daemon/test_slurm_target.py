@@ -1,0 +1,277 @@
+"""Slurm targets under the real daemon, against a real cluster (munge, slurmctld, two slurmd).
+
+Every line of issue 16's "Done when" is one of these tests: a 1-node run that succeeds and one
+that fails, cancels of a queued and of a running job with no process left, a 2-node torchrun
+stopped at one step on every rank and resumed as a 2-node job, a deadline snapshot from Slurm's
+time limit that `--retry 1` carries on to max_steps, a daemon killed between submit and record,
+and slurmctld restarted while jobs run. The cluster is shared with tests/executors/slurm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
+from tests.executors.slurm.cluster import Cluster
+from tests.executors.slurm.conftest import run_processes, slurm_cluster  # noqa: F401 - the shared fixture
+
+STEPS_JOB = str(REPO / "tests" / "executors" / "slurm" / "steps_job.py")
+WORKLOAD = str(REPO / "workloads" / "train_qwen_lora.py")
+VENV = sys.prefix  # the tests' virtual environment, on every "node" of this one-machine cluster
+
+
+def slurm_config(workdir: Path) -> str:
+    common = f'workdir = "{workdir}"\nvenv = "{VENV}"\n'
+    return (
+        FAST_CONFIG
+        + "\n[retry]\nbackoff = 0.5\n"
+        + f'\n[targets.hpc]\nkind = "slurm"\n{common}'
+        + f'\n[targets.pair]\nkind = "slurm"\n{common}nodes = 2\nlauncher = "torchrun"\nnproc_per_node = 2\ncpus_per_task = 2\n'
+        + f'\n[targets.short]\nkind = "slurm"\n{common}time = "2"\nsignal_margin = "60s"\n'
+        + f'\n[targets.nowhere]\nkind = "slurm"\n{common}partition = "nowhere"\n'
+    )
+
+
+@pytest.fixture
+def hpc(make_daemon, slurm_cluster: Cluster, short_tmp: Path) -> Iterator[DaemonProc]:  # noqa: F811
+    workdir = short_tmp / "shared"
+    d = make_daemon(slurm_config(workdir))
+    d.env.update(slurm_cluster.env)
+    d.cluster = slurm_cluster  # type: ignore[attr-defined]
+    d.start()
+    yield d
+    d.stop()
+    slurm_cluster.run("scancel", "--user=root", check=False)
+    wait_for(lambda: not slurm_cluster.stepds(), 30, 0.2, "the cluster's jobs to end")
+
+
+def start(d: DaemonProc, target: str, *command: str, opts: tuple[str, ...] = ()) -> str:
+    out = d.cli("train", "start", "--target", target, *opts, "--", *command)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def jobs_named(cluster: Cluster, run_id: str) -> list[dict[str, str]]:
+    return [j for j in cluster.jobs() if j["name"] == f"obd-{run_id}"]
+
+
+def metrics(record: dict) -> list[dict]:
+    path = Path(record["remote_dir"]) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def log_steps(record: dict) -> list[int]:
+    return [m["step"] for m in metrics(record) if m["event"] == "log"]
+
+
+# --- one node --------------------------------------------------------------------------------------
+
+
+def test_a_one_node_run_succeeds_and_a_failing_one_is_failed_with_its_exit_code(hpc: DaemonProc) -> None:
+    ok = start(hpc, "hpc", "sh", "-c", 'echo "on node $SLURMD_NODENAME"')
+    bad = start(hpc, "hpc", "sh", "-c", "echo about to fail; exit 3")
+    record = hpc.wait_state(ok, "succeeded", "failed", "cancelled")
+    assert record["state"] == "succeeded", record["message"]
+    assert record["exit_code"] == 0
+    assert "on node n" in hpc.cli("train", "logs", ok).stdout
+    failed = hpc.wait_state(bad, "succeeded", "failed", "cancelled")
+    assert failed["state"] == "failed" and failed["exit_code"] == 3
+    assert "exit 3" in failed["message"] and f"obd train logs {bad}" in failed["message"]
+    # One Slurm job each, named for its run.
+    assert [j["state"] for j in jobs_named(hpc.cluster, ok)] == ["COMPLETED"]  # type: ignore[attr-defined]
+    assert [j["state"] for j in jobs_named(hpc.cluster, bad)] == ["FAILED"]  # type: ignore[attr-defined]
+
+
+def test_a_queued_run_waits_with_slurms_reason_and_its_cancel_leaves_no_job_and_no_process(hpc: DaemonProc) -> None:
+    cluster: Cluster = hpc.cluster  # type: ignore[attr-defined]
+    blocker = cluster.run(
+        "sbatch", "--parsable", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap=sleep 300"
+    ).stdout.strip()
+    try:
+        wait_for(lambda: any(j["id"] == blocker and j["state"] == "RUNNING" for j in cluster.jobs()), 30)
+        rid = start(hpc, "hpc", "sleep", "300")
+        record = hpc.wait_state(rid, "queued", timeout=30)
+        wait_for(lambda: "Resources" in hpc.record(rid)["message"], 20, what="Slurm's pending reason")
+        assert hpc.record(rid)["message"] == "waiting for the scheduler: Resources"
+        out = hpc.cli("train", "cancel", rid, "--wait")
+        assert out.returncode == 0, out.stderr
+        record = hpc.record(rid)
+        assert record["state"] == "cancelled" and record["message"] == "cancelled by the user"
+        assert [j["state"] for j in jobs_named(cluster, rid)] == ["CANCELLED"]
+        assert not (Path(record["remote_dir"]) / "job.pid").exists()  # it never started
+        assert run_processes(rid) == []
+    finally:
+        cluster.run("scancel", blocker, check=False)
+
+
+def test_a_running_slurm_job_is_cancelled_and_no_process_is_left_on_any_node(hpc: DaemonProc) -> None:
+    rid = start(hpc, "hpc", "sh", "-c", "sleep 300 & sleep 300 & echo children started; wait")
+    record = hpc.wait_state(rid, "running")
+    wait_for(lambda: len(run_processes(rid)) >= 3, 30, what="the job's processes")
+    out = hpc.cli("train", "cancel", rid, "--wait")
+    assert out.returncode == 0, out.stderr
+    record = hpc.record(rid)
+    assert record["state"] == "cancelled" and record["message"] == "cancelled by the user"
+    wait_for(lambda: run_processes(rid) == [], 15, what="every process of the job to be gone")
+    assert [j["state"] for j in jobs_named(hpc.cluster, rid)] == ["CANCELLED"]  # type: ignore[attr-defined]
+
+
+# --- two nodes ---------------------------------------------------------------------------------------
+
+
+def test_a_two_node_torchrun_stops_every_rank_at_one_step_and_resumes_as_a_two_node_job(hpc: DaemonProc) -> None:
+    command = ("python", WORKLOAD, "--tiny", "--batch_size", "2", "--output_dir", "mine")
+    rid = start(hpc, "pair", *command, "--max_steps", "100000")
+    wait_for(lambda: (hpc.record(rid)["progress"]["step"] or 0) >= 2, 180, 0.5, "the 4 ranks to train")
+    assert hpc.record(rid)["slurm"]["nodes"] == "n[1-2]"
+    out = hpc.cli("train", "stop", rid, "--wait", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    record = hpc.record(rid)
+    assert record["state"] == "stopped" and record["snapshot"]["reason"] == "requested"
+    step = record["snapshot"]["step"]
+    run_dir = Path(record["remote_dir"])
+    checkpoint = run_dir / "output" / f"checkpoint-{step}"
+    # Every rank saved its share at that step (one RNG state per rank), once, before the one proof.
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == [f"rng_state_{r}.pth" for r in range(4)]
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == step
+    assert (checkpoint / "adapter_model.safetensors").is_file()
+    assert json.loads((run_dir / "snapshot.json").read_text())["step"] == step
+    assert (run_dir / "job.log").read_text().count("obd: snapshot at step") == 1
+    begin = metrics(record)[0]
+    assert begin["event"] == "begin" and begin["world_size"] == 4
+
+    out = hpc.cli("train", "resume", rid, "--", *command, "--max_steps", str(step + 3))
+    assert out.returncode == 0, out.stderr
+    resumed_id = out.stdout.strip()
+    resumed = hpc.wait_state(resumed_id, "succeeded", "failed", "cancelled", "stopped", timeout=240)
+    assert resumed["state"] == "succeeded", resumed["message"]
+    assert resumed["resumed_from"] == rid
+    assert log_steps(resumed) == [step + 1, step + 2, step + 3]
+    begin = metrics(resumed)[0]
+    assert begin["start_step"] == step and begin["world_size"] == 4
+    # 4 ranks at 2 per node: one torchrun agent on each of the 2 nodes srun gave it.
+    assert json.loads((Path(resumed["remote_dir"]) / "slurm_launch.json").read_text())["nodes"] == 2
+
+
+# --- Slurm's time limit ---------------------------------------------------------------------------------
+
+
+def test_a_job_near_its_time_limit_stops_with_a_deadline_snapshot_and_retry_1_carries_it_to_max_steps(
+    hpc: DaemonProc,
+) -> None:
+    # 1 s steps until the deadline; the attempt that resumes takes fast steps, so it ends before its own.
+    rid = start(hpc, "short", "python", STEPS_JOB, "1", "150", "0.05", opts=("--retry", "1"))
+    first = hpc.wait_state(rid, "stopped", "failed", "succeeded", "cancelled", timeout=150)
+    assert first["state"] == "stopped", first["message"]
+    assert first["snapshot"]["reason"] == "deadline"
+    assert "TIMEOUT" not in first["message"]
+    began = next(h["time"] for h in first["history"] if h["reason"] == "started by the target's scheduler")
+    ended = first["history"][-1]["time"] if first["history"][-1]["state"] == "stopped" else time.time()
+    assert ended - began < 120  # before Slurm's time limit of 2 minutes
+    step = first["snapshot"]["step"]
+    assert 0 < step < 150
+
+    def next_attempt() -> str | None:
+        return hpc.record(rid).get("retried_by")
+
+    second_id = wait_for(next_attempt, 30, 0.2, "the retry's attempt")
+    second = hpc.wait_state(second_id, "succeeded", "failed", "stopped", "cancelled", timeout=120)
+    assert second["state"] == "succeeded", second["message"]
+    assert log_steps(second)[0] == step + 1 and log_steps(second)[-1] == 150
+    assert metrics(second)[0]["start_step"] == step
+    assert len(jobs_named(hpc.cluster, second_id)) == 1  # type: ignore[attr-defined]
+
+
+# --- faults ------------------------------------------------------------------------------------------------
+
+
+def slow_sbatch(directory: Path, before: float, after: float) -> Path:
+    """A `sbatch` first on PATH that waits before and after the real one (a daemon can be killed meanwhile)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    real = "/usr/bin/sbatch"
+    wrapper = directory / "sbatch"
+    wrapper.write_text(f'#!/bin/sh\nsleep {before}\n{real} "$@"\nrc=$?\nsleep {after}\nexit $rc\n')
+    wrapper.chmod(0o755)
+    return directory
+
+
+def submit_helpers() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(a.endswith(b"slurm_batch.py") for a in argv) and b"submit" in argv:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.parametrize(
+    ("moment", "kill_helper"),
+    [("before sbatch", False), ("after sbatch", False), ("after sbatch", True)],
+    ids=["before-sbatch", "after-sbatch", "after-sbatch-with-its-helper"],
+)
+def test_a_daemon_killed_between_submit_and_record_leaves_one_job_and_the_run_right(
+    hpc: DaemonProc, short_tmp: Path, moment: str, kill_helper: bool
+) -> None:
+    cluster: Cluster = hpc.cluster  # type: ignore[attr-defined]
+    hpc.stop()
+    before, after = (4, 0) if moment == "before sbatch" else (0, 4)
+    slow = slow_sbatch(short_tmp / "slow-bin", before, after)
+    hpc.start(extra_env={"PATH": f"{slow}:{os.environ['PATH']}"})
+    rid = start(hpc, "hpc", "python", STEPS_JOB, "0.2", "15")
+    run_dir = Path(hpc.record(rid)["remote_dir"])
+    if moment == "before sbatch":
+        wait_for(lambda: (run_dir / "slurm.json").exists(), 30, 0.05, "the submit's intent")
+    else:
+        wait_for(lambda: jobs_named(cluster, rid), 30, 0.05, "the job in Slurm")
+    assert hpc.record(rid)["job"] is None  # the daemon has not recorded the submit yet
+    hpc.signal(signal.SIGKILL)
+    if kill_helper:
+        for pid in submit_helpers():
+            os.kill(pid, signal.SIGKILL)
+    hpc.start()
+    record = hpc.wait_state(rid, "succeeded", "failed", "cancelled", "stopped", timeout=90)
+    assert record["state"] == "succeeded", record["message"]
+    assert log_steps(record)[-1] == 15
+    assert len(jobs_named(cluster, rid)) == 1
+
+
+def test_a_slurmctld_restart_while_jobs_run_leaves_one_job_per_run_and_every_record_right(hpc: DaemonProc) -> None:
+    cluster: Cluster = hpc.cluster  # type: ignore[attr-defined]
+    runs = [start(hpc, "hpc", "python", STEPS_JOB, "0.5", "20") for _ in range(2)]
+    for rid in runs:
+        hpc.wait_state(rid, "running")
+    wait_for(lambda: all(hpc.record(r)["progress"]["step"] for r in runs), 60, 0.2, "both jobs to step")
+    cluster.restart_ctld()
+    for rid in runs:
+        record = hpc.wait_state(rid, "succeeded", "failed", "cancelled", "stopped", timeout=90)
+        assert record["state"] == "succeeded", record["message"]
+        assert log_steps(record) == list(range(1, 21))
+        assert len(jobs_named(cluster, rid)) == 1
+
+
+# --- targets check ---------------------------------------------------------------------------------------
+
+
+def test_targets_check_of_a_slurm_target_reaches_sinfo_the_partition_a_shared_workdir_and_torch(hpc: DaemonProc) -> None:
+    out = hpc.cli("targets", "check", "hpc", "--json", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    checks = {c["check"]: c for c in json.loads(out.stdout)}
+    for name in ("sinfo answers", "partition exists", "workdir shared", "python found", "torch found"):
+        assert checks[name]["ok"], checks[name]
+    assert "debug" in checks["partition exists"]["detail"]
+    out = hpc.cli("targets", "check", "nowhere", timeout=180)
+    assert out.returncode == 1
+    line = next(line for line in out.stdout.splitlines() if "partition exists" in line)
+    assert line.startswith("FAIL") and "nowhere" in line and "debug" in line
