@@ -416,7 +416,10 @@ class Notifications:
                 runs, self._dirty = self._dirty, set()
                 for run_id in sorted(runs):
                     for entry in self.entries:
-                        self._start(entry, run_id)
+                        try:
+                            self._start(entry, run_id)
+                        except Exception:  # a bug here must not end the daemon: the next change tries again
+                            log.exception("notify_crashed", notify=entry.label, run_id=run_id)
                 await self._wake.wait()
                 self._wake = anyio.Event()
 

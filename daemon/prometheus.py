@@ -315,6 +315,13 @@ class MetricsExporter:
                 return
 
     def _respond(self, head: bytes) -> bytes:
+        try:
+            return self._page(head)
+        except Exception:  # a bug in a metric must not take the daemon down with the scrape
+            log.exception("metrics_render_failed")
+            return _response(500, "Internal Server Error", b"the metrics could not be rendered: see the daemon's log\n")
+
+    def _page(self, head: bytes) -> bytes:
         fields = head.split(b"\r\n", 1)[0].split(b"\n", 1)[0].decode("latin-1").split()
         if len(fields) != 3 or not fields[2].startswith("HTTP/"):
             return _response(400, "Bad Request", b"not an HTTP request\n")
