@@ -14,7 +14,9 @@ MAX_REPLY = 64 << 20
 MAX_MESSAGE = 1 << 20  # the daemon's limit on one request (daemon/api.py)
 BUSY_RETRY_FOR = 3.0  # seconds a busy daemon is retried before the client gives up
 # Requests that can be sent again on a fresh connection without doing anything twice.
-IDEMPOTENT = frozenset({"ping", "list", "targets", "status", "wait", "metrics", "read", "stop", "cancel"})
+IDEMPOTENT = frozenset(
+    {"ping", "list", "targets", "status", "wait", "watch", "metrics", "read", "stop", "cancel", "outputs"}
+)
 
 
 class DaemonUnreachable(Exception):

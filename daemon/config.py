@@ -48,6 +48,9 @@ class DaemonSection(StrictModel):
     poll_interval: Interval = 1.0  # how often a local target is polled
     remote_poll_interval: Interval = 3.0  # how often an SSH or pod target is polled
     probe_timeout: Timeout = 20.0  # a read of a target that takes longer is abandoned
+    # On a target that reports what happens (the local one: inotify, pidfd), every run is read
+    # again this often as a safety net; in between, only the runs something happened to.
+    sweep_interval: Interval = 30.0
     metrics_listen: str | None = None  # HOST:PORT for Prometheus' /metrics (daemon/prometheus.py); off unless set
 
     @field_validator("metrics_listen")

@@ -28,7 +28,10 @@ if TYPE_CHECKING:
     from daemon.service import Daemon
 
 log = structlog.get_logger("obd")
-WATCHED_FILES = frozenset({rundir.SNAPSHOT_REQUEST, rundir.SNAPSHOT_PROOF, rundir.EXIT_CODE, rundir.CANCELLED})
+# Files whose writing wakes a run's follow at once; metrics.jsonl growing marks the run for the
+# next tick (progress can wait a poll interval; an exit, a request or a proof cannot).
+URGENT_FILES = frozenset({rundir.SNAPSHOT_REQUEST, rundir.SNAPSHOT_PROOF, rundir.EXIT_CODE, rundir.CANCELLED})
+PROGRESS_FILES = frozenset({rundir.METRICS})
 _TARGET_FAULTS = (ExecutorError, TimeoutError, OSError)
 
 
@@ -48,6 +51,12 @@ class Follower:
         self.finishing: set[str] = set()  # runs whose end is being recorded (outputs, metrics)
         self._unreachable_noted: dict[str, set[str]] = {}  # kinds of failure noted while a target is away
         self.last_read: dict[str, float] = {}  # executor key -> wall time its last probe answered
+        # On a target with events, a wake-up reads only the runs something happened to; every run
+        # is read again each `sweep_interval`, as a safety net (an event lost, a filesystem
+        # without inotify). Targets without events are read whole at every poll.
+        self._dirty: dict[str, set[str]] = {}  # executor key -> run directories to read
+        self._all_dirty: set[str] = set()  # executor keys to read whole at their next wake
+        self._sweep_at: dict[str, float] = {}
 
     # --- loops ---------------------------------------------------------------------------
 
@@ -63,7 +72,11 @@ class Follower:
     def ensure_loop(self, record: RunRecord) -> None:
         targets = self.daemon.targets
         key = targets.key(record)
-        self.wake(key)
+        if record.has_job:
+            self.mark(key, record.remote_dir)
+        else:
+            self._all_dirty.add(key)
+            self.wake(key)
         if key in self._loops or self.daemon._tg is None:
             return
         self._loops.add(key)
@@ -75,7 +88,16 @@ class Follower:
             event.set()
 
     def wake_run(self, record: RunRecord) -> None:
-        self.wake(self.daemon.targets.key(record))
+        self.mark(self.daemon.targets.key(record), record.remote_dir)
+
+    def mark(self, key: str, remote_dir: str, urgent: bool = True) -> None:
+        """Something happened to the run in `remote_dir`: read it at the next wake (now, if urgent)."""
+        if remote_dir:
+            self._dirty.setdefault(key, set()).add(remote_dir)
+        else:
+            self._all_dirty.add(key)
+        if urgent:
+            self.wake(key)
 
     def watch(self, record: RunRecord) -> None:
         """Where the target can tell, wake the follow the moment the job exits or anyone
@@ -94,28 +116,34 @@ class Follower:
         async def exit_watch() -> None:
             with contextlib.suppress(Exception):  # the follow's polling sees the exit anyway
                 await events.wait_exit(handle)
-            self.wake(key)
+            self.mark(key, record.remote_dir)
 
         self.daemon.start_soon(exit_watch)
 
     async def _listen(self, key: str, events: RunEvents) -> None:
         while True:
             try:
-                names = await events.changed_files()
+                paths = await events.changed_files()
             except OSError as exc:
                 log.warning("dir_watch_failed", target=key, error=str(exc))
                 return  # polling still sees everything
-            if names & WATCHED_FILES:
-                self.wake(key)
+            for path in paths:
+                where, _, name = path.rpartition("/")
+                if name in URGENT_FILES or not where:
+                    self.mark(key, where)  # a bare name (the target cannot say where): every run
+                elif name in PROGRESS_FILES:
+                    self.mark(key, where, urgent=False)
 
     async def _loop(self, key: str, interval: float) -> None:
         bound = log.bind(target=key)
         bound.info("follow_started")
+        sweep = self.daemon.config.daemon.sweep_interval
         try:
             while True:
                 self._wake[key] = anyio.Event()
+                only = self._what_to_read(key, sweep)
                 try:
-                    await self._once(key)
+                    await self._once(key, only)
                 except Exception:  # a surprise in one poll must not end the follow, or the daemon
                     bound.exception("follow_poll_failed")
                 with anyio.move_on_after(interval):
@@ -129,10 +157,27 @@ class Follower:
             return [r for r in self.daemon.records.values() if r.has_job and targets.key(r) == key]
         return [r for r in self.daemon.records.values() if r.state == state and targets.key(r) == key]
 
-    async def _once(self, key: str) -> None:
+    def _what_to_read(self, key: str, sweep: float) -> set[str] | None:
+        """The run directories the next read covers; None: every run of the target."""
+        now = time.monotonic()
+        evented = key in self._watched
+        if not evented or key in self._all_dirty or now >= self._sweep_at.get(key, 0.0):
+            self._all_dirty.discard(key)
+            self._dirty.pop(key, None)
+            self._sweep_at[key] = now + sweep
+            return None
+        return self._dirty.pop(key, set())
+
+    async def _once(self, key: str, only: set[str] | None = None) -> None:
         runs = self._runs(key, RunState.running)
+        if only is not None:
+            # And those with a clock running (the stop fallback counts from a request or a proof).
+            runs = [r for r in runs if r.remote_dir in only or r.stop.requested_at is not None or r.stop.cancel_by]
         if runs:
             await self._poll(key, runs)
+        if only is not None:
+            self.daemon.retry_failed_saves()
+            return
         # Runs left `preparing` by an earlier daemon whose target did not answer at start.
         launching = self.daemon.launcher.launching
         stranded = [r for r in self._runs(key, RunState.preparing) if r.id not in launching]

@@ -27,9 +27,9 @@ from daemon.config import Config
 from daemon.follow import Follower
 from daemon.gpus import Inventory
 from daemon.launch import Launcher
+from daemon.models import InvalidRunId, RunRecord, RunState, check_run_id
 from daemon.queue import Scheduler
 from daemon.recovery import Recovery
-from daemon.models import InvalidRunId, RunRecord, RunState, check_run_id
 from daemon.store import RunStore, StoreError
 from daemon.systemd import Notifier
 from daemon.targets import Targets

@@ -166,7 +166,8 @@ class RunEvents(Protocol):
         """Stop reporting this run directory (its run ended)."""
 
     async def changed_files(self) -> set[str]:
-        """Block until files were written in watched directories; their names."""
+        """Block until files were written in watched directories; their paths (`<run dir>/<name>`),
+        or bare names where the target cannot say which run directory."""
         ...
 
     async def wait_exit(self, handle: JobHandle) -> None:

@@ -42,16 +42,21 @@ JOBCTL = Path(jobctl.__file__).resolve()
 
 
 class DirWatch:
-    """inotify on run directories, so a request or proof written by anyone is seen at once.
+    """inotify on run directories, so a request, a proof or an exit written by anyone is seen at
+    once, and on each run's metrics.jsonl, so its progress is seen as it grows.
 
-    Where inotify cannot be had, `available` is False and the follow's polling still sees it.
+    Events are reported as paths (`<run dir>/<name>`). Where inotify cannot be had, `available`
+    is False and the follow's polling still sees everything.
     """
 
-    IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE = 0x8, 0x80, 0x100
+    IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE = 0x2, 0x8, 0x80, 0x100
+    IN_IGNORED, IN_Q_OVERFLOW = 0x8000, 0x4000
     _HEADER = struct.Struct("iIII")
 
     def __init__(self) -> None:
-        self._wds: dict[str, int] = {}
+        self._wds: dict[str, int] = {}  # run dir -> its watch
+        self._files: dict[str, int] = {}  # a run's metrics.jsonl -> its watch
+        self._paths: dict[int, str] = {}  # watch -> what it watches
         self._fd = -1
         try:
             self._libc = ctypes.CDLL(None, use_errno=True)
@@ -63,34 +68,62 @@ class DirWatch:
     def available(self) -> bool:
         return self._fd >= 0
 
+    def _add(self, path: str, mask: int) -> int | None:
+        wd = self._libc.inotify_add_watch(self._fd, os.fsencode(path), mask)
+        if wd < 0:
+            return None
+        self._paths[wd] = path
+        return int(wd)
+
     def add(self, directory: str) -> None:
         if not self.available or directory in self._wds:
             return
-        mask = self.IN_CLOSE_WRITE | self.IN_MOVED_TO | self.IN_CREATE
-        wd = self._libc.inotify_add_watch(self._fd, os.fsencode(directory), mask)
-        if wd >= 0:
+        wd = self._add(directory, self.IN_CLOSE_WRITE | self.IN_MOVED_TO | self.IN_CREATE)
+        if wd is not None:
             self._wds[directory] = wd
+            self._watch_metrics(directory)
+
+    def _watch_metrics(self, directory: str) -> None:
+        path = os.path.join(directory, rundir.METRICS)
+        if path not in self._files and os.path.isfile(path):
+            wd = self._add(path, self.IN_MODIFY)
+            if wd is not None:
+                self._files[path] = wd
 
     def remove(self, directory: str) -> None:
-        wd = self._wds.pop(directory, None)
-        if wd is not None and self.available:
-            self._libc.inotify_rm_watch(self._fd, wd)
+        for table, key in ((self._wds, directory), (self._files, os.path.join(directory, rundir.METRICS))):
+            wd = table.pop(key, None)
+            if wd is not None and self.available:
+                self._paths.pop(wd, None)
+                self._libc.inotify_rm_watch(self._fd, wd)
 
-    async def names(self) -> set[str]:
-        """Wait for events; the names of the files they were about."""
+    async def paths(self) -> set[str]:
+        """Wait for events; the paths of the files they were about."""
         await anyio.wait_readable(self._fd)
-        names: set[str] = set()
+        paths: set[str] = set()
         try:
             data = os.read(self._fd, 65536)
         except BlockingIOError:
-            return names
+            return paths
         pos = 0
         while pos + self._HEADER.size <= len(data):
-            _wd, _mask, _cookie, length = self._HEADER.unpack_from(data, pos)
+            wd, mask, _cookie, length = self._HEADER.unpack_from(data, pos)
             pos += self._HEADER.size
-            names.add(data[pos : pos + length].rstrip(b"\0").decode(errors="replace"))
+            name = data[pos : pos + length].rstrip(b"\0").decode(errors="replace")
             pos += length
-        return names
+            if mask & self.IN_Q_OVERFLOW:
+                paths.add("")  # events were lost: the follow reads every run
+                continue
+            where = self._paths.get(wd)
+            if where is None or mask & self.IN_IGNORED:
+                continue
+            if name:  # an event in a run directory
+                paths.add(f"{where}/{name}")
+                if name == rundir.METRICS:
+                    self._watch_metrics(where)
+            else:  # an event on a watched file itself (metrics.jsonl grew)
+                paths.add(where)
+        return paths
 
 
 def _text(raw: bytes | None) -> str:
@@ -121,10 +154,10 @@ class LocalEvents:
         self.dir_watch.remove(remote_dir)
 
     async def changed_files(self) -> set[str]:
-        """Names of files just written in a watched run directory (blocks until there are some)."""
+        """Paths of files just written in watched run directories (blocks until there are some)."""
         if not self.dir_watch.available:
             await anyio.sleep_forever()
-        return await self.dir_watch.names()
+        return await self.dir_watch.paths()
 
     async def wait_exit(self, handle: JobHandle) -> None:
         """Return when the job's wrapper has exited (pidfd: woken by the kernel, no polling)."""
