@@ -84,7 +84,12 @@ class Cluster:
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 - the process keeps it
         self.procs[name] = subprocess.Popen(
-            argv, env={**os.environ, **self.env}, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+            argv,
+            env={**os.environ, **self.env},
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         log.close()
 
@@ -105,11 +110,13 @@ class Cluster:
                 f"--seed-file={self.root / 'munge' / 'munged.seed'}",
             ],
         )
-        _wait(lambda: self.munge_socket.exists(), 10, "munged's socket", self)
+        _wait(self.munge_socket.exists, 10, "munged's socket", self)
 
     def start_ctld(self) -> None:
         self._spawn("slurmctld", [_program("slurmctld"), "-D", "-f", str(self.conf)])
-        _wait(lambda: self.run("scontrol", "ping", check=False, timeout=5).stdout.count("UP") > 0, 20, "slurmctld", self)
+        _wait(
+            lambda: self.run("scontrol", "ping", check=False, timeout=5).stdout.count("UP") > 0, 20, "slurmctld", self
+        )
 
     def start_node(self, node: str) -> None:
         self._spawn(f"slurmd-{node}", [_program("slurmd"), "-D", "-N", node, "-f", str(self.conf)])
