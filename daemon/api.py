@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_MESSAGE = 1 << 20
 
 
+class RawJSON(bytes):
+    """A result already encoded as JSON: the server puts it in its reply as it is."""
+
+
 class ApiError(Exception):
     """An error the client shows as it is; `kind` picks its exit code."""
 

@@ -366,8 +366,10 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
 
         return copy_outputs(client.call("outputs", id=args.id), args.to, args.checkpoint, args.json)
     if action == "list":
-        runs = client.call("list", all=args.all)
-        print(json.dumps(runs, indent=1) if args.json else render.table(runs))
+        if args.json:  # as the daemon encoded it: nothing decoded and encoded again
+            sys.stdout.buffer.write(client.call_raw("list", all=args.all) + b"\n")
+            return 0
+        print(render.table(client.call("list", all=args.all)))
         return 0
     if action == "status":
         record = client.call("status", id=args.id)

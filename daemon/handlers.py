@@ -9,6 +9,7 @@ finds it for that caller (`Daemon.find`): only the run's owner and root may act 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import time
@@ -26,6 +27,7 @@ from daemon.api import (
     ListRequest,
     ListRunsRequest,
     Peer,
+    RawJSON,
     ReadRequest,
     ResumeRequest,
     StartRequest,
@@ -84,7 +86,7 @@ class Handlers:
     async def ping(self, req: ListRequest, peer: Peer) -> dict[str, Any]:
         return {"pid": os.getpid(), "runs": len(self.daemon.visible(peer)), "uid": os.geteuid()}
 
-    async def list_runs(self, req: ListRunsRequest, peer: Peer) -> list[dict[str, Any]]:
+    async def list_runs(self, req: ListRunsRequest, peer: Peer) -> RawJSON:
         d = self.daemon
         runs = sorted(d.records.values(), key=lambda r: (r.created, r.id)) if req.all else d.visible(peer)
         if req.states:
@@ -104,10 +106,16 @@ class Handlers:
             runs = [r for r in runs if not r.state.final or r.id in keep]
         if req.limit:
             runs = runs[-req.limit :]
-        out = [summary(r, full=peer.is_root or r.owner_uid == peer.uid) for r in runs]
+        parts = [
+            d.summary_json(r) if peer.is_root or r.owner_uid == peer.uid else json.dumps(r.summary(full=False)).encode()
+            for r in runs
+        ]
         if peer.is_root and (req.all or not req.states):
-            out += [{"id": rid, "state": "unreadable", "message": err} for rid, err in sorted(d.bad_records.items())]
-        return out
+            parts += [
+                json.dumps({"id": rid, "state": "unreadable", "message": err}).encode()
+                for rid, err in sorted(d.bad_records.items())
+            ]
+        return RawJSON(b"[" + b",".join(parts) + b"]")
 
     async def targets(self, req: ListRequest, peer: Peer) -> list[dict[str, Any]]:
         config = self.daemon.config
@@ -148,7 +156,7 @@ class Handlers:
         """A long poll: the summaries of the caller's runs that changed after version `since`."""
         version = await self.daemon.wait_change(req.since, req.timeout)
         changed = self.daemon.changed_at
-        runs = [summary(r) for r in self.daemon.visible(peer) if changed.get(r.id, 0) > req.since]
+        runs = [r.summary() for r in self.daemon.visible(peer) if changed.get(r.id, 0) > req.since]
         return {"version": version, "runs": runs}
 
     async def metrics(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
@@ -326,26 +334,6 @@ def gpus_text(wanted: int | list[str] | None) -> str | None:
     if wanted is None:
         return None
     return ",".join(wanted) + ("," if len(wanted) == 1 else "") if isinstance(wanted, list) else str(wanted)
-
-
-def summary(record: RunRecord, full: bool = True) -> dict[str, Any]:
-    """What `list` shows of a run; another user's run shows no message (it may quote its log)."""
-    out: dict[str, Any] = {
-        "id": record.id,
-        "name": record.name,
-        "owner": record.owner,
-        "state": record.state.value,
-        "target": record.target,
-        "created": record.created,
-        "progress": record.progress.model_dump(),
-        "message": record.message if full else "",
-        "snapshot": record.snapshot.model_dump() if record.snapshot and full else None,
-        "resumed_from": record.resumed_from,
-        "gpus": record.gpus,
-        "attempt": record.attempt,
-        "attempts": record.retries + 1,
-    }
-    return out
 
 
 async def mirror_outputs(daemon: Daemon, record: RunRecord) -> Path:

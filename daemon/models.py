@@ -159,5 +159,23 @@ class RunRecord(BaseModel):
             return
         self.history.append(Transition(state=self.state, time=at or time.time(), reason=event))
 
+    def summary(self, full: bool = True) -> dict[str, Any]:
+        """What `list` shows of a run; another user's run shows no message (it may quote its log)."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "owner": self.owner,
+            "state": self.state.value,
+            "target": self.target,
+            "created": self.created,
+            "progress": self.progress.model_dump(),
+            "message": self.message if full else "",
+            "snapshot": self.snapshot.model_dump() if self.snapshot and full else None,
+            "resumed_from": self.resumed_from,
+            "gpus": self.gpus,
+            "attempt": self.attempt,
+            "attempts": self.retries + 1,
+        }
+
     def public(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

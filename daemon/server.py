@@ -30,7 +30,7 @@ from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ValidationError
 
-from daemon.api import MAX_MESSAGE, ApiError, Peer
+from daemon.api import MAX_MESSAGE, ApiError, Peer, RawJSON
 from daemon.config import DaemonSection
 
 log = structlog.get_logger("obd.server")
@@ -322,4 +322,8 @@ class ControlServer:
 
 
 async def _send(stream: SocketStream, message: dict) -> None:
+    result = message.get("result")
+    if isinstance(result, RawJSON):  # encoded once, where it is kept (the run list)
+        await stream.send(b'{"ok": true, "result": ' + result + b"}\n")
+        return
     await stream.send(json.dumps(message).encode() + b"\n")

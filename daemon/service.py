@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import pwd
 import signal
@@ -68,6 +69,7 @@ class Daemon:
         self.changed_at: dict[str, int] = {}
         self._changed = anyio.Event()
         self.listeners: list[Callable[[RunRecord], None]] = []
+        self._summaries: dict[str, bytes] = {}  # each run's `list` entry, encoded once per change
         self._tg: TaskGroup | None = None
         self._lock_fd: int | None = None
 
@@ -100,6 +102,7 @@ class Daemon:
         """Tell whoever watches that a run changed (saved or not: progress is not always saved)."""
         self.version += 1
         self.changed_at[record.id] = self.version
+        self._summaries.pop(record.id, None)
         self._changed.set()
         self._changed = anyio.Event()
         for listener in self.listeners:
@@ -107,6 +110,13 @@ class Daemon:
                 listener(record)
             except Exception:  # a listener's bug must never cost a record its change
                 log.exception("listener_failed", run_id=record.id)
+
+    def summary_json(self, record: RunRecord) -> bytes:
+        """The run's `list` entry as JSON, encoded again only after the run changed."""
+        data = self._summaries.get(record.id)
+        if data is None:
+            data = self._summaries[record.id] = json.dumps(record.summary()).encode()
+        return data
 
     async def wait_change(self, since: int, timeout: float) -> int:
         """Wait until something changed after version `since` (or `timeout`); the version now."""

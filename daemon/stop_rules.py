@@ -96,7 +96,7 @@ class Verdict:
 def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes) -> Verdict:
     """Fold one probe into the record (plugin, progress, request, proof) and apply the stop fallback."""
     verdict = Verdict()
-    before = record.model_dump_json(exclude={"progress"})
+    before = _fingerprint(record)
     if record.unreachable_since is not None:
         record.note("target reachable again", now)
         record.unreachable_since = None
@@ -120,8 +120,25 @@ def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes)
         if record.state == RunState.queued:
             record.transition(RunState.running, "started by the target's scheduler", now)
         verdict.cancel = fallback_reason(record, now, stop)
-    verdict.changed = record.model_dump_json(exclude={"progress"}) != before
+    verdict.changed = _fingerprint(record) != before
     return verdict
+
+
+def _fingerprint(record: RunRecord) -> tuple[object, ...]:
+    """What a probe can change in a record, besides progress (which is not saved on its own)."""
+    st = record.stop
+    return (
+        record.state,
+        record.message,
+        len(record.history),
+        record.snapshots,
+        record.snapshot is not None,
+        record.unreachable_since,
+        st.requested_at,
+        st.reason,
+        st.proof_at,
+        st.invalid_proof,
+    )
 
 
 def see_request(record: RunRecord, raw: str | None, now: float) -> None:
