@@ -4,8 +4,10 @@
 
 - `obd train list --json` against a daemon holding 1,000 runs: median wall time of the whole
   client process, and the client's import time (and that it imports no torch/transformers).
-- The daemon following 200 concurrent local jobs: its CPU time per job per minute, and the
-  time from a job's exit to its recorded final state (median, p99).
+- Daemon start with 1,000 records against none, to a socket that answers.
+- The daemon following 100, 300 and 1,000 local jobs: its CPU over a 60 s window (share of a
+  core, and ms per job per minute), and the time from a job's exit to its recorded final state
+  (median, p99) while the others are followed.
 - Stop latency: from `obd train stop` to the recorded `stopped`, less what the job itself
   spends (waiting for its step end, saving): the part obd adds, median and p99 over 20 stops.
 """
@@ -41,59 +43,101 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_list(root: Path, runs: int) -> None:
+def _timed(argv: list[str], env: dict[str, str], reps: int = 15) -> list[float]:
+    walls = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = subprocess.run(argv, env=env, capture_output=True, cwd=REPO)
+        walls.append(time.perf_counter() - t)
+        assert out.returncode == 0, out.stderr
+    return walls
+
+
+def _start_time(root: Path, runs: int) -> float:
+    """Seconds from starting a daemon holding `runs` finished records to its socket answering."""
+    root.mkdir(parents=True, exist_ok=True)
     d = DaemonProc(root, CONFIG)
     store = RunStore(d.state_dir)
     for i in range(runs):
         r = RunRecord(id=f"20260101-000000-{i:06x}", command=["python", "train.py", f"--seed={i}"], name=f"run{i}")
-        r.transition(RunState.preparing, "created")
-        r.transition(RunState.running, "started")
-        r.transition(RunState.succeeded, "exit 0")
+        for state, why in ((RunState.preparing, "created"), (RunState.running, "started"), (RunState.succeeded, "exit 0")):
+            r.transition(state, why)
         store.save(r)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        d.start()
+        times.append(time.perf_counter() - t)
+        d.stop()
+    return statistics.median(times)
+
+
+def bench_list(root: Path, runs: int) -> None:
+    empty = _start_time(root / "empty", 0)
+    full = _start_time(root / "full", runs)
+    print(f"daemon start to a socket that answers: {full*1000:.0f} ms with {runs} records, {empty*1000:.0f} ms with none "
+          f"(+{(full - empty)*1000:.0f} ms)")
+    d = DaemonProc(root / "full", CONFIG)
     d.start()
     try:
-        walls = []
-        for _ in range(15):
-            t = time.perf_counter()
-            out = subprocess.run([sys.executable, "-m", "daemon.cli", "train", "list", "--json"], env=d.env, capture_output=True, cwd=REPO)
-            walls.append(time.perf_counter() - t)
-            assert out.returncode == 0 and len(json.loads(out.stdout)) == runs
-        base = []
-        for _ in range(15):
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "pass"], env=d.env, cwd=REPO)
-            base.append(time.perf_counter() - t)
+        cli = [sys.executable, "-m", "daemon.cli", "train", "list"]
+        out = subprocess.run([*cli, "--all", "--json"], env=d.env, capture_output=True, cwd=REPO)
+        assert len(json.loads(out.stdout)) == runs
+        as_json = _timed([*cli, "--all", "--json"], d.env)
+        as_text = _timed([*cli, "--all"], d.env)
+        base = _timed([sys.executable, "-c", "pass"], d.env)
         imp = subprocess.run(
-            [sys.executable, "-X", "importtime", "-c", "import daemon.cli, sys; print(','.join(m for m in ('torch','transformers','pydantic') if m in sys.modules))"],
+            [sys.executable, "-X", "importtime", "-c", "import daemon.cli, sys; print(','.join(m for m in ('torch','transformers','pydantic','anyio','structlog') if m in sys.modules))"],
             env=d.env, capture_output=True, text=True, cwd=REPO,
         )
         rows = [line[len("import time:"):].split("|") for line in imp.stderr.splitlines() if line.startswith("import time:")]
         total_us = sum(int(r[0]) for r in rows if r[0].strip().isdigit())  # the `self` column
-        print(f"train list --json, {runs} runs: median {statistics.median(walls)*1000:.0f} ms per client process "
-              f"(bare `python -c pass`: {statistics.median(base)*1000:.0f} ms; ratio {statistics.median(walls)/statistics.median(base):.2f})")
+        b = statistics.median(base)
+        for what, walls in (("--json", as_json), ("(text)", as_text)):
+            m = statistics.median(walls)
+            print(f"train list --all {what}, {runs} runs: median {m*1000:.0f} ms per client process "
+                  f"(bare `python -c pass`: {b*1000:.0f} ms; ratio {m/b:.2f}; obd's own part {(m - b)*1000:.0f} ms)")
         print(f"client import time (daemon.cli and all it imports, -X importtime self times summed): {total_us/1000:.1f} ms; heavy modules imported: {imp.stdout.strip() or 'none'}")
     finally:
         d.stop()
 
 
-def bench_follow(root: Path, jobs: int) -> None:
+def _job_children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def bench_follow(root: Path, jobs: int, window: float = 60.0) -> None:
+    """The daemon following `jobs` local `sleep` jobs: its CPU over a quiet window, then the time
+    from each job's exit (its exit_code file) to its recorded final state, as they end one by one."""
     d = DaemonProc(root, CONFIG)
     d.start()
     try:
         c = d.client()
-        ids = [c.call("start", command=["sh", "-c", f"sleep {20 + (i % 20)}"])["id"] for i in range(jobs)]
-        wait_for(lambda: all(d.record(r)["state"] == "running" for r in ids), 120, 0.5, "all jobs running")
+        ids = [c.call("start", command=["sleep", "100000"], environ={"PATH": "/usr/bin:/bin"})["id"] for _ in range(jobs)]
+        wait_for(lambda: all(r["state"] == "running" for r in c.call("list", all=True)), 600, 1, "all jobs running")
+        time.sleep(2)
         cpu0, t0 = cpu_seconds(d.proc.pid), time.monotonic()
-        time.sleep(15)  # steady state: every job running, the daemon only follows
+        time.sleep(window)  # steady state: every job running, the daemon only follows
         cpu1, t1 = cpu_seconds(d.proc.pid), time.monotonic()
+        share = (cpu1 - cpu0) / (t1 - t0)
         per_job_min = (cpu1 - cpu0) / jobs / ((t1 - t0) / 60)
-        records = wait_for(lambda: [r for r in (d.record(x) for x in ids) if r["state"] in ("succeeded", "failed")] if all(d.record(x)["state"] == "succeeded" for x in ids) else None, 180, 1, "all jobs to end")
+        sample = ids if jobs <= 100 else ids[:: max(1, jobs // 100)]
+        for rid in sample:  # end some jobs, one at a time, with the others still followed
+            pid = c.call("status", id=rid)["job"]["pid"]
+            for child in _job_children(pid):
+                os.kill(child, 15)
+            time.sleep(0.2)
         lags = []
-        for r in records:
+        for rid in sample:
+            r = wait_for(lambda rid=rid: (lambda x: x if x["state"] == "failed" else None)(c.call("status", id=rid)), 60, 0.2, "the end")
             exited = (Path(r["remote_dir"]) / "exit_code").stat().st_mtime
             lags.append(r["history"][-1]["time"] - exited)
-        print(f"following {jobs} local jobs: daemon CPU {per_job_min*1000:.1f} ms per job per minute "
-              f"(poll_interval 1 s); exit → final state median {statistics.median(lags)*1000:.0f} ms, p99 {pct(lags, 99)*1000:.0f} ms")
+        print(f"following {jobs} local jobs: daemon CPU {share*100:.2f} % of a core over {window:.0f} s "
+              f"({per_job_min*1000:.2f} ms per job per minute); exit → final state over {len(lags)} exits: "
+              f"median {statistics.median(lags)*1000:.0f} ms, p99 {pct(lags, 99)*1000:.0f} ms")
         c.close()
     finally:
         d.stop()
@@ -167,7 +211,8 @@ def bench_ssh_follow(root: Path, jobs: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=1000)
-    p.add_argument("--jobs", type=int, default=200)
+    p.add_argument("--jobs", default="100,300,1000", help="comma-separated numbers of jobs to follow")
+    p.add_argument("--window", type=float, default=60.0)
     p.add_argument("--stops", type=int, default=20)
     p.add_argument("--ssh-jobs", type=int, default=50)
     p.add_argument("--only", help="comma-separated: list,stop,follow,ssh")
@@ -178,13 +223,15 @@ def main() -> None:
     for name, fn, n in (
         ("list", bench_list, a.runs),
         ("stop", bench_stop, a.stops),
-        ("follow", bench_follow, a.jobs),
         ("ssh", bench_ssh_follow, a.ssh_jobs),
     ):
         if only and name not in only:
             continue
         root = Path(tempfile.mkdtemp(prefix=f"obdb-{name}-", dir="/tmp"))
         fn(root, n)
+    if not only or "follow" in only:
+        for jobs in (int(j) for j in str(a.jobs).split(",")):
+            bench_follow(Path(tempfile.mkdtemp(prefix="obdb-follow-", dir="/tmp")), jobs, a.window)
 
 
 if __name__ == "__main__":
