@@ -166,9 +166,11 @@ class Recovery:
             self.daemon.start_soon(self._after_end, record)
 
     def catch_up(self) -> None:
-        """At start: attempts whose end an earlier daemon recorded but did not act on."""
+        """At start: attempts with retries left whose end an earlier daemon recorded but did not
+        act on (a run without retries had its secrets dropped when it ended)."""
         for record in list(self.daemon.records.values()):
-            self.on_change(record)
+            if record.retries and self.attempts_left(record) > 0:
+                self.on_change(record)
 
     def attempts_left(self, record: RunRecord) -> int:
         return record.retries - (record.attempt - 1)
