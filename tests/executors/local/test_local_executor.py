@@ -1,0 +1,74 @@
+"""The local executor on its own: its events, how it hands a job its environment, its files."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from executors.base import JobSpec
+from executors.local import DirWatch, LocalExecutor
+from trainer_plugin import jobctl
+
+
+async def _paths(watch: DirWatch, timeout: float = 5.0) -> set[str]:
+    seen: set[str] = set()
+    with anyio.move_on_after(timeout):
+        seen |= await watch.paths()
+    return seen
+
+
+async def test_events_name_the_run_directory_and_the_file_and_metrics_growth_is_one(tmp_path: Path) -> None:
+    watch = DirWatch()
+    if not watch.available:
+        pytest.skip("no inotify here")
+    a, b = tmp_path / "run-a", tmp_path / "run-b"
+    a.mkdir()
+    b.mkdir()
+    (b / "metrics.jsonl").write_text('{"event": "begin"}\n')
+    watch.add(str(a))
+    watch.add(str(b))
+    jobctl.atomic_write(str(a / "snapshot.request"), b"requested\n")
+    assert f"{a}/snapshot.request" in await _paths(watch)
+    with open(b / "metrics.jsonl", "a") as f:  # an append, as the plugin writes: no close-write of a new file
+        f.write('{"event": "log", "step": 1}\n')
+        f.flush()
+        assert str(b / "metrics.jsonl") in await _paths(watch)
+    watch.remove(str(b))
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write('{"event": "log", "step": 2}\n')
+    assert str(b / "metrics.jsonl") not in await _paths(watch, 0.3)
+
+
+async def test_a_job_gets_its_values_on_stdin_never_in_job_json_and_a_clean_environment(tmp_path: Path) -> None:
+    executor = LocalExecutor("local", tmp_path)
+    rd = tmp_path / "run-1"
+    out = tmp_path / "env.json"
+    spec = JobSpec(
+        run_id="run-1",
+        remote_dir=str(rd),
+        command=[sys.executable, "-c", f"import json, os; open({str(out)!r}, 'w').write(json.dumps(dict(os.environ)))"],
+        env={"VISIBLE": "v4lue"},
+        secrets={"TOKEN": "s3cret"},
+        base_env={"PATH": "/usr/bin:/bin", "MINE": "from-the-caller"},
+    )
+    os.environ["DAEMON_ONLY"] = "daemon-value"
+    try:
+        handle = await executor.spawn(spec)
+        with anyio.fail_after(30):
+            while (await executor.status(handle, str(rd))).state.value == "running":
+                await anyio.sleep(0.05)
+    finally:
+        del os.environ["DAEMON_ONLY"]
+    env = json.loads(out.read_text())
+    assert env["VISIBLE"] == "v4lue" and env["TOKEN"] == "s3cret" and env["MINE"] == "from-the-caller"
+    assert "DAEMON_ONLY" not in env  # the daemon's environment does not reach the job
+    assert env["PYTHONPATH"].split(":")[0] == str(rd / "plugin")
+    job_json = (rd / "job.json").read_text()
+    assert "v4lue" not in job_json and "s3cret" not in job_json
+    assert stat.S_IMODE(rd.stat().st_mode) == 0o700
