@@ -18,7 +18,7 @@ import structlog
 
 from daemon.models import RunRecord
 from daemon.targets import Supervision
-from executors.base import ExecutorError
+from executors.base import ExecutorError, JobState
 from executors.slurm.states import SlurmJob, end_message, lost_message
 
 if TYPE_CHECKING:
@@ -56,13 +56,25 @@ class SlurmSupervision(Supervision):
 
     async def on_end(self, record: RunRecord) -> str:
         """Slurm's end state, cross-checked with `scontrol show job` (or sacct), when it says more than the exit code."""
+        try:
+            return await self._end_note(record)
+        finally:  # the run is over: what the probes kept of it goes
+            executor = self.slurm(record)
+            executor.last_seen.pop(record.remote_dir, None)
+            executor.last_status.pop(record.remote_dir, None)
+
+    async def _end_note(self, record: RunRecord) -> str:
         if record.id in self._explained:
             self._explained.discard(record.id)
             return ""
         if not record.job or self._job(record) is None:
             return ""  # never submitted (a failed launch): nothing in Slurm to ask about
+        status = self.slurm(record).last_status.get(record.remote_dir)
+        clean = status is not None and status.state == JobState.exited and status.exit_code == 0
         try:
-            job = await self.slurm(record).slurm_job(record.remote_dir, wait=2.0)
+            # A clean exit is not waited for (its end is recorded at once); a failure waits a little
+            # for Slurm to finish ending the job, so OUT_OF_MEMORY or NODE_FAIL can be told.
+            job = await self.slurm(record).slurm_job(record.remote_dir, wait=0.0 if clean else 2.0)
         except ExecutorError as exc:
             log.warning("slurm_end_state_unknown", run_id=record.id, error=str(exc))
             return ""

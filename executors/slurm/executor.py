@@ -102,6 +102,7 @@ class SlurmExecutor:
         self._helper_lock = anyio.Lock()
         self._ended_seen: dict[str, float] = {}
         self.last_seen: dict[str, SlurmJob] = {}  # run directory -> its job as the last probe saw it
+        self.last_status: dict[str, JobStatus] = {}  # run directory -> its status in the last probe
         self.slurm_calls = 0  # helper calls that ask Slurm something (a probe asks squeue once)
         self.compute_nodes = ComputeNodes(self)
 
@@ -145,6 +146,11 @@ class SlurmExecutor:
         helper = await self.helper()
         python = await self.python()
         result = await self.host.run_command([python, helper, *args], stdin=stdin, timeout=timeout)
+        if result.returncode == 2 and b"can't open file" in result.stderr:
+            # Someone removed obd's files under the workdir: install them again, once.
+            self._helper = None
+            helper = await self.helper()
+            result = await self.host.run_command([python, helper, *args], stdin=stdin, timeout=timeout)
         if result.returncode != 0:
             lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit {result.returncode}"]
             raise ExecutorError(f"{what} on target {self.name} failed: {' | '.join(lines[-3:])}")
@@ -187,7 +193,7 @@ class SlurmExecutor:
                 f"{exc or 'the submit did not answer in time'}; whether Slurm took the job is not known yet"
             ) from exc
         except ExecutorError as exc:
-            raise ExecutorError(f"{exc}; see {rd}/{rundir.JOB_LOG} (`obd train logs {job.run_id}`)") from exc
+            raise ExecutorError(f"{exc}; `obd targets check {self.name}` checks the target's Slurm settings") from exc
         job_id = str(answer["job_id"])
         log.info("slurm.submitted", target=self.name, run_id=job.run_id, job_id=job_id, reused=answer.get("reused"))
         return JobHandle.model_validate(slurm_batch.slurm_handle(job_id))
@@ -214,7 +220,9 @@ class SlurmExecutor:
             probe = RunProbe.model_validate(raw)
             if seen.job_id:
                 self.last_seen[probe.remote_dir] = seen
-            probes.append(self._settled(probe, now))
+            probe = self._settled(probe, now)
+            self.last_status[probe.remote_dir] = probe.status
+            probes.append(probe)
         return probes
 
     def _settled(self, probe: RunProbe, now: float) -> RunProbe:

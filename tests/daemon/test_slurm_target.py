@@ -45,7 +45,7 @@ def hpc(make_daemon, slurm_cluster: Cluster, short_tmp: Path) -> Iterator[Daemon
     workdir = short_tmp / "shared"
     d = make_daemon(slurm_config(workdir))
     d.env.update(slurm_cluster.env)
-    d.cluster = slurm_cluster  # type: ignore[attr-defined]
+    d.cluster = slurm_cluster
     d.start()
     yield d
     d.stop()
@@ -280,3 +280,12 @@ def test_targets_check_of_a_slurm_target_reaches_sinfo_the_partition_a_shared_wo
     assert out.returncode == 1
     line = next(line for line in out.stdout.splitlines() if "partition exists" in line)
     assert line.startswith("FAIL") and "nowhere" in line and "debug" in line
+
+
+def test_a_job_slurm_refuses_fails_its_run_with_sbatchs_reason_and_the_check_to_run(hpc: DaemonProc) -> None:
+    rid = start(hpc, "nowhere", "true")
+    record = hpc.wait_state(rid, "failed", "succeeded", "cancelled")
+    assert record["state"] == "failed"
+    assert "sbatch refused the job" in record["message"] and "nowhere" in record["message"]
+    assert "obd targets check nowhere" in record["message"]
+    assert jobs_named(hpc.cluster, rid) == []  # type: ignore[attr-defined]

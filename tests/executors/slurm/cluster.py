@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,7 +182,7 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _wait(predicate, timeout: float, what: str, cluster: Cluster) -> None:  # type: ignore[no-untyped-def]
+def _wait(predicate: Callable[[], object], timeout: float, what: str, cluster: Cluster) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
