@@ -130,7 +130,7 @@ class SlurmExecutor:
     async def aclose(self) -> None:
         await self.host.aclose()
 
-    async def helper(self) -> str:
+    async def install_helper(self) -> str:
         """The helper's path there, installed under `<workdir>/.obd/` once per executor (same content, same place)."""
         async with self._helper_lock:
             if self._helper is None:
@@ -143,13 +143,13 @@ class SlurmExecutor:
 
     async def _call(self, what: str, args: list[str], stdin: bytes = b"", *, timeout: float = 60.0) -> Any:
         """Run the helper with these arguments; its JSON answer. ExecutorError says what failed."""
-        helper = await self.helper()
+        helper = await self.install_helper()
         python = await self.python()
         result = await self.host.run_command([python, helper, *args], stdin=stdin, timeout=timeout)
         if result.returncode == 2 and b"can't open file" in result.stderr:
             # Someone removed obd's files under the workdir: install them again, once.
             self._helper = None
-            helper = await self.helper()
+            helper = await self.install_helper()
             result = await self.host.run_command([python, helper, *args], stdin=stdin, timeout=timeout)
         if result.returncode != 0:
             lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit {result.returncode}"]
