@@ -167,10 +167,23 @@ class Handlers:
         record = self.daemon.find(req.id, peer)
         if not record.remote_dir or (record.state == RunState.preparing and not record.job):
             return {"data": "", "offset": req.offset, "state": record.state.value}
-        executor = self.daemon.targets.executor(record)
-        path = f"{record.remote_dir}/{rundir.JOB_LOG if req.file == 'log' else rundir.METRICS}"
+        name = rundir.JOB_LOG if req.file == "log" else rundir.METRICS
         if req.file != "log" and req.tail_lines is not None:
             raise ApiError("tail_lines is for the log; read metrics from an offset", "usage")
+        retrieved = self.daemon.store.run_dir(record.id) / "retrieved" / name
+        if record.state.final and retrieved.is_file():
+            # The copy obd brought home (a pod's run): its machine may be gone.
+            offset = _tail_local(retrieved, req.tail_lines) if req.tail_lines is not None else req.offset
+            data = rundir.read_regular(str(retrieved), req.limit, offset) or b""
+            return {
+                "data": base64.b64encode(data).decode(),
+                "offset": offset,
+                "next": offset + len(data),
+                "state": record.state.value,
+                "progress": record.progress.model_dump(),
+            }
+        executor = self.daemon.targets.executor(record)
+        path = f"{record.remote_dir}/{name}"
         offset = req.offset
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
@@ -406,6 +419,20 @@ async def request_snapshot(daemon: Daemon, record: RunRecord, reason: str, by: s
             record.note(f"snapshot request reason changed to {reason}")
     log.info("snapshot_requested", run_id=record.id, reason=reason, by=by)
     daemon.follow.wake_run(record)
+
+
+def _tail_local(path: Path, lines: int) -> int:
+    """The offset where the last `lines` lines of a local file start."""
+    data = rundir.read_regular(str(path), 1 << 24) or b""
+    if lines == 0:
+        return len(data)
+    end = len(data) - 1 if data.endswith(b"\n") else len(data)
+    pos = end
+    for _ in range(lines):
+        pos = data.rfind(b"\n", 0, pos)
+        if pos < 0:
+            return 0
+    return pos + 1
 
 
 async def _tail_offset(executor: Executor, record: RunRecord, path: str, lines: int) -> int:

@@ -373,3 +373,36 @@ def test_a_launch_that_fails_after_the_pod_was_made_ends_the_pod_before_the_run_
     assert fake.live_pods() == []  # already ended when the run was recorded failed
     assert "cannot be created" in record["message"] and "was terminated" in record["message"], record["message"]
     assert len(fake.terminated) == 1
+
+
+RESUMES_OR_CHECKPOINTS = (
+    'if [ -n "$OBD_RESUME_FROM" ]; then cat "$OBD_RESUME_FROM/adapter_model.safetensors"; '
+    'echo "resumed from $OBD_RESUME_FROM"; exit 0; fi; '
+    "mkdir -p $OBD_OUTPUT_DIR/checkpoint-2 && echo '{\"global_step\": 2}' > $OBD_OUTPUT_DIR/checkpoint-2/trainer_state.json "
+    "&& echo weights > $OBD_OUTPUT_DIR/checkpoint-2/adapter_model.safetensors && sleep 120"
+)
+
+
+def test_a_run_whose_pod_was_stopped_comes_back_on_a_new_pod_with_the_retrieved_checkpoint(
+    make_daemon, fake, pod_sshd, short_tmp
+) -> None:
+    fake.relay_ssh = True
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, extra='retry = 1\n[retry]\nbackoff = "0.5s"\n')
+    try:
+        rid = start(d, "sh", "-c", RESUMES_OR_CHECKPOINTS)
+        record = d.wait_state(rid, "running", timeout=60)
+        first_pod = record["target_info"]["pod_id"]
+        wait_for(lambda: (Path(record["remote_dir"]) / "output/checkpoint-2/adapter_model.safetensors").exists(), 30)
+        stop_pod_from_outside(fake, first_pod, short_tmp / "pod")
+        first = d.wait_state(rid, "failed", timeout=90)
+        assert "stopped outside obd" in first["message"]
+        second_id = wait_for(lambda: d.record(rid)["retried_by"], 60, 0.2, "the next attempt")
+        second = d.wait_state(second_id, "succeeded", "failed", timeout=120)
+        assert second["state"] == "succeeded", second["message"]
+        assert second["target_info"]["pod_id"] != first_pod  # a new pod
+        assert second["resume_checkpoint"].endswith("/resume/checkpoint-2")  # the retrieved copy, sent to it
+        log = d.cli("train", "logs", second_id).stdout
+        assert "weights" in log and "resumed from" in log
+        assert fake.live_pods() == []
+    finally:
+        kill_jobs(short_tmp / "pod")
