@@ -35,6 +35,7 @@ def slurm_config(workdir: Path) -> str:
         + "\n[retry]\nbackoff = 0.5\n"
         + f'\n[targets.hpc]\nkind = "slurm"\n{common}'
         + f'\n[targets.pair]\nkind = "slurm"\n{common}nodes = 2\nlauncher = "torchrun"\nnproc_per_node = 2\ncpus_per_task = 2\n'
+        + f'\n[targets.both]\nkind = "slurm"\n{common}nodes = 2\n'
         + f'\n[targets.short]\nkind = "slurm"\n{common}time = "2"\nsignal_margin = "60s"\n'
         + f'\n[targets.nowhere]\nkind = "slurm"\n{common}partition = "nowhere"\n'
     )
@@ -125,6 +126,25 @@ def test_a_running_slurm_job_is_cancelled_and_no_process_is_left_on_any_node(hpc
 
 
 # --- two nodes ---------------------------------------------------------------------------------------
+
+
+def test_a_plain_two_node_run_runs_its_command_on_each_node_and_its_cancel_leaves_no_process_on_either(
+    hpc: DaemonProc,
+) -> None:
+    script = 'echo "node $SLURM_NODEID of $SLURM_NNODES on $SLURMD_NODENAME"; sleep 300'
+    rid = start(hpc, "both", "sh", "-c", script)
+    hpc.wait_state(rid, "running", timeout=60)
+
+    def both_nodes() -> bool:
+        log = hpc.cli("train", "logs", rid).stdout
+        return "node 0 of 2 on n1" in log and "node 1 of 2 on n2" in log
+
+    wait_for(both_nodes, 30, 0.2, "the command to start on n1 and n2")
+    assert len(run_processes(rid)) >= 4  # a shell and a sleep on each node, under srun
+    out = hpc.cli("train", "cancel", rid, "--wait")
+    assert out.returncode == 0, out.stderr
+    assert hpc.record(rid)["state"] == "cancelled"
+    wait_for(lambda: run_processes(rid) == [], 15, what="every process of the job, on both nodes, to be gone")
 
 
 def test_a_two_node_torchrun_stops_every_rank_at_one_step_and_resumes_as_a_two_node_job(hpc: DaemonProc) -> None:
