@@ -39,11 +39,20 @@ class ComputeNodes(Protocol):
         ...
 
 
+class PersistentHelper(Protocol):
+    """A capability of targets whose polls go to a long-lived helper there (SSH: `jobctl.py serve`)."""
+
+    async def check(self) -> tuple[bool, str]:
+        """(usable, what serves the polls: "ok: ..." or "fallback: <why>; ...")."""
+        ...
+
+
 def check_names(executor: Executor) -> list[str]:
     """The checks `check_target` makes of this executor, in order."""
+    helper = ["helper"] if getattr(executor, "remote_helper", None) is not None else []
     if getattr(executor, "compute_nodes", None) is None:
-        return CHECKS
-    return [*CHECKS[:2], *SCHEDULER_CHECKS[:2], CHECKS[2], SCHEDULER_CHECKS[2], *CHECKS[3:]]
+        return CHECKS + helper
+    return [*CHECKS[:2], *SCHEDULER_CHECKS[:2], CHECKS[2], SCHEDULER_CHECKS[2], *CHECKS[3:], *helper]
 
 
 # Runs with the target's Python: its version, torch's (if importable) and the free space of argv[1].
@@ -123,6 +132,12 @@ async def check_target(executor: Executor, *, min_free_gb: float = 1.0, timeout:
             await _shared_check(executor, nodes, probe, stamp, items, timeout)
     if workdir is not None and (nodes is None or ok_so_far(items)):
         await _python_checks(executor, workdir, items, min_free_gb, timeout, nodes)
+    helper: PersistentHelper | None = getattr(executor, "remote_helper", None)
+    if workdir is not None and helper is not None:
+        try:
+            items.append(_item("helper", *await helper.check()))
+        except ExecutorError as exc:
+            items.append(_item("helper", False, str(exc)))
     done = {i["check"] for i in items}
     failed = next((i for i in items if not i["ok"]), None)
     reason = f"not checked: {failed['check']} failed" if failed else "not checked"

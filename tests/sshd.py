@@ -15,6 +15,15 @@ generation) only, so any test module can use it:
         server.kill()                    # the listener and every live connection, at once
         server.rotate_host_key()         # a new host key (known_hosts now has the old one)
 
+    with SshServer(bashrc="sleep 1") as server:   # a login whose shell start is slow
+        server.shells_started()          # shells that read that ~/.bashrc so far
+        server.sessions_started()        # channels sshd started a command or subsystem for
+
+With `bashrc`, the sessions get a home of their own (`server.home`, through sshd's SetEnv HOME):
+bash, as Debian builds it, reads ~/.bashrc even for the `bash -c COMMAND` of an exec request
+(it sees SSH_CLIENT), so that file stands for a user's slow rc file (pyenv, conda) and counts
+the shells started. Without it, sessions see this machine's own home and ~/.bashrc.
+
 The server refuses passwords and allows only `identity_file`. It keeps OpenSSH's default
 `MaxSessions 10` (channels per connection) so clients are tested against a stock server.
 sshd runs under a small subreaper parent (see _REAPER), so jobs that detach from their SSH
@@ -137,7 +146,14 @@ def _children(pid: int) -> list[int]:
 class SshServer:
     """One sshd process on 127.0.0.1:<free port>, with its keys and files in a temp dir."""
 
-    def __init__(self, directory: Path | None = None, *, port: int | None = None, log_level: str = "VERBOSE") -> None:
+    def __init__(
+        self,
+        directory: Path | None = None,
+        *,
+        port: int | None = None,
+        log_level: str = "VERBOSE",
+        bashrc: str | None = None,
+    ) -> None:
         self._own_dir = directory is None
         self.dir = Path(directory or tempfile.mkdtemp(prefix="obd-sshd-"))
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -156,6 +172,13 @@ class SshServer:
         self.authorized_keys.write_text(self.user_key_line + "\n")
         self.authorized_keys.chmod(0o600)
         self.write_known_hosts()
+        self.home: Path | None = None
+        if bashrc is not None:
+            self.home = self.dir / "home"
+            self.home.mkdir(exist_ok=True)
+            self.shells_log = self.home / "shells.log"
+            counting = 'echo "$$" >> "$HOME/shells.log"\n'
+            (self.home / ".bashrc").write_text(counting + bashrc + "\n")
         self.pid: int | None = None  # sshd's pid
         self.reapers: list[subprocess.Popen[bytes]] = []
 
@@ -206,7 +229,7 @@ class SshServer:
                     "Subsystem sftp internal-sftp",
                     # This machine's ~/.bashrc runs `pyenv rehash`, which waits up to 60 s on a lock
                     # that a session killed by a fault test can leave behind: give up at once instead.
-                    "SetEnv PYENV_REHASH_TIMEOUT=0",
+                    "SetEnv PYENV_REHASH_TIMEOUT=0" + (f" HOME={self.home}" if self.home is not None else ""),
                     f"LogLevel {self.log_level}",
                     "",
                 ]
@@ -308,6 +331,22 @@ class SshServer:
             reaper.poll()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def shells_started(self) -> int:
+        """How many shells read the `bashrc` given to this server so far."""
+        if self.home is None:
+            raise RuntimeError("shells are counted only for a server made with bashrc=...")
+        try:
+            return len(self.shells_log.read_text().splitlines())
+        except FileNotFoundError:
+            return 0
+
+    def sessions_started(self) -> int:
+        """How many sessions (an exec or a subsystem on a channel) sshd started so far, from its log."""
+        try:
+            return self.log_path.read_text(errors="replace").count("Starting session:")
+        except FileNotFoundError:
+            return 0
 
     def log_tail(self, size: int = 2000) -> str:
         try:

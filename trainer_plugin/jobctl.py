@@ -540,7 +540,7 @@ def probe_dir(run_dir: str, handle: dict | None = None) -> dict:
 #   push:       {"event": "files", "dir": ..., "names": ["exit_code"], "job": [pid, start_time]}
 #               {"event": "overflow"}   (events were lost: read every run)
 #
-# ops: ping, probe (runs), status (dir, handle), start (dir, values, clean_env), cancel (dir,
+# ops: ping, probe (runs), status (dir, handle), start (dir, values, clean_env, python), cancel (dir,
 # grace, handle), read (path, offset, limit; data in base64), write (path, data in base64;
 # atomic, parents made), watch (dir; answers the job's [pid, start_time] from job.pid), unwatch (dir).
 
@@ -777,10 +777,11 @@ def _read_at(path: str, offset: int, limit: int) -> bytes:
         os.close(fd)
 
 
-def _serve_start(run_dir: str, values: dict, clean_env: bool) -> dict:
-    """`jobctl start` as its own process in a new session (as `setsid` did over a shell), the
-    values on its stdin: the helper never forks from its threads."""
-    argv = [sys.executable, "-S", os.path.abspath(__file__), "start", run_dir, "--secrets-stdin"]
+def _serve_start(run_dir: str, values: dict, clean_env: bool, python: str | None) -> dict:
+    """`PYTHON jobctl.py start` as its own process in a new session, the values on its stdin, as
+    the remote command did under `setsid nohup` (SIGHUP is ignored here): the target's `python`
+    as configured runs it, and the helper never forks from its threads."""
+    argv = [python or sys.executable, os.path.abspath(__file__), "start", run_dir, "--secrets-stdin"]
     if clean_env:
         argv.append("--clean-env")
     proc = subprocess.run(
@@ -853,7 +854,8 @@ class _Server:
         if op == "status":
             return job_status(str(r["dir"]), r.get("handle"))
         if op == "start":
-            return _serve_start(str(r["dir"]), dict(r.get("values") or {}), bool(r.get("clean_env")))
+            values = dict(r.get("values") or {})
+            return _serve_start(str(r["dir"]), values, bool(r.get("clean_env")), r.get("python"))
         if op == "cancel":
             return cancel(str(r["dir"]), float(r.get("grace", 10.0)), r.get("handle"))
         if op == "read":

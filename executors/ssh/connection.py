@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import asyncssh
@@ -28,6 +28,9 @@ from executors import remote
 from executors.base import AuthError, ExecutorError, HostKeyError, TargetUnreachable, WorkdirError
 from executors.config import SshTarget
 from executors.retry import Backoff, FailureGate
+
+if TYPE_CHECKING:
+    from executors.ssh.helper import HelperProcess
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -94,6 +97,9 @@ class Session:
     sftp: asyncssh.SFTPClient | None = None
     sftp_lock: anyio.Lock = field(default_factory=anyio.Lock)
     real_workdir: str | None = None  # the workdir with every link resolved, once asked for
+    helper: HelperProcess | None = None  # the connection's `jobctl serve` (executors/ssh/helper.py)
+    helper_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    no_helper: str | None = None  # why this connection has none (it could not start)
 
     @property
     def alive(self) -> bool:
@@ -363,12 +369,16 @@ class SshConnection:
         if self.session is session:
             self.session = None
             log.warning("ssh.connection_lost", target=self.name, address=self.address, reason=str(reason))
+        if session.helper is not None:
+            session.helper.closing = True
         session.conn.abort()
 
     async def aclose(self) -> None:
         """Close the connection; a later call would open a new one."""
         session, self.session = self.session, None
         if session is not None:
+            if session.helper is not None:
+                session.helper.closing = True
             session.conn.close()
             try:
                 with anyio.move_on_after(5):

@@ -1,13 +1,17 @@
 """The SSH executor: jobs on a host reached with asyncssh, one shared connection per target.
 
-Jobs start under `setsid nohup` through `trainer_plugin/jobctl.py`, which the connection
-installs once under `<workdir>/.obd/` (executors/remote.py); status, cancel and the probe of
-every run of the target run that same script on the host, so a poll of N runs is one remote
-command. The connection and its reconnects are `connection.py`'s, files over SFTP `files.py`'s.
+Jobs start under their own session through `trainer_plugin/jobctl.py`, which the connection
+installs once under `<workdir>/.obd/` (executors/remote.py). Probes, starts, cancels, reads and
+writes go to the connection's persistent helper (`jobctl.py serve` on one channel,
+`helper.py`), which also pushes exits, requests and proofs (the `events` capability,
+`events.py`); where it cannot run, the same operations run as one remote command each (a poll
+of N runs is still one command). The connection and its reconnects are `connection.py`'s,
+uploads and downloads over SFTP `files.py`'s.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -24,23 +28,32 @@ from executors.base import (
     JobStatus,
     LaunchUncertain,
     Reached,
-    RunEvents,
     RunProbe,
     TargetUnreachable,
 )
 from executors.config import SshTarget
 from executors.ssh.connection import Session, SshConnection, as_bytes, returncode, tail
+from executors.ssh.events import SshEvents
 from executors.ssh.files import SftpFiles
-from trainer_plugin import rundir
+from executors.ssh.helper import HelperFailed, NoHelper, SshHelper
+from trainer_plugin import jobctl, rundir
 
 log = structlog.get_logger()
 
 
+# The most one helper request carries; a larger write goes over SFTP, a larger read is asked in parts.
+HELPER_WRITE_LIMIT = 8 << 20
+HELPER_READ_LIMIT = jobctl.SERVE_READ_LIMIT
+
+
 class SshExecutor:
-    """Runs jobs on one SSH host; see the module docstring for how."""
+    """Runs jobs on one SSH host; see the module docstring for how.
+
+    `helper=False` keeps to one remote command per operation (and no `events`); `events_poll` is
+    how often the follow is asked to read every run while no helper pushes (its poll interval).
+    """
 
     shares_filesystem = False
-    events: RunEvents | None = None
 
     def __init__(
         self,
@@ -52,6 +65,8 @@ class SshExecutor:
         op_timeout: float = 60.0,
         backoff_base: float = 0.5,
         backoff_cap: float = 30.0,
+        helper: bool = True,
+        events_poll: float = 3.0,
     ) -> None:
         self.name = name
         self.target = target
@@ -65,6 +80,8 @@ class SshExecutor:
             backoff_cap=backoff_cap,
         )
         self.files = SftpFiles(self.connection)
+        self.events: SshEvents | None = SshEvents(poll_hint=events_poll) if helper else None
+        self.remote_helper = SshHelper(self.connection, self.events, enabled=helper)
 
     # --- what the connection knows ----------------------------------------------------------
 
@@ -151,8 +168,31 @@ class SshExecutor:
 
     # --- jobs -------------------------------------------------------------------------------
 
+    async def _helped(
+        self,
+        what: str,
+        op: str,
+        fields: dict[str, Any],
+        command: list[str],
+        stdin: bytes = b"",
+        *,
+        timeout: float | None = None,
+    ) -> Any:
+        """The helper's answer to one request or, where the connection has no helper, the JSON
+        that jobctl prints for `command` run as a remote command (the same value either way)."""
+        try:
+            return await self.remote_helper.call(what, op, fields, timeout=timeout)
+        except NoHelper:
+            out = await self._jobctl(what, command, stdin, timeout=timeout)
+        except HelperFailed as exc:
+            raise ExecutorError(f"{what} on {self.address} failed: {exc.error}") from exc
+        try:
+            return json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError) as exc:
+            raise ExecutorError(f"{what} on {self.address} printed something that is not its JSON: {exc}") from exc
+
     async def spawn(self, job: JobSpec) -> JobHandle:
-        """Write job.json, then start the job detached with its environment on stdin; return its handle."""
+        """Write job.json, then start the job detached with its environment sent apart; return its handle."""
         session = await self.connection.ensure()
         run_dir = job.remote_dir.rstrip("/") or "/"
         # The environment's values go to the wrapper on its stdin with the secrets, never into job.json.
@@ -166,27 +206,22 @@ class SshExecutor:
         if self.target.venv:
             spec["path_prepend"] = [str(PurePosixPath(session.python).parent)]
         await self.put_file(f"{run_dir}/{rundir.JOB_SPEC}", json.dumps(spec).encode())
-        secrets_json = json.dumps({**job.env, **job.secrets}).encode()
-
-        async def op(s: Session) -> bytes:
-            await self.connection.require_python(s)
-            r = await self.connection.run(s, remote.start_command(s.python, s.jobctl, run_dir), secrets_json)
-            if r.exit_status is None and r.exit_signal is None:
-                # The channel closed with no exit status: the connection went mid-start.
-                raise LaunchUncertain(
-                    f"the connection to {self.address} closed before the start of run {job.run_id} answered; "
-                    "whether the job started is not known yet"
-                )
-            if returncode(r) != 0:
-                raise ExecutorError(
-                    f"starting run {job.run_id} on {self.address} failed (exit {returncode(r)}): "
-                    f"{tail(r.stderr) or 'no message'}; see {run_dir}/job.log there (`obd train logs {job.run_id}`)"
-                )
-            return as_bytes(r.stdout)
-
+        values = {**job.env, **job.secrets}
+        what = f"the start of run {job.run_id}"
         # Never retried: had the job started before the connection broke, a retry would start it twice.
         try:
-            out = await self.connection.remote(f"the start of run {job.run_id}", op, retry=False)
+            try:
+                fields = {"dir": run_dir, "values": values, "python": session.python}
+                started = await self.remote_helper.call(what, "start", fields, retry=False)
+            except NoHelper:
+                out = await self._start_by_command(job, run_dir, json.dumps(values).encode())
+            except HelperFailed as exc:
+                raise ExecutorError(
+                    f"starting run {job.run_id} on {self.address} failed: {exc.error}; "
+                    f"see {run_dir}/job.log there (`obd train logs {job.run_id}`)"
+                ) from exc
+            else:
+                out = self._started(job, run_dir, started)
         except LaunchUncertain:
             raise
         except TargetUnreachable as exc:
@@ -201,34 +236,105 @@ class SshExecutor:
         log.info("ssh.spawned", target=self.name, run_id=job.run_id, pid=handle.pid, remote_dir=run_dir)
         return handle
 
+    def _started(self, job: JobSpec, run_dir: str, started: dict[str, Any]) -> bytes:
+        """The wrapper's stdout from the helper's answer to a start, or why it failed."""
+        code = int(started.get("returncode", 255))
+        if code != 0:
+            raise ExecutorError(
+                f"starting run {job.run_id} on {self.address} failed (exit {code}): "
+                f"{tail(started.get('stderr')) or 'no message'}; see {run_dir}/job.log there "
+                f"(`obd train logs {job.run_id}`)"
+            )
+        return as_bytes(started.get("stdout"))
+
+    async def _start_by_command(self, job: JobSpec, run_dir: str, values: bytes) -> bytes:
+        """The start as one remote command under `setsid nohup` (no helper on this connection)."""
+
+        async def op(s: Session) -> bytes:
+            await self.connection.require_python(s)
+            r = await self.connection.run(s, remote.start_command(s.python, s.jobctl, run_dir), values)
+            if r.exit_status is None and r.exit_signal is None:
+                # The channel closed with no exit status: the connection went mid-start.
+                raise LaunchUncertain(
+                    f"the connection to {self.address} closed before the start of run {job.run_id} answered; "
+                    "whether the job started is not known yet"
+                )
+            if returncode(r) != 0:
+                raise ExecutorError(
+                    f"starting run {job.run_id} on {self.address} failed (exit {returncode(r)}): "
+                    f"{tail(r.stderr) or 'no message'}; see {run_dir}/job.log there (`obd train logs {job.run_id}`)"
+                )
+            return as_bytes(r.stdout)
+
+        return await self.connection.remote(f"the start of run {job.run_id}", op, retry=False)
+
     async def status(self, handle: JobHandle, remote_dir: str) -> JobStatus:
-        """The job's state, from one probe of its directory."""
-        return (await self.probe([(handle, remote_dir)]))[0].status
+        """The job's state, from its directory and the host's process table."""
+        item = {"dir": remote_dir, "handle": _handle_dict(handle)}
+        raw = await self._helped(f"the status of {remote_dir}", "status", item, ["probe"], _items([item]))
+        # Without a helper, it is the probe of that one run (jobctl's status command takes no handle).
+        return JobStatus.model_validate(raw[0]["status"] if isinstance(raw, list) else raw)
 
     async def cancel(self, handle: JobHandle, remote_dir: str, grace: float) -> JobStatus:
-        """TERM the job's group, wait `grace`, KILL: done by jobctl on the host, so it is one command."""
-        args = ["cancel", remote_dir, "--grace", repr(float(grace)), "--handle", _handle_json(handle)]
-        out = await self._jobctl(f"the cancel of {remote_dir}", args, timeout=grace + self.connection.op_timeout)
-        return JobStatus.model_validate_json(out.strip().splitlines()[-1])
+        """TERM the job's group, wait `grace`, KILL: done on the host, in one request or command."""
+        fields = {"dir": remote_dir, "grace": float(grace), "handle": _handle_dict(handle)}
+        command = ["cancel", remote_dir, "--grace", repr(float(grace)), "--handle", json.dumps(fields["handle"])]
+        timeout = grace + self.connection.op_timeout
+        raw = await self._helped(f"the cancel of {remote_dir}", "cancel", fields, command, timeout=timeout)
+        return JobStatus.model_validate(raw)
 
     async def probe(self, runs: list[tuple[JobHandle | None, str]]) -> list[RunProbe]:
-        """Everything the follow needs about all these runs, in one remote command."""
+        """Everything the follow needs about all these runs, in one request (or one remote command)."""
         if not runs:
             return []
-        items = [{"dir": d, "handle": json.loads(_handle_json(h)) if h else None} for h, d in runs]
-        out = await self._jobctl("a probe", ["probe"], json.dumps(items).encode())
+        items = [{"dir": d, "handle": _handle_dict(h) if h else None} for h, d in runs]
+        raw = await self._helped("a probe", "probe", {"runs": items}, ["probe"], _items(items))
         try:
-            return [RunProbe.model_validate(p) for p in json.loads(out)]
-        except ValueError as exc:
-            raise ExecutorError(f"the probe on {self.address} printed something that is not its JSON: {exc}") from exc
+            return [RunProbe.model_validate(p) for p in raw]
+        except (ValueError, TypeError) as exc:
+            raise ExecutorError(f"the probe on {self.address} answered something that is not a probe: {exc}") from exc
 
     # --- files ------------------------------------------------------------------------------
 
     async def read_from(self, path: str, offset: int, limit: int) -> bytes:
-        return await self.files.read_from(path, offset, limit)
+        """At most `limit` bytes of a regular file from `offset`; b"" if it is missing or not a file."""
+        chunks: list[bytes] = []
+        while limit > 0:
+            part = min(limit, HELPER_READ_LIMIT)
+            try:
+                answer = await self.remote_helper.call(
+                    f"a read of {path}", "read", {"path": path, "offset": offset, "limit": part}
+                )
+            except NoHelper:
+                chunks.append(await self.files.read_from(path, offset, limit))
+                break
+            except HelperFailed as exc:
+                raise ExecutorError(f"could not read {path} on {self.address}: {exc.error}") from exc
+            data = base64.b64decode((answer or {}).get("data") or "")
+            chunks.append(data)
+            if len(data) < part:
+                break
+            offset, limit = offset + len(data), limit - len(data)
+        return b"".join(chunks)
 
     async def put_file(self, path: str, data: bytes) -> None:
-        await self.files.put_file(path, data)
+        """Write a file atomically (a temporary file in the same directory, then a rename),
+        creating its directories."""
+        if len(data) > HELPER_WRITE_LIMIT:
+            await self.files.put_file(path, data)
+            return
+        try:
+            await self.remote_helper.call(
+                f"a write of {path}", "write", {"path": path, "data": base64.b64encode(data).decode()}
+            )
+        except NoHelper:
+            await self.files.put_file(path, data)
+        except HelperFailed as exc:
+            parent = str(PurePosixPath(path).parent)
+            raise ExecutorError(
+                f"could not write {path} on {self.address}: {exc.error}; the old file, if any, is intact "
+                f"(a full disk? check `df -h {remote.q(parent)}` there)"
+            ) from exc
 
     async def upload(self, local: Path, remote: str) -> None:
         await self.files.upload(local, remote)
@@ -245,5 +351,11 @@ def _trust(status: str | None) -> str:
     }.get(status or "", status or "unknown")
 
 
-def _handle_json(handle: JobHandle) -> str:
-    return json.dumps({"pid": handle.pid, "start_time": handle.start_time, "boot_id": handle.boot_id})
+def _items(items: list[dict[str, Any]]) -> bytes:
+    """jobctl probe's stdin."""
+    return json.dumps(items).encode()
+
+
+def _handle_dict(handle: JobHandle) -> dict[str, Any]:
+    """What jobctl needs of a handle to tell the job from a process that reused its pid."""
+    return {"pid": handle.pid, "start_time": handle.start_time, "boot_id": handle.boot_id}

@@ -314,8 +314,9 @@ async def test_check_target_reports_each_check(executor: SshExecutor, workdir: P
         "python found",
         "torch found",
         "free disk",
+        "helper",
     ]
-    for name in ["reachable", "host key known", "workdir writable", "python found", "free disk"]:
+    for name in ["reachable", "host key known", "workdir writable", "python found", "free disk", "helper"]:
         assert checks[name]["ok"], checks[name]
     assert checks["python found"]["detail"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}")
     assert "GB" in checks["free disk"]["detail"]
