@@ -36,6 +36,8 @@ def slurm_config(workdir: Path) -> str:
         + f'\n[targets.hpc]\nkind = "slurm"\n{common}'
         + f'\n[targets.pair]\nkind = "slurm"\n{common}nodes = 2\nlauncher = "torchrun"\nnproc_per_node = 2\ncpus_per_task = 2\n'
         + f'\n[targets.both]\nkind = "slurm"\n{common}nodes = 2\n'
+        + f'\n[targets.on_n2]\nkind = "slurm"\n{common}sbatch_options = ["--nodelist=n2"]\n'
+        + f'\n[targets.limited]\nkind = "slurm"\n{common}time = "1"\nsignal_margin = 0\n'
         + f'\n[targets.short]\nkind = "slurm"\n{common}time = "2"\nsignal_margin = "60s"\n'
         + f'\n[targets.nowhere]\nkind = "slurm"\n{common}partition = "nowhere"\n'
     )
@@ -213,7 +215,32 @@ def test_a_job_near_its_time_limit_stops_with_a_deadline_snapshot_and_retry_1_ca
     assert len(jobs_named(hpc.cluster, second_id)) == 1  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
+def test_a_job_slurm_ends_at_its_time_limit_fails_saying_timeout_and_what_to_do(hpc: DaemonProc) -> None:
+    rid = start(hpc, "limited", "sleep", "600")
+    record = hpc.wait_state(rid, "failed", "succeeded", "stopped", "cancelled", timeout=180)
+    assert record["state"] == "failed"
+    assert "reached its time limit (1 min) and Slurm ended it (TIMEOUT)" in record["message"]
+    assert "signal_margin is 0" in record["message"] and f"obd train resume {rid}" in record["message"]
+
+
 # --- faults ------------------------------------------------------------------------------------------------
+
+
+def test_a_job_lost_with_its_node_fails_saying_node_fail_and_what_to_do(hpc: DaemonProc) -> None:
+    cluster: Cluster = hpc.cluster  # type: ignore[attr-defined]
+    rid = start(hpc, "on_n2", "sleep", "600")
+    hpc.wait_state(rid, "running")
+    wait_for(lambda: run_processes(rid), 30, what="the job on n2")
+    try:
+        cluster.run("scontrol", "update", "nodename=n2", "state=down", "reason=obd-test")
+        record = hpc.wait_state(rid, "failed", "succeeded", "stopped", "cancelled", timeout=60)
+    finally:
+        cluster.run("scontrol", "update", "nodename=n2", "state=resume", check=False)
+    assert record["state"] == "failed", record["message"]
+    assert "a node of Slurm job" in record["message"] and "(n2)" in record["message"]
+    assert "NODE_FAIL" in record["message"] and f"obd train resume {rid}" in record["message"]
+    cluster.wait_nodes_idle()
 
 
 def slow_sbatch(directory: Path, before: float, after: float) -> Path:
