@@ -100,10 +100,10 @@ def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes)
     if record.unreachable_since is not None:
         record.note("target reachable again", now)
         record.unreachable_since = None
-    begin = probe.begin or {}
-    if begin.get("snapshots") is True and not record.snapshots:
+    begin = probe.begin
+    if begin is not None and begin.snapshots is True and not record.snapshots:
         record.snapshots = True
-        record.note(f"snapshot plugin {begin.get('version', '?')} active", now)
+        record.note(f"snapshot plugin {begin.version or '?'} active", now)
     update_progress(record, probe, now)
     see_request(record, probe.request, now)
     see_proof(record, probe, now)

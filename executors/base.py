@@ -9,9 +9,21 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 
 
 class JobSpec(BaseModel):
@@ -78,6 +90,54 @@ class JobStatus(BaseModel):
     detail: str | None = None  # what the target says of it (Slurm's pending reason, its end state)
 
 
+def _or_none(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        return None
+
+
+# A value of the wrong type in a metrics line reads as missing: anyone who can write the run
+# directory writes these lines, so they are taken as far as they make sense and no further.
+Int = Annotated[StrictInt | None, WrapValidator(_or_none)]
+Number = Annotated[Annotated[StrictFloat, Field(allow_inf_nan=False)] | None, WrapValidator(_or_none)]
+Flag = Annotated[StrictBool | None, WrapValidator(_or_none)]
+Text = Annotated[StrictStr | None, WrapValidator(_or_none)]
+
+
+class BeginLine(BaseModel):
+    """metrics.jsonl's `begin` line, as far as obd reads it (the plugin writes more)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    time: Number = None
+    max_steps: Int = None
+    start_step: Int = None
+    snapshots: Flag = None  # the plugin announces it can snapshot (exactly `true`)
+    version: Text = None
+
+
+class LogLine(BaseModel):
+    """metrics.jsonl's last `log` line, as far as obd reads it. A heartbeat has no `loss`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    time: Number = None
+    step: Int = None
+    loss: Number = None
+
+    @property
+    def has_loss(self) -> bool:
+        return "loss" in self.model_fields_set
+
+
+def _line(kind: type[BaseModel]) -> Any:
+    def parse(value: Any) -> Any:
+        return kind.model_validate(value) if isinstance(value, dict) else None
+
+    return BeforeValidator(parse)
+
+
 class RunProbe(BaseModel):
     """Everything the follow needs to know of one run directory, read in one go.
 
@@ -93,8 +153,8 @@ class RunProbe(BaseModel):
     # What snapshot.json is when it exists but is not a regular file ("a FIFO", "a symbolic link",
     # "a directory", ...): never opened, and an invalid proof.
     proof_not_regular: str | None = None
-    begin: dict | None = None  # the metrics.jsonl `begin` line
-    last_log: dict | None = None  # its last `log` line
+    begin: Annotated[BeginLine | None, _line(BeginLine)] = None  # the metrics.jsonl `begin` line
+    last_log: Annotated[LogLine | None, _line(LogLine)] = None  # its last `log` line
     ended: bool = False  # metrics.jsonl has an `end` line
     log_size: int = 0
     handle: dict | None = None  # job.pid as the wrapper wrote it (to adopt a run after a crash)

@@ -413,7 +413,7 @@ def test_what_the_plugin_writes_is_what_the_daemons_probe_reads_and_a_valid_proo
     os.makedirs(os.path.join(str(env.output_dir), "checkpoint-3"))
     written = runtime.write_proof(env, 3, "cost")
     seen = probe(tools, run)
-    assert seen.begin is not None and seen.begin["snapshots"] is True and seen.last_log is not None
+    assert seen.begin is not None and seen.begin.snapshots is True and seen.last_log is not None
     assert seen.checkpoints == ["checkpoint-3"]
     snapshot = judge_proof(seen)
     assert snapshot == Snapshot(checkpoint=written["checkpoint"], step=3, reason="cost", time=written["time"])
