@@ -1,12 +1,13 @@
 """SnapshotCallback: the Trainer side of obd's snapshot contract (request → save at this step → proof → stop).
 
-At every step end it looks for `snapshot.request` with one stat(); on a request it makes the
+At every step end it looks for `snapshot.request` with one access(); on a request it makes the
 Trainer save `output/checkpoint-<step>` and stop, and once the checkpoint is on disk rank 0
 writes `snapshot.json`. It also writes `metrics.jsonl`. Outside obd every hook returns at once.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from .runtime import (
     read_request,
     reason_code,
     reason_from_code,
+    trainer_log_line,
     write_proof,
     write_request,
 )
@@ -39,7 +41,10 @@ REQUIRED_FILES = ("trainer_state.json",)
 # request still stands, so every later training stops after its first step, unsaved. A
 # resumed run re-runs the script from the proven checkpoint and reaches the later stages.
 _process_snapshot: str | None = None
-LOG_FIELDS = ("loss", "learning_rate", "grad_norm", "epoch")
+
+# Bound once: the step end with no request is these two calls and nothing else.
+_access = os.access
+_monotonic = time.monotonic
 
 
 class SnapshotCallback(TrainerCallback):
@@ -59,11 +64,18 @@ class SnapshotCallback(TrainerCallback):
         self._sigterm = SigtermFlag()
         self._hook: Any = None
         self._count_tokens = False
-        self._local_tokens = 0
+        self._local_tokens = 0  # counted by the forward pre-hook since the last step end (distributed)
+        self._token_state: Any = None  # the TrainerState the pre-hook adds to directly (one process)
+        # The request's path while a step end with no request may be one access() (one process,
+        # no profiler, no SIGTERM or proof yet in this training); None: every step end takes
+        # the full path.
+        self._quick_request: str | None = None
         self._pending: tuple[int, str] | None = None  # (step, reason) of a snapshot under way
         self._proven = False
         self._profiler: Any = None
-        self._last_progress = 0.0  # time.monotonic() of the last `log` line, Trainer's or heartbeat
+        self._progress_interval = self.env.progress_interval
+        # time.monotonic() from which a heartbeat is due: progress_interval after the last `log` line.
+        self._heartbeat_due = math.inf
         self._heartbeats = True
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -80,13 +92,18 @@ class SnapshotCallback(TrainerCallback):
         self._metrics.close()
         self._metrics = MetricsWriter(self.env.metrics_path if self._ranks.is_zero else None)
         self._pending, self._proven, self._local_tokens = None, False, 0
-        self._last_progress, self._heartbeats = time.monotonic(), True
+        self._progress_interval = self.env.progress_interval
+        self._heartbeat_due, self._heartbeats = time.monotonic() + self._progress_interval, True
         if _process_snapshot is not None:
             log_error(f"obd: this job already saved its snapshot ({_process_snapshot}); training stops after one step")
         self._start_token_count(args, model)
+        # One process: the pre-hook counts straight into the state (no collective to sum ranks).
+        self._token_state = state if self._count_tokens and not self._ranks.distributed else None
         self._start_profiler(model)
+        quick = not self._ranks.distributed and self._profiler is None and _process_snapshot is None
+        self._quick_request = self.env.request_path if quick else None
         if self.env.snapshot_on_sigterm:
-            self._sigterm.install()
+            self._sigterm.install(on_signal=self._leave_quick_path)
         self._metrics.write(
             "begin",
             max_steps=state.max_steps,
@@ -116,6 +133,7 @@ class SnapshotCallback(TrainerCallback):
             reason=self._pending[1] if self._pending else None,
         )
         self._metrics.close()
+        self._quick_request = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -138,6 +156,22 @@ class SnapshotCallback(TrainerCallback):
             self._profiler.step_begin(state.global_step + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        quick = self._quick_request
+        if quick is not None and not _access(quick, os.F_OK):
+            # Almost every step end: one access() finds no request, and one clock read says no
+            # heartbeat is due. With one process there is no decision to share and the pre-hook
+            # counts tokens straight into the state; a SIGTERM or a proof clears _quick_request.
+            if _monotonic() >= self._heartbeat_due:
+                self._heartbeat(state, control)
+            return
+        self._step_end(state, control)
+
+    def _leave_quick_path(self) -> None:
+        """From the SIGTERM handler, or once proven: every later step end takes the full path."""
+        self._quick_request = None
+
+    def _step_end(self, state: Any, control: Any) -> None:
+        """A step end that may stop training: a request or a SIGTERM is there, or other ranks or a profiler are."""
         if not self.env.active:
             return
         if self._profiler is not None:
@@ -145,12 +179,15 @@ class SnapshotCallback(TrainerCallback):
         if _process_snapshot is not None:
             control.should_training_stop = True
             return
-        # Rank 0 alone looks at the file (the run directory is on its node); one stat() when absent.
+        # Rank 0 alone looks at the file (the run directory is on its node).
         reason = read_request(self.env.request_path) if self._ranks.is_zero else None
         preempted = self._sigterm.consume()
         tokens, self._local_tokens = self._local_tokens, 0
+        # Under torch.distributed this is one all-reduce every step, on every rank, request or
+        # not: only rank 0 sees the file and any rank may get a SIGTERM, so no rank can know
+        # without it whether to stop at this step (see dist.py).
         decision = self._ranks.decide(reason_code(reason), preempted, tokens)
-        if self._count_tokens:
+        if self._count_tokens and self._token_state is None:
             state.num_input_tokens_seen += decision.tokens
         if decision.code != 0 or decision.preempted:
             self._arm_snapshot(state, control, decision.code, preempted)
@@ -193,6 +230,7 @@ class SnapshotCallback(TrainerCallback):
             proof = write_proof(self.env, step, reason, required=REQUIRED_FILES)
             log_error(f"obd: snapshot at step {step} ({reason}): {proof['checkpoint']}")
         self._proven = True
+        self._quick_request = None
         global _process_snapshot
         _process_snapshot = checkpoint_relpath(step)
 
@@ -217,33 +255,48 @@ class SnapshotCallback(TrainerCallback):
         if not self._heartbeats or not self._metrics.path:
             return
         now = time.monotonic()
-        if now - self._last_progress < self.env.progress_interval or control.should_log:
+        if now < self._heartbeat_due or control.should_log:
             return
         try:
             self._metrics.write(
                 "log", step=state.global_step, epoch=state.epoch, tokens=state.num_input_tokens_seen, heartbeat=True
             )
-            self._last_progress = now
+            self._heartbeat_due = now + self._progress_interval
         except Exception as exc:
             self._heartbeats = False
             log_error(f"obd: progress heartbeat failed ({exc!r}); no more heartbeat lines from this job")
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if not self.env.active or not self._metrics.path:
+        metrics = self._metrics
+        if metrics.path is None:  # outside obd, rank > 0, or metrics given up after a write failed
             return
-        logs = dict(logs or {})
         # Training-step logs (they carry "loss") are "log" lines, the daemon's progress source.
         # Evaluation results and the end-of-training summary are "metrics" lines, so they never
         # replace the last training loss with a null.
-        event = "log" if "loss" in logs else "metrics"
-        fields: dict[str, Any] = {"step": state.global_step}
-        if event == "log":
-            fields.update({name: logs.pop(name, None) for name in LOG_FIELDS})
-        fields["tokens"] = state.num_input_tokens_seen
-        fields.update(logs)
-        self._metrics.write(event, **fields)
-        if event == "log":
-            self._last_progress = time.monotonic()  # the next heartbeat is due progress_interval from now
+        if logs and "loss" in logs:
+            step, tokens = state.global_step, state.num_input_tokens_seen
+            line = trainer_log_line(time.time(), step, tokens, logs)
+            if line is not None:
+                metrics.write_line(line)
+            else:
+                # The Trainer's keys land in the slots laid out first (null when absent), any
+                # other key after `tokens`.
+                fields: dict[str, Any] = {
+                    "step": step,
+                    "loss": None,
+                    "learning_rate": None,
+                    "grad_norm": None,
+                    "epoch": None,
+                    "tokens": tokens,
+                }
+                fields.update(logs)
+                metrics.write_record("log", fields)
+            self._heartbeat_due = _monotonic() + self._progress_interval
+            return
+        fields = {"step": state.global_step, "tokens": state.num_input_tokens_seen}
+        if logs:
+            fields.update(logs)
+        metrics.write_record("metrics", fields)
 
     def _start_token_count(self, args: Any, model: Any) -> None:
         """Count input tokens with a forward pre-hook unless the Trainer already does.
@@ -275,17 +328,22 @@ class SnapshotCallback(TrainerCallback):
             self._profiler.note_model(model)
 
     def _count_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if not getattr(module, "training", True):
+        if not module.training:
             return  # evaluation batches are not training tokens
-        ids = kwargs.get("input_ids")
+        ids: Any = kwargs.get("input_ids")
         if ids is None and args:
             ids = args[0]
-        if ids is not None and hasattr(ids, "numel"):
-            self._local_tokens += int(ids.numel())
-            return
-        embeds = kwargs.get("inputs_embeds")
-        if embeds is not None and hasattr(embeds, "shape") and len(embeds.shape) >= 2:
-            self._local_tokens += int(embeds.numel() // embeds.shape[-1])
+        try:
+            count = int(ids.numel())
+        except AttributeError:  # no input_ids: count the embeddings' positions instead
+            embeds = kwargs.get("inputs_embeds")
+            if embeds is None or not hasattr(embeds, "shape") or len(embeds.shape) < 2:
+                return
+            count = int(embeds.numel() // embeds.shape[-1])
+        if self._token_state is not None:
+            self._token_state.num_input_tokens_seen += count
+        else:
+            self._local_tokens += count
 
 
 def parameter_counts(model: Any) -> dict[str, int | None]:

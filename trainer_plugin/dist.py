@@ -27,6 +27,7 @@ class Ranks:
 
     def __init__(self) -> None:
         self._dist: Any = None
+        self._device_cache: Any = None  # where the per-step all-reduce runs, found on first use
         self.rank = 0
         self.world_size = 1
         dist = sys.modules.get("torch.distributed")
@@ -62,7 +63,11 @@ class Ranks:
     def _sum(self, values: list[int]) -> list[int]:
         import torch
 
-        tensor = torch.tensor(values, dtype=torch.int64, device=self._device())
+        # The device is looked up once per Ranks (one per training): by the first step end the
+        # job has chosen its GPU, and the backend never changes under a process group.
+        if self._device_cache is None:
+            self._device_cache = self._device()
+        tensor = torch.tensor(values, dtype=torch.int64, device=self._device_cache)
         self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM)
         return [int(v) for v in tensor.tolist()]
 

@@ -97,7 +97,7 @@ class Job:
 
     def __init__(self, run: RunDir, argv: list[str], env: dict[str, str], cwd: Path) -> None:
         self.run = run
-        self._log = open(run.log, "ab")  # noqa: SIM115 - open for the job's whole life, closed in wait()
+        self._log = open(run.log, "ab")  # open for the job's whole life, closed in wait()
         self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = JOB_TIMEOUT) -> int:

@@ -1,0 +1,301 @@
+"""What the plugin does at every step: the request check at each step end and the metrics line of each Trainer log.
+
+The step end with no request is one access() and the Trainer's usual log line is built by one
+f-string; these tests hold both to what a user sees: a request written at any moment and by any
+means is taken at the next step end, every line is strict JSON with non-finite numbers as null
+(nested ones too), a line is in the file as soon as it is logged, and tokens are counted exactly.
+The callback itself runs in a child process (importing it patches transformers' Trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.trainer_plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero, read_jsonl, wait_until
+from tests.trainer_plugin.test_distributed_trainer import final_steps
+from trainer_plugin import runtime
+
+# A SnapshotCallback driven by hand through step ends, as the Trainer drives it. Between two
+# step ends it runs the ACTIONS given as JSON ({"before_step": N, "do": ...}); it prints, for
+# each step end, whether the Trainer was told to save and stop.
+DRIVE_STEP_ENDS = """
+import json, os, sys
+from transformers import TrainerControl, TrainerState, TrainingArguments
+from trainer_plugin.callback import SnapshotCallback
+from trainer_plugin.runtime import RunEnv
+
+run, actions, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+request = os.path.join(run, "snapshot.request")
+callback = SnapshotCallback(env=RunEnv.from_environ({"OBD_RUN_DIR": run}))
+args = TrainingArguments(output_dir=run + "/output", report_to="none", use_cpu=True)
+state, control = TrainerState(max_steps=100), TrainerControl()
+callback.on_train_begin(args, state, control)
+seen = []
+for step in range(1, steps + 1):
+    for action in actions:
+        if action["before_step"] != step:
+            continue
+        if action["do"] == "rename":  # obd's way: a temporary file renamed into place
+            with open(request + ".tmp", "w") as f:
+                f.write(action["text"])
+            os.replace(request + ".tmp", request)
+        elif action["do"] == "echo":  # a person's way: echo TEXT > snapshot.request
+            with open(request, "w") as f:
+                f.write(action["text"])
+        elif action["do"] == "touch":
+            open(request, "w").close()
+        elif action["do"] == "mkdir":
+            os.mkdir(request)
+    state.global_step = step
+    callback.on_step_end(args, state, control)
+    seen.append([step, control.should_save, control.should_training_stop])
+    if control.should_training_stop:
+        break
+print(json.dumps({"seen": seen, "pending": callback._pending}))
+"""
+
+
+def drive_step_ends(run: RunDir, actions: list[dict[str, Any]], steps: int = 5) -> dict[str, Any]:
+    out = subprocess.run(
+        [PY, "-c", DRIVE_STEP_ENDS, str(run.root), json.dumps(actions), str(steps)],
+        env=run.env(obd=False),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("how", ["rename", "echo"])
+def test_a_request_written_between_two_steps_is_seen_at_the_next_step_end(run_dir: RunDir, how: str) -> None:
+    result = drive_step_ends(run_dir, [{"before_step": 3, "do": how, "text": "cost\n"}])
+    assert result["seen"] == [[1, False, False], [2, False, False], [3, True, True]]
+    assert result["pending"] == [3, "cost"]
+
+
+def test_an_empty_request_file_is_no_request_until_someone_writes_a_reason_into_it(run_dir: RunDir) -> None:
+    # The file is there from step 2 on, empty: each step end must look at what it holds, since
+    # writing into it later changes nothing in the directory.
+    actions = [{"before_step": 2, "do": "touch"}, {"before_step": 4, "do": "echo", "text": "deadline"}]
+    result = drive_step_ends(run_dir, actions)
+    assert result["seen"] == [[1, False, False], [2, False, False], [3, False, False], [4, True, True]]
+    assert result["pending"] == [4, "deadline"]
+
+
+def test_a_directory_in_place_of_the_request_is_no_request_and_training_goes_on(run_dir: RunDir) -> None:
+    result = drive_step_ends(run_dir, [{"before_step": 2, "do": "mkdir"}], steps=4)
+    assert [stop for _step, _save, stop in result["seen"]] == [False, False, False, False]
+    assert result["pending"] is None
+
+
+# on_log as the Trainer calls it, once per logs dict given as JSON (NaN and Infinity allowed);
+# "tensor" values become torch scalars and {"nested_tensor": x} a dict holding one.
+DRIVE_LOGS = """
+import json, math, sys
+import torch
+from transformers import TrainerControl, TrainerState, TrainingArguments
+from trainer_plugin.callback import SnapshotCallback
+from trainer_plugin.runtime import RunEnv
+
+def revive(value):
+    if isinstance(value, dict) and set(value) == {"tensor"}:
+        return torch.tensor(value["tensor"])
+    if isinstance(value, dict):
+        return {k: revive(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [revive(v) for v in value]
+    return value
+
+run, all_logs = sys.argv[1], json.loads(sys.argv[2])
+callback = SnapshotCallback(env=RunEnv.from_environ({"OBD_RUN_DIR": run}))
+args = TrainingArguments(output_dir=run + "/output", report_to="none", use_cpu=True)
+state, control = TrainerState(max_steps=100), TrainerControl()
+callback.on_train_begin(args, state, control)
+for step, logs in enumerate(all_logs, start=1):
+    state.global_step, state.num_input_tokens_seen = step, 10 * step
+    callback.on_log(args, state, control, logs=revive(logs))
+"""
+
+
+def drive_logs(run: RunDir, all_logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        [PY, "-c", DRIVE_LOGS, str(run.root), json.dumps(all_logs)],
+        env=run.env(obd=False),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = run.metrics_path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    return [m for m in read_jsonl(run.metrics_path) if m["event"] != "begin"]
+
+
+USUAL: dict[str, Any] = {"loss": 1.25, "grad_norm": 0.5, "learning_rate": 2e-4, "epoch": 0.25}
+
+
+def test_the_trainers_usual_log_is_a_log_line_with_every_field_in_its_place(run_dir: RunDir) -> None:
+    [line] = drive_logs(run_dir, [USUAL])
+    assert list(line) == ["event", "time", "step", "loss", "learning_rate", "grad_norm", "epoch", "tokens"]
+    assert line == {"event": "log", "time": line["time"], "step": 1, **USUAL, "tokens": 10}
+    assert isinstance(line["time"], float)
+
+
+def test_nan_and_infinite_values_of_a_trainer_log_become_null(run_dir: RunDir) -> None:
+    logs: list[dict[str, Any]] = [
+        {**USUAL, "loss": math.nan},
+        {**USUAL, "grad_norm": math.inf},
+        {**USUAL, "learning_rate": -math.inf, "epoch": {"tensor": math.nan}},
+    ]
+    lines = drive_logs(run_dir, logs)
+    assert [(m["loss"], m["grad_norm"], m["learning_rate"], m["epoch"]) for m in lines] == [
+        (None, 0.5, 2e-4, 0.25),
+        (1.25, None, 2e-4, 0.25),
+        (1.25, 0.5, None, None),
+    ]
+
+
+def test_a_nested_value_in_a_log_is_still_sanitised(run_dir: RunDir) -> None:
+    logs = [
+        {**USUAL, "per_layer": {"q": [1.0, math.nan], "k": {"tensor": 2.5}}},
+        {"eval_loss": math.inf, "eval_parts": [{"tensor": [1.5]}, math.nan]},
+    ]
+    log, evaluation = drive_logs(run_dir, logs)
+    assert log["per_layer"] == {"q": [1.0, None], "k": 2.5}
+    assert (log["loss"], log["tokens"]) == (1.25, 10)
+    assert evaluation["event"] == "metrics"
+    assert evaluation["eval_loss"] is None and evaluation["eval_parts"] == [1.5, None]
+
+
+def test_a_logged_key_named_event_or_time_never_replaces_the_lines_own(run_dir: RunDir) -> None:
+    [line] = drive_logs(run_dir, [{**USUAL, "event": "mine", "time": "noon", "other": 3}])
+    assert line["event"] == "log" and isinstance(line["time"], float)
+    assert (line["loss"], line["other"]) == (1.25, 3)
+
+
+finite = st.floats(allow_nan=False, allow_infinity=False)
+
+
+@given(
+    st.floats(min_value=0, max_value=4e9),
+    st.integers(min_value=0, max_value=10**12),
+    st.integers(min_value=0, max_value=10**15),
+    finite,
+    finite,
+    finite,
+    finite,
+)
+def test_the_usual_log_line_is_byte_for_byte_what_the_general_encoder_writes(
+    now: float, step: int, tokens: int, loss: float, rate: float, norm: float, epoch: float
+) -> None:
+    logs = {"loss": loss, "learning_rate": rate, "grad_norm": norm, "epoch": epoch}
+    general = runtime.encode_line({"event": "log", "time": now, "step": step, **logs, "tokens": tokens})
+    fast = runtime.trainer_log_line(now, step, tokens, logs)
+    assert fast is None or fast == general  # None only for sums past the float range
+    if math.isfinite(loss + rate + norm + epoch):
+        assert fast == general
+
+
+@pytest.mark.parametrize(
+    "logs",
+    [
+        {**USUAL, "loss": math.nan},
+        {**USUAL, "grad_norm": -math.inf},
+        {**USUAL, "grad_norm": None},
+        {**USUAL, "loss": True},
+        {**USUAL, "loss": 1},
+        {"loss": 1.0, "learning_rate": 1.0, "grad_norm": 1.0},
+        {**USUAL, "extra": 1.0},
+        {"loss": 1.0, "learning_rate": 1.0, "grad_norm": 1.0, "epochs": 1.0},
+    ],
+)
+def test_any_other_log_is_left_to_the_general_encoder(logs: dict[str, Any]) -> None:
+    assert runtime.trainer_log_line(1.0, 1, 1, logs) is None
+    line = json.loads(runtime.encode_line({"event": "log", **logs}), parse_constant=reject)
+    assert line == {"event": "log", **{k: v if v is None or math.isfinite(v) else None for k, v in logs.items()}}
+
+
+def reject(constant: str) -> Any:
+    raise AssertionError(f"{constant} is not strict JSON")
+
+
+def test_a_numpy_float_in_the_usual_slots_is_written_as_a_plain_number() -> None:
+    np = pytest.importorskip("numpy")
+    logs = {**USUAL, "loss": np.float64(1.5), "grad_norm": np.float32(0.5)}
+    assert runtime.trainer_log_line(1.0, 1, 1, logs) is None
+    assert json.loads(runtime.encode_line({"event": "log", **logs}), parse_constant=reject)["loss"] == 1.5
+
+
+# A job that logs one line and is killed at once (SIGKILL: no handler, no exit code of its own).
+LOG_THEN_DIE = """
+import os, signal, sys
+from trainer_plugin.runtime import MetricsWriter, trainer_log_line
+writer = MetricsWriter(sys.argv[1])
+writer.write("begin", max_steps=10, snapshots=True)
+writer.write_line(trainer_log_line(1.0, 7, 70, {"loss": 0.5, "learning_rate": 0.1, "grad_norm": 1.0, "epoch": 1.0}))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_last_line_of_a_job_killed_right_after_logging_it_is_in_the_file(run_dir: RunDir) -> None:
+    out = subprocess.run(
+        [PY, "-c", LOG_THEN_DIE, str(run_dir.metrics_path)],
+        env=run_dir.env(obd=False),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    lines = read_jsonl(run_dir.metrics_path)
+    assert [m["event"] for m in lines] == ["begin", "log"]
+    assert (lines[-1]["step"], lines[-1]["tokens"]) == (7, 70)
+
+
+def test_one_process_counts_each_steps_tokens_exactly_and_saves_the_count_with_the_snapshot(
+    run_dir: RunDir, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    argv = [PY, str(SCRIPTS / "plain_trainer.py"), "--output_dir", str(tmp_path / "mine")]
+    argv += ["--write-at", "3", "--write-file", f"{run_dir.request}=requested"]
+    job = start_job(run_dir, argv, run_dir.env())
+    assert_exit_zero(job, job.wait())
+    # 4 samples of 8 features a step, counted by the plugin's forward pre-hook.
+    assert [(m["step"], m["tokens"]) for m in run_dir.logs()] == [(1, 32), (2, 64), (3, 96)]
+    state = json.loads((run_dir.output / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["num_input_tokens_seen"] == 96
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_request_written_from_outside_at_any_moment_stops_both_ranks_at_one_step(
+    run_dir: RunDir, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    argv = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPTS / "plain_trainer.py")]
+    argv += ["--output_dir", str(tmp_path / "mine"), "--max_steps", "400", "--step-sleep", "0.02"]
+    job = start_job(run_dir, argv, run_dir.env())
+    wait_until(lambda: run_dir.last_step() >= 5, job, what="five logged steps")
+    # Written from this process, by rename, while both ranks train: neither rank is told when.
+    tmp = run_dir.root / "request.tmp"
+    tmp.write_text("disk")
+    os.replace(tmp, run_dir.request)
+    assert_exit_zero(job, job.wait())
+    proof = run_dir.proof()
+    assert proof is not None and proof["reason"] == "disk" and 5 <= proof["step"] < 400
+    step = proof["step"]
+    assert final_steps(job.log_text()) == [(0, step), (1, step)]
+    checkpoint = run_dir.output / f"checkpoint-{step}"
+    assert (checkpoint / "rng_state_0.pth").is_file() and (checkpoint / "rng_state_1.pth").is_file()
+    assert run_dir.last_step() == step
