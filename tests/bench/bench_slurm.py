@@ -36,8 +36,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import FAST_CONFIG, DaemonProc, wait_for  # noqa: E402
-from tests.executors.slurm.cluster import TEST_SETTINGS, missing_reason, running_cluster  # noqa: E402
+from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+from tests.executors.slurm.cluster import TEST_SETTINGS, missing_reason, running_cluster
 
 SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "scontrol", "sacct", "sinfo", "srun")
 FINAL = {"stopped", "succeeded", "failed", "cancelled"}

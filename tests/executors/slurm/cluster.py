@@ -82,7 +82,7 @@ class Cluster:
     # --- daemons ---------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 - the process keeps it
+        log = open(self.root / "log" / f"{name}.out", "ab")
         self.procs[name] = subprocess.Popen(
             argv,
             env={**os.environ, **self.env},

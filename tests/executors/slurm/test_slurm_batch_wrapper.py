@@ -29,7 +29,7 @@ class Batch:
         run_dir.mkdir()
         (run_dir / "job.json").write_text(json.dumps({"command": command, "cwd": str(run_dir)}))
         (run_dir / "slurm_launch.json").write_text(json.dumps({"nodes": 1, "launcher": "srun", **(plan or {})}))
-        self.log = open(run_dir / "job.log", "ab")  # noqa: SIM115 - closed in stop()
+        self.log = open(run_dir / "job.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, str(WRAPPER), "batch", str(run_dir)],
             stdout=self.log,
