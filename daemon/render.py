@@ -84,25 +84,163 @@ def progress_line(progress: dict[str, Any]) -> str:
     return printable(bar + progress_text(progress))
 
 
-def table(runs: list[dict[str, Any]]) -> str:
-    """The text of `obd train list`: one row per run, columns padded to their widest cell."""
-    rows = [("ID", "NAME", "OWNER", "STATE", "TARGET", "PROGRESS", "STARTED", "MESSAGE")]
+def cells(text: str) -> int:
+    """How many terminal columns `text` takes: wide (CJK, emoji) characters two, combining marks none."""
+    if text.isascii():
+        return len(text)
+    total = 0
+    for char in text:
+        if unicodedata.combining(char) or char in "\u200b\u200d\ufe0f":
+            continue
+        total += 2 if unicodedata.east_asian_width(char) in "WF" else 1
+    return total
+
+
+def _cut(text: str, width: int, from_end: bool = False) -> str:
+    """The longest start (or end) of `text` that takes at most `width` columns."""
+    chars = reversed(text) if from_end else iter(text)
+    kept: list[str] = []
+    used = 0
+    for char in chars:
+        used += cells(char)
+        if used > width:
+            break
+        kept.append(char)
+    return "".join(reversed(kept)) if from_end else "".join(kept)
+
+
+def shorten_middle(text: str, width: int) -> str:
+    """`text` in at most `width` columns, its middle replaced by `…`: the end, where a message says
+    what to do next (`see obd train logs ID`), is kept whole as far as it can be."""
+    if cells(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    head = (width - 1) // 3
+    return _cut(text, head) + "…" + _cut(text, width - 1 - head, from_end=True)
+
+
+def _pad(text: str, width: int) -> str:
+    return text + " " * max(0, width - cells(text))
+
+
+TABLE_COLUMNS = ("ID", "NAME", "OWNER", "STATE", "TARGET", "PROGRESS", "STARTED", "MESSAGE")
+# Which columns a narrow terminal keeps, first to last; MESSAGE takes what is left (at least MIN_MESSAGE).
+_KEEP_ORDER = ("ID", "STATE", "NAME", "PROGRESS", "TARGET", "OWNER", "STARTED")
+MIN_MESSAGE = 20
+NAME_WIDTH = 20
+
+
+def _started(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
+
+
+def table(runs: list[dict[str, Any]], width: int | None = None) -> str:
+    """The text of `obd train list`: one row per run, columns padded to their widest cell.
+
+    With a `width` (the terminal's), columns are left out from the least needed (STARTED, OWNER,
+    TARGET, PROGRESS) until MESSAGE has MIN_MESSAGE columns, and a message longer than the rest
+    of the line is shortened in its middle, so the hint at its end survives. Without one (piped),
+    every column is there and every message whole."""
+    rows: list[dict[str, str]] = []
     for r in runs:
-        # Escaped before they are cut and padded, so the widths are those of what is printed.
+        # Escaped before they are measured and padded, so the widths are those of what is printed.
         rows.append(
-            (
-                printable(r["id"]),
-                printable(r.get("name") or "-")[:20],
-                printable(r.get("owner") or "-")[:16],
-                printable(r.get("state", "?")),
-                printable(r.get("target", "-")),
-                printable(progress_text(r.get("progress"))),
-                _clock(r.get("created")),
-                printable(r.get("message") or "")[:60],
-            )
+            {
+                "ID": printable(r["id"]),
+                "NAME": _cut(printable(r.get("name") or "-"), NAME_WIDTH),
+                "OWNER": shorten_middle(printable(r.get("owner") or "-"), 16),
+                "STATE": printable(r.get("state", "?")),
+                "TARGET": shorten_middle(printable(r.get("target", "-")), 20),
+                "PROGRESS": printable(progress_text(r.get("progress"))),
+                "STARTED": _started(r.get("created")),
+                "MESSAGE": printable(r.get("message") or ""),
+            }
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in rows)
+    widths = {c: max([cells(c)] + [cells(row[c]) for row in rows]) for c in TABLE_COLUMNS}
+    shown = [c for c in TABLE_COLUMNS if c != "MESSAGE"]
+    if width is not None:
+        used, keep = 0, set()
+        for column in _KEEP_ORDER:
+            if used + widths[column] + 2 + MIN_MESSAGE <= width or column == "ID":
+                keep.add(column)
+                used += widths[column] + 2
+        shown = [c for c in shown if c in keep]
+    room = None if width is None else max(MIN_MESSAGE, width - sum(widths[c] + 2 for c in shown))
+    lines = []
+    for row in [dict(zip(TABLE_COLUMNS, TABLE_COLUMNS, strict=True)), *rows]:
+        message = row["MESSAGE"] if room is None else shorten_middle(row["MESSAGE"], room)
+        lines.append(("  ".join(_pad(row[c], widths[c]) for c in shown) + "  " + message).rstrip())
+    return "\n".join(lines)
+
+
+def outcome(record: dict[str, Any]) -> str:
+    """`ID: cancelled by the user`: the state said once, whether or not the message starts with it."""
+    state, message = str(record.get("state")), str(record.get("message") or "")
+    text = message if message.startswith(state) else f"{state}: {message}" if message else state
+    return printable(f"{record['id']}: {text}")
+
+
+def size_text(size: int | None) -> str:
+    if size is None:
+        return ""
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return ""
+
+
+def _ago(now: float, then: float | None) -> str:
+    return f" {duration(max(0.0, now - then))} ago" if then else ""
+
+
+def _cancel_asked_at(record: dict[str, Any]) -> float | None:
+    for entry in reversed(record.get("history") or []):
+        if str(entry.get("reason", "")).startswith("cancel requested"):
+            return entry.get("time")
+    return None
+
+
+def wait_stage(record: dict[str, Any], now: float, size: str | None = None) -> tuple[str, str]:
+    """What a `stop --wait` or `cancel --wait` is waiting for, as (stage, a line for people).
+
+    The stages follow a stop: the request written, the proof seen (with the checkpoint's size
+    when it is known), the job exiting; or a cancel: TERM sent, the job exiting. ("", "") once
+    the run has ended (the final record is printed instead)."""
+    state = str(record.get("state"))
+    if state in ("stopped", "succeeded", "failed", "cancelled"):
+        return "", ""
+    stop = record.get("stop") or {}
+    snapshot = record.get("snapshot")
+    progress = progress_text(record.get("progress"))
+    if state == "queued":
+        return "queued", printable(f"queued: {record.get('message') or 'waiting to start'}")
+    if stop.get("cancel_by") == "fallback":
+        return "fallback", printable(
+            f"stop fallback: {stop.get('fallback') or 'cancelling'}; TERM sent, KILL after the grace; "
+            "waiting for the job to exit"
+        )
+    if stop.get("cancel_by") == "user":
+        return "cancel", printable(
+            f"cancel sent{_ago(now, _cancel_asked_at(record))}: TERM to the job's processes, KILL after the "
+            "grace; waiting for them to exit"
+        )
+    if snapshot:
+        name = str(snapshot["checkpoint"]).rpartition("/")[2]
+        extra = f" ({size})" if size else ""
+        return "proof", printable(
+            f"proof seen{_ago(now, stop.get('proof_at'))}: {name}{extra} at step {snapshot['step']}; "
+            "waiting for the job to exit"
+        )
+    if stop.get("requested_at"):
+        at = f" at {progress}" if progress != "-" else ""
+        return "request", printable(
+            f"snapshot request written{_ago(now, stop['requested_at'])} ({stop.get('reason') or 'requested'}); "
+            f"waiting for the job to end its step{at}"
+        )
+    return state, printable(f"{state}: {progress}")
 
 
 def pod_text(info: dict[str, Any], live: dict[str, Any]) -> str:

@@ -29,7 +29,9 @@ def add_commands(train: Any, top: Any) -> None:
     p.add_argument("--metric", default="loss", help="a key of the log lines: loss (default), learning_rate, grad_norm…")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--svg", metavar="FILE", help="write an SVG image (needs nothing installed)")
-    out.add_argument("--png", metavar="FILE", help="write a PNG image (needs matplotlib: pip install 'obd[plot]')")
+    out.add_argument(
+        "--png", metavar="FILE", help="write a PNG image (needs matplotlib: pip install 'obd-train[plot]')"
+    )
     p.add_argument("--width", type=int, help="terminal chart width in columns (default: the terminal's)")
     p.add_argument("--height", type=int, default=16, help="terminal chart height in rows (default: 16)")
     p.set_defaults(view=plot_command)

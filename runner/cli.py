@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from runner.assemble import parse_run
+from runner.discover import find_profile_files
 from runner.format import format_metrics
 
 USAGE = "usage: obd profile parse DIR [--json]"
@@ -29,7 +30,8 @@ def _locate(directory: Path) -> tuple[Path, Path | None]:
 
 
 def profile_parse_main(argv: list[str]) -> int:
-    """Parse DIR and print the human table (or the RunMetrics JSON); 2 on bad usage, 1 on a missing DIR."""
+    """Parse DIR and print the human table (or the RunMetrics JSON); 2 on bad usage, 1 on a missing DIR or one
+    with nothing to parse."""
     as_json = False
     positional: list[str] = []
     for arg in argv:
@@ -53,6 +55,15 @@ def profile_parse_main(argv: list[str]) -> int:
         print(f"obd profile parse: {directory} {reason}", file=sys.stderr)
         return 1
     profile_dir, metrics_file = _locate(directory)
+    found = find_profile_files(profile_dir)
+    if metrics_file is None and found.runner_json is None and not found.any_profile():
+        print(
+            f"obd profile parse: found nothing to parse in {directory}: no rocprofv3 output (*_kernel_trace.csv, "
+            "*_kernel_stats.csv), amd-smi CSV/JSON, torch.profiler summary, runner.json or metrics.jsonl. "
+            "Give a run directory (holding profile/), its profile/, or the directory rocprofv3 wrote into (-d)",
+            file=sys.stderr,
+        )
+        return 1
     metrics = parse_run(profile_dir, metrics_file).model_dump(mode="json")
     if as_json:
         print(json.dumps(metrics, indent=2))
