@@ -34,6 +34,7 @@ class SshEvents:
         self._exited: set[JobIds] = set()
         self._exit_waiters: dict[JobIds, anyio.Event] = {}
         self._unavailable = False  # the last attempt at a helper failed: nothing will be pushed
+        self._next_read_all = 0.0  # while none pushes: when the follow is next asked to read every run
 
     @property
     def live(self) -> bool:
@@ -53,6 +54,7 @@ class SshEvents:
         self._dirs[remote_dir] = None
         if self._helper is not None and self.live:
             self._send_watch(self._helper, remote_dir)
+        self._wake()
 
     def unwatch(self, remote_dir: str) -> None:
         job = self._dirs.pop(remote_dir, None)
@@ -65,17 +67,23 @@ class SshEvents:
     async def changed_files(self) -> set[str]:
         """Paths (`<run dir>/<name>`) written in watched directories; blocks until there are some.
 
-        While no helper pushes, returns `{""}` (every run) every `poll_hint` seconds instead.
+        While no helper pushes, returns `{""}` (every run) once every `poll_hint` seconds instead,
+        however often it is woken meanwhile.
         """
         while not self._changed:
             self._wakeup = anyio.Event()
-            if self.live:
+            if self.live or not self._dirs:
                 await self._wakeup.wait()
                 continue
-            with anyio.move_on_after(self.poll_hint):
-                await self._wakeup.wait()
-            if not self._changed and not self.live and self._dirs:
-                return {""}
+            now = anyio.current_time()
+            if not self._next_read_all:
+                self._next_read_all = now + self.poll_hint
+            if now < self._next_read_all:
+                with anyio.move_on_after(self._next_read_all - now):
+                    await self._wakeup.wait()
+                continue
+            self._next_read_all = now + self.poll_hint
+            return {""}
         changed, self._changed = self._changed, set()
         return changed
 
@@ -108,6 +116,8 @@ class SshEvents:
 
     def unavailable(self) -> None:
         """No helper could be had: nobody will push, so nobody may wait for a push."""
+        if self._unavailable:
+            return
         self._unavailable = True
         for event in self._exit_waiters.values():
             event.set()

@@ -14,6 +14,7 @@ and when it keeps dying the target uses them for a while; `obd targets check` sa
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -167,10 +168,16 @@ class HelperProcess:
     # --- requests ---------------------------------------------------------------------------
 
     def _send(self, op: str, fields: dict[str, Any], pending: _Pending) -> int:
-        rid = next(self._ids)
+        chan = self.chan
+        if chan is None or chan.is_closing():
+            raise self.ended or HelperGone("its channel is closing")
+        line = json.dumps({"id": (rid := next(self._ids)), "op": op, **fields}, separators=(",", ":")).encode()
         self._pending[rid] = pending
-        assert self.chan is not None  # set once the channel opened
-        self.chan.write(json.dumps({"id": rid, "op": op, **fields}, separators=(",", ":")).encode() + b"\n")
+        try:
+            chan.write(line + b"\n")
+        except (OSError, asyncssh.Error) as exc:  # closed between the check and the write
+            self._pending.pop(rid, None)
+            raise HelperGone(f"its channel closed: {exc}") from exc
         return rid
 
     async def request(self, op: str, fields: dict[str, Any]) -> Any:
@@ -196,7 +203,8 @@ class HelperProcess:
     ) -> None:
         """Send a request from synchronous code; `on_answer` gets its answer, if it comes."""
         if not self.closed:
-            self._send(op, fields, _Pending(callback=on_answer))
+            with contextlib.suppress(HelperGone):  # its end tells the events; the next helper is told again
+                self._send(op, fields, _Pending(callback=on_answer))
 
     def close(self) -> None:
         self.closing = True

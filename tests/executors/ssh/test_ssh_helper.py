@@ -408,6 +408,32 @@ async def test_a_target_whose_python_cannot_run_the_helper_works_through_command
         await ex.aclose()
 
 
+async def test_without_a_helper_the_follow_is_asked_to_read_every_run_once_per_poll_however_busy_the_target(
+    counting_sshd: SshServer, workdir: Path, tmp_path: Path
+) -> None:
+    python = str(python_that_cannot_serve(tmp_path))
+    ex = SshExecutor("old", make_target(counting_sshd, workdir, python=python), events_poll=0.3)
+    assert ex.events is not None
+    try:
+        ex.events.watch(str(workdir / "r"))
+        asked = 0
+        async with anyio.create_task_group() as tg:
+
+            async def poll_hard() -> None:
+                while True:  # every request finds no helper: none of it may turn into extra reads
+                    await ex.probe([(None, str(workdir / "r"))])
+
+            tg.start_soon(poll_hard)
+            with anyio.move_on_after(1.5):
+                while True:
+                    if await ex.events.changed_files() == {""}:
+                        asked += 1
+            tg.cancel_scope.cancel()
+        assert 1 <= asked <= 6  # about 1.5 s / 0.3 s, not once per probe
+    finally:
+        await ex.aclose()
+
+
 async def test_a_missing_python_leaves_no_helper_and_check_says_why(shared_sshd: SshServer, workdir: Path) -> None:
     ex = SshExecutor("nopy", make_target(shared_sshd, workdir, python="/nonexistent/python3"))
     try:
