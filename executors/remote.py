@@ -174,6 +174,16 @@ def start_command(python: str, jobctl_path: str, remote_dir: str) -> str:
     )
 
 
+def helper_command(python: str, jobctl_path: str) -> str:
+    """`exec PY -S jobctl.py serve`: the persistent helper of a connection (executors/ssh/helper.py).
+
+    As little as can be for the shell sshd runs it with: that shell replaces itself with the
+    helper at once. (It still reads ~/.bashrc first: bash does for any command under sshd.)
+    `-S`: the helper needs only the standard library, and starts faster without site-packages.
+    """
+    return "exec " + join([python, "-S", jobctl_path, "serve"])
+
+
 def jobctl_command(python: str, jobctl_path: str, *args: str) -> str:
     """`exec PY jobctl ARGS...`, every word quoted."""
     return "exec " + join([python, jobctl_path, *args])

@@ -308,8 +308,7 @@ class SshHelper:
         return self.connection.address
 
     def command(self, session: Session) -> str:
-        """The helper's command line: as little for the shell to do as there can be."""
-        return "exec " + remote.join([session.python, "-S", session.jobctl, "serve"])
+        return remote.helper_command(session.python, session.jobctl)
 
     async def for_session(self, session: Session) -> HelperProcess:
         """The session's live helper, started if need be; NoHelper when it has none."""

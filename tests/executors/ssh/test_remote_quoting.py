@@ -51,6 +51,21 @@ def test_the_start_command_hands_stdin_to_jobctl_and_returns_its_status(tmp_path
     assert "SECRETS" not in script
 
 
+def test_the_helper_command_replaces_the_shell_with_the_helper_and_quotes_its_paths(tmp_path: Path) -> None:
+    fake = tmp_path / "a dir $(touch pwned)" / "jobctl.py"
+    fake.parent.mkdir()
+    fake.write_text("import os, sys; print(os.getpid(), sys.flags.no_site, sys.argv[1:])")
+    script = remote.helper_command("python3", str(fake)) + "; echo the shell went on"
+    out = subprocess.run(
+        ["sh", "-c", f"echo $$; {script}"], capture_output=True, text=True, check=True, cwd=tmp_path
+    ).stdout
+    shell_pid, line = out.splitlines()
+    pid, no_site, argv = line.split(" ", 2)
+    assert pid == shell_pid  # exec: the shell is gone, the helper took its place
+    assert (no_site, argv) == ("1", "['serve']")
+    assert not (tmp_path / "pwned").exists()
+
+
 def test_uploads_leave_out_vcs_caches_and_virtual_environments(tmp_path: Path) -> None:
     for rel in ["a.py", "pkg/b.py", ".git/x", "pkg/__pycache__/c", "myenv/pyvenv.cfg", "node_modules/y"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
