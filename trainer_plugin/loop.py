@@ -7,7 +7,7 @@ A loop under obd does, in order::
     for step in range(start + 1, N + 1):
         ...train one step...
         loop.log_metrics(step, loss=loss, learning_rate=lr)
-        reason = loop.snapshot_requested()              # one stat(); a collective under torch.distributed
+        reason = loop.snapshot_requested()              # one access(); a collective under torch.distributed
         if reason and step < N:
             path = loop.checkpoint_dir(step)            # <run>/output/checkpoint-<step>
             ...save model, optimizer, scheduler into path...
@@ -54,7 +54,7 @@ def _writer() -> runtime.MetricsWriter:
 def snapshot_requested(sync: bool = True) -> str | None:
     """The reason of a pending snapshot request (`requested`, `deadline`, ...), or None.
 
-    Costs one stat() when there is no request. Under an initialised torch.distributed with
+    Costs one access() when there is no request. Under an initialised torch.distributed with
     `sync=True` it is a collective: every rank must call it at the same step, rank 0 reads the
     file, and every rank gets rank 0's answer (a SIGTERM on any rank counts, see begin()).
     A SIGTERM turned into a request also writes `snapshot.request` so the daemon sees it.

@@ -49,6 +49,7 @@ WORKLOAD = REPO / "workloads" / "train_qwen_lora.py"
 PLUGIN = REPO / "trainer_plugin"
 IN_JOB = "--in-job"
 MICRO = "--micro"
+DECIDE = "--decide"
 # Hooks the Trainer calls once per training, not per step: outside the measured loop.
 ONCE_HOOKS = ("on_init_end", "on_train_begin", "on_train_end")
 # TrainerCallback's no-ops the Trainer calls every step: what any hook costs here, timer included.
@@ -103,7 +104,9 @@ def run_once(
     line = next(line for line in out.stdout.splitlines() if line.startswith("train_metrics "))
     if with_plugin and not (run / "metrics.jsonl").exists():
         raise RuntimeError("the plugin did not run (no metrics.jsonl)")
-    return float(json.loads(line.split(" ", 1)[1])["train_steps_per_second"])
+    # Under torchrun the ranks' lines may run together: read the first JSON object only.
+    metrics, _end = json.JSONDecoder().raw_decode(line.split(" ", 1)[1])
+    return float(metrics["train_steps_per_second"])
 
 
 def in_job(out: Path, argv: list[str]) -> None:
@@ -262,6 +265,41 @@ def callback_costs(source: Path = PLUGIN) -> dict[str, float]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def decide_in_job(calls: int = 2000) -> None:
+    """Under torchrun: time Ranks.decide (the per-step all-reduce, gloo on the CPU) in lockstep; print rank 0's figures."""
+    import torch.distributed as dist
+
+    from trainer_plugin.dist import Ranks
+
+    dist.init_process_group("gloo")
+    ranks = Ranks()
+    durations = []
+    for i in range(calls + 200):
+        start = time.perf_counter_ns()
+        ranks.decide(0, False, 8)
+        if i >= 200:  # the first calls set up gloo's connections
+            durations.append(time.perf_counter_ns() - start)
+    dist.destroy_process_group()
+    if ranks.is_zero:
+        durations.sort()
+        print(
+            json.dumps(
+                {"median_us": durations[len(durations) // 2] / 1e3, "p90_us": durations[len(durations) * 9 // 10] / 1e3}
+            )
+        )
+
+
+def decide_cost(source: Path = PLUGIN, ranks: int = 2) -> dict[str, float]:
+    """decide_in_job of the plugin in `source` with `ranks` ranks: what the per-step collective costs when no rank waits for another."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OBD_")}
+    env.update(PYTHONPATH=str(source.resolve().parent), OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    argv += [str(Path(__file__).resolve()), DECIDE]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=True)
+    line = next(line for line in out.stdout.splitlines() if line.startswith("{"))
+    return dict(json.loads(line))
+
+
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "runs": runs,
@@ -316,6 +354,8 @@ def benchmark(
     result["load_average"] = os.getloadavg()
     result["pre_hook_dispatch_us"] = pre_hook_dispatch_us()
     result["micro"] = {name: callback_costs(source) for name, source in sources.items()}
+    if ranks > 1:
+        result["decide"] = {name: decide_cost(source, ranks) for name, source in sources.items()}
     return result
 
 
@@ -383,6 +423,12 @@ def print_report(result: dict[str, Any], opts: argparse.Namespace) -> None:
             f"  {label}, tight loop: on_step_end with no request {micro['on_step_end_us']:.2f} us, "
             f"on_log (one metrics.jsonl line) {micro['on_log_us']:.2f} us"
         )
+    for name, decide in result.get("decide", {}).items():
+        label = "this plugin" if name == "this" else "compared plugin"
+        print(
+            f"  {label}, the per-step all-reduce alone ({opts.ranks} ranks in lockstep, gloo): "
+            f"median {decide['median_us']:.1f} us, p90 {decide['p90_us']:.1f} us"
+        )
 
 
 def main() -> int:
@@ -427,5 +473,8 @@ if __name__ == "__main__":
         sys.exit(0)
     if len(sys.argv) == 2 and sys.argv[1] == MICRO:
         print(json.dumps(micro_costs()))
+        sys.exit(0)
+    if len(sys.argv) == 2 and sys.argv[1] == DECIDE:
+        decide_in_job()
         sys.exit(0)
     sys.exit(main())
