@@ -133,7 +133,7 @@ class SnapshotCallback(TrainerCallback):
             reason=self._pending[1] if self._pending else None,
         )
         self._metrics.close()
-        self._quick_request = None
+        self._quick_request, self._token_state = None, None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
