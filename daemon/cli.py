@@ -115,11 +115,17 @@ class UsageError(Exception):
     pass
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Epilogs (exit codes, examples) kept as written; option lists wrapped to the terminal."""
+class _Formatter(argparse.HelpFormatter):
+    """Text of several lines (the exit codes, examples) kept as written; a paragraph, like every
+    option's help, wrapped to the terminal."""
 
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=30)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 class _VersionAction(argparse.Action):
@@ -206,7 +212,6 @@ def _parser() -> argparse.ArgumentParser:
         "daemon",
         help="run the daemon in the foreground (systemd runs this)",
         description="Run the daemon: load the records, re-attach to every job, serve the control socket.",
-        formatter_class=_Formatter,
     )
     # Accepted after `daemon` too, as `obd daemon [--config FILE] [--socket PATH]` has them.
     d.add_argument("--config", default=argparse.SUPPRESS, help="config file (default: OBD_CONFIG, then the XDG path)")
@@ -221,7 +226,6 @@ def _parser() -> argparse.ArgumentParser:
         help="start, stop, resume and follow runs",
         description="Start, stop, resume and follow runs. RUN is a run id, a unique prefix of one, "
         "a run name (its newest run) or `last` (your newest run).",
-        formatter_class=_Formatter,
     )
     train = train_parser.add_subparsers(dest="action", required=True, metavar="ACTION", title="actions")
     _add_start(train)
@@ -234,14 +238,12 @@ def _parser() -> argparse.ArgumentParser:
         "profile",
         help="parse profiler output into RunMetrics, without the daemon",
         description="Profiling without the daemon.",
-        formatter_class=_Formatter,
     ).add_subparsers(dest="action", required=True, metavar="ACTION", title="actions")
     pp = prof.add_parser(
         "parse",
         help="parse a run directory, its profile/ or a rocprofv3 output directory",
         description="Parse a run directory (profile/ and metrics.jsonl), a profile/ directory or any "
         "directory rocprofv3 wrote into, and print its RunMetrics.",
-        formatter_class=_Formatter,
     )
     pp.add_argument("dir", metavar="DIR", help="the directory to parse")
     pp.add_argument("--json", action="store_true", help="print the RunMetrics as JSON")
@@ -250,7 +252,6 @@ def _parser() -> argparse.ArgumentParser:
         "targets",
         help="list the configured targets, or check that one works",
         description="The targets of the daemon's config: where jobs run.",
-        formatter_class=_Formatter,
     ).add_subparsers(dest="action", required=True, metavar="ACTION", title="actions")
     tl = tg.add_parser(
         "list", help="the targets, with their GPUs and what holds each", description="The targets and their GPUs."
@@ -278,7 +279,6 @@ def _parser() -> argparse.ArgumentParser:
         help="print the shell completion script for bash, zsh or fish",
         description="Print the completion script for SHELL (a static script: completing costs no Python start).",
         epilog=COMPLETION_HELP,
-        formatter_class=_Formatter,
     )
     comp.add_argument("shell", choices=SHELLS, metavar="SHELL", help="bash, zsh or fish")
 
@@ -287,7 +287,17 @@ def _parser() -> argparse.ArgumentParser:
     from daemon import view_cli
 
     view_cli.add_commands(train, sub)
+    _format_all(p)
     return p
+
+
+def _format_all(parser: argparse.ArgumentParser) -> None:
+    """Every command's help laid out alike (`_Formatter`), those of daemon/view_cli.py included."""
+    parser.formatter_class = _Formatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _format_all(sub)
 
 
 def _run_arg(parser: argparse.ArgumentParser, what: str = "the run") -> None:
@@ -322,7 +332,6 @@ def _add_start(train: Any) -> None:
         help="start a run: obd train start [OPTIONS] -- COMMAND [ARG]...",
         description="Start a run of COMMAND on a target; print its id.",
         epilog=START_EXAMPLES,
-        formatter_class=_Formatter,
     )
     s.add_argument("--target", default="local", help="where to run it: a target of the config (default: local)")
     s.add_argument("--name", help="a name to find the run by (obd train status NAME)")
@@ -369,7 +378,6 @@ def _add_resume(train: Any) -> None:
         description="Start a new run like RUN (target, command, name, GPUs, directory) from its proven "
         "snapshot, else its newest complete checkpoint.",
         epilog=RESUME_EXAMPLES,
-        formatter_class=_Formatter,
     )
     _run_arg(rs, "the run to resume")
     rs.add_argument("--checkpoint", metavar="WHICH", help="latest, a step number, or a path on the target")
@@ -390,7 +398,6 @@ def _add_stop_and_cancel(train: Any) -> None:
         description="Ask the run's job for a snapshot: it saves output/checkpoint-<step> at the end of the "
         "current step, proves it and exits.",
         epilog=STOP_EXAMPLES,
-        formatter_class=_Formatter,
     )
     _run_arg(st)
     st.add_argument(
@@ -407,7 +414,6 @@ def _add_stop_and_cancel(train: Any) -> None:
         help="end the run now: TERM to its processes, KILL after the grace",
         description="Cancel the run: TERM to the job's process group, KILL after cancel_grace. A queued run "
         "leaves the queue. A run that ended is left as it is.",
-        formatter_class=_Formatter,
     )
     _run_arg(c)
     c.add_argument("--wait", action="store_true", help="wait until the run ended")
@@ -436,7 +442,6 @@ def _add_reading(train: Any) -> None:
         help="print a run's log (stdout and stderr), or follow it",
         description="Print the run's job.log; with --follow, stream it until the run ends and exit with its "
         "state's code (obd --help lists them).",
-        formatter_class=_Formatter,
     )
     _run_arg(lg)
     lg.add_argument("--follow", "-f", action="store_true", help="stream new lines until the run ends")
@@ -466,7 +471,6 @@ def _add_list(train: Any) -> None:
         help="your active runs and the 10 most recent that ended",
         description="List runs: by default your active runs and the 10 most recent that ended; the filters "
         "show any others.",
-        formatter_class=_Formatter,
     )
     ls.add_argument("--all", action="store_true", help="every run, of every user and any age")
     ls.add_argument(
