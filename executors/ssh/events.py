@@ -41,10 +41,6 @@ class SshEvents:
         """Whether a helper watches the directories now."""
         return self._helper is not None and self._helper.alive
 
-    @property
-    def watched(self) -> list[str]:
-        return list(self._dirs)
-
     # --- the follow's side (RunEvents) -------------------------------------------------------
 
     def watch(self, remote_dir: str) -> None:

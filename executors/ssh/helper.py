@@ -300,7 +300,6 @@ class SshHelper:
         self.enabled = enabled
         self.hello_timeout = hello_timeout
         self.started = 0  # helpers started so far, for tests and benchmarks
-        self.why_not: str | None = None  # why the last connection had no helper
         self._crashes = _Crashes()
 
     @property
@@ -351,7 +350,6 @@ class SshHelper:
             )
         except NoHelper as exc:
             session.helper = None
-            self.why_not = str(exc)
             if exc.lasting:
                 session.no_helper = str(exc)
             log.warning("ssh.helper_unavailable", target=self.connection.name, address=self.address, why=str(exc))
@@ -361,7 +359,6 @@ class SshHelper:
             helper.close()
             raise
         self.started += 1
-        self.why_not = None
         if self.events is not None:
             self.events.attach(helper)
         hello = helper.hello or {}
