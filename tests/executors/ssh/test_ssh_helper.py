@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import queue
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -24,7 +25,7 @@ from executors.ssh.helper import CRASHES_BEFORE_REST, HelperFailed, NoHelper
 from tests.executors.ssh.conftest import SKIP
 from tests.executors.ssh.helpers import job, make_target, wait_file, wait_state
 from tests.sshd import SshServer
-from trainer_plugin import rundir
+from trainer_plugin import jobctl, rundir
 
 
 @pytest.fixture
@@ -227,6 +228,27 @@ async def test_metrics_growth_is_pushed_at_most_about_once_a_second(executor: Ss
             if f"{run}/{rundir.METRICS}" in await executor.events.changed_files():
                 pushes += 1
     assert 1 <= pushes <= 2
+
+
+def test_without_inotify_the_helper_looks_by_stat_and_still_pushes(tmp_path: Path) -> None:
+    pushed: queue.Queue[dict[str, object]] = queue.Queue()
+    watcher = jobctl._Watcher(pushed.put)
+    if watcher._fd >= 0:  # as on a host without inotify
+        os.close(watcher._fd)
+    watcher._libc, watcher._fd = None, -1
+    run = tmp_path / "run"
+    run.mkdir()
+    assert watcher.add(str(run)) is False
+    rundir.atomic_write(str(run / rundir.JOB_PID), json.dumps({"pid": 123, "start_time": 456}).encode())
+    rundir.atomic_write(str(run / rundir.EXIT_CODE), b"0\n")
+    message = pushed.get(timeout=5)
+    assert message == {"event": "files", "dir": str(run), "names": [rundir.EXIT_CODE], "job": [123, 456]}
+    (run / rundir.SNAPSHOT_REQUEST).write_text("requested\n")
+    assert pushed.get(timeout=5)["names"] == [rundir.SNAPSHOT_REQUEST]
+    watcher.remove(str(run))
+    (run / rundir.SNAPSHOT_REQUEST).write_text("disk\n")
+    with pytest.raises(queue.Empty):
+        pushed.get(timeout=1.5)
 
 
 # --- no shell per poll ---------------------------------------------------------------------------------
