@@ -111,6 +111,9 @@ class SshTarget(StrictModel):
     python: str = "python3"
     venv: str | None = None
     retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
+    # A persistent `jobctl.py serve` on one channel for probes, starts and events (no shell per
+    # poll); false: one remote command per operation, as before.
+    helper: bool = True
     keepalive: Interval = 15.0
     connect_timeout: Timeout = 15.0
     secrets: list[str] = Field(default_factory=list)  # names read from the daemon's environment

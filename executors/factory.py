@@ -37,7 +37,7 @@ def make_executor(name: str, target: AnyTarget, state_dir: Path) -> Executor:
     if isinstance(target, SshTarget):
         from executors.ssh import SshExecutor
 
-        return SshExecutor(name, target)
+        return SshExecutor(name, target, helper=target.helper)
     if isinstance(target, SlurmTarget):
         from executors.slurm import SlurmExecutor
 
