@@ -879,37 +879,40 @@ class Patient:
 
     def call(self, op: str, **params: Any) -> Any:
         lost_since: float | None = None
-        waiting = ""
+        waiting = ""  # what is waited for: "the target", "the daemon"
         while True:
             try:
                 reply = self.client.call(op, **params)
             except RequestFailed as exc:
                 if exc.kind != "unavailable" or not self.answered:
                     raise
-                waiting = waiting or self._say(f"obd: {exc}; waiting for the target, going on where it was")
+                if not waiting:
+                    waiting = "the target"
+                    self._say(f"obd: {exc}; waiting for the target, the follow goes on where it was")
             except (DaemonUnreachable, DaemonBusy) as exc:
                 if not self.answered:
                     raise
                 lost_since = lost_since or time.monotonic()
                 if time.monotonic() - lost_since > RECONNECT_FOR:
                     raise
-                first = str(exc).splitlines()[0].removeprefix("obd: ")
-                waiting = waiting or self._say(
-                    f"obd: lost the daemon ({first}); waiting up to {RECONNECT_FOR / 60:.0f} min for it to come "
-                    "back, going on where it was"
-                )
+                if not waiting:
+                    waiting = "the daemon"
+                    first = str(exc).splitlines()[0].removeprefix("obd: ")
+                    self._say(
+                        f"obd: lost the daemon ({first}); waiting up to {RECONNECT_FOR / 60:.0f} min for it to "
+                        "come back, the follow goes on where it was"
+                    )
             else:
                 if waiting:
-                    self._say("obd: answered again; going on")
+                    self._say(f"obd: {waiting} answers again")
                 self.answered = True
                 return reply
             time.sleep(0.5)
 
     @staticmethod
-    def _say(text: str) -> str:
+    def _say(text: str) -> None:
         sys.stderr.write(render.printable(text) + "\n")
         sys.stderr.flush()
-        return text
 
 
 class _Feedback:
