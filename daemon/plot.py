@@ -1,7 +1,7 @@
 """Loss curves from runs' metrics.jsonl: read over the socket, drawn in the terminal, as SVG or as PNG.
 
 Standard library only, so `obd train plot` (and the web view, which reuses the reading part)
-needs nothing installed; only `--png` imports matplotlib, the optional `obd[plot]` extra. A
+needs nothing installed; only `--png` imports matplotlib, the optional `obd-train[plot]` extra. A
 curve follows a resumed run back through `resumed_from` to the first run of its chain, so a run
 that was stopped and resumed reads as one line, with its snapshot and resume points marked.
 """
@@ -456,13 +456,13 @@ def svg_chart(curves: list[Curve], metric: str, width: int = SVG_WIDTH, height: 
 
 PNG_MISSING = (
     "obd: --png draws with matplotlib, which is not installed here. Install it with "
-    "`pip install 'obd[plot]'` (or `pip install matplotlib`), or write an SVG instead: "
+    "`pip install 'obd-train[plot]'` (or `pip install matplotlib`), or write an SVG instead: "
     "`obd train plot RUN --svg FILE` needs nothing more"
 )
 
 
 def write_png(curves: list[Curve], metric: str, path: str) -> None:
-    """A PNG of the chart, drawn by matplotlib (the `obd[plot]` extra), imported only here."""
+    """A PNG of the chart, drawn by matplotlib (the `obd-train[plot]` extra), imported only here."""
     try:
         import matplotlib
 

@@ -15,10 +15,10 @@ import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from trainer_plugin import jobctl, rundir
+from trainer_plugin import jobctl, jobserve, rundir
 
 # The files a target needs to start, watch and cancel jobs: jobctl.py and the contract it imports.
-TOOL_FILES: tuple[Path, ...] = (Path(jobctl.__file__), Path(rundir.__file__))
+TOOL_FILES: tuple[Path, ...] = (Path(jobctl.__file__), Path(rundir.__file__), Path(jobserve.__file__))
 
 
 def _tools_hash(files: Sequence[Path]) -> str:

@@ -9,6 +9,7 @@ without `data`, or an `errors` message, and all of those are retried with backof
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import threading
@@ -24,6 +25,11 @@ from executors.base import ExecutorError
 from executors.retry import Backoff, retrying
 
 log = structlog.get_logger("obd.runpod.api")
+# The runpod SDK is an extra: a Runpod target without it says how to get it.
+SDK_MISSING = (
+    "the runpod SDK is not installed in obd's environment: run `pip install 'obd-train[runpod]'` with the "
+    "pip of the venv obd runs from (e.g. /opt/obd/bin/pip), then restart the daemon (`systemctl restart obd`)"
+)
 T = TypeVar("T")
 
 KEY_HELP = (
@@ -43,6 +49,15 @@ ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 ENV_VALUE_LIMIT = 32 * 1024
 _PLAIN_BAD = re.compile(r'["\\\x00-\x1f\x7f]')
 _SDK_LOCK = threading.Lock()  # the SDK keeps its key in a module global
+
+
+def sdk() -> Any:
+    """The runpod SDK, or an error that says how to install it (it is an extra)."""
+    if importlib.util.find_spec("runpod") is None:
+        raise RunpodApiError(SDK_MISSING)
+    import runpod
+
+    return runpod
 
 
 class RunpodApiError(ExecutorError):
@@ -200,11 +215,11 @@ def resolve_api_key(environ: dict[str, str] | None = None) -> str | None:
 
 def classify(exc: BaseException, what: str) -> RunpodApiError:
     """Turn whatever the SDK raised into one of our errors, with a message that says what next."""
+    if isinstance(exc, RunpodApiError):
+        return exc
     import requests
     from runpod import error as rp_error
 
-    if isinstance(exc, RunpodApiError):
-        return exc
     if isinstance(exc, rp_error.AuthenticationError):
         return AuthError(f"the Runpod API refused the API key ({what}): {KEY_HELP}")
     if isinstance(exc, rp_error.QueryError):
@@ -265,7 +280,7 @@ class RunpodApi:
         key = self._key()
 
         def call() -> T:
-            import runpod
+            runpod = sdk()
 
             with _SDK_LOCK:
                 runpod.api_key = key
@@ -303,7 +318,7 @@ class RunpodApi:
 
     async def get_pod(self, pod_id: str) -> Pod | None:
         """The pod, or None when it no longer exists (terminated)."""
-        import runpod
+        runpod = sdk()
 
         check_plain("pod id", pod_id)
         raw = await self._retrying(f"get_pod({pod_id})", runpod.get_pod, pod_id)
@@ -311,14 +326,14 @@ class RunpodApi:
 
     async def list_pods(self) -> list[Pod]:
         """Every pod of the account (obd filters its own by name and env tag)."""
-        import runpod
+        runpod = sdk()
 
         raw = await self._retrying("get_pods", runpod.get_pods)
         return [Pod.from_api(p) for p in raw or [] if isinstance(p, dict) and p.get("id")]
 
     async def gpu_rate(self, gpu_id: str, gpu_count: int, cloud_type: str) -> float | None:
         """The hourly rate of `gpu_count` GPUs of that type in that cloud, None when unknown."""
-        import runpod
+        runpod = sdk()
 
         check_plain("GPU type", gpu_id)
         raw = await self._retrying(f"get_gpu({gpu_id})", runpod.get_gpu, gpu_id, gpu_count)
@@ -326,7 +341,7 @@ class RunpodApi:
 
     async def create_pod(self, **kwargs: Any) -> dict:
         """One create call, never retried here: a transient failure may have created the pod."""
-        import runpod
+        runpod = sdk()
 
         for field in ("name", "image_name", "gpu_type_id", "network_volume_id"):
             if kwargs.get(field) is not None:
@@ -339,21 +354,21 @@ class RunpodApi:
 
     async def resume_pod(self, pod_id: str, gpu_count: int) -> None:
         """Start a stopped (EXITED) pod again with `gpu_count` GPUs; NoCapacity when its host has none free."""
-        import runpod
+        runpod = sdk()
 
         check_plain("pod id", pod_id)
         await self._retrying(f"resume_pod({pod_id})", runpod.resume_pod, pod_id, gpu_count)
 
     async def stop_pod(self, pod_id: str) -> None:
         """Stop the pod: its GPUs are released, its volume (and the outputs on it) is kept."""
-        import runpod
+        runpod = sdk()
 
         check_plain("pod id", pod_id)
         await self._retrying(f"stop_pod({pod_id})", runpod.stop_pod, pod_id)
 
     async def terminate(self, pod_id: str) -> None:
         """Terminate the pod; a pod already gone counts as terminated."""
-        import runpod
+        runpod = sdk()
 
         check_plain("pod id", pod_id)
         try:
@@ -364,6 +379,14 @@ class RunpodApi:
             if await self.get_pod(pod_id) is None:
                 return
             raise
+        # The SDK does not read the mutation's answer: one with no data (an upstream error
+        # answered 200) looks like success. Only a pod that is gone, or on its way, is terminated.
+        pod = await self.get_pod(pod_id)
+        if pod is not None and pod.desired_status != "TERMINATED":
+            raise TransientError(
+                f"the Runpod API answered the terminate of pod {pod_id} but the pod is still there "
+                f"({pod.desired_status or 'no status'}); `obd pods rm {pod_id}` tries again"
+            )
 
 
 def rate_from_gpu(raw: dict | None, gpu_count: int, cloud_type: str) -> float | None:

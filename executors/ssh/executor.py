@@ -36,14 +36,14 @@ from executors.ssh.connection import Session, SshConnection, as_bytes, returncod
 from executors.ssh.events import SshEvents
 from executors.ssh.files import SftpFiles
 from executors.ssh.helper import HelperFailed, NoHelper, SshHelper
-from trainer_plugin import jobctl, rundir
+from trainer_plugin import jobserve, rundir
 
 log = structlog.get_logger()
 
 
 # The most one helper request carries; a larger write goes over SFTP, a larger read is asked in parts.
 HELPER_WRITE_LIMIT = 8 << 20
-HELPER_READ_LIMIT = jobctl.SERVE_READ_LIMIT
+HELPER_READ_LIMIT = jobserve.SERVE_READ_LIMIT
 
 
 class SshExecutor:

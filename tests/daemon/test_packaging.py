@@ -130,11 +130,6 @@ def test_a_fresh_venv_without_extras_runs_the_daemon_and_a_local_job(fresh: Fres
         d.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs a change outside the CLI: executors/ must check for the runpod SDK before a Runpod "
-    "target's first API call and say `pip install 'obd-train[runpod]'` (today: 'No module named runpod')",
-)
 def test_a_runpod_target_without_the_sdk_says_which_command_installs_it(fresh: FreshVenv, short_tmp: Path) -> None:
     config = FAST_CONFIG + '\n[targets.pods]\nkind = "runpod"\ngpu_type = ["NVIDIA A40"]\n'
     d = _fresh_daemon(fresh, short_tmp, config)

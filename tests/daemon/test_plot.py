@@ -272,7 +272,7 @@ def test_the_sparkline_of_a_long_run_shows_its_last_losses(runs: Runs, tmp_path:
 
 
 def test_a_png_draws_the_curve_across_the_plot(runs: Runs, tmp_path: Path) -> None:
-    image = pytest.importorskip("matplotlib.image", reason="--png needs matplotlib (pip install 'obd[plot]')")
+    image = pytest.importorskip("matplotlib.image", reason="--png needs matplotlib (pip install 'obd-train[plot]')")
     path = tmp_path / "loss.png"
     out = runs.daemon.cli("train", "plot", runs.child, "--png", str(path))
     assert out.returncode == 0, out.stderr
@@ -300,7 +300,7 @@ def test_png_without_matplotlib_says_how_to_get_it_and_writes_nothing(runs: Runs
     env = {"PYTHONPATH": f"{REPO}:{blocker.parent}"}
     out = runs.daemon.cli("train", "plot", runs.child, "--png", str(tmp_path / "x.png"), env=env)
     assert out.returncode == 2
-    assert "pip install 'obd[plot]'" in out.stderr and "--svg" in out.stderr
+    assert "pip install 'obd-train[plot]'" in out.stderr and "--svg" in out.stderr
     assert not (tmp_path / "x.png").exists()
 
 

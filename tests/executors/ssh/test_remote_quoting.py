@@ -30,7 +30,7 @@ def test_every_argument_reaches_the_command_exactly_as_given(args: list[str]) ->
 @settings(max_examples=40, deadline=None)
 @given(words.filter(lambda w: "\n" not in w))
 def test_a_workdir_under_the_home_is_expanded_there_and_the_rest_is_taken_literally(rest: str) -> None:
-    rest = rest.lstrip("/").lstrip("~") or "x"  # a leading ~ would make it a tilde expression (~user)
+    rest = rest.lstrip("/~") or "x"  # a leading ~ would make it a tilde expression (~user), a / absolute
     assert sh(f"printf %s {remote.path_expr('~/' + rest)}") == f"/home/someone/{rest}"
     assert sh(f"printf %s {remote.path_expr(rest)}") == f"/home/someone/{rest}"
     assert sh(f"printf %s {remote.path_expr('/abs/' + rest)}") == f"/abs/{rest}"

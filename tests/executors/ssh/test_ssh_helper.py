@@ -25,7 +25,7 @@ from executors.ssh.helper import CRASHES_BEFORE_REST, HelperFailed, NoHelper
 from tests.executors.ssh.conftest import SKIP
 from tests.executors.ssh.helpers import job, make_target, wait_file, wait_state
 from tests.sshd import SshServer
-from trainer_plugin import jobctl, rundir
+from trainer_plugin import jobserve, rundir
 
 
 @pytest.fixture
@@ -232,7 +232,7 @@ async def test_metrics_growth_is_pushed_at_most_about_once_a_second(executor: Ss
 
 def test_without_inotify_the_helper_looks_by_stat_and_still_pushes(tmp_path: Path) -> None:
     pushed: queue.Queue[dict[str, object]] = queue.Queue()
-    watcher = jobctl._Watcher(pushed.put)
+    watcher = jobserve._Watcher(pushed.put)
     if watcher._fd >= 0:  # as on a host without inotify
         os.close(watcher._fd)
     watcher._libc, watcher._fd = None, -1

@@ -1,0 +1,50 @@
+"""What the `obd` command's parts share: the exit codes, the run states, usage errors.
+
+Standard library only, like every module the client imports.
+"""
+
+from __future__ import annotations
+
+DIST = "obd-train"  # the distribution's name on the package index; the command is `obd`
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+EXIT_CANCELLED, EXIT_NO_SNAPSHOT, EXIT_STOPPED, EXIT_FAILED = 3, 4, 5, 6
+
+EXIT_UNREACHABLE, EXIT_BUSY, EXIT_DENIED, EXIT_INTERRUPTED, EXIT_PIPE = 69, 75, 77, 130, 141
+
+EXIT_STOP_FELL_BACK, EXIT_STOP_NO_SNAPSHOT = EXIT_CANCELLED, EXIT_NO_SNAPSHOT  # the names they had
+
+FINAL = {"stopped", "succeeded", "failed", "cancelled"}
+
+STATES = ("queued", "preparing", "running", "stopped", "succeeded", "failed", "cancelled")
+
+# The code of each final state, for the commands that wait for a run to end.
+STATE_EXIT = {"succeeded": EXIT_OK, "stopped": EXIT_STOPPED, "cancelled": EXIT_CANCELLED, "failed": EXIT_FAILED}
+
+RECONNECT_FOR = 600.0  # how long a follow or a wait waits out a daemon that went away (a restart)
+
+SHELLS = ("bash", "zsh", "fish")
+
+EXIT_CODES = """\
+exit codes:
+  0    success (for the commands that wait: the run ended as they asked)
+  1    an error the daemon reported; the message says what to do next
+  2    bad usage
+  3    the run was cancelled (stop --wait: no snapshot came in time)
+  4    stop --wait: the run ended without a snapshot (it finished or failed)
+  5    the run stopped with a snapshot (obd train resume RUN continues it)
+  6    the run failed (obd train status RUN says why, with its exit code)
+  69   the daemon cannot be reached (the message says how to start it)
+  75   the daemon is busy with other callers: retry in a moment
+  77   refused: the run is another user's
+  130  interrupted (Ctrl-C)
+  141  the output was closed before it was all written (| head)
+
+logs --follow exits with the code of the state the run ended in (succeeded: 0).
+stop --wait exits 0 when the run stopped with a valid snapshot, else 3 or 4.
+cancel --wait exits 0 when the run was cancelled, else its state's code."""
+
+
+class UsageError(Exception):
+    pass

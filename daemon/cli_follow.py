@@ -1,0 +1,282 @@
+"""The `obd` commands that follow a run: waits that outlive a daemon restart, logs, the list's watch.
+
+Standard library only, like every module the client imports.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from daemon import render
+from daemon.cli_common import (
+    EXIT_ERROR,
+    FINAL,
+    RECONNECT_FOR,
+    STATE_EXIT,
+)
+from daemon.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+
+
+def _width() -> int | None:
+    """The terminal's width for tables: COLUMNS, else the terminal's; None (no limit) when piped."""
+    if os.environ.get("COLUMNS", "").isdigit():
+        return int(os.environ["COLUMNS"])
+    if sys.stdout.isatty():
+        import shutil
+
+        return shutil.get_terminal_size().columns
+    return None
+
+
+def _watch_list(client: Client, params: dict[str, Any]) -> int:
+    """Redraw the list every second until Ctrl-C; a daemon restart is waited out."""
+    import shutil
+
+    patient = Patient(client)
+    out = sys.stdout
+    try:
+        while True:
+            runs = patient.call("list", **params)
+            size = shutil.get_terminal_size()
+            header = f"obd train list, every 1s (Ctrl-C to quit)  {time.strftime('%H:%M:%S')}"
+            lines = [render.shorten_middle(header, size.columns), *render.table(runs, width=size.columns).split("\n")]
+            out.write("\033[H\033[2J" + "\n".join(lines[: max(size.lines - 1, 3)]) + "\n")
+            out.flush()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return 0
+
+
+class Patient:
+    """Calls for a command that waits on a run: a daemon that went away (a restart) is waited for
+    up to RECONNECT_FOR, and a target that cannot be read is waited for, each said once on stderr.
+    Until the first call succeeds, errors are the caller's as usual."""
+
+    def __init__(self, client: Client, answered: bool = True) -> None:
+        self.client = client
+        self.answered = answered
+
+    def call(self, op: str, **params: Any) -> Any:
+        lost_since: float | None = None
+        waiting = ""  # what is waited for: "the target", "the daemon"
+        while True:
+            try:
+                reply = self.client.call(op, **params)
+            except RequestFailed as exc:
+                if exc.kind != "unavailable" or not self.answered:
+                    raise
+                if not waiting:
+                    waiting = "the target"
+                    self._say(f"obd: {exc}; waiting for the target, the follow goes on where it was")
+            except (DaemonUnreachable, DaemonBusy) as exc:
+                if not self.answered:
+                    raise
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > RECONNECT_FOR:
+                    raise
+                if not waiting:
+                    waiting = "the daemon"
+                    first = str(exc).splitlines()[0].removeprefix("obd: ")
+                    self._say(
+                        f"obd: lost the daemon ({first}); waiting up to {RECONNECT_FOR / 60:.0f} min for it to "
+                        "come back, the follow goes on where it was"
+                    )
+            else:
+                if waiting:
+                    self._say(f"obd: {waiting} answers again")
+                self.answered = True
+                return reply
+            time.sleep(0.5)
+
+    @staticmethod
+    def _say(text: str) -> None:
+        sys.stderr.write(render.printable(text) + "\n")
+        sys.stderr.flush()
+
+
+class _Feedback:
+    """What a `--wait` waits for, on a terminal: one line per stage, the current one kept up to date."""
+
+    def __init__(self) -> None:
+        self.stage = ""
+        self.sizes: dict[str, str] = {}
+
+    @classmethod
+    def for_terminal(cls) -> _Feedback | None:
+        return cls() if sys.stderr.isatty() else None
+
+    def show(self, record: dict[str, Any]) -> None:
+        import shutil
+
+        stage, text = render.wait_stage(record, time.time(), self._size(record))
+        if not text:
+            return
+        if self.stage and stage != self.stage:
+            sys.stderr.write("\n")  # the stage that passed stays on the screen
+        self.stage = stage
+        width = shutil.get_terminal_size().columns - 1
+        sys.stderr.write("\r\033[K" + render.shorten_middle(text, width))
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.stage:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    def _size(self, record: dict[str, Any]) -> str | None:
+        """The checkpoint's size on disk, for a local run whose directory this user can read."""
+        snapshot = record.get("snapshot") or {}
+        if not snapshot or record.get("target") != "local" or not record.get("remote_dir"):
+            return None
+        path = os.path.join(record["remote_dir"], snapshot["checkpoint"])
+        if path not in self.sizes:
+            self.sizes[path] = render.size_text(_disk_usage(path))
+        return self.sizes[path] or None
+
+
+def _disk_usage(path: str, limit: int = 10000) -> int | None:
+    """Bytes under `path` (links not followed, at most `limit` entries); None when it cannot be read."""
+    total, seen = 0, 0
+    stack = [path]
+    try:
+        while stack:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    seen += 1
+                    if seen > limit:
+                        return total
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        return None
+    return total
+
+
+def _wait(patient: Patient, record: dict[str, Any], feedback: _Feedback | None) -> dict[str, Any]:
+    """The run's record once it is final; on a terminal, what is awaited is shown as it goes."""
+    run_id = record["id"]
+    try:
+        if feedback is not None:
+            feedback.show(record)
+        while record["state"] not in FINAL:
+            record = patient.call("wait", id=run_id, timeout=1 if feedback is not None else 20)
+            if feedback is not None:
+                feedback.show(record)
+    finally:
+        if feedback is not None:
+            feedback.done()
+    return record
+
+
+def _metrics(result: dict[str, Any], as_json: bool) -> int:
+    metrics = result.get("metrics")
+    if metrics is None:
+        why = (
+            "it was not started with --profile"
+            if not result.get("profile")
+            else "they come once the run has ended and its profile is parsed"
+        )
+        message = f"run {result['id']} has no metrics: {why}"
+        if as_json:
+            print(json.dumps({**result, "metrics": None, "message": message}, indent=1))
+        else:
+            print(f"{message}; state {result['state']}")
+        return 0
+    if as_json:
+        print(json.dumps(metrics, indent=1))
+        return 0
+    from runner.format import format_metrics
+
+    print(render.printable_lines(format_metrics(metrics)))
+    return 0
+
+
+class _Ndjson:
+    """`logs --json`: one object a line, {"offset": where the line starts in job.log, "text": ...}."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+        self.pending = b""
+
+    def write(self, data: bytes) -> None:
+        self.pending += data
+        lines = self.pending.split(b"\n")
+        self.pending = lines.pop()
+        out = []
+        for line in lines:
+            out.append(self._line(line))
+            self.offset += len(line) + 1
+        if out:
+            sys.stdout.write("".join(out))
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        """The last line, when the log does not end with a newline."""
+        if self.pending:
+            sys.stdout.write(self._line(self.pending))
+            self.offset += len(self.pending)
+            self.pending = b""
+        sys.stdout.flush()
+
+    def _line(self, line: bytes) -> str:
+        return json.dumps({"offset": self.offset, "text": line.decode("utf-8", "replace")}) + "\n"
+
+
+class _Raw:
+    def __init__(self) -> None:
+        self.out = sys.stdout.buffer
+
+    def write(self, data: bytes) -> None:
+        self.out.write(data)
+        self.out.flush()
+
+    def close(self) -> None:
+        self.out.flush()
+
+
+def _logs(client: Client, ref: str, follow: bool, tail: int | None, as_json: bool) -> int:
+    """Print the log (or follow it until the run ends: the exit code is its final state's)."""
+    patient = Patient(client, answered=False)
+    run_id = patient.call("wait", id=ref, timeout=0)["id"]  # `last` or a name: the run it names now
+    first = {"tail_lines": tail} if tail is not None else {}
+    reply = patient.call("read", id=run_id, offset=0, **first)
+    sink: _Ndjson | _Raw = _Ndjson(reply.get("offset", 0)) if as_json else _Raw()
+    live = follow and sys.stdout.isatty() and not as_json
+    shown_progress = False
+    while True:
+        data = base64.b64decode(reply.get("data", ""))
+        if data:
+            if shown_progress:
+                sys.stderr.write("\r\033[K")
+                shown_progress = False
+            sink.write(data)
+        offset = reply.get("next", reply.get("offset", 0))
+        if not follow:
+            if not data or len(data) < 65536:
+                sink.close()
+                return 0
+        elif not data:
+            if reply.get("state") in FINAL:
+                # One more read: the job may have written its last lines before it ended.
+                reply = patient.call("read", id=run_id, offset=offset)
+                if not reply.get("data"):
+                    break
+                continue
+            if live:
+                sys.stderr.write("\r\033[K" + render.progress_line(reply.get("progress") or {}))
+                sys.stderr.flush()
+                shown_progress = True
+            time.sleep(0.25)
+        reply = patient.call("read", id=run_id, offset=offset)
+    sink.close()
+    record = patient.call("wait", id=run_id, timeout=0)
+    if record["state"] != "succeeded":
+        print(f"obd: {render.outcome(record)}", file=sys.stderr)  # its message names the exit code
+    return STATE_EXIT.get(record["state"], EXIT_ERROR)

@@ -1,0 +1,423 @@
+"""The `obd` command's parsers: every command and flag, with its help and examples.
+
+Standard library only, like every module the client imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from daemon.cli_common import (
+    DIST,
+    EXIT_CODES,
+    SHELLS,
+    STATES,
+)
+
+START_EXAMPLES = """\
+examples:
+  obd train start --name sft -- python train.py --lr 2e-4
+  obd train start --gpus 2 --retry 3 --snapshot-on-sigterm -- torchrun \\
+      --nproc-per-node 2 train.py
+  obd train start --target gpu1 --cwd . --secret HF_TOKEN -- python train.py
+  obd train start --resume-from sft -- python train.py --lr 1e-4
+
+Everything after `--` is the job's command, its options included."""
+
+STOP_EXAMPLES = """\
+examples:
+  obd train stop sft --wait      snapshot at the end of this step, wait for it
+  obd train stop last            ask, and return at once
+  obd train stop 20250101-1 --reason deadline
+
+The job saves output/checkpoint-<step>, writes its proof and exits 0: the run is
+`stopped`. With no proof within proof_timeout (30 min) the job is cancelled."""
+
+RESUME_EXAMPLES = """\
+examples:
+  obd train resume sft                  the same command, from its snapshot
+  obd train resume sft --checkpoint 400 from output/checkpoint-400
+  obd train resume last -- python train.py --lr 1e-4   a new command
+
+The new run has the old one's target, name (suffixed -r2, -r3...), GPUs and
+working directory."""
+
+COMPLETION_HELP = """\
+install:
+  bash  obd completion bash > ~/.local/share/bash-completion/completions/obd
+  zsh   obd completion zsh > ~/.zfunc/_obd   (with fpath+=(~/.zfunc) before
+        compinit in ~/.zshrc)
+  fish  obd completion fish > ~/.config/fish/completions/obd.fish"""
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Text of several lines (the exit codes, examples) kept as written; a paragraph, like every
+    option's help, wrapped to the terminal."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+class _VersionAction(argparse.Action):
+    """`obd --version`: worked out only when asked (the metadata look-up costs a few ms)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """obd's version, the trainer plugin's (what jobs run) and the Python obd runs on."""
+    from importlib import metadata
+
+    from trainer_plugin.runtime import VERSION as PLUGIN_VERSION
+
+    version = "unknown (not installed: run from a source tree)"
+    for dist in (DIST, "obd"):  # an install from before the rename is still named obd
+        try:
+            version = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    return f"obd {version} (package {DIST})\ntrainer_plugin {PLUGIN_VERSION}\nPython {python}"
+
+
+def _count(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f"from {low} to {high}" if high is not None else f"of {low} or more"
+            raise argparse.ArgumentTypeError(f"expected a whole number {span}, not {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
+
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def since_time(text: str, now: float | None = None) -> float:
+    """`--since`: a duration back from now (90s, 30m, 2h, 3d, 1w) or a date (2025-05-01, 2025-05-01T14:00,
+    local time) as unix seconds."""
+    match = _DURATION.match(text)
+    if match:
+        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2) or "s"]
+        return (time.time() if now is None else now) - seconds
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(text.strip()).timestamp()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a duration (30m, 2h, 3d) or a date (2025-05-01, 2025-05-01T14:00), not {text!r}"
+        ) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="obd",
+        description="Supervise fine-tuning runs; stop them at a step boundary with a verified checkpoint.",
+        epilog=EXIT_CODES + "\n\nEach command has its own help: obd train start --help.",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("--version", action=_VersionAction, nargs=0, help="print obd's and its plugin's versions")
+    p.add_argument("--socket", help="the daemon's control socket (default: OBD_SOCKET, the config, the default)")
+    p.add_argument("--config", help="config file (the client reads it only to find the socket)")
+    p.add_argument("--state-dir", help="the daemon's state directory (the client looks for STATE_DIR/obd.sock)")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
+
+    d = sub.add_parser(
+        "daemon",
+        help="run the daemon in the foreground (systemd runs this)",
+        description="Run the daemon: load the records, re-attach to every job, serve the control socket.",
+    )
+    # Accepted after `daemon` too, as `obd daemon [--config FILE] [--socket PATH]` has them.
+    d.add_argument("--config", default=argparse.SUPPRESS, help="config file (default: OBD_CONFIG, then the XDG path)")
+    d.add_argument("--socket", default=argparse.SUPPRESS, help="where to serve the control socket")
+    d.add_argument("--state-dir", default=argparse.SUPPRESS, help="where to keep run records and local run dirs")
+    d.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), help="what the daemon logs (default: info)"
+    )
+
+    train_parser = sub.add_parser(
+        "train",
+        help="start, stop, resume and follow runs",
+        description="Start, stop, resume and follow runs. RUN is a run id, a unique prefix of one, "
+        "a run name (its newest run) or `last` (your newest run).",
+    )
+    train = train_parser.add_subparsers(dest="action", required=True, metavar="ACTION", title="actions")
+    _add_start(train)
+    _add_resume(train)
+    _add_stop_and_cancel(train)
+    _add_reading(train)
+    _add_list(train)
+
+    prof = sub.add_parser(
+        "profile",
+        help="parse profiler output into RunMetrics, without the daemon",
+        description="Profiling without the daemon.",
+    ).add_subparsers(dest="action", required=True, metavar="ACTION", title="actions")
+    pp = prof.add_parser(
+        "parse",
+        help="parse a run directory, its profile/ or a rocprofv3 output directory",
+        description="Parse a run directory (profile/ and metrics.jsonl), a profile/ directory or any "
+        "directory rocprofv3 wrote into, and print its RunMetrics.",
+    )
+    pp.add_argument("dir", metavar="DIR", help="the directory to parse")
+    pp.add_argument("--json", action="store_true", help="print the RunMetrics as JSON")
+
+    tg = sub.add_parser(
+        "targets",
+        help="list the configured targets, or check that one works",
+        description="The targets of the daemon's config: where jobs run.",
+    ).add_subparsers(dest="action", required=True, metavar="ACTION", title="actions")
+    tl = tg.add_parser(
+        "list", help="the targets, with their GPUs and what holds each", description="The targets and their GPUs."
+    )
+    tl.add_argument("--json", action="store_true", help="print them as a JSON list")
+    tc = tg.add_parser(
+        "check",
+        help="check a target: reachable, workdir writable, Python, torch, disk",
+        description="Check that a target can run jobs: reachable, host key, workdir writable, Python, torch, disk.",
+    )
+    tc.add_argument("name", metavar="NAME", help="the target's name in the config")
+    tc.add_argument("--json", action="store_true", help="print the checks as a JSON list")
+
+    # `obd pods` has its own parser (daemon/pods_cli.py): list, rm, retrieve and their options.
+    pods = sub.add_parser(
+        "pods",
+        add_help=False,
+        help="the Runpod pods obd created: list, rm POD, retrieve RUN (obd pods --help)",
+        description="The Runpod pods obd created; works without the daemon.",
+    )
+    pods.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="list | rm POD_ID | retrieve RUN_ID")
+
+    comp = sub.add_parser(
+        "completion",
+        help="print the shell completion script for bash, zsh or fish",
+        description="Print the completion script for SHELL (a static script: completing costs no Python start).",
+        epilog=COMPLETION_HELP,
+    )
+    comp.add_argument("shell", choices=SHELLS, metavar="SHELL", help="bash, zsh or fish")
+
+    # Commands that look at runs (plot, the web view): daemon/view_cli.py adds them. Each sets
+    # `view` to a function (args, client) -> exit code.
+    from daemon import view_cli
+
+    view_cli.add_commands(train, sub)
+    _format_all(p)
+    return p
+
+
+def _format_all(parser: argparse.ArgumentParser) -> None:
+    """Every command's help laid out alike (`_Formatter`), those of daemon/view_cli.py included."""
+    parser.formatter_class = _Formatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _format_all(sub)
+
+
+def _run_arg(parser: argparse.ArgumentParser, what: str = "the run") -> None:
+    parser.add_argument("id", metavar="RUN", help=f"{what}: an id, a unique id prefix, a name, or `last`")
+
+
+def _add_environment(parser: argparse.ArgumentParser, replaces: bool = False) -> None:
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="set K=V in the job's environment" + (" (replaces the old run's --env values)" if replaces else ""),
+    )
+    parser.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass $NAME from this shell to the job, never on a command line or in a record",
+    )
+    parser.add_argument(
+        "--env-clear",
+        action="store_true",
+        help="start the job from an empty environment (HOME, USER, PATH), not this shell's",
+    )
+
+
+def _add_start(train: Any) -> None:
+    s = train.add_parser(
+        "start",
+        help="start a run: obd train start [OPTIONS] -- COMMAND [ARG]...",
+        description="Start a run of COMMAND on a target; print its id.",
+        epilog=START_EXAMPLES,
+    )
+    s.add_argument("--target", default="local", help="where to run it: a target of the config (default: local)")
+    s.add_argument("--name", help="a name to find the run by (obd train status NAME)")
+    s.add_argument(
+        "--cwd", metavar="DIR", help="the job's directory (local: default here; ssh/pods: uploaded into src/)"
+    )
+    _add_environment(s)
+    s.add_argument(
+        "--output-to",
+        metavar="DIR",
+        help="when the job succeeds, put its outputs in DIR (`asked`: the output_dir the script asked for); "
+        "never into a directory that is not empty",
+    )
+    s.add_argument("--resume-from", metavar="RUN", help="resume RUN's snapshot, or its newest complete checkpoint")
+    s.add_argument("--checkpoint", metavar="WHICH", help="with --resume-from: latest, a step number, or a path")
+    s.add_argument(
+        "--gpus", metavar="N|IDS", help="how many GPUs (2), or which (0,2 or device=1); default: all of the target's"
+    )
+    s.add_argument(
+        "--priority",
+        type=_count(-100, 100),
+        default=0,
+        metavar="P",
+        help="higher starts first from the queue (-100..100)",
+    )
+    s.add_argument(
+        "--retry",
+        type=_count(0, 100),
+        metavar="N",
+        help="start it again up to N times from its checkpoint if it fails or is preempted",
+    )
+    s.add_argument("--profile", action="store_true", help="run it under the profiler; see obd train metrics")
+    s.add_argument(
+        "--snapshot-on-sigterm", action="store_true", help="a SIGTERM to the job becomes a snapshot request (preempted)"
+    )
+    s.add_argument("--json", action="store_true", help="print the new run's record, not just its id")
+    s.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the job's command, after --")
+
+
+def _add_resume(train: Any) -> None:
+    rs = train.add_parser(
+        "resume",
+        help="start a new run like RUN from its snapshot or newest complete checkpoint",
+        description="Start a new run like RUN (target, command, name, GPUs, directory) from its proven "
+        "snapshot, else its newest complete checkpoint.",
+        epilog=RESUME_EXAMPLES,
+    )
+    _run_arg(rs, "the run to resume")
+    rs.add_argument("--checkpoint", metavar="WHICH", help="latest, a step number, or a path on the target")
+    _add_environment(rs, replaces=True)
+    rs.add_argument(
+        "--retry", type=_count(0, 100), metavar="N", help="start it again up to N times if it fails or is preempted"
+    )
+    rs.add_argument("--json", action="store_true", help="print the new run's record, not just its id")
+    rs.add_argument(
+        "command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="a new command, after --; default: RUN's"
+    )
+
+
+def _add_stop_and_cancel(train: Any) -> None:
+    st = train.add_parser(
+        "stop",
+        help="ask the run for a snapshot at the end of its step, then stop",
+        description="Ask the run's job for a snapshot: it saves output/checkpoint-<step> at the end of the "
+        "current step, proves it and exits.",
+        epilog=STOP_EXAMPLES,
+    )
+    _run_arg(st)
+    st.add_argument(
+        "--reason",
+        default="requested",
+        choices=("requested", "deadline", "cost", "disk", "preempted"),
+        help="the reason word written in the request (default: requested)",
+    )
+    st.add_argument("--wait", action="store_true", help="wait until the run ended; exit 0 only with a snapshot")
+    st.add_argument("--json", action="store_true", help="print the run's record")
+
+    c = train.add_parser(
+        "cancel",
+        help="end the run now: TERM to its processes, KILL after the grace",
+        description="Cancel the run: TERM to the job's process group, KILL after cancel_grace. A queued run "
+        "leaves the queue. A run that ended is left as it is.",
+    )
+    _run_arg(c)
+    c.add_argument("--wait", action="store_true", help="wait until the run ended")
+    c.add_argument("--json", action="store_true", help="print the run's record")
+
+
+def _add_reading(train: Any) -> None:
+    x = train.add_parser(
+        "status",
+        help="a run's state, progress, snapshot, outputs and history",
+        description="Show a run: state, progress, snapshot, outputs, history.",
+    )
+    _run_arg(x)
+    x.add_argument("--json", action="store_true", help="print the run's record")
+
+    m = train.add_parser(
+        "metrics",
+        help="a profiled run's RunMetrics (throughput, MFU, memory, kernels)",
+        description="Show the RunMetrics of a run started with --profile.",
+    )
+    _run_arg(m)
+    m.add_argument("--json", action="store_true", help="print them as JSON (an object that says why when none)")
+
+    lg = train.add_parser(
+        "logs",
+        help="print a run's log (stdout and stderr), or follow it",
+        description="Print the run's job.log; with --follow, stream it until the run ends and exit with its "
+        "state's code (obd --help lists them).",
+    )
+    _run_arg(lg)
+    lg.add_argument("--follow", "-f", action="store_true", help="stream new lines until the run ends")
+    lg.add_argument("--tail", type=_count(0), metavar="N", help="start with the last N lines")
+    lg.add_argument("--json", action="store_true", help="one JSON object a line: offset (bytes), text")
+
+    out = train.add_parser(
+        "outputs",
+        help="copy a run's outputs (model, checkpoints) into a directory of yours",
+        description="Copy a run's output/ (model, checkpoints) into a directory you own.",
+    )
+    _run_arg(out)
+    out.add_argument(
+        "--to", metavar="DIR", help="where to put them (default: ./<run name or id>); must be new or empty"
+    )
+    out.add_argument(
+        "--checkpoint",
+        metavar="WHICH",
+        help="latest, a step number, or final (what the trainer saved outside its checkpoints); default: everything",
+    )
+    out.add_argument("--json", action="store_true", help="print what was copied as JSON")
+
+
+def _add_list(train: Any) -> None:
+    ls = train.add_parser(
+        "list",
+        help="your active runs and the 10 most recent that ended",
+        description="List runs: by default your active runs and the 10 most recent that ended; the filters "
+        "show any others.",
+    )
+    ls.add_argument("--all", action="store_true", help="every run, of every user and any age")
+    ls.add_argument(
+        "--state",
+        action="append",
+        choices=STATES,
+        metavar="STATE",
+        help=f"only runs in STATE, repeatable ({', '.join(STATES)})",
+    )
+    ls.add_argument("--target", help="only runs on this target")
+    ls.add_argument("--name", help="only runs of this name")
+    ls.add_argument("--since", type=since_time, metavar="WHEN", help="only runs started since: 2h, 3d, 2025-05-01")
+    ls.add_argument("--limit", type=_count(1), metavar="N", help="at most the N newest")
+    ls.add_argument("--watch", "-w", action="store_true", help="redraw every second (on a terminal)")
+    ls.add_argument("--json", action="store_true", help="print the runs as a JSON list")
