@@ -57,6 +57,7 @@ class Follower:
         self._dirty: dict[str, set[str]] = {}  # executor key -> run directories to read
         self._all_dirty: set[str] = set()  # executor keys to read whole at their next wake
         self._sweep_at: dict[str, float] = {}
+        self._every_poll: set[str] = set()  # keys read whole at every poll, events or not
 
     # --- loops ---------------------------------------------------------------------------
 
@@ -111,6 +112,8 @@ class Follower:
         events.watch(record.remote_dir)
         if key not in self._watched:
             self._watched.add(key)
+            if self.daemon.targets.of(record).reads_every_poll:
+                self._every_poll.add(key)
             self.daemon.start_soon(self._listen, key, events)
 
         async def exit_watch() -> None:
@@ -160,7 +163,7 @@ class Follower:
     def _what_to_read(self, key: str, sweep: float) -> set[str] | None:
         """The run directories the next read covers; None: every run of the target."""
         now = time.monotonic()
-        evented = key in self._watched
+        evented = key in self._watched and key not in self._every_poll
         if not evented or key in self._all_dirty or now >= self._sweep_at.get(key, 0.0):
             self._all_dirty.discard(key)
             self._dirty.pop(key, None)

@@ -45,6 +45,7 @@ class PodSupervision(Supervision):
     """A Runpod target: each run gets a pod of its own, followed on its own."""
 
     config: RunpodTarget
+    reads_every_poll = True  # the lease and the caps ride on every read
 
     def __init__(self, daemon: Daemon, name: str, config: RunpodTarget) -> None:
         super().__init__(daemon, name, config)

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 class Supervision:
     """One target as the daemon sees it: a single executor for every run, and no-op hooks."""
 
+    # Whether its runs are read at every poll even when the target reports events (a pod's
+    # lease is renewed and its caps checked with each read).
+    reads_every_poll = False
+
     def __init__(self, daemon: Daemon, name: str, config: Any) -> None:
         self.daemon = daemon
         self.name = name
