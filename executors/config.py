@@ -93,9 +93,9 @@ class LocalTarget(StrictModel):
     def _gpu_ids(cls, value: list[str] | int | None) -> list[str] | int | None:
         if isinstance(value, int) and not 0 <= value <= 64:
             raise ValueError("gpus is a list of device ids, or a count from 0 to 64")
-        if isinstance(value, list):
-            if len(set(value)) != len(value) or not all(v and v.replace("-", "").isalnum() for v in value):
-                raise ValueError('gpus is a list of distinct device ids such as ["0", "1"]')
+        distinct = isinstance(value, list) and len(set(value)) == len(value)
+        if isinstance(value, list) and not (distinct and all(v and v.replace("-", "").isalnum() for v in value)):
+            raise ValueError('gpus is a list of distinct device ids such as ["0", "1"]')
         return value
 
 

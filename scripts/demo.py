@@ -64,7 +64,7 @@ def main() -> int:
     )
     (root / "config.toml").write_text('[daemon]\npoll_interval = "0.5s"\n\n[stop]\ncancel_grace = "5s"\n')
     say(f"starting the daemon (state in {root})")
-    log = open(root / "daemon.log", "wb")
+    log = open(root / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes to it for the demo's whole life
     daemon = subprocess.Popen([*OBD, "daemon"], stdout=log, stderr=log, cwd=REPO)
     try:
         for _ in range(100):
@@ -81,7 +81,18 @@ def main() -> int:
         ckpt = Path(record(run)["remote_dir"]) / snap["checkpoint"]
         print(f"checkpoint on disk: {ckpt}: {sorted(p.name for p in ckpt.iterdir())}")
         say("resume from the snapshot and let it finish")
-        resumed = obd("train", "start", "--name", "lora-resumed", "--resume-from", run, "--", *WORKLOAD, "--max_steps", str(snap["step"] + 10)).stdout.strip()
+        resumed = obd(
+            "train",
+            "start",
+            "--name",
+            "lora-resumed",
+            "--resume-from",
+            run,
+            "--",
+            *WORKLOAD,
+            "--max_steps",
+            str(snap["step"] + 10),
+        ).stdout.strip()
         obd("train", "logs", resumed, "--follow", show=False)
         print(f"$ obd train logs {resumed} --follow   # (last lines)")
         print("\n".join(obd("train", "logs", resumed, "--tail", "4", show=False).stdout.splitlines()))

@@ -19,7 +19,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from daemon.client import Client, DaemonUnreachable  # noqa: E402
+import contextlib
+
+from daemon.client import Client, DaemonUnreachable
 
 FAST_CONFIG = """
 [daemon]
@@ -84,7 +86,7 @@ class DaemonProc:
                 stdout=log,
                 stderr=log,
                 cwd=REPO,
-                preexec_fn=preexec_fn,
+                preexec_fn=preexec_fn,  # noqa: PLW1509 - a test's own resource limits, set before exec
             )
         if wait:
             wait_for(self.ready, 20, 0.05, "the daemon to answer")
@@ -120,7 +122,9 @@ class DaemonProc:
         finally:
             c.close()
 
-    def cli(self, *args: str, timeout: float = 120, input: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, *args: str, timeout: float = 120, input: bytes | None = None, env: dict | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "daemon.cli", *args],
             env={**self.env, **(env or {})},
@@ -163,10 +167,8 @@ def kill_job_groups(pidfiles: Iterable[Path]) -> None:
     for pidfile in pidfiles:
         handle = jobctl.read_handle(str(pidfile.parent))
         if handle and (jobctl.handle_alive(handle) or jobctl.group_alive(handle)):
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(int(handle["pid"]), signal.SIGKILL)
-            except OSError:
-                pass
 
 
 def kill_leftover_jobs(state_dir: Path) -> None:

@@ -26,16 +26,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from daemon.models import RunRecord, RunState  # noqa: E402
-from daemon.store import RunStore  # noqa: E402
-from tests.conftest import DaemonProc, kill_job_groups, kill_leftover_jobs, wait_for  # noqa: E402
+from daemon.models import RunRecord, RunState
+from daemon.store import RunStore
+from tests.conftest import DaemonProc, kill_job_groups, kill_leftover_jobs, wait_for
 
 CONFIG = '[daemon]\npoll_interval = "1s"\n[stop]\ncancel_grace = "2s"\n'
 
 
 def pct(values: list[float], p: float) -> float:
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -60,7 +60,11 @@ def _start_time(root: Path, runs: int) -> float:
     store = RunStore(d.state_dir)
     for i in range(runs):
         r = RunRecord(id=f"20260101-000000-{i:06x}", command=["python", "train.py", f"--seed={i}"], name=f"run{i}")
-        for state, why in ((RunState.preparing, "created"), (RunState.running, "started"), (RunState.succeeded, "exit 0")):
+        for state, why in (
+            (RunState.preparing, "created"),
+            (RunState.running, "started"),
+            (RunState.succeeded, "exit 0"),
+        ):
             r.transition(state, why)
         store.save(r)
     times = []
@@ -75,8 +79,10 @@ def _start_time(root: Path, runs: int) -> float:
 def bench_list(root: Path, runs: int) -> None:
     empty = _start_time(root / "empty", 0)
     full = _start_time(root / "full", runs)
-    print(f"daemon start to a socket that answers: {full*1000:.0f} ms with {runs} records, {empty*1000:.0f} ms with none "
-          f"(+{(full - empty)*1000:.0f} ms)")
+    print(
+        f"daemon start to a socket that answers: {full * 1000:.0f} ms with {runs} records, {empty * 1000:.0f} ms with none "
+        f"(+{(full - empty) * 1000:.0f} ms)"
+    )
     d = DaemonProc(root / "full", CONFIG)
     d.start()
     try:
@@ -87,17 +93,34 @@ def bench_list(root: Path, runs: int) -> None:
         as_text = _timed([*cli, "--all"], d.env)
         base = _timed([sys.executable, "-c", "pass"], d.env)
         imp = subprocess.run(
-            [sys.executable, "-X", "importtime", "-c", "import daemon.cli, sys; print(','.join(m for m in ('torch','transformers','pydantic','anyio','structlog') if m in sys.modules))"],
-            env=d.env, capture_output=True, text=True, cwd=REPO,
+            [
+                sys.executable,
+                "-X",
+                "importtime",
+                "-c",
+                "import daemon.cli, sys; print(','.join(m for m in ('torch','transformers','pydantic','anyio','structlog') if m in sys.modules))",
+            ],
+            env=d.env,
+            capture_output=True,
+            text=True,
+            cwd=REPO,
         )
-        rows = [line[len("import time:"):].split("|") for line in imp.stderr.splitlines() if line.startswith("import time:")]
+        rows = [
+            line[len("import time:") :].split("|")
+            for line in imp.stderr.splitlines()
+            if line.startswith("import time:")
+        ]
         total_us = sum(int(r[0]) for r in rows if r[0].strip().isdigit())  # the `self` column
         b = statistics.median(base)
         for what, walls in (("--json", as_json), ("(text)", as_text)):
             m = statistics.median(walls)
-            print(f"train list --all {what}, {runs} runs: median {m*1000:.0f} ms per client process "
-                  f"(bare `python -c pass`: {b*1000:.0f} ms; ratio {m/b:.2f}; obd's own part {(m - b)*1000:.0f} ms)")
-        print(f"client import time (daemon.cli and all it imports, -X importtime self times summed): {total_us/1000:.1f} ms; heavy modules imported: {imp.stdout.strip() or 'none'}")
+            print(
+                f"train list --all {what}, {runs} runs: median {m * 1000:.0f} ms per client process "
+                f"(bare `python -c pass`: {b * 1000:.0f} ms; ratio {m / b:.2f}; obd's own part {(m - b) * 1000:.0f} ms)"
+            )
+        print(
+            f"client import time (daemon.cli and all it imports, -X importtime self times summed): {total_us / 1000:.1f} ms; heavy modules imported: {imp.stdout.strip() or 'none'}"
+        )
     finally:
         d.stop()
 
@@ -116,7 +139,9 @@ def bench_follow(root: Path, jobs: int, window: float = 60.0) -> None:
     d.start()
     try:
         c = d.client()
-        ids = [c.call("start", command=["sleep", "100000"], environ={"PATH": "/usr/bin:/bin"})["id"] for _ in range(jobs)]
+        ids = [
+            c.call("start", command=["sleep", "100000"], environ={"PATH": "/usr/bin:/bin"})["id"] for _ in range(jobs)
+        ]
         wait_for(lambda: all(r["state"] == "running" for r in c.call("list", all=True)), 600, 1, "all jobs running")
         time.sleep(2)
         cpu0, t0 = cpu_seconds(d.proc.pid), time.monotonic()
@@ -132,12 +157,19 @@ def bench_follow(root: Path, jobs: int, window: float = 60.0) -> None:
             time.sleep(0.2)
         lags = []
         for rid in sample:
-            r = wait_for(lambda rid=rid: (lambda x: x if x["state"] == "failed" else None)(c.call("status", id=rid)), 60, 0.2, "the end")
+
+            def ended(rid: str = rid) -> dict | None:
+                record = c.call("status", id=rid)
+                return record if record["state"] == "failed" else None
+
+            r = wait_for(ended, 60, 0.2, "the end")
             exited = (Path(r["remote_dir"]) / "exit_code").stat().st_mtime
             lags.append(r["history"][-1]["time"] - exited)
-        print(f"following {jobs} local jobs: daemon CPU {share*100:.2f} % of a core over {window:.0f} s "
-              f"({per_job_min*1000:.2f} ms per job per minute); exit → final state over {len(lags)} exits: "
-              f"median {statistics.median(lags)*1000:.0f} ms, p99 {pct(lags, 99)*1000:.0f} ms")
+        print(
+            f"following {jobs} local jobs: daemon CPU {share * 100:.2f} % of a core over {window:.0f} s "
+            f"({per_job_min * 1000:.2f} ms per job per minute); exit → final state over {len(lags)} exits: "
+            f"median {statistics.median(lags) * 1000:.0f} ms, p99 {pct(lags, 99) * 1000:.0f} ms"
+        )
         c.close()
     finally:
         d.stop()
@@ -151,11 +183,17 @@ def bench_stop(root: Path, stops: int) -> None:
         job = str(REPO / "tests" / "bench" / "custom_loop_job.py")
         ids = [d.call("start", command=[sys.executable, job, "0.1"])["id"] for _ in range(stops)]
         for rid in ids:
-            wait_for(lambda: d.record(rid)["snapshots"], 60, 0.2, "the plugin's begin line")
+            wait_for(lambda rid=rid: d.record(rid)["snapshots"], 60, 0.2, "the plugin's begin line")
         added, totals = [], []
         for rid in ids:
             t0 = time.time()
-            out = subprocess.run([sys.executable, "-m", "daemon.cli", "train", "stop", rid, "--wait", "--json"], env=d.env, capture_output=True, text=True, cwd=REPO)
+            out = subprocess.run(
+                [sys.executable, "-m", "daemon.cli", "train", "stop", rid, "--wait", "--json"],
+                env=d.env,
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+            )
             assert out.returncode == 0, out.stderr
             r = json.loads(out.stdout)
             rd = Path(r["remote_dir"])
@@ -164,8 +202,10 @@ def bench_stop(root: Path, stops: int) -> None:
             recorded = next(h["time"] for h in r["history"] if h["state"] == "stopped")
             added.append((requested - t0) + (recorded - exited))  # obd's part: before the job sees it, after it ends
             totals.append(recorded - t0)
-        print(f"stop latency over {stops} stops: obd's part median {statistics.median(added)*1000:.0f} ms, p99 {pct(added, 99)*1000:.0f} ms "
-              f"(whole stop → stopped median {statistics.median(totals)*1000:.0f} ms, with a 100 ms step; poll_interval 1 s)")
+        print(
+            f"stop latency over {stops} stops: obd's part median {statistics.median(added) * 1000:.0f} ms, p99 {pct(added, 99) * 1000:.0f} ms "
+            f"(whole stop → stopped median {statistics.median(totals) * 1000:.0f} ms, with a 100 ms step; poll_interval 1 s)"
+        )
     finally:
         d.stop()
         kill_leftover_jobs(d.state_dir)
@@ -177,7 +217,7 @@ def bench_ssh_follow(root: Path, jobs: int) -> None:
 
     with SshServer(root / "sshd") as server:
         f = server.target_fields()
-        config = CONFIG.replace("[stop]", "remote_poll_interval = \"1s\"\n[stop]") + (
+        config = CONFIG.replace("[stop]", 'remote_poll_interval = "1s"\n[stop]') + (
             f'\n[targets.box]\nkind = "ssh"\nhost = "{f["host"]}"\nport = {f["port"]}\nuser = "{f["user"]}"\n'
             f'identity_file = "{f["identity_file"]}"\nknown_hosts = "{f["known_hosts"]}"\n'
             f'workdir = "{root / "remote"}"\npython = "{sys.executable}"\n'
@@ -186,7 +226,9 @@ def bench_ssh_follow(root: Path, jobs: int) -> None:
         d.start()
         try:
             c = d.client()
-            ids = [c.call("start", target="box", command=["sh", "-c", f"sleep {25 + (i % 10)}"])["id"] for i in range(jobs)]
+            ids = [
+                c.call("start", target="box", command=["sh", "-c", f"sleep {25 + (i % 10)}"])["id"] for i in range(jobs)
+            ]
             wait_for(lambda: all(d.record(r)["state"] == "running" for r in ids), 300, 0.5, "all jobs running")
             time.sleep(2)
             before = server.log_tail(10**8).count("Starting session: command")
@@ -195,13 +237,21 @@ def bench_ssh_follow(root: Path, jobs: int) -> None:
             commands = server.log_tail(10**8).count("Starting session: command") - before
             polls = (time.monotonic() - t0) / 1.0
             records = wait_for(
-                lambda: [d.record(x) for x in ids] if all(d.record(x)["state"] in ("succeeded", "failed") for x in ids) else None,
-                300, 1, "all jobs to end",
+                lambda: (
+                    [d.record(x) for x in ids]
+                    if all(d.record(x)["state"] in ("succeeded", "failed") for x in ids)
+                    else None
+                ),
+                300,
+                1,
+                "all jobs to end",
             )
             lags = [r["history"][-1]["time"] - (Path(r["remote_dir"]) / "exit_code").stat().st_mtime for r in records]
-            print(f"following {jobs} runs on one SSH target (remote_poll_interval 1 s): {commands} remote commands in {polls:.0f} s "
-                  f"of steady state, i.e. one per poll cycle (each cycle: one probe of all {jobs} runs, then the interval); "
-                  f"exit → final state median {statistics.median(lags)*1000:.0f} ms, p99 {pct(lags, 99)*1000:.0f} ms")
+            print(
+                f"following {jobs} runs on one SSH target (remote_poll_interval 1 s): {commands} remote commands in {polls:.0f} s "
+                f"of steady state, i.e. one per poll cycle (each cycle: one probe of all {jobs} runs, then the interval); "
+                f"exit → final state median {statistics.median(lags) * 1000:.0f} ms, p99 {pct(lags, 99) * 1000:.0f} ms"
+            )
             c.close()
         finally:
             d.stop()

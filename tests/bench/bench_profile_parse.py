@@ -29,10 +29,30 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-HEADER = ["Kind", "Agent_Id", "Queue_Id", "Stream_Id", "Thread_Id", "Dispatch_Id", "Kernel_Id", "Kernel_Name",
-          "Correlation_Id", "Start_Timestamp", "End_Timestamp", "LDS_Block_Size", "Scratch_Size", "VGPR_Count",
-          "Accum_VGPR_Count", "SGPR_Count", "Workgroup_Size_X", "Workgroup_Size_Y", "Workgroup_Size_Z",
-          "Grid_Size_X", "Grid_Size_Y", "Grid_Size_Z"]
+HEADER = [
+    "Kind",
+    "Agent_Id",
+    "Queue_Id",
+    "Stream_Id",
+    "Thread_Id",
+    "Dispatch_Id",
+    "Kernel_Id",
+    "Kernel_Name",
+    "Correlation_Id",
+    "Start_Timestamp",
+    "End_Timestamp",
+    "LDS_Block_Size",
+    "Scratch_Size",
+    "VGPR_Count",
+    "Accum_VGPR_Count",
+    "SGPR_Count",
+    "Workgroup_Size_X",
+    "Workgroup_Size_Y",
+    "Workgroup_Size_Z",
+    "Grid_Size_X",
+    "Grid_Size_Y",
+    "Grid_Size_Z",
+]
 
 NAIVE = r"""
 import csv, sys
@@ -55,15 +75,21 @@ def kernel_names(count: int = 60) -> list[str]:
     for i in range(count):
         kind = i % 4
         if kind == 0:
-            names.append(f"Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT{rng.choice([64, 128, 256])}x256x64_MI16x16x1_"
-                         + "_".join(f"K{rng.randint(0, 9)}{j}" for j in range(40)))
+            names.append(
+                f"Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT{rng.choice([64, 128, 256])}x256x64_MI16x16x1_"
+                + "_".join(f"K{rng.randint(0, 9)}{j}" for j in range(40))
+            )
         elif kind == 1:
-            names.append(f"void at::native::vectorized_elementwise_kernel<4, at::native::op{i}<c10::BFloat16>, "
-                         f"at::detail::Array<char*, {i % 3 + 2}> >(int, at::native::op{i}<c10::BFloat16>, "
-                         f"at::detail::Array<char*, {i % 3 + 2}>)")
+            names.append(
+                f"void at::native::vectorized_elementwise_kernel<4, at::native::op{i}<c10::BFloat16>, "
+                f"at::detail::Array<char*, {i % 3 + 2}> >(int, at::native::op{i}<c10::BFloat16>, "
+                f"at::detail::Array<char*, {i % 3 + 2}>)"
+            )
         elif kind == 2:
-            names.append(f"void ck_tile::kentry<128, 1, ck_tile::FmhaFwdKernel<variant{i}, ck_tile::bf16_t, "
-                         "float, ck_tile::TileFmhaShape<ck_tile::sequence<128, 128, 32>>>>(FmhaFwdBatchModeKargs)")
+            names.append(
+                f"void ck_tile::kentry<128, 1, ck_tile::FmhaFwdKernel<variant{i}, ck_tile::bf16_t, "
+                "float, ck_tile::TileFmhaShape<ck_tile::sequence<128, 128, 32>>>>(FmhaFwdBatchModeKargs)"
+            )
         else:
             names.append(f"__amd_rocclr_copyBuffer_{i}")
     return names
@@ -82,8 +108,32 @@ def write_trace(path: Path, rows: int) -> None:
             duration = 2_000 + (k * 997) % 180_000
             start = t
             t += duration + rng.randint(500, 4_000)
-            writer.writerow(["KERNEL_DISPATCH", 2, 1, 1 + k % 2, 4021, n, 10 + k, names[k], n, start,
-                             start + duration, 8192, 0, 128, 0, 96, 256, 1, 1, 1024, 1, 1])
+            writer.writerow(
+                [
+                    "KERNEL_DISPATCH",
+                    2,
+                    1,
+                    1 + k % 2,
+                    4021,
+                    n,
+                    10 + k,
+                    names[k],
+                    n,
+                    start,
+                    start + duration,
+                    8192,
+                    0,
+                    128,
+                    0,
+                    96,
+                    256,
+                    1,
+                    1,
+                    1024,
+                    1,
+                    1,
+                ]
+            )
 
 
 def measure(argv: list[str]) -> tuple[float, float, int]:
@@ -110,12 +160,22 @@ def run(rows: int, keep: bool) -> dict:
         print(f"trace: {rows:,} rows, {size_mb:.0f} MB, written in {time.perf_counter() - t0:.1f} s ({trace})")
         ours = measure([sys.executable, "-m", "runner.cli", str(tmp), "--json"])
         naive = measure([sys.executable, "-c", NAIVE, str(trace)])
-        result = {"rows": rows, "size_mb": size_mb, "parse_s": ours[0], "parse_mb": ours[1], "naive_s": naive[0],
-                  "naive_mb": naive[1], "ratio": ours[0] / naive[0], "ok": ours[2] == 0 and naive[2] == 0}
+        result = {
+            "rows": rows,
+            "size_mb": size_mb,
+            "parse_s": ours[0],
+            "parse_mb": ours[1],
+            "naive_s": naive[0],
+            "naive_mb": naive[1],
+            "ratio": ours[0] / naive[0],
+            "ok": ours[2] == 0 and naive[2] == 0,
+        }
         print(f"obd profile parse : {ours[0]:6.2f} s  peak {ours[1]:7.1f} MB  (exit {ours[2]})")
         print(f"DictReader + list : {naive[0]:6.2f} s  peak {naive[1]:7.1f} MB  (exit {naive[2]})")
-        print(f"time ratio parse/naive = {result['ratio']:.2f} (goal <= 0.5); memory ratio = "
-              f"{ours[1] / naive[1]:.3f}; parse peak goal < 200 MB: {'met' if ours[1] < 200 else 'NOT met'}")
+        print(
+            f"time ratio parse/naive = {result['ratio']:.2f} (goal <= 0.5); memory ratio = "
+            f"{ours[1] / naive[1]:.3f}; parse peak goal < 200 MB: {'met' if ours[1] < 200 else 'NOT met'}"
+        )
         return result
     finally:
         if keep:

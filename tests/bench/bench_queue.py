@@ -19,8 +19,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.bench.bench_daemon import cpu_seconds, pct  # noqa: E402
-from tests.conftest import DaemonProc, kill_leftover_jobs, wait_for  # noqa: E402
+import itertools
+
+from tests.bench.bench_daemon import cpu_seconds, pct
+from tests.conftest import DaemonProc, kill_leftover_jobs, wait_for
 
 CONFIG = '[targets.local]\nkind = "local"\ngpus = ["0", "1", "2", "3"]\n'  # the default 1 s poll
 
@@ -41,7 +43,9 @@ def main() -> None:
         client = d.client()
         cpu0, t0 = cpu_seconds(d.proc.pid), time.monotonic()
         ids = [
-            client.call("start", command=["sleep", str(args.job_seconds)], gpus="1", environ={"PATH": "/usr/bin:/bin"})["id"]
+            client.call("start", command=["sleep", str(args.job_seconds)], gpus="1", environ={"PATH": "/usr/bin:/bin"})[
+                "id"
+            ]
             for _ in range(args.runs)
         ]
 
@@ -62,18 +66,24 @@ def main() -> None:
     to_leave, to_run = [], []
     for runs in by_device.values():
         runs.sort(key=lambda r: first(r["history"], "preparing"))
-        for before, after in zip(runs, runs[1:], strict=False):
+        for before, after in itertools.pairwise(runs):
             freed = first(before["history"], before["state"])
             to_leave.append(first(after["history"], "preparing") - freed)
             to_run.append(first(after["history"], "running") - freed)
     wall = t1 - t0
     print(f"runs: {args.runs} on 4 GPUs, jobs of {args.job_seconds:g} s; {len(failed)} did not succeed")
-    print(f"GPU freed -> next run leaves the queue: median {statistics.median(to_leave) * 1000:.1f} ms, "
-          f"p99 {pct(to_leave, 99) * 1000:.1f} ms")
-    print(f"GPU freed -> next run's job running: median {statistics.median(to_run) * 1000:.1f} ms, "
-          f"p99 {pct(to_run, 99) * 1000:.1f} ms")
-    print(f"drain: {wall:.1f} s wall (ideal {args.runs * args.job_seconds / 4:.1f} s); daemon CPU "
-          f"{(cpu1 - cpu0) / wall * 100:.1f} % of one core")
+    print(
+        f"GPU freed -> next run leaves the queue: median {statistics.median(to_leave) * 1000:.1f} ms, "
+        f"p99 {pct(to_leave, 99) * 1000:.1f} ms"
+    )
+    print(
+        f"GPU freed -> next run's job running: median {statistics.median(to_run) * 1000:.1f} ms, "
+        f"p99 {pct(to_run, 99) * 1000:.1f} ms"
+    )
+    print(
+        f"drain: {wall:.1f} s wall (ideal {args.runs * args.job_seconds / 4:.1f} s); daemon CPU "
+        f"{(cpu1 - cpu0) / wall * 100:.1f} % of one core"
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """A stand-in job that speaks the snapshot protocol badly on purpose, for the daemon's stop tests.
 
-    fake_plugin_job.py MODE
-    ignore      announces snapshots, then never answers a request (a hung step)
-    hang-after  answers a request with a valid proof and checkpoint, then hangs
-    proof=JSON  answers a request with this exact snapshot.json, then exits 0
-    bad-proof-hang  answers a request with an invalid proof, then hangs
-    nested-metrics  writes a metrics.jsonl first line nested 100,000 deep, then runs
-    no-plugin   never announces snapshots; runs until killed
+fake_plugin_job.py MODE
+ignore      announces snapshots, then never answers a request (a hung step)
+hang-after  answers a request with a valid proof and checkpoint, then hangs
+proof=JSON  answers a request with this exact snapshot.json, then exits 0
+bad-proof-hang  answers a request with an invalid proof, then hangs
+nested-metrics  writes a metrics.jsonl first line nested 100,000 deep, then runs
+no-plugin   never announces snapshots; runs until killed
 """
 
 import json
@@ -31,7 +31,10 @@ if mode == "nested-metrics":
     time.sleep(3600)
 if mode != "no-plugin":
     with open(os.environ["OBD_METRICS_FILE"], "a") as f:
-        f.write(json.dumps({"event": "begin", "time": time.time(), "max_steps": 1000, "snapshots": True, "version": "fake"}) + "\n")
+        f.write(
+            json.dumps({"event": "begin", "time": time.time(), "max_steps": 1000, "snapshots": True, "version": "fake"})
+            + "\n"
+        )
 print("fake job up", flush=True)
 step = 0
 while True:
@@ -41,7 +44,12 @@ while True:
         continue
     if mode == "hang-after":
         os.makedirs(f"{rd}/output/checkpoint-{step}")
-        write(os.environ["OBD_SNAPSHOT_FILE"], json.dumps({"checkpoint": f"output/checkpoint-{step}", "step": step, "time": time.time(), "reason": "requested"}))
+        write(
+            os.environ["OBD_SNAPSHOT_FILE"],
+            json.dumps(
+                {"checkpoint": f"output/checkpoint-{step}", "step": step, "time": time.time(), "reason": "requested"}
+            ),
+        )
         print("proof written; now hanging", flush=True)
         time.sleep(3600)
     if mode == "bad-proof-hang":
@@ -49,7 +57,7 @@ while True:
         time.sleep(3600)
     if mode.startswith("proof="):
         os.makedirs(f"{rd}/output/checkpoint-{step}", exist_ok=True)
-        proof = mode[len("proof="):]
+        proof = mode[len("proof=") :]
         if proof == "@huge":
             proof = json.dumps({"checkpoint": f"output/checkpoint-{step}", "step": step, "pad": "x" * 70000})
         write(os.environ["OBD_SNAPSHOT_FILE"], proof.replace("STEP", str(step)))

@@ -10,7 +10,10 @@ from daemon.config import ConfigError, load_config, parse_duration
 from tests.conftest import DaemonProc
 
 
-@pytest.mark.parametrize("text, seconds", [(90, 90.0), (1.5, 1.5), ("90s", 90.0), ("30m", 1800.0), ("2h", 7200.0), ("250ms", 0.25), (" 10 ", 10.0)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [(90, 90.0), (1.5, 1.5), ("90s", 90.0), ("30m", 1800.0), ("2h", 7200.0), ("250ms", 0.25), (" 10 ", 10.0)],
+)
 def test_durations_are_seconds_or_strings_with_a_unit(text: object, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
@@ -41,7 +44,9 @@ def test_a_config_file_is_read_and_overridden_by_variables_and_flags(tmp_path: P
     assert config.stop.proof_timeout == 300 and config.stop.end_timeout == 120
     assert config.daemon.state_dir == Path("/srv/obd") and config.daemon.socket == Path("/srv/obd.sock")
     assert config.target("gpu1").kind == "ssh" and config.target("local").kind == "local"
-    flagged = load_config(path, state_dir=tmp_path / "s", socket=tmp_path / "x.sock", environ={"OBD_STATE_DIR": "/nope"})
+    flagged = load_config(
+        path, state_dir=tmp_path / "s", socket=tmp_path / "x.sock", environ={"OBD_STATE_DIR": "/nope"}
+    )
     assert flagged.daemon.state_dir == tmp_path / "s" and flagged.daemon.socket == tmp_path / "x.sock"
 
 
@@ -65,7 +70,7 @@ def test_a_bad_config_is_refused_naming_the_key(tmp_path: Path, text: str, named
 
 
 def test_the_daemon_refuses_to_start_on_a_bad_config_with_exit_2(short_tmp: Path) -> None:
-    d = DaemonProc(short_tmp, "[stop]\ncancel_grace = \"ten seconds\"\n")
+    d = DaemonProc(short_tmp, '[stop]\ncancel_grace = "ten seconds"\n')
     out = d.cli("daemon", timeout=30)
     assert out.returncode == 2
     assert "stop.cancel_grace" in out.stderr and "bad duration" in out.stderr
@@ -88,8 +93,21 @@ def test_obd_daemon_takes_its_flags_after_the_subcommand(short_tmp: Path) -> Non
     sock = short_tmp / "flag.sock"
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OBD_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(cfg), "--state-dir", str(short_tmp / "st"), "--socket", str(sock)],
-        cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "daemon.cli",
+            "daemon",
+            "--config",
+            str(cfg),
+            "--state-dir",
+            str(short_tmp / "st"),
+            "--socket",
+            str(sock),
+        ],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        stderr=subprocess.DEVNULL,
     )
     try:
         wait_for(sock.exists, 20, what="the socket named by --socket")
@@ -112,14 +130,21 @@ def test_a_client_given_the_daemons_state_dir_finds_its_socket(short_tmp: Path) 
     (short_tmp / "empty.toml").write_text("")
     env.update(PYTHONPATH=str(REPO), OBD_CONFIG=str(short_tmp / "empty.toml"), XDG_RUNTIME_DIR=str(short_tmp / "xdg"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "daemon", "--state-dir", str(state)], cwd=REPO, env=env, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "daemon.cli", "daemon", "--state-dir", str(state)],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.DEVNULL,
     )
     try:
         wait_for((state / "obd.sock").exists, 20, what="the daemon's socket in its state dir")
         cli = [sys.executable, "-m", "daemon.cli"]
-        found = subprocess.run([*cli, "--state-dir", str(state), "train", "list"], cwd=REPO, env=env, capture_output=True, text=True)
+        found = subprocess.run(
+            [*cli, "--state-dir", str(state), "train", "list"], cwd=REPO, env=env, capture_output=True, text=True
+        )
         assert found.returncode == 0, found.stderr
-        by_env = subprocess.run([*cli, "train", "list"], cwd=REPO, env={**env, "OBD_STATE_DIR": str(state)}, capture_output=True, text=True)
+        by_env = subprocess.run(
+            [*cli, "train", "list"], cwd=REPO, env={**env, "OBD_STATE_DIR": str(state)}, capture_output=True, text=True
+        )
         assert by_env.returncode == 0, by_env.stderr
         lost = subprocess.run([*cli, "train", "list"], cwd=REPO, env=env, capture_output=True, text=True)
         assert lost.returncode == 69 and "obd daemon" in lost.stderr  # says how to start it
@@ -182,7 +207,9 @@ def test_a_config_that_is_not_utf8_is_an_error_not_a_traceback(tmp_path) -> None
     path.write_bytes(b'[daemon]\nlog_level = "\xff\xfe"\n')
     out = subprocess.run(
         [sys.executable, "-m", "daemon.cli", "daemon", "--config", str(path), "--state-dir", str(tmp_path / "s")],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 2 and "not UTF-8" in out.stderr and "Traceback" not in out.stderr
 
@@ -197,6 +224,9 @@ def test_a_client_whose_config_is_broken_says_so(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("OBD_SOCKET", "OBD_STATE_DIR")}
     out = subprocess.run(
         [sys.executable, "-m", "daemon.cli", "--config", str(path), "train", "list"],
-        capture_output=True, text=True, timeout=30, env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
     )
     assert "cannot be read" in out.stderr and str(path) in out.stderr

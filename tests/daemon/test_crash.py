@@ -106,7 +106,9 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(daemon: DaemonProc, sh
 
 
 @pytest.mark.parametrize("on_term", ["ignore", "exit"])
-def test_a_cancel_cut_short_by_a_sigkill_of_the_daemon_is_finished_after_the_restart(daemon: DaemonProc, on_term: str) -> None:
+def test_a_cancel_cut_short_by_a_sigkill_of_the_daemon_is_finished_after_the_restart(
+    daemon: DaemonProc, on_term: str
+) -> None:
     trap = "trap '' TERM" if on_term == "ignore" else "trap 'sleep 1; exit 143' TERM"
     rid = daemon.cli("train", "start", "--", "bash", "-c", f"{trap}; while true; do sleep 0.1; done").stdout.strip()
     record = daemon.wait_state(rid, "running")

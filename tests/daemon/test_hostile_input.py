@@ -64,8 +64,17 @@ def _proof_like() -> object:
     step = st.one_of(st.integers(-3, 12), st.booleans(), st.floats(allow_nan=True), st.text(max_size=4), st.none())
     checkpoint = st.one_of(
         st.sampled_from(
-            ["output/checkpoint-3", "output/checkpoint-03", "/etc", "../../etc", "output/../output/checkpoint-3",
-             "output/checkpoint-3/", "output//checkpoint-3", "output/link-3", "output/checkpoint-7"]
+            [
+                "output/checkpoint-3",
+                "output/checkpoint-03",
+                "/etc",
+                "../../etc",
+                "output/../output/checkpoint-3",
+                "output/checkpoint-3/",
+                "output//checkpoint-3",
+                "output/link-3",
+                "output/checkpoint-7",
+            ]
         ),
         st.text(max_size=30),
     )

@@ -47,7 +47,9 @@ def daemon_pick() -> tuple[Path, Path]:
 # --- a user ------------------------------------------------------------------------------------
 
 
-def test_a_user_daemon_keeps_its_state_and_config_where_xdg_says(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_user_daemon_keeps_its_state_and_config_where_xdg_says(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     as_uid(monkeypatch, 1000)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xstate"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xconfig"))
@@ -56,7 +58,9 @@ def test_a_user_daemon_keeps_its_state_and_config_where_xdg_says(home: Path, tmp
     assert daemon_pick()[0] == tmp_path / "xstate" / "obd"
 
 
-def test_a_user_without_xdg_variables_gets_the_xdg_defaults_under_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_user_without_xdg_variables_gets_the_xdg_defaults_under_home(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     as_uid(monkeypatch, 1000)
     assert paths.default_state_dir() == home / ".local" / "state" / "obd"
     assert paths.default_config_path() == home / ".config" / "obd" / "config.toml"
@@ -65,14 +69,18 @@ def test_a_user_without_xdg_variables_gets_the_xdg_defaults_under_home(home: Pat
     assert daemon_pick() == (home / ".local" / "state" / "obd", home / ".local" / "state" / "obd" / "obd.sock")
 
 
-def test_a_user_daemon_puts_its_socket_under_xdg_runtime_dir(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_user_daemon_puts_its_socket_under_xdg_runtime_dir(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     as_uid(monkeypatch, 1000)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run-1000"))
     assert paths.default_socket() == tmp_path / "run-1000" / "obd" / "obd.sock"
     assert daemon_pick()[1] == tmp_path / "run-1000" / "obd" / "obd.sock"
 
 
-def test_a_user_without_xdg_runtime_dir_gets_the_socket_in_the_xdg_state_dir(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_user_without_xdg_runtime_dir_gets_the_socket_in_the_xdg_state_dir(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     as_uid(monkeypatch, 1000)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xstate"))
     assert paths.default_socket() == tmp_path / "xstate" / "obd" / "obd.sock"
@@ -91,7 +99,9 @@ def test_an_empty_xdg_variable_counts_as_unset(home: Path, monkeypatch: pytest.M
 # --- root --------------------------------------------------------------------------------------
 
 
-def test_root_uses_var_lib_etc_and_run_and_ignores_xdg(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_root_uses_var_lib_etc_and_run_and_ignores_xdg(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     as_uid(monkeypatch, 0)
     for var in ("XDG_STATE_HOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR"):
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
@@ -107,7 +117,9 @@ def test_root_uses_var_lib_etc_and_run_and_ignores_xdg(home: Path, tmp_path: Pat
 
 
 @pytest.mark.parametrize("uid", [1000, 0], ids=["user", "root"])
-def test_obd_variables_override_the_defaults(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uid: int) -> None:
+def test_obd_variables_override_the_defaults(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uid: int
+) -> None:
     as_uid(monkeypatch, uid)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("OBD_STATE_DIR", str(tmp_path / "s"))
@@ -132,7 +144,11 @@ SCENARIOS = {
     "user-nothing-set": (1000, {}, None),
     "user-obd-state-dir": (1000, {"XDG_RUNTIME_DIR": "run", "OBD_STATE_DIR": "s"}, None),
     "user-obd-socket": (1000, {"XDG_RUNTIME_DIR": "run", "OBD_SOCKET": "o.sock"}, None),
-    "user-config-state-dir": (1000, {"XDG_RUNTIME_DIR": "run", "XDG_CONFIG_HOME": "xc"}, '[daemon]\nstate_dir = "{t}/cs"\n'),
+    "user-config-state-dir": (
+        1000,
+        {"XDG_RUNTIME_DIR": "run", "XDG_CONFIG_HOME": "xc"},
+        '[daemon]\nstate_dir = "{t}/cs"\n',
+    ),
     "user-config-socket": (1000, {"XDG_CONFIG_HOME": "xc"}, '[daemon]\nsocket = "{t}/cfg.sock"\n'),
     "root-obd-config-state-dir": (0, {"OBD_CONFIG": "rc.toml"}, '[daemon]\nstate_dir = "{t}/rs"\n'),
     "root-obd-state-dir": (0, {"OBD_STATE_DIR": "s"}, None),
@@ -140,7 +156,9 @@ SCENARIOS = {
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_the_client_finds_the_socket_the_daemon_picks(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+def test_the_client_finds_the_socket_the_daemon_picks(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
     uid, env, config = SCENARIOS[name]
     as_uid(monkeypatch, uid)
     for var, rel in env.items():
@@ -173,7 +191,9 @@ def test_the_client_finds_the_socket_the_daemon_picks(home: Path, tmp_path: Path
 AS_USER = "import os, runpy, sys; os.geteuid = lambda: 1000; runpy.run_module('daemon.cli', run_name='__main__')"
 
 
-def test_a_user_daemon_started_with_only_xdg_variables_is_reached_by_a_client_with_the_same_variables(short_tmp: Path) -> None:
+def test_a_user_daemon_started_with_only_xdg_variables_is_reached_by_a_client_with_the_same_variables(
+    short_tmp: Path,
+) -> None:
     home = short_tmp / "h"
     home.mkdir()
     runtime = short_tmp / "r"
@@ -402,6 +422,8 @@ def test_a_bad_log_level_is_a_usage_error_not_a_traceback(short_tmp) -> None:
 
     out = subprocess.run(
         [sys.executable, "-m", "daemon.cli", "daemon", "--log-level", "verbose", "--state-dir", str(short_tmp)],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr and "log-level" in out.stderr

@@ -20,7 +20,10 @@ def test_a_profiled_cpu_run_gets_run_metrics_that_say_where_each_number_came_fro
     assert metrics["runner_kind"] == "live"
     assert metrics["steps"] >= 7
     assert metrics["tokens_per_sec"] and metrics["tokens_per_sec"] > 0
-    assert metrics["top_kernels"] and abs(sum(k["pct_time"] for k in metrics["top_kernels"]) + metrics.get("other_kernels_pct", 0) - 100) < 0.5
+    assert (
+        metrics["top_kernels"]
+        and abs(sum(k["pct_time"] for k in metrics["top_kernels"]) + metrics.get("other_kernels_pct", 0) - 100) < 0.5
+    )
     assert metrics["mfu_pct"] is None and metrics["hbm_peak_gb"] is None  # no GPU here: never a made-up number
     assert any("rocprofv3 not found" in w for w in metrics["warnings"])
     human = daemon.cli("train", "metrics", rid).stdout

@@ -25,7 +25,9 @@ def test_the_eta_is_the_steps_left_at_the_pace_so_far_less_the_time_since_the_la
 
 def test_a_resumed_run_paces_only_the_steps_it_ran_itself() -> None:
     record = RunRecord(id="20260101-000000-abcdef", target="local", command=["x"])
-    update_progress(record, probe({"time": T0, "max_steps": 100, "start_step": 50}, {"time": T0 + 10, "step": 60}), T0 + 10)
+    update_progress(
+        record, probe({"time": T0, "max_steps": 100, "start_step": 50}, {"time": T0 + 10, "step": 60}), T0 + 10
+    )
     assert record.progress.eta_seconds == pytest.approx(40 * 1.0)
 
 

@@ -85,7 +85,9 @@ def assert_pod_lines_name_the_run(d: DaemonProc, pod_id: str, rid: str) -> None:
 
 
 def test_a_run_on_a_pod_retrieves_verified_outputs_then_terminates_the_pod(pods: DaemonProc, fake: FakeRunpod) -> None:
-    rid = start(pods, "sh", "-c", "mkdir -p $OBD_OUTPUT_DIR && echo weights > $OBD_OUTPUT_DIR/adapter.bin; echo trained")
+    rid = start(
+        pods, "sh", "-c", "mkdir -p $OBD_OUTPUT_DIR && echo weights > $OBD_OUTPUT_DIR/adapter.bin; echo trained"
+    )
     record = pods.wait_state(rid, "succeeded", "failed", timeout=90)
     assert record["state"] == "succeeded", record["message"]
     pod_id = record["target_info"]["pod_id"]
@@ -95,7 +97,9 @@ def test_a_run_on_a_pod_retrieves_verified_outputs_then_terminates_the_pod(pods:
     assert (local / "output" / "adapter.bin").read_text() == "weights\n"
     assert (local / "job.log").read_text().strip() == "trained"
     created = fake.creates[0]
-    assert any(e.get("key") == "OBD_RUN_ID" and e.get("value") == rid for e in created.get("env", [])) or rid in json.dumps(created)
+    assert any(
+        e.get("key") == "OBD_RUN_ID" and e.get("value") == rid for e in created.get("env", [])
+    ) or rid in json.dumps(created)
     assert KEY not in pods.log_path.read_text()  # the API key never reaches the daemon's log
     assert_pod_lines_name_the_run(pods, pod_id, rid)
     assert KEY not in (pods.state_dir / "runs" / rid / "run.json").read_text()
@@ -119,7 +123,12 @@ def test_the_cost_cap_asks_for_a_snapshot_and_the_run_ends_stopped(make_daemon, 
     # $0.69/h and a $0.001 cap: the cap is ~5 s after the pod starts; the snapshot is asked ahead of it.
     d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, "max_cost_usd = 0.001\nsnapshot_margin = 3\n")
     try:
-        rid = start(d, PY, FAKE_JOB, "proof=" + json.dumps({"checkpoint": "output/checkpoint-STEP", "step": "STEP"}).replace('"STEP"}', "STEP}"))
+        rid = start(
+            d,
+            PY,
+            FAKE_JOB,
+            "proof=" + json.dumps({"checkpoint": "output/checkpoint-STEP", "step": "STEP"}).replace('"STEP"}', "STEP}"),
+        )
         record = d.wait_state(rid, "stopped", "failed", "cancelled", "succeeded", timeout=90)
         assert record["state"] == "stopped", record["message"]
         assert record["stop"]["reason"] == "cost"
@@ -128,7 +137,9 @@ def test_the_cost_cap_asks_for_a_snapshot_and_the_run_ends_stopped(make_daemon, 
         kill_jobs(short_tmp / "pod")
 
 
-def test_the_daemon_asks_for_the_cost_snapshot_itself_when_the_pods_watchdog_is_gone(make_daemon, fake, pod_sshd, short_tmp) -> None:
+def test_the_daemon_asks_for_the_cost_snapshot_itself_when_the_pods_watchdog_is_gone(
+    make_daemon, fake, pod_sshd, short_tmp
+) -> None:
     import os
     import signal
 
@@ -137,7 +148,12 @@ def test_the_daemon_asks_for_the_cost_snapshot_itself_when_the_pods_watchdog_is_
     # $0.69/h and a $0.002 cap: the cap is ~10 s after the pod starts, the request ~3 s ahead of it.
     d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, "max_cost_usd = 0.002\nsnapshot_margin = 3\n")
     try:
-        rid = start(d, PY, FAKE_JOB, "proof=" + json.dumps({"checkpoint": "output/checkpoint-STEP", "step": "STEP"}).replace('"STEP"}', "STEP}"))
+        rid = start(
+            d,
+            PY,
+            FAKE_JOB,
+            "proof=" + json.dumps({"checkpoint": "output/checkpoint-STEP", "step": "STEP"}).replace('"STEP"}', "STEP}"),
+        )
         record = d.wait_state(rid, "running", timeout=60)
         watchdog = Path(record["remote_dir"]) / "watchdog"
         os.killpg(int(jobctl.read_handle(str(watchdog))["pid"]), signal.SIGKILL)  # only the daemon is left to ask
@@ -158,7 +174,9 @@ def test_a_pod_terminated_from_outside_fails_its_run_with_that_reason(pods: Daem
     assert "no longer exists" in record["message"]
 
 
-def test_a_cancel_while_the_pod_boots_ends_the_run_at_once_and_terminates_the_pod(make_daemon, fake, pod_sshd, short_tmp) -> None:
+def test_a_cancel_while_the_pod_boots_ends_the_run_at_once_and_terminates_the_pod(
+    make_daemon, fake, pod_sshd, short_tmp
+) -> None:
     fake.ready_after = 10**6  # the pod never shows a public SSH port
     d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, boot_grace=3600)
     rid = start(d, "sleep", "60")
@@ -196,17 +214,23 @@ def test_a_daemon_killed_while_creating_pods_leaves_no_pod_it_does_not_know(pods
     wait_for(lambda: fake.live_pods() == [], 60, what="every pod to be terminated")
 
 
-def test_a_pod_obd_created_that_no_run_knows_is_emptied_and_terminated_at_start(make_daemon, fake, pod_sshd, short_tmp) -> None:
+def test_a_pod_obd_created_that_no_run_knows_is_emptied_and_terminated_at_start(
+    make_daemon, fake, pod_sshd, short_tmp
+) -> None:
     state = short_tmp / "state"
     (state / "runpod").mkdir(parents=True)
     (state / "runpod" / "owner").write_text("ownerfortest0001\n")
     # A pod of this obd install whose run record is gone, and a pod of someone else's.
-    orphan = fake.add_foreign_pod("obd-20260101-000000-0rphan", {"OBD_RUN_ID": "20260101-000000-0rphan", "OBD_OWNER": "ownerfortest0001"})
+    orphan = fake.add_foreign_pod(
+        "obd-20260101-000000-0rphan", {"OBD_RUN_ID": "20260101-000000-0rphan", "OBD_OWNER": "ownerfortest0001"}
+    )
     foreign = fake.add_foreign_pod("someone-elses-pod", {})
     d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
     try:
         try:
-            wait_for(lambda: orphan not in {p["id"] for p in fake.live_pods()}, 60, what="the orphan pod to be terminated")
+            wait_for(
+                lambda: orphan not in {p["id"] for p in fake.live_pods()}, 60, what="the orphan pod to be terminated"
+            )
         except AssertionError:
             raise AssertionError(d.log_path.read_text()[-3000:]) from None
         assert foreign in {p["id"] for p in fake.live_pods()}  # never touched
@@ -215,7 +239,9 @@ def test_a_pod_obd_created_that_no_run_knows_is_emptied_and_terminated_at_start(
         kill_jobs(short_tmp / "pod")
 
 
-def test_a_pod_made_by_a_create_whose_answer_was_lost_in_a_crash_is_found_and_ended(pods: DaemonProc, fake: FakeRunpod) -> None:
+def test_a_pod_made_by_a_create_whose_answer_was_lost_in_a_crash_is_found_and_ended(
+    pods: DaemonProc, fake: FakeRunpod
+) -> None:
     fake.inject("timeout", "podFindAndDeployOnDemand", delay=20)  # the pod is made; its id never comes back
     rid = start(pods, "sleep", "5")
     wait_for(lambda: fake.live_pods(), 20, what="the pod to exist")
@@ -236,7 +262,9 @@ def test_the_cost_cap_holds_when_the_pods_ssh_and_watchdog_are_gone(make_daemon,
 
     from trainer_plugin import jobctl
 
-    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, "max_cost_usd = 0.002\nsnapshot_margin = 1\nlease_ttl = 3\n")
+    d = make_pods_daemon(
+        make_daemon, fake, pod_sshd, short_tmp, "max_cost_usd = 0.002\nsnapshot_margin = 1\nlease_ttl = 3\n"
+    )
     try:
         rid = start(d, "sleep", "120")
         record = d.wait_state(rid, "running", timeout=60)
@@ -257,17 +285,23 @@ def stop_pod_from_outside(fake: FakeRunpod, pod_id: str, workdir: Path) -> None:
     kill_jobs(workdir)
 
 
-WRITES_A_CHECKPOINT = "mkdir -p $OBD_OUTPUT_DIR/checkpoint-2 && echo weights > $OBD_OUTPUT_DIR/checkpoint-2/adapter.bin && sleep 120"
+WRITES_A_CHECKPOINT = (
+    "mkdir -p $OBD_OUTPUT_DIR/checkpoint-2 && echo weights > $OBD_OUTPUT_DIR/checkpoint-2/adapter.bin && sleep 120"
+)
 
 
-def test_a_pod_stopped_outside_obd_is_started_again_to_retrieve_the_outputs_then_ended(make_daemon, fake, pod_sshd, short_tmp) -> None:
+def test_a_pod_stopped_outside_obd_is_started_again_to_retrieve_the_outputs_then_ended(
+    make_daemon, fake, pod_sshd, short_tmp
+) -> None:
     fake.relay_ssh = True
     d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
     try:
         rid = start(d, "sh", "-c", WRITES_A_CHECKPOINT)
         record = d.wait_state(rid, "running", timeout=60)
         pod_id, first_port = record["target_info"]["pod_id"], record["target_info"]["ssh_port"]
-        wait_for(lambda: (Path(record["remote_dir"]) / "output/checkpoint-2/adapter.bin").exists(), 30, what="the checkpoint")
+        wait_for(
+            lambda: (Path(record["remote_dir"]) / "output/checkpoint-2/adapter.bin").exists(), 30, what="the checkpoint"
+        )
         stop_pod_from_outside(fake, pod_id, short_tmp / "pod")
         record = d.wait_state(rid, "failed", "succeeded", timeout=90)
         assert record["state"] == "failed"
@@ -282,14 +316,18 @@ def test_a_pod_stopped_outside_obd_is_started_again_to_retrieve_the_outputs_then
         kill_jobs(short_tmp / "pod")
 
 
-def test_a_stopped_pod_with_no_gpu_free_is_kept_with_its_outputs_and_retrieve_gets_them_later(make_daemon, fake, pod_sshd, short_tmp) -> None:
+def test_a_stopped_pod_with_no_gpu_free_is_kept_with_its_outputs_and_retrieve_gets_them_later(
+    make_daemon, fake, pod_sshd, short_tmp
+) -> None:
     fake.relay_ssh = True
     d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
     try:
         rid = start(d, "sh", "-c", WRITES_A_CHECKPOINT)
         record = d.wait_state(rid, "running", timeout=60)
         pod_id = record["target_info"]["pod_id"]
-        wait_for(lambda: (Path(record["remote_dir"]) / "output/checkpoint-2/adapter.bin").exists(), 30, what="the checkpoint")
+        wait_for(
+            lambda: (Path(record["remote_dir"]) / "output/checkpoint-2/adapter.bin").exists(), 30, what="the checkpoint"
+        )
         fake.set_capacity("NVIDIA GeForce RTX 4090", 0)  # the pod's machine has no GPU free any more
         stop_pod_from_outside(fake, pod_id, short_tmp / "pod")
         record = d.wait_state(rid, "failed", timeout=60)
@@ -312,7 +350,9 @@ def log_events(d: DaemonProc) -> list[dict]:
     return [json.loads(x) for x in d.log_path.read_text().splitlines() if x.startswith("{")]
 
 
-def test_a_pod_whose_create_completes_after_a_restart_is_found_soon_and_ended(pods: DaemonProc, fake: FakeRunpod) -> None:
+def test_a_pod_whose_create_completes_after_a_restart_is_found_soon_and_ended(
+    pods: DaemonProc, fake: FakeRunpod
+) -> None:
     # The create is sent, then the daemon dies; Runpod makes the pod 6 s later, after the restart.
     fake.inject("late", "podFindAndDeployOnDemand", delay=6)
     rid = start(pods, "sleep", "30")

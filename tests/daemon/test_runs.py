@@ -27,7 +27,7 @@ def test_a_started_job_runs_detached_in_its_own_session_with_the_run_environment
         "print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('OBD_') or k in ('PYTHONPATH', 'MY_VAR')}));"
         "print(json.dumps({'pgid': os.getpgid(0), 'sid': os.getsid(0), 'ppid': os.getppid()}), flush=True); time.sleep(30)"
     )
-    rid = start(daemon, PY, "-c", script, opts=("--name", "detached", "--env", "MY_VAR=a b")) 
+    rid = start(daemon, PY, "-c", script, opts=("--name", "detached", "--env", "MY_VAR=a b"))
     record = daemon.wait_state(rid, "running")
     rd = Path(record["remote_dir"])
     wait_for(lambda: (rd / "job.log").read_text().count("\n") >= 2, 20, what="the job's first lines")
@@ -55,7 +55,18 @@ def test_exit_0_is_succeeded_and_its_history_is_kept(daemon: DaemonProc) -> None
     assert [h["state"] for h in record["history"]] == ["preparing", "running", "succeeded"]
     out = daemon.cli("train", "status", rid, "--json")
     as_json = json.loads(out.stdout)
-    for key in ("id", "state", "target", "remote_dir", "message", "snapshot", "resumed_from", "exit_code", "history", "progress"):
+    for key in (
+        "id",
+        "state",
+        "target",
+        "remote_dir",
+        "message",
+        "snapshot",
+        "resumed_from",
+        "exit_code",
+        "history",
+        "progress",
+    ):
         assert key in as_json
     listing = json.loads(daemon.cli("train", "list", "--json").stdout)
     assert [r["id"] for r in listing] == [rid]
@@ -108,7 +119,9 @@ def test_logs_tail_shows_the_last_lines(daemon: DaemonProc) -> None:
     assert len(daemon.cli("train", "logs", rid).stdout.splitlines()) == 500
 
 
-def test_cancel_terms_the_process_group_then_kills_what_ignores_it_after_the_grace(daemon: DaemonProc, short_tmp: Path) -> None:
+def test_cancel_terms_the_process_group_then_kills_what_ignores_it_after_the_grace(
+    daemon: DaemonProc, short_tmp: Path
+) -> None:
     marker = short_tmp / "child.pid"
     script = (
         "import os, signal, subprocess, sys, time; "
@@ -264,7 +277,10 @@ def test_logs_follow_on_a_terminal_shows_a_live_progress_line(daemon: DaemonProc
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
         [PY, "-m", "daemon.cli", "train", "logs", rid, "--follow"],
-        env=daemon.env, stdout=follower, stderr=follower, cwd=daemon.env["PYTHONPATH"],
+        env=daemon.env,
+        stdout=follower,
+        stderr=follower,
+        cwd=daemon.env["PYTHONPATH"],
     )
     os.close(follower)
     seen = b""
@@ -289,10 +305,16 @@ def test_processes_a_finished_job_left_behind_in_its_group_are_ended(daemon: Dae
     record = daemon.wait_state(rid, "succeeded", "failed")
     assert record["state"] == "succeeded"
     stray = int(marker.read_text())
-    wait_for(lambda: not os.path.exists(f"/proc/{stray}") or open(f"/proc/{stray}/stat").read().split()[2] == "Z", 15, what="the stray sleep to be ended")
+    wait_for(
+        lambda: not os.path.exists(f"/proc/{stray}") or open(f"/proc/{stray}/stat").read().split()[2] == "Z",
+        15,
+        what="the stray sleep to be ended",
+    )
 
 
-def test_output_to_places_a_successful_runs_outputs_and_never_writes_into_a_full_directory(daemon: DaemonProc, tmp_path: Path) -> None:
+def test_output_to_places_a_successful_runs_outputs_and_never_writes_into_a_full_directory(
+    daemon: DaemonProc, tmp_path: Path
+) -> None:
     job = 'mkdir -p "$OBD_OUTPUT_DIR/checkpoint-2" && echo w > "$OBD_OUTPUT_DIR/checkpoint-2/a.bin" && echo m > "$OBD_OUTPUT_DIR/model.bin"'
     dest = tmp_path / "placed"
     out = daemon.cli("train", "start", "--cwd", str(tmp_path), "--output-to", "placed", "--", "sh", "-c", job)
@@ -315,4 +337,9 @@ def test_a_job_that_leaves_a_process_behind_is_reported_and_the_process_ended(da
     assert record["state"] == "succeeded"
     assert "the job left 1 processes in its group" in record["message"], record["message"]
     pid = int(record["message"].split("pids ")[1].split(")")[0])
-    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or b"Z" in open(f"/proc/{pid}/stat", "rb").read().split(b")")[1][:3], 10, 0.1, "the stray to end")
+    wait_for(
+        lambda: not os.path.exists(f"/proc/{pid}") or b"Z" in open(f"/proc/{pid}/stat", "rb").read().split(b")")[1][:3],
+        10,
+        0.1,
+        "the stray to end",
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -22,10 +23,9 @@ def _raw(path: Path, payload: bytes, read: bool = True) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(10)
         s.connect(str(path))
-        try:
+        # The daemon may answer and hang up before taking it all (a huge message).
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(payload)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the daemon answered and hung up before taking it all (a huge message)
         if not read:
             return b""
         data = b""
@@ -101,7 +101,7 @@ def test_many_clients_at_once_each_get_their_own_answer(daemon: DaemonProc) -> N
             c.close()
             with lock:
                 ids.append(rid)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(30)]
@@ -122,7 +122,9 @@ def test_many_clients_at_once_each_get_their_own_answer(daemon: DaemonProc) -> N
         st.binary(max_size=300),
         st.recursive(
             st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
-            lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+            lambda children: (
+                st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+            ),
             max_leaves=12,
         ).map(lambda v: json.dumps(v).encode()),
         st.fixed_dictionaries(
@@ -164,7 +166,7 @@ def test_members_of_the_configured_group_may_use_the_socket(make_daemon) -> None
     code = (
         f"import os, socket, sys; os.setgid({nobody.pw_gid}); os.setuid({nobody.pw_uid}); "
         "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
-        "s.sendall(b'{\"op\": \"ping\"}\\n'); print(s.recv(4096).decode())"
+        's.sendall(b\'{"op": "ping"}\\n\'); print(s.recv(4096).decode())'
     )
     out = subprocess.run([sys.executable, "-c", code, str(d.socket)], capture_output=True, text=True, timeout=20)
     assert out.returncode == 0, out.stderr
@@ -199,10 +201,8 @@ def _open_many(path: Path, count: int, payload: bytes = b"") -> list[socket.sock
         s.connect(str(path))
         if payload:
             s.setblocking(False)
-            try:
+            with contextlib.suppress(BlockingIOError):
                 s.send(payload)
-            except BlockingIOError:
-                pass
         held.append(s)
     return held
 

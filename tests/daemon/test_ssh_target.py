@@ -21,7 +21,9 @@ WORKLOAD = str(REPO / "workloads" / "train_qwen_lora.py")
 
 def ssh_config(server: SshServer, workdir: Path, extra: str = "") -> str:
     f = server.target_fields()
-    return FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "4s"').replace('end_timeout = "30s"', 'end_timeout = "3s"') + (
+    return FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "4s"').replace(
+        'end_timeout = "30s"', 'end_timeout = "3s"'
+    ) + (
         f'\n[targets.box]\nkind = "ssh"\nhost = "{f["host"]}"\nport = {f["port"]}\nuser = "{f["user"]}"\n'
         f'identity_file = "{f["identity_file"]}"\nknown_hosts = "{f["known_hosts"]}"\n'
         f'workdir = "{workdir}"\npython = "{PY}"\nconnect_timeout = 3\nkeepalive = 3\n{extra}'
@@ -50,7 +52,7 @@ def start(d: DaemonProc, *command: str, opts: tuple[str, ...] = (), env: dict | 
 
 
 def test_a_job_on_an_ssh_target_runs_logs_and_succeeds(box: DaemonProc) -> None:
-    rid = start(box, "sh", "-c", "for i in 1 2 3; do echo ssh line $i; sleep 0.3; done; echo \"cwd=$(pwd)\"")
+    rid = start(box, "sh", "-c", 'for i in 1 2 3; do echo ssh line $i; sleep 0.3; done; echo "cwd=$(pwd)"')
     out = box.cli("train", "logs", rid, "--follow", timeout=60)
     lines = out.stdout.splitlines()
     assert lines[:3] == ["ssh line 1", "ssh line 2", "ssh line 3"]
@@ -156,7 +158,9 @@ def test_the_tiny_lora_run_snapshots_and_resumes_on_an_ssh_target(box: DaemonPro
     assert begin["start_step"] == snap["step"]
 
 
-def test_a_host_that_goes_away_mid_follow_leaves_the_run_running_and_it_is_picked_up_again(box: DaemonProc, sshd: SshServer) -> None:
+def test_a_host_that_goes_away_mid_follow_leaves_the_run_running_and_it_is_picked_up_again(
+    box: DaemonProc, sshd: SshServer
+) -> None:
     rid = start(box, "sh", "-c", "sleep 3; echo done")
     box.wait_state(rid, "running")
     sshd.kill()
@@ -212,7 +216,9 @@ os.execv(REAL, [REAL, *sys.argv[1:]])
 """
 
 
-def test_a_start_whose_connection_drops_is_adopted_when_the_job_did_start(make_daemon, sshd: SshServer, short_tmp: Path) -> None:
+def test_a_start_whose_connection_drops_is_adopted_when_the_job_did_start(
+    make_daemon, sshd: SshServer, short_tmp: Path
+) -> None:
     workdir = short_tmp / "remote"
     python = short_tmp / "python-cut"
     python.write_text(CUT_AFTER_START.format(py=PY, sshd_pid=sshd.pid, mark=str(short_tmp / "cut-once")))
@@ -233,7 +239,9 @@ def test_a_start_whose_connection_drops_is_adopted_when_the_job_did_start(make_d
 def test_an_unreachable_host_at_start_fails_the_run_clearly(make_daemon, short_tmp: Path) -> None:
     from tests.sshd import free_port
 
-    d = make_daemon(FAST_CONFIG + f'\n[targets.gone]\nkind = "ssh"\nhost = "127.0.0.1"\nport = {free_port()}\nconnect_timeout = 2\n')
+    d = make_daemon(
+        FAST_CONFIG + f'\n[targets.gone]\nkind = "ssh"\nhost = "127.0.0.1"\nport = {free_port()}\nconnect_timeout = 2\n'
+    )
     d.start()
     out = d.cli("train", "start", "--target", "gone", "--", "true")
     rid = out.stdout.strip()
@@ -260,7 +268,9 @@ def test_a_secret_reaches_the_job_but_no_command_line_on_either_side(box: Daemon
     assert secret not in (box.state_dir / "runs" / rid / "run.json").read_text()
 
 
-def test_a_secret_the_target_lists_comes_from_the_daemons_environment(make_daemon, sshd: SshServer, short_tmp: Path) -> None:
+def test_a_secret_the_target_lists_comes_from_the_daemons_environment(
+    make_daemon, sshd: SshServer, short_tmp: Path
+) -> None:
     secret = "hub-" + os.urandom(6).hex()
     workdir = short_tmp / "remote"
     d = make_daemon(ssh_config(sshd, workdir, 'secrets = ["HUB_TOKEN"]\n'))
@@ -282,11 +292,13 @@ def test_a_secret_the_target_lists_but_nobody_has_refuses_the_start() -> None:
     from daemon.api import ApiError
     from daemon.launch import target_secrets
 
-    with pytest.raises(ApiError, match="HUB_TOKEN.*systemctl edit obd") as err:
+    with pytest.raises(ApiError, match=r"HUB_TOKEN.*systemctl edit obd") as err:
         target_secrets("box", ["HUB_TOKEN"], {}, {})
     assert err.value.kind == "usage"
     # The client's --secret wins over the daemon's environment.
-    assert target_secrets("box", ["HUB_TOKEN"], {"HUB_TOKEN": "mine"}, {"HUB_TOKEN": "daemon's"}) == {"HUB_TOKEN": "mine"}
+    assert target_secrets("box", ["HUB_TOKEN"], {"HUB_TOKEN": "mine"}, {"HUB_TOKEN": "daemon's"}) == {
+        "HUB_TOKEN": "mine"
+    }
     assert target_secrets("box", ["A"], {"B": "b"}, {"A": "a"}) == {"A": "a", "B": "b"}
 
 

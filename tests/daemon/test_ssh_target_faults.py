@@ -83,7 +83,9 @@ def test_a_wrong_identity_key_fails_the_start_saying_how_to_install_the_key(
     workdir = short_tmp / "remote"
     stranger = short_tmp / "stranger_key"
     write_key_pair(stranger)
-    config = ssh_config(sshd, workdir).replace(f'identity_file = "{sshd.identity_file}"', f'identity_file = "{stranger}"')
+    config = ssh_config(sshd, workdir).replace(
+        f'identity_file = "{sshd.identity_file}"', f'identity_file = "{stranger}"'
+    )
     d = make_daemon(config)
     d.start()
     rid = start(d, "true")

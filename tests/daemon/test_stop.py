@@ -17,7 +17,9 @@ FAKE = str(Path(__file__).with_name("fake_plugin_job.py"))
 PY = sys.executable
 WORKLOAD = str(REPO / "workloads" / "train_qwen_lora.py")
 
-STOP_CONFIG = FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "3s"').replace('end_timeout = "30s"', 'end_timeout = "2s"')
+STOP_CONFIG = FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "3s"').replace(
+    'end_timeout = "30s"', 'end_timeout = "2s"'
+)
 
 
 @pytest.fixture

@@ -22,7 +22,9 @@ SCRIPTS = REPO / "tests" / "trainer_plugin" / "scripts"
 PLAIN = str(SCRIPTS / "plain_trainer.py")
 TRL = str(SCRIPTS / "trl_sft.py")
 
-CONFIG = FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "30s"').replace('end_timeout = "30s"', 'end_timeout = "10s"')
+CONFIG = FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "30s"').replace(
+    'end_timeout = "30s"', 'end_timeout = "10s"'
+)
 
 
 @pytest.fixture
@@ -86,7 +88,11 @@ def test_a_plain_trainer_script_stops_with_a_snapshot_and_resumes_unchanged(sd: 
     cwd.mkdir()
     command = [PY, PLAIN, "--output_dir", "mine", "--max_steps", "100000", "--step-sleep", "0.02"]
     stopped, final = stop_and_resume(
-        sd, cwd, command, lambda step: [PY, PLAIN, "--output_dir", "mine", "--max_steps", str(step + 4)], ("model.safetensors",)
+        sd,
+        cwd,
+        command,
+        lambda step: [PY, PLAIN, "--output_dir", "mine", "--max_steps", str(step + 4)],
+        ("model.safetensors",),
     )
     begin = metrics(stopped)[0]
     assert begin["snapshots"] is True and begin["output_dir_requested"] == "mine"  # what the script asked for, kept
@@ -95,9 +101,20 @@ def test_a_plain_trainer_script_stops_with_a_snapshot_and_resumes_unchanged(sd: 
 
 
 @pytest.mark.slow  # the LoRA workload's preemption under the daemon runs by default (test_stop.py)
-def test_a_plain_trainer_script_started_with_snapshot_on_sigterm_is_preempted_at_a_step(sd: DaemonProc, short_tmp: Path) -> None:
+def test_a_plain_trainer_script_started_with_snapshot_on_sigterm_is_preempted_at_a_step(
+    sd: DaemonProc, short_tmp: Path
+) -> None:
     rid = start(
-        sd, short_tmp, PY, PLAIN, "--output_dir", "mine", "--max_steps", "100000", "--step-sleep", "0.02",
+        sd,
+        short_tmp,
+        PY,
+        PLAIN,
+        "--output_dir",
+        "mine",
+        "--max_steps",
+        "100000",
+        "--step-sleep",
+        "0.02",
         opts=("--snapshot-on-sigterm",),
     )
     record = announced(sd, rid, step=2)
@@ -109,12 +126,17 @@ def test_a_plain_trainer_script_started_with_snapshot_on_sigterm_is_preempted_at
     assert (Path(final["remote_dir"]) / snap["checkpoint"] / "model.safetensors").exists()
 
 
-def test_a_trl_sft_script_with_lora_stops_with_a_snapshot_and_resumes_unchanged(sd: DaemonProc, short_tmp: Path) -> None:
+def test_a_trl_sft_script_with_lora_stops_with_a_snapshot_and_resumes_unchanged(
+    sd: DaemonProc, short_tmp: Path
+) -> None:
     pytest.importorskip("trl", reason="TRL is in the test extra; install it with scripts/setup.sh")
     cwd = short_tmp / "work"
     cwd.mkdir()
     stopped, final = stop_and_resume(
-        sd, cwd, [PY, TRL, "--max_steps", "100000"], lambda step: [PY, TRL, "--max_steps", str(step + 3)],
+        sd,
+        cwd,
+        [PY, TRL, "--max_steps", "100000"],
+        lambda step: [PY, TRL, "--max_steps", str(step + 3)],
         ("adapter_model.safetensors", "adapter_config.json"),
     )
     assert not (cwd / "trl-out").exists()
