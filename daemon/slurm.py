@@ -11,23 +11,37 @@ cancelled, at start and every few minutes, so no run ever has a second job.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 import structlog
 
 from daemon.models import RunRecord
 from daemon.targets import Supervision
-from executors.base import ExecutorError, JobState
+from executors.base import ExecutorError, JobState, JobStatus
 from executors.slurm.states import SlurmJob, end_message, lost_message
 
 if TYPE_CHECKING:
     from executors.config import SlurmTarget
-    from executors.slurm import SlurmExecutor
 
 log = structlog.get_logger("obd.slurm")
 ORPHAN_CHECK_INTERVAL = 300.0  # how often jobs of ended runs are looked for
 ORPHAN_AGE = 60.0  # a run ended this long ago has no business with a job still in Slurm
+
+
+class SlurmJobs(Protocol):
+    """What a Slurm target's executor tells of its jobs, beyond the `Executor` protocol."""
+
+    last_seen: dict[str, SlurmJob]  # run directory -> its job as the last probe saw it
+    last_status: dict[str, JobStatus]
+
+    async def slurm_job(self, remote_dir: str, *, wait: float = 0.0) -> SlurmJob | None: ...
+
+    async def obd_jobs(self) -> list[SlurmJob]: ...
+
+    async def scancel(self, job_id: str) -> None: ...
+
+    def notable(self, job: SlurmJob | None) -> bool: ...
 
 
 class SlurmSupervision(Supervision):
@@ -39,8 +53,8 @@ class SlurmSupervision(Supervision):
         super().__init__(daemon, name, config)
         self._explained: set[str] = set()  # runs whose lost job's message already says what Slurm did
 
-    def slurm(self, record: RunRecord) -> SlurmExecutor:
-        return cast("SlurmExecutor", self.executor(record))
+    def slurm(self, record: RunRecord) -> SlurmJobs:
+        return cast("SlurmJobs", self.executor(record))
 
     def _job(self, record: RunRecord) -> SlurmJob | None:
         return self.slurm(record).last_seen.get(record.remote_dir)
