@@ -28,18 +28,8 @@ needs_root_and_users = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("useradd") or not Path("/usr/bin/python3").exists(),
     reason="needs root, useradd and /usr/bin/python3 (it creates throwaway users)",
 )
-# What a user's `obd` needs, copied where they can read it: the client, plot and the web view.
-CLIENT_MODULES = (
-    "__init__.py",
-    "cli.py",
-    "client.py",
-    "render.py",
-    "paths.py",
-    "outputs.py",
-    "view_cli.py",
-    "plot.py",
-)
-CLIENT_PACKAGES = ("ui",)
+# A user's `obd` is the whole `daemon` package, as an install gives it; their venv has none of
+# the daemon's dependencies, so a client module that imported one would fail here.
 
 
 @dataclass
@@ -116,13 +106,8 @@ def _add_user(name: str, group: str, base: Path) -> User:
 
 
 def _copy_client(client: Path) -> None:
-    (client / "daemon").mkdir(parents=True)
-    for name in CLIENT_MODULES:
-        shutil.copy(REPO / "daemon" / name, client / "daemon" / name)
-    for package in CLIENT_PACKAGES:
-        shutil.copytree(
-            REPO / "daemon" / package, client / "daemon" / package, ignore=shutil.ignore_patterns("__pycache__")
-        )
+    client.mkdir(parents=True)
+    shutil.copytree(REPO / "daemon", client / "daemon", ignore=shutil.ignore_patterns("__pycache__"))
 
 
 @pytest.fixture(scope="module")

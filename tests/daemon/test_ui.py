@@ -152,9 +152,32 @@ def by_css(driver: Any, selector: str) -> list[Any]:
     return list(driver.find_elements(By.CSS_SELECTOR, selector))
 
 
+def fresh(read: Any, tries: int = 20) -> Any:
+    """`read()` again when the page redrew the element between finding and reading it."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(tries - 1):
+        try:
+            return read()
+        except StaleElementReferenceException:
+            time.sleep(0.02)
+    return read()
+
+
 def text_of(driver: Any, element_id: str) -> str:
-    found = by_css(driver, f"#{element_id}")
-    return found[0].text if found else ""
+    def read() -> str:
+        found = by_css(driver, f"#{element_id}")
+        return str(found[0].text) if found else ""
+
+    return str(fresh(read))
+
+
+def enabled(driver: Any, selector: str) -> bool:
+    return bool(fresh(lambda: any(b.is_enabled() for b in by_css(driver, selector))))
+
+
+def click(driver: Any, selector: str) -> None:
+    fresh(lambda: by_css(driver, selector)[0].click())
 
 
 def open_page(driver: Any, ui: Ui, fragment: str = "") -> None:
@@ -166,8 +189,11 @@ def open_page(driver: Any, ui: Ui, fragment: str = "") -> None:
 
 
 def curve_points(driver: Any) -> int:
-    lines = by_css(driver, "#chart polyline.curve")
-    return int(lines[0].get_attribute("data-count") or 0) if lines else 0
+    def read() -> int:
+        lines = by_css(driver, "#chart polyline.curve")
+        return int(lines[0].get_attribute("data-count") or 0) if lines else 0
+
+    return int(fresh(read))
 
 
 def screenshot(driver: Any, path: Path) -> Path:
@@ -214,7 +240,7 @@ def test_a_run_started_from_the_command_line_appears_within_a_second_and_its_cur
     wait_for(lambda: by_css(browser, f'tr[data-run="{rid}"]'), 1.0, 0.02, "the new run's row")
     assert time.monotonic() - started < 1.0
 
-    by_css(browser, f'tr[data-run="{rid}"]')[0].click()
+    click(browser, f'tr[data-run="{rid}"]')
     wait_for(lambda: text_of(browser, "run-state") == "running", 10, 0.05, "the run's page")
     first = wait_for(lambda: curve_points(browser), 20, 0.05, "the first points of the curve")
     wait_for(lambda: curve_points(browser) >= first + 10, 20, 0.1, "the curve to grow")
@@ -233,18 +259,16 @@ def test_the_stop_button_after_its_confirmation_gives_a_stopped_run_with_a_snaps
 ) -> None:
     rid = start_loop(daemon, opts=("--name", "sft-demo"))
     open_page(browser, ui, f"#run/{rid}")
-    button = wait_for(
-        lambda: [b for b in by_css(browser, "#stop-button") if b.is_enabled()], 20, 0.05, "the stop button"
-    )[0]
+    wait_for(lambda: enabled(browser, "#stop-button"), 20, 0.05, "the stop button")
     wait_for(lambda: curve_points(browser) >= 20, 20, 0.1, "some of the curve")
 
-    button.click()
+    click(browser, "#stop-button")
     alert = browser.switch_to.alert
     assert "snapshot" in alert.text
     alert.dismiss()  # the confirmation said no: nothing is asked of the run
     assert daemon.record(rid)["stop"]["requested_at"] is None
 
-    button.click()
+    click(browser, "#stop-button")
     browser.switch_to.alert.accept()
     record = daemon.wait_state(rid, "stopped", "cancelled", "failed", timeout=30)
     assert record["state"] == "stopped" and record["snapshot"]["checkpoint"].startswith("output/checkpoint-")
@@ -252,7 +276,7 @@ def test_the_stop_button_after_its_confirmation_gives_a_stopped_run_with_a_snaps
     assert f"at step {record['snapshot']['step']}" in text_of(browser, "run-snapshot")
     wait_for(lambda: by_css(browser, "#chart rect.snapshot"), 5, 0.05, "the snapshot mark on the curve")
     assert "snapshot requested" in text_of(browser, "history") or "snapshot" in text_of(browser, "history")
-    assert not by_css(browser, "#stop-button")[0].is_enabled()
+    assert not enabled(browser, "#stop-button")
     screenshot(browser, tmp_path / "ui-run.png")
 
     # The run resumed from it continues the same curve, with the resume marked.
@@ -272,10 +296,8 @@ def test_the_stop_button_after_its_confirmation_gives_a_stopped_run_with_a_snaps
 def test_the_cancel_button_after_its_confirmation_cancels_the_run(browser: Any, ui: Ui, daemon: DaemonProc) -> None:
     rid = start_loop(daemon)
     open_page(browser, ui, f"#run/{rid}")
-    button = wait_for(
-        lambda: [b for b in by_css(browser, "#cancel-button") if b.is_enabled()], 20, 0.05, "the cancel button"
-    )[0]
-    button.click()
+    wait_for(lambda: enabled(browser, "#cancel-button"), 20, 0.05, "the cancel button")
+    click(browser, "#cancel-button")
     alert = browser.switch_to.alert
     assert "without a snapshot" in alert.text
     alert.accept()
