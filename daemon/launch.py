@@ -345,7 +345,7 @@ class Launcher:
             return
         async with daemon.editing(record):
             record.job = handle.model_dump()
-            record.transition(RunState.running, f"started (pid {handle.pid})")
+            record.transition(RunState.running, f"started ({handle.describe()})")
         log.info("run_started", run_id=record.id, pid=handle.pid)
         follow.ensure_loop(record)
         follow.watch(record)

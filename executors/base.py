@@ -75,6 +75,10 @@ class JobHandle(BaseModel):
     executable: str | None = None
     python: str | None = None
 
+    def describe(self) -> str:
+        """How a person names the job: its pid, or the scheduler's job id where it has one."""
+        return self.host if self.host.startswith("slurm job") else f"pid {self.pid}"
+
 
 class JobState(str, Enum):
     pending = "pending"  # submitted, waiting for a scheduler (Slurm) to start it

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up, then checks the code (ruff lint and format, mypy) and runs the test suite
 # (slow, GPU and benchmark checks are skipped; run them with: .venv/bin/python -m pytest -m slow,
-# or tests/bench/run.sh).
+# or tests/bench/run.sh), three test files at a time (pytest-xdist).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,4 +9,7 @@ echo "test: ruff check, ruff format --check, mypy"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -q "$@"
+# Three workers, each test file on one of them (its module fixtures, a Slurm cluster or an sshd,
+# stay in one process): most tests wait on real processes, so three keep two cores busy.
+# OBD_TEST_WORKERS=0 runs the suite in this process.
+exec .venv/bin/python -m pytest -q -n "${OBD_TEST_WORKERS:-3}" --dist loadfile "$@"

@@ -60,8 +60,10 @@ class DaemonProc:
         self.config_path.write_text(config)
         self.log_path = root / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        # The terminal's size is the test's to give (pytest-xdist's workers inherit COLUMNS).
+        inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
         self.env = {
-            **os.environ,
+            **inherited,
             "OBD_STATE_DIR": str(self.state_dir),
             "OBD_SOCKET": str(self.socket),
             "OBD_CONFIG": str(self.config_path),
