@@ -27,7 +27,6 @@ from .runtime import (
     read_request,
     reason_code,
     reason_from_code,
-    trainer_log_line,
     write_proof,
     write_request,
 )
@@ -44,6 +43,7 @@ _process_snapshot: str | None = None
 
 # Bound once: the step end with no request is these two calls and nothing else.
 _access = os.access
+_EXISTS = os.F_OK
 _monotonic = time.monotonic
 
 
@@ -70,6 +70,8 @@ class SnapshotCallback(TrainerCallback):
         # no profiler, no SIGTERM or proof yet in this training); None: every step end takes
         # the full path.
         self._quick_request: str | None = None
+        # The run directory, open: the quick check looks up one name in it, not the whole path.
+        self._run_dir_fd: int | None = None
         self._pending: tuple[int, str] | None = None  # (step, reason) of a snapshot under way
         self._proven = False
         self._profiler: Any = None
@@ -77,6 +79,8 @@ class SnapshotCallback(TrainerCallback):
         # time.monotonic() from which a heartbeat is due: progress_interval after the last `log` line.
         self._heartbeat_due = math.inf
         self._heartbeats = True
+        # The sooner of the heartbeat and the write of step logs that wait: one comparison a step.
+        self._due = math.inf
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -94,6 +98,7 @@ class SnapshotCallback(TrainerCallback):
         self._pending, self._proven, self._local_tokens = None, False, 0
         self._progress_interval = self.env.progress_interval
         self._heartbeat_due, self._heartbeats = time.monotonic() + self._progress_interval, True
+        self._due = self._heartbeat_due
         if _process_snapshot is not None:
             log_error(f"obd: this job already saved its snapshot ({_process_snapshot}); training stops after one step")
         self._start_token_count(args, model)
@@ -101,7 +106,7 @@ class SnapshotCallback(TrainerCallback):
         self._token_state = state if self._count_tokens and not self._ranks.distributed else None
         self._start_profiler(model)
         quick = not self._ranks.distributed and self._profiler is None and _process_snapshot is None
-        self._quick_request = self.env.request_path if quick else None
+        self._quick_request = self._open_quick_check() if quick else None
         if self.env.snapshot_on_sigterm:
             self._sigterm.install(on_signal=self._leave_quick_path)
         self._metrics.write(
@@ -134,6 +139,7 @@ class SnapshotCallback(TrainerCallback):
         )
         self._metrics.close()
         self._quick_request, self._token_state = None, None
+        self._close_quick_check()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -157,14 +163,31 @@ class SnapshotCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         quick = self._quick_request
-        if quick is not None and not _access(quick, os.F_OK):
+        if quick is not None and not _access(quick, _EXISTS, dir_fd=self._run_dir_fd):
             # Almost every step end: one access() finds no request, and one clock read says no
             # heartbeat is due. With one process there is no decision to share and the pre-hook
             # counts tokens straight into the state; a SIGTERM or a proof clears _quick_request.
-            if _monotonic() >= self._heartbeat_due:
-                self._heartbeat(state, control)
+            if _monotonic() >= self._due:
+                self._on_time(state, control)
             return
         self._step_end(state, control)
+
+    def _open_quick_check(self) -> str | None:
+        """The request's name in the run directory, now open; None (the full path every step) if it cannot be opened."""
+        self._close_quick_check()
+        if not self.env.request_path:
+            return None
+        folder, name = os.path.split(self.env.request_path)
+        try:
+            self._run_dir_fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        return name
+
+    def _close_quick_check(self) -> None:
+        fd, self._run_dir_fd = self._run_dir_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def _leave_quick_path(self) -> None:
         """From the SIGTERM handler, or once proven: every later step end takes the full path."""
@@ -191,7 +214,7 @@ class SnapshotCallback(TrainerCallback):
             state.num_input_tokens_seen += decision.tokens
         if decision.code != 0 or decision.preempted:
             self._arm_snapshot(state, control, decision.code, preempted)
-        self._heartbeat(state, control)
+        self._on_time(state, control)
 
     def _arm_snapshot(self, state: Any, control: Any, code: int, preempted: bool) -> None:
         """A request or a SIGTERM reached this step end: make the Trainer save now and stop."""
@@ -227,6 +250,7 @@ class SnapshotCallback(TrainerCallback):
         self._ranks.barrier()  # every rank has written its share of the checkpoint (rng state, shards)
         if self._ranks.is_zero:
             self._check_output_dir(args)
+            self._metrics.flush(_monotonic())  # the snapshot step's log line is in the file before its proof
             proof = write_proof(self.env, step, reason, required=REQUIRED_FILES)
             log_error(f"obd: snapshot at step {step} ({reason}): {proof['checkpoint']}")
         self._proven = True
@@ -243,6 +267,14 @@ class SnapshotCallback(TrainerCallback):
             )
 
     # --- metrics ------------------------------------------------------------------------
+
+    def _on_time(self, state: Any, control: Any) -> None:
+        """A step end at or past `_due`: write the step logs that wait, and a heartbeat if one is due."""
+        now = _monotonic()
+        if self._metrics.waiting() and now >= self._metrics.due:
+            self._metrics.flush(now)
+        self._heartbeat(state, control)
+        self._due = min(self._heartbeat_due, self._metrics.due if self._metrics.waiting() else math.inf)
 
     def _heartbeat(self, state: Any, control: Any) -> None:
         """Rank 0: a `log` line without `loss` when no `log` line came for `progress_interval` seconds.
@@ -274,24 +306,12 @@ class SnapshotCallback(TrainerCallback):
         # Evaluation results and the end-of-training summary are "metrics" lines, so they never
         # replace the last training loss with a null.
         if logs and "loss" in logs:
-            step, tokens = state.global_step, state.num_input_tokens_seen
-            line = trainer_log_line(time.time(), step, tokens, logs)
-            if line is not None:
-                metrics.write_line(line)
-            else:
-                # The Trainer's keys land in the slots laid out first (null when absent), any
-                # other key after `tokens`.
-                fields: dict[str, Any] = {
-                    "step": step,
-                    "loss": None,
-                    "learning_rate": None,
-                    "grad_norm": None,
-                    "epoch": None,
-                    "tokens": tokens,
-                }
-                fields.update(logs)
-                metrics.write_record("log", fields)
-            self._heartbeat_due = _monotonic() + self._progress_interval
+            # Kept as it is (a copy: later callbacks may change the dict) and made a line when
+            # written; the Trainer's keys land in the slots laid out first (step_log_line).
+            now = _monotonic()
+            metrics.write_soon(time.time(), state.global_step, state.num_input_tokens_seen, logs.copy(), now)
+            self._heartbeat_due = now + self._progress_interval
+            self._due = min(self._heartbeat_due, metrics.due if metrics.waiting() else math.inf)
             return
         fields = {"step": state.global_step, "tokens": state.num_input_tokens_seen}
         if logs:

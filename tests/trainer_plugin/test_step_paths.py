@@ -3,7 +3,8 @@
 The step end with no request is one access() and the Trainer's usual log line is built by one
 f-string; these tests hold both to what a user sees: a request written at any moment and by any
 means is taken at the next step end, every line is strict JSON with non-finite numbers as null
-(nested ones too), a line is in the file as soon as it is logged, and tokens are counted exactly.
+(nested ones too), step logs close together are written together (at most LOG_BATCH_SECONDS
+late, and always before a proof or the end), and tokens are counted exactly.
 The callback itself runs in a child process (importing it patches transformers' Trainer).
 """
 
@@ -264,6 +265,99 @@ def test_the_last_line_of_a_job_killed_right_after_logging_it_is_in_the_file(run
     lines = read_jsonl(run_dir.metrics_path)
     assert [m["event"] for m in lines] == ["begin", "log"]
     assert (lines[-1]["step"], lines[-1]["tokens"]) == (7, 70)
+
+
+# The Trainer's step logs through a SnapshotCallback driven by hand, with LOG_BATCH_SECONDS at
+# BATCH: what metrics.jsonl holds after each stage, then the end of the process as ARGV[2] says.
+DRIVE_BATCH = """
+import json, os, signal, sys, time
+from transformers import TrainerControl, TrainerState, TrainingArguments
+from trainer_plugin import runtime
+from trainer_plugin.callback import SnapshotCallback
+from trainer_plugin.runtime import RunEnv
+
+runtime.LOG_BATCH_SECONDS = BATCH = 1.0
+run, ending = sys.argv[1], sys.argv[2]
+callback = SnapshotCallback(env=RunEnv.from_environ({"OBD_RUN_DIR": run}))
+args = TrainingArguments(output_dir=run + "/output", report_to="none", use_cpu=True)
+state, control = TrainerState(max_steps=100), TrainerControl()
+callback.on_train_begin(args, state, control)
+usual = {"loss": 1.0, "learning_rate": 0.1, "grad_norm": 1.0, "epoch": 0.5}
+
+def steps_in_file():
+    lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    return [m["step"] for m in lines if m["event"] == "log"]
+
+def step(n, log=True):
+    state.global_step = n
+    callback.on_step_end(args, state, control)
+    if log or control.should_log:
+        callback.on_log(args, state, control, logs=dict(usual))
+        control.should_log = False
+
+seen = {}
+step(1)
+seen["first"] = steps_in_file()
+for n in (2, 3, 4):
+    step(n)
+seen["quick"] = steps_in_file()
+time.sleep(BATCH + 0.2)
+step(5, log=False)
+seen["after_a_step_end_past_due"] = steps_in_file()
+if ending == "snapshot":
+    open(os.path.join(run, "snapshot.request"), "w").write("requested")
+    step(6, log=False)
+    seen["before_the_proof"] = steps_in_file()
+    checkpoint = os.path.join(run, "output", "checkpoint-6")
+    os.makedirs(checkpoint)
+    open(os.path.join(checkpoint, "trainer_state.json"), "w").write("{}")
+    callback.on_save(args, state, control)
+    seen["with_the_proof"] = steps_in_file()
+print(json.dumps(seen), flush=True)
+step(7)
+if ending == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+raise RuntimeError("the training script crashed")
+"""
+
+
+def drive_batch(run: RunDir, ending: str) -> tuple[dict[str, list[int]], list[int], subprocess.CompletedProcess[str]]:
+    out = subprocess.run(
+        [PY, "-c", DRIVE_BATCH, str(run.root), ending],
+        env=run.env(obd=False),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.stdout.strip(), out.stderr[-3000:]
+    final = [m["step"] for m in read_jsonl(run.metrics_path) if m["event"] == "log"]
+    return json.loads(out.stdout), final, out
+
+
+def test_step_logs_close_together_are_written_together_at_the_next_step_end_past_the_batch_time(
+    run_dir: RunDir,
+) -> None:
+    seen, final, out = drive_batch(run_dir, "crash")
+    assert seen["first"] == [1]  # the first log after a quiet spell is written at once
+    assert seen["quick"] == [1]  # the next ones wait...
+    assert seen["after_a_step_end_past_due"] == [1, 2, 3, 4]  # ...for a step end past the batch time
+    # A script that dies of an exception keeps every line it logged, in order.
+    assert "the training script crashed" in out.stderr and final == [1, 2, 3, 4, 7]
+
+
+def test_the_snapshot_steps_log_line_is_in_the_file_before_its_proof(run_dir: RunDir) -> None:
+    seen, _final, _out = drive_batch(run_dir, "snapshot")
+    assert seen["before_the_proof"] == [1, 2, 3, 4]  # the snapshot step's log waits...
+    assert seen["with_the_proof"] == [1, 2, 3, 4, 6]  # ...and is written before the proof
+    assert json.loads((run_dir.root / "snapshot.json").read_text())["step"] == 6
+
+
+def test_a_job_killed_outright_loses_at_most_the_batch_time_of_step_logs(run_dir: RunDir) -> None:
+    seen, final, out = drive_batch(run_dir, "kill")
+    assert out.returncode == -signal.SIGKILL
+    assert final[: len(seen["after_a_step_end_past_due"])] == [1, 2, 3, 4]
+    assert set(final) <= {1, 2, 3, 4, 7}
 
 
 def test_one_process_counts_each_steps_tokens_exactly_and_saves_the_count_with_the_snapshot(
