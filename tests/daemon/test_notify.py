@@ -18,12 +18,14 @@ from daemon.config import ConfigError, load_config
 from daemon.models import RunRecord, RunState
 from daemon.notify import applies, events
 from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
-from tests.daemon.test_runpod_target import KEY, make_pods_daemon
+from tests.daemon import pods
+from tests.daemon.pods import KEY, make_pods_daemon
 from tests.executors.runpod.conftest import kill_jobs
 from tests.fakes.runpod_api import FakeRunpod
-from tests.sshd import SshServer, running_sshd
+from tests.sshd import SshServer
 
 PY = sys.executable
+pod_sshd, fake = pods.pod_sshd, pods.fake  # the fixtures
 FAKE = str(Path(__file__).with_name("fake_plugin_job.py"))
 PROOF_JOB = "proof=" + json.dumps({"checkpoint": "output/checkpoint-STEP", "step": "STEP"}).replace('"STEP"}', "STEP}")
 ALL_EVENTS = '["queued", "started", "snapshot", "cost_warning", "stopped", "succeeded", "failed", "cancelled"]'
@@ -339,19 +341,6 @@ def test_a_hook_command_that_fails_or_hangs_is_killed_retried_and_logged_once(ma
     )
     assert failures()["hangs"]["reason"] == "no answer within 1 s"
     assert marker.read_text() == "xx" and Path(f"{marker}.hang").read_text() == "x"
-
-
-@pytest.fixture
-def pod_sshd() -> Iterator[SshServer]:
-    yield from running_sshd()
-
-
-@pytest.fixture
-def fake(pod_sshd: SshServer) -> Iterator[FakeRunpod]:
-    server = FakeRunpod(api_keys=(KEY,)).start()
-    server.ssh_endpoint = (pod_sshd.host, pod_sshd.port)
-    yield server
-    server.stop()
 
 
 def test_a_pods_cost_cap_is_a_cost_warning_with_the_pods_spend(

@@ -11,7 +11,6 @@ import sys
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon.config import ConfigError, load_config
 from daemon.prometheus import Family, exposition, histogram
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
-from tests.daemon.test_runpod_target import KEY, make_pods_daemon
+from tests.daemon import pods
+from tests.daemon.pods import make_pods_daemon
 from tests.executors.runpod.conftest import kill_jobs
 from tests.fakes.runpod_api import FakeRunpod
-from tests.sshd import SshServer, free_port, running_sshd
+from tests.sshd import SshServer, free_port
 
 PY = sys.executable
+pod_sshd, fake = pods.pod_sshd, pods.fake  # the fixtures
 FAKE = str(Path(__file__).with_name("fake_plugin_job.py"))
 PROOF_JOB = "proof=" + json.dumps({"checkpoint": "output/checkpoint-STEP", "step": "STEP"}).replace('"STEP"}', "STEP}")
 STOP_CONFIG = FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "3s"').replace(
@@ -151,19 +152,6 @@ def test_a_scrape_parses_and_its_numbers_match_the_run_list_and_the_records(make
     assert asked and {n for n in asked if n not in exported and n.removesuffix("_bucket") not in exported} == set()
     for rid in (holder, waiting):
         d.call("cancel", id=rid)
-
-
-@pytest.fixture
-def pod_sshd() -> Iterator[SshServer]:
-    yield from running_sshd()
-
-
-@pytest.fixture
-def fake(pod_sshd: SshServer) -> Iterator[FakeRunpod]:
-    server = FakeRunpod(api_keys=(KEY,)).start()
-    server.ssh_endpoint = (pod_sshd.host, pod_sshd.port)
-    yield server
-    server.stop()
 
 
 def test_a_live_pod_is_counted_with_its_rate_and_spend_until_it_is_ended(

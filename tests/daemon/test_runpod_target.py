@@ -11,58 +11,22 @@ from pathlib import Path
 import pytest
 
 from daemon.store import RunStore
-from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+from tests.conftest import DaemonProc, wait_for
+from tests.daemon import pods
+from tests.daemon.pods import KEY, make_pods_daemon
 from tests.executors.runpod.conftest import kill_jobs
 from tests.fakes.runpod_api import FakeRunpod
-from tests.sshd import SshServer, running_sshd
+from tests.sshd import SshServer
 
 PY = sys.executable
+pod_sshd, fake = pods.pod_sshd, pods.fake  # the fixtures
 FAKE_JOB = str(Path(__file__).with_name("fake_plugin_job.py"))
-KEY = "pod-test-key"
-
-
-@pytest.fixture
-def pod_sshd() -> Iterator[SshServer]:
-    yield from running_sshd()
-
-
-@pytest.fixture
-def fake(pod_sshd: SshServer) -> Iterator[FakeRunpod]:
-    server = FakeRunpod(api_keys=(KEY,)).start()
-    server.ssh_endpoint = (pod_sshd.host, pod_sshd.port)
-    yield server
-    server.stop()
 
 
 @pytest.fixture
 def pods(make_daemon, fake: FakeRunpod, pod_sshd: SshServer, short_tmp: Path) -> Iterator[DaemonProc]:
     yield make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
     kill_jobs(short_tmp / "pod")
-
-
-def make_pods_daemon(
-    make_daemon,
-    fake: FakeRunpod,
-    sshd: SshServer,
-    root: Path,
-    extra: str = "",
-    boot_grace: float = 20,
-    api_poll_interval: float = 0.2,
-    workdir: Path | None = None,
-) -> DaemonProc:
-    if workdir is None:
-        workdir = root / "pod"
-        workdir.mkdir(exist_ok=True)
-    config = FAST_CONFIG + (
-        f'\n[targets.pods]\nkind = "runpod"\ngpu_type = ["NVIDIA GeForce RTX 4090"]\n'
-        f'identity_file = "{sshd.identity_file}"\nssh_user = "{sshd.user}"\nworkdir = "{workdir}"\n'
-        f'python = "{PY}"\nboot_grace = {boot_grace}\napi_poll_interval = {api_poll_interval}\n'
-        f"watchdog_interval = 0.5\n{extra}"
-    )
-    d = make_daemon(config)
-    d.env.update(RUNPOD_API_BASE_URL=fake.url, RUNPOD_API_KEY=KEY)
-    d.start()
-    return d
 
 
 def start(d: DaemonProc, *command: str) -> str:
