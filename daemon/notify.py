@@ -499,6 +499,9 @@ class Notifications:
         self, entry: NotifyEntry, event: Event, channel: str, attempt: Callable[[], Awaitable[None]]
     ) -> None:
         """Try until delivered or out of retries; a failure is logged once, with the last reason."""
+        said = log.bind(
+            notify=entry.label, channel=channel, run_id=event.run_id, event_kind=event.kind, event_id=event.id
+        )
         reason = ""
         tries = 0
         for tries in range(1, entry.retries + 2):
@@ -515,33 +518,8 @@ class Notifications:
                     break
             else:
                 self.delivered[entry.label] += 1
-                log.debug(
-                    "notify_delivered",
-                    notify=entry.label,
-                    channel=channel,
-                    run_id=event.run_id,
-                    event_kind=event.kind,
-                    event_id=event.id,
-                    attempts=tries,
-                )
+                said.debug("notify_delivered", attempts=tries)
                 return
-            log.debug(
-                "notify_attempt_failed",
-                notify=entry.label,
-                channel=channel,
-                run_id=event.run_id,
-                event_id=event.id,
-                attempt=tries,
-                reason=reason,
-            )
+            said.debug("notify_attempt_failed", attempt=tries, reason=reason)
         self.failed[entry.label] += 1
-        log.warning(
-            "notify_failed",
-            notify=entry.label,
-            channel=channel,
-            run_id=event.run_id,
-            event_kind=event.kind,
-            event_id=event.id,
-            attempts=tries,
-            reason=reason,
-        )
+        said.warning("notify_failed", attempts=tries, reason=reason)
