@@ -260,6 +260,18 @@ def pod_text(info: dict[str, Any], live: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def slurm_text(job: dict[str, Any]) -> str:
+    """The Slurm line: job id, Slurm's state, its nodes, and why it waits or ended when Slurm says."""
+    parts = [f"job {job.get('job_id') or '?'}", str(job.get("state") or "unknown")]
+    if job.get("nodes") and job.get("nodes") != "(null)":
+        parts.append(f"on {job['nodes']}")
+    if job.get("reason") and job.get("reason") != "None":
+        parts.append(f"({job['reason']})")
+    if job.get("exit_code"):
+        parts.append(f"exit {job['exit_code']}")
+    return " ".join(parts)
+
+
 def status(r: dict[str, Any]) -> str:
     """The text of `obd train status`: the run's fields, its pod if it has one, and its history."""
     lines = [
@@ -309,6 +321,8 @@ def status(r: dict[str, Any]) -> str:
     info = r.get("target_info") or {}
     if info.get("pod_id"):
         lines.append(f"pod       {pod_text(info, r.get('pod') or {})}")
+    if r.get("slurm"):
+        lines.append(f"slurm     {slurm_text(r['slurm'])}")
     lines.append("history")
     for h in r.get("history") or []:
         lines.append(f"  {_clock(h['time'])}  {h['state']:<10} {h['reason']}")

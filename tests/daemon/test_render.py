@@ -160,3 +160,16 @@ def test_no_name_message_or_command_puts_a_control_character_or_a_line_into_the_
     out = render.status(record)
     assert unsafe(out) == []
     assert len(out.split("\n")) == len(render.status(hostile_record("")).split("\n"))
+
+
+def test_the_status_of_a_slurm_run_names_its_job_state_nodes_and_slurms_reason():
+    record = RunRecord(id="20990101-000000-abcdef", state=RunState.running, target="cluster", command=["train"])
+    data = record.model_dump(mode="json") | {
+        "slurm": {"job_id": "4242", "state": "PENDING", "reason": "Resources", "nodes": "(null)"}
+    }
+    assert "slurm     job 4242 PENDING (Resources)" in render.status(data)
+    data["slurm"] = {"job_id": "4242", "state": "RUNNING", "reason": "None", "nodes": "n[1-2]"}
+    assert "slurm     job 4242 RUNNING on n[1-2]\n" in render.status(data)
+    data["slurm"] = {"job_id": "4242", "state": "TIMEOUT\x1b[2J", "nodes": "n1", "exit_code": "0:15"}
+    assert "slurm     job 4242 TIMEOUT\\x1b[2J on n1 exit 0:15" in render.status(data)
+    assert "slurm" not in render.status(record.model_dump(mode="json"))
