@@ -8,6 +8,7 @@ client (the plotting code, the web server, matplotlib for `--png`) is imported i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -28,6 +29,9 @@ def add_commands(train: Any, top: Any) -> None:
     p.add_argument("ids", nargs="+", metavar="RUN", help="run ids, prefixes, names or `last`")
     p.add_argument("--metric", default="loss", help="a key of the log lines: loss (default), learning_rate, grad_norm…")
     out = p.add_mutually_exclusive_group()
+    out.add_argument(
+        "--json", action="store_true", help="print the curves' points, snapshot and resume marks as JSON, no chart"
+    )
     out.add_argument("--svg", metavar="FILE", help="write an SVG image (needs nothing installed)")
     out.add_argument(
         "--png", metavar="FILE", help="write a PNG image (needs matplotlib: pip install 'obd-train[plot]')"
@@ -54,7 +58,9 @@ def plot_command(args: argparse.Namespace, client: Any) -> int:
     try:
         metric = plot.safe_metric(args.metric)
         curves = [plot.load_curve(client, ref, metric) for ref in args.ids]
-        if args.svg:
+        if args.json:
+            print(json.dumps([curve_json(c, metric) for c in curves], indent=1))
+        elif args.svg:
             _write(args.svg, plot.svg_chart(curves, metric))
             print(f"wrote {args.svg}")
         elif args.png:
@@ -71,6 +77,20 @@ def plot_command(args: argparse.Namespace, client: Any) -> int:
         print(f"obd: cannot write the image: {exc}", file=sys.stderr)
         return EXIT_ERROR
     return 0
+
+
+def curve_json(curve: Any, metric: str) -> dict[str, Any]:
+    """One curve of `plot --json`: the chain's runs and `[step, value]` pairs, oldest first."""
+    return {
+        "run_id": curve.run_id,
+        "label": curve.label,
+        "metric": metric,
+        "runs": curve.runs,
+        "points": [list(p) for p in curve.points],
+        "snapshots": [list(p) for p in curve.snapshots],
+        "resumes": [list(p) for p in curve.resumes],
+        "note": curve.note or None,
+    }
 
 
 def _write(path: str, text: str) -> None:

@@ -25,7 +25,7 @@ _obd_options() {
         "train logs") echo "-h --help --follow -f --tail --json" ;;
         "train outputs") echo "-h --help --to --checkpoint --json" ;;
         "train list") echo "-h --help --all --state --target --name --since --limit --watch -w --json" ;;
-        "train plot") echo "-h --help --metric --svg --png --width --height" ;;
+        "train plot") echo "-h --help --metric --json --svg --png --width --height" ;;
         "profile") echo "-h --help" ;;
         "profile parse") echo "-h --help --json" ;;
         "targets") echo "-h --help" ;;

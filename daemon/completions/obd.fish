@@ -243,6 +243,7 @@ complete -c obd -n '__obd_at \'train list\'' -l watch -s w -d 'redraw every seco
 complete -c obd -n '__obd_at \'train list\'' -l json -d 'print the runs as a JSON list'
 complete -c obd -n '__obd_at \'train plot\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train plot\'' -l metric -x -d 'a key of the log lines: loss (default), learning_rate, grad_norm…'
+complete -c obd -n '__obd_at \'train plot\'' -l json -d 'print the curves\' points, snapshot and resume marks as JSON, no chart'
 complete -c obd -n '__obd_at \'train plot\'' -l svg -r -F -d 'write an SVG image (needs nothing installed)'
 complete -c obd -n '__obd_at \'train plot\'' -l png -r -F -d 'write a PNG image (needs matplotlib: pip install \'obd-train[plot]\')'
 complete -c obd -n '__obd_at \'train plot\'' -l width -x -d 'terminal chart width in columns (default: the terminal\'s)'

@@ -142,6 +142,17 @@ def test_the_svg_of_a_resumed_run_draws_its_parents_losses_then_its_own_with_the
     assert f"resumed from {runs.parent}" in legend
 
 
+def test_plot_json_gives_the_points_of_the_chain_and_its_marks_as_the_jobs_logged_them(runs: Runs) -> None:
+    out = runs.daemon.cli("train", "plot", runs.child, runs.other, "--json")
+    assert out.returncode == 0, out.stderr
+    child, other = json.loads(out.stdout)
+    assert child["runs"] == [runs.parent, runs.child] and child["metric"] == "loss"
+    assert [tuple(p) for p in child["points"]] == chain(runs)
+    assert [p[0] for p in child["snapshots"]] == [runs.snap]
+    assert [p[0] for p in child["resumes"]] == [runs.snap + 1]
+    assert [tuple(p) for p in other["points"]] == logged(runs.daemon, runs.other) and other["runs"] == [runs.other]
+
+
 def test_several_runs_are_overlaid_in_distinct_colours_with_a_legend(runs: Runs, tmp_path: Path) -> None:
     out = runs.daemon.cli("train", "plot", runs.child, runs.other, "--svg", str(tmp_path / "both.svg"))
     assert out.returncode == 0, out.stderr
