@@ -44,7 +44,9 @@ class Supervision:
     def executor(self, record: RunRecord) -> Executor:
         if self._executor is None:
             try:
-                self._executor = make_executor(self.name, self.config, self.daemon.state_dir)
+                self._executor = make_executor(
+                    self.name, self.config, self.daemon.state_dir, self.daemon.config.daemon.remote_poll_interval
+                )
             except ExecutorError as exc:
                 raise ApiError(str(exc), "usage") from exc
         return self._executor

@@ -28,8 +28,12 @@ def schedules_jobs(target: AnyTarget) -> TypeGuard[SlurmTarget]:
     return isinstance(target, SlurmTarget)
 
 
-def make_executor(name: str, target: AnyTarget, state_dir: Path) -> Executor:
-    """The executor of a machine target; local run directories default to STATE_DIR/jobs."""
+def make_executor(name: str, target: AnyTarget, state_dir: Path, remote_poll: float = 3.0) -> Executor:
+    """The executor of a machine target; local run directories default to STATE_DIR/jobs.
+
+    `remote_poll` is how often the daemon polls a remote target: an SSH target whose helper
+    cannot push events has every run read that often.
+    """
     if isinstance(target, LocalTarget):
         from executors.local import LocalExecutor
 
@@ -37,7 +41,7 @@ def make_executor(name: str, target: AnyTarget, state_dir: Path) -> Executor:
     if isinstance(target, SshTarget):
         from executors.ssh import SshExecutor
 
-        return SshExecutor(name, target, helper=target.helper)
+        return SshExecutor(name, target, helper=target.helper, events_poll=remote_poll)
     if isinstance(target, SlurmTarget):
         from executors.slurm import SlurmExecutor
 
