@@ -146,6 +146,7 @@ class SnapshotCallback(TrainerCallback):
         if self._profiler is not None:
             self._profiler.close()
             self._profiler = None
+            self.__dict__.pop("on_step_begin", None)  # TrainerCallback's no-op again
         self._sigterm.restore()
         if self._pending is not None and not self._proven:
             # Training stopped for a snapshot that was never saved: exiting 0 would read as
@@ -157,7 +158,8 @@ class SnapshotCallback(TrainerCallback):
 
     # --- the request --------------------------------------------------------------------
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def _profiled_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """`on_step_begin` while a profiler runs; otherwise the Trainer calls TrainerCallback's no-op."""
         if self._profiler is not None:
             self._profiler.step_begin(state.global_step + 1)
 
@@ -310,8 +312,8 @@ class SnapshotCallback(TrainerCallback):
             # written; the Trainer's keys land in the slots laid out first (step_log_line).
             now = _monotonic()
             metrics.write_soon(time.time(), state.global_step, state.num_input_tokens_seen, logs.copy(), now)
-            self._heartbeat_due = now + self._progress_interval
-            self._due = min(self._heartbeat_due, metrics.due if metrics.waiting() else math.inf)
+            self._heartbeat_due = due = now + self._progress_interval
+            self._due = min(due, metrics.due) if metrics.waiting() else due
             return
         fields = {"step": state.global_step, "tokens": state.num_input_tokens_seen}
         if logs:
@@ -344,6 +346,7 @@ class SnapshotCallback(TrainerCallback):
             log_error(f"obd: torch profiling unavailable ({exc})")
             return
         self._profiler = StepProfiler(self.env.profile_dir)
+        self.__dict__["on_step_begin"] = self._profiled_step_begin  # an instance hook, for this training only
         if model is not None:
             self._profiler.note_model(model)
 

@@ -369,14 +369,12 @@ class MetricsWriter:
         self._waiting: list[tuple[float, int, int, dict[str, Any]]] = []
         # time.monotonic() from which step logs that wait are written (by write_soon or flush).
         self.due = 0.0
-        self._at_exit = False
+        if path is not None:  # a script that ends without the Trainer's train end (a crash) keeps its step logs
+            atexit.register(self.close)
 
     def write_soon(self, now: float, step: int, tokens: int, logs: dict[str, Any], mono: float) -> None:
         """A Trainer step log: written at once if none was in the last LOG_BATCH_SECONDS, else with the next write."""
         self._waiting.append((now, step, tokens, logs))  # one append: atomic, no lock needed
-        if not self._at_exit:  # a script that ends without the Trainer's train end (a crash) keeps them
-            atexit.register(self.close)
-            self._at_exit = True
         if mono >= self.due:
             self.flush(mono)
 
