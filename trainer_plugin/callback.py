@@ -273,10 +273,10 @@ class SnapshotCallback(TrainerCallback):
     def _on_time(self, state: Any, control: Any) -> None:
         """A step end at or past `_due`: write the step logs that wait, and a heartbeat if one is due."""
         now = _monotonic()
-        if self._metrics.waiting() and now >= self._metrics.due:
+        if now >= self._metrics.write_due():
             self._metrics.flush(now)
         self._heartbeat(state, control)
-        self._due = min(self._heartbeat_due, self._metrics.due if self._metrics.waiting() else math.inf)
+        self._due = min(self._heartbeat_due, self._metrics.write_due())
 
     def _heartbeat(self, state: Any, control: Any) -> None:
         """Rank 0: a `log` line without `loss` when no `log` line came for `progress_interval` seconds.
@@ -312,8 +312,8 @@ class SnapshotCallback(TrainerCallback):
             # written; the Trainer's keys land in the slots laid out first (step_log_line).
             now = _monotonic()
             metrics.write_soon(time.time(), state.global_step, state.num_input_tokens_seen, logs.copy(), now)
-            self._heartbeat_due = due = now + self._progress_interval
-            self._due = min(due, metrics.due) if metrics.waiting() else due
+            self._heartbeat_due = now + self._progress_interval
+            self._due = min(self._heartbeat_due, metrics.write_due())
             return
         fields = {"step": state.global_step, "tokens": state.num_input_tokens_seen}
         if logs:

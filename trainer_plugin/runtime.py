@@ -368,24 +368,25 @@ class MetricsWriter:
         # made when written, several together, where formatting them one a step was cache-cold.
         self._waiting: list[tuple[float, int, int, dict[str, Any]]] = []
         # time.monotonic() from which step logs that wait are written (by write_soon or flush).
-        self.due = 0.0
+        self._due = 0.0
         if path is not None:  # a script that ends without the Trainer's train end (a crash) keeps its step logs
             atexit.register(self.close)
 
     def write_soon(self, now: float, step: int, tokens: int, logs: dict[str, Any], mono: float) -> None:
         """A Trainer step log: written at once if none was in the last LOG_BATCH_SECONDS, else with the next write."""
         self._waiting.append((now, step, tokens, logs))  # one append: atomic, no lock needed
-        if mono >= self.due:
+        if mono >= self._due:
             self.flush(mono)
 
-    def waiting(self) -> bool:
-        return bool(self._waiting)
+    def write_due(self) -> float:
+        """When the step logs that wait are to be written (time.monotonic()); infinity when none wait."""
+        return self._due if self._waiting else math.inf
 
     def flush(self, mono: float) -> None:
         """Write the step logs that wait (a step end past `due`, a snapshot, the end of training)."""
         if self._waiting:
             self.write_line(b"")
-        self.due = mono + LOG_BATCH_SECONDS
+        self._due = mono + LOG_BATCH_SECONDS
 
     def write(self, event: str, **fields: Any) -> None:
         self.write_record(event, fields)
