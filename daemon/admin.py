@@ -23,11 +23,6 @@ def admin_main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"obd: {exc}", file=sys.stderr)
         return 2
-    if args.cmd == "targets" and args.action == "list":
-        rows = [{"name": "local", "kind": "local"}] if "local" not in config.targets else []
-        rows += [{"name": n, "kind": t.kind} for n, t in sorted(config.targets.items())]
-        print(json.dumps(rows, indent=1) if args.json else "\n".join(f"{r['name']:20} {r['kind']}" for r in rows))
-        return 0
     if args.cmd == "targets":
         return anyio.run(_check, config, args.name, args.json)
     from daemon.pods_cli import pods_main

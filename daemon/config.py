@@ -81,7 +81,7 @@ class StopSection(StrictModel):
 
 
 RetryCause = Literal["exit", "lost", "launch", "preempted", "deadline"]
-RETRY_CAUSES: tuple[RetryCause, ...] = ("exit", "lost", "launch", "preempted", "deadline")
+RETRY_CAUSES: tuple[RetryCause, ...] = get_args(RetryCause)
 
 
 class RetrySection(StrictModel):

@@ -73,11 +73,7 @@ class Follower:
     def ensure_loop(self, record: RunRecord) -> None:
         targets = self.daemon.targets
         key = targets.key(record)
-        if record.has_job:
-            self.mark(key, record.remote_dir)
-        else:
-            self._all_dirty.add(key)
-            self.wake(key)
+        self.mark(key, record.remote_dir if record.has_job else "")  # without a job: read the whole target
         if key in self._loops or self.daemon._tg is None:
             return
         self._loops.add(key)

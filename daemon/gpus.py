@@ -104,10 +104,6 @@ class Inventory:
             return list(wanted) if all(w in free for w in wanted) else None
         return free[:wanted] if len(free) >= wanted else None
 
-    def devices(self, target: str, ids: list[str]) -> list[Gpu]:
-        by_id = {g.id: g for g in self.of(target)}
-        return [by_id[i] for i in ids if i in by_id]
-
     def waiting_for(self, record: RunRecord) -> str:
         """What a queued run waits for, in words."""
         wanted = self.wanted(record)

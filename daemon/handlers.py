@@ -133,7 +133,7 @@ class Handlers:
     async def status(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         record = self.daemon.find(req.id, peer)
         out = record.public()
-        if record.state == RunState.queued and record.job is None:
+        if record.in_queue:
             out["queue"] = {
                 "position": self.daemon.scheduler.position(record),
                 "waiting_for": self.daemon.inventory.waiting_for(record),
@@ -270,7 +270,7 @@ class Handlers:
         reason = normalise_reason(req.reason) or rundir.DEFAULT_REASON
         if record.state.final:
             raise ApiError(f"run {record.id} already ended ({record.state.value}): {record.message}", "state")
-        if record.state == RunState.queued and record.job is None:
+        if record.in_queue:
             raise ApiError(
                 f"run {record.id} is queued and has not started: there is nothing to snapshot; "
                 f"`obd train cancel {record.id}` takes it out of the queue",
@@ -317,7 +317,7 @@ class Handlers:
                 record.stop.cancel_by = "user"
                 record.note("cancel requested by the user")
         log.info("cancel_requested", run_id=record.id)
-        if record.state == RunState.queued and record.job is None:
+        if record.in_queue:
             async with daemon.editing(record):
                 if record.state == RunState.queued:  # never started, and now never will
                     record.transition(RunState.cancelled, "cancelled by the user while queued")

@@ -140,6 +140,11 @@ class RunRecord(BaseModel):
         return data
 
     @property
+    def in_queue(self) -> bool:
+        """Whether it waits in obd's queue for its GPUs (queued, no job started anywhere yet)."""
+        return self.state == RunState.queued and self.job is None
+
+    @property
     def has_job(self) -> bool:
         """Whether a job was started for it and has not ended: running, or pending in a scheduler."""
         return self.state == RunState.running or (self.state == RunState.queued and self.job is not None)

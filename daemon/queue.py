@@ -83,11 +83,7 @@ class Scheduler:
 
     def queued(self, target: str | None = None) -> list[RunRecord]:
         """The runs waiting to start (not those a scheduler of their target holds), oldest first."""
-        runs = [
-            r
-            for r in self.daemon.records.values()
-            if r.state == RunState.queued and r.job is None and (target is None or r.target == target)
-        ]
+        runs = [r for r in self.daemon.records.values() if r.in_queue and (target is None or r.target == target)]
         return sorted(runs, key=lambda r: (r.created, r.id))
 
     async def run(self) -> None:
@@ -132,7 +128,7 @@ class Scheduler:
 
     def position(self, record: RunRecord) -> int | None:
         """1 for the next run to start on its target."""
-        if record.state != RunState.queued or record.job is not None:
+        if not record.in_queue:
             return None
         held = self.daemon.inventory.held(record.target)
         ordered = self.order(record.target, self.queued(record.target), held)

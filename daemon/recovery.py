@@ -159,9 +159,17 @@ class Recovery:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self._pending: set[str] = set()
+        # Ended runs with no attempt left, their secrets already dropped: later edits (notes,
+        # collected metrics, mirrored outputs) have nothing to decide.
+        self._settled: set[str] = set()
 
     def on_change(self, record: RunRecord) -> None:
-        if record.state.final and record.retried_by is None and record.id not in self._pending:
+        if (
+            record.state.final
+            and record.retried_by is None
+            and record.id not in self._pending
+            and record.id not in self._settled
+        ):
             self._pending.add(record.id)
             self.daemon.start_soon(self._after_end, record)
 
@@ -182,6 +190,8 @@ class Recovery:
                 await self._next_attempt(record, cause)
             elif self.attempts_left(record) <= 0 or not cause:
                 forget_secrets(self.daemon, record.id)
+                if self.attempts_left(record) <= 0:
+                    self._settled.add(record.id)
         except Exception:  # a retry that cannot be made is said in the record, never fatal
             log.exception("retry_failed", run_id=record.id)
         finally:

@@ -11,6 +11,8 @@ import time
 import unicodedata
 from typing import Any
 
+from daemon.cli_common import FINAL
+
 # Characters that change how the text around them is laid out or read: C0/C1 controls
 # (escape, newline, backspace...), line and paragraph separators, lone surrogates (which cannot
 # even be encoded for the terminal) and the bidirectional overrides that reorder a line.
@@ -210,7 +212,7 @@ def wait_stage(record: dict[str, Any], now: float, size: str | None = None) -> t
     when it is known), the job exiting; or a cancel: TERM sent, the job exiting. ("", "") once
     the run has ended (the final record is printed instead)."""
     state = str(record.get("state"))
-    if state in ("stopped", "succeeded", "failed", "cancelled"):
+    if state in FINAL:
         return "", ""
     stop = record.get("stop") or {}
     snapshot = record.get("snapshot")

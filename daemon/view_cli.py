@@ -14,8 +14,8 @@ import shutil
 import sys
 from typing import Any
 
-EXIT_ERROR, EXIT_USAGE = 1, 2
-DEFAULT_UI_PORT = 8765
+from daemon.cli_common import EXIT_ERROR, EXIT_USAGE
+from daemon.ui import DEFAULT_PORT as DEFAULT_UI_PORT
 
 
 def add_commands(train: Any, top: Any) -> None:

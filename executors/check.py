@@ -141,8 +141,9 @@ async def check_target(executor: Executor, *, min_free_gb: float = 1.0, timeout:
     done = {i["check"] for i in items}
     failed = next((i for i in items if not i["ok"]), None)
     reason = f"not checked: {failed['check']} failed" if failed else "not checked"
-    items.extend(_item(c, False, reason) for c in check_names(executor) if c not in done)
-    return sorted(items, key=lambda i: check_names(executor).index(i["check"]))
+    names = check_names(executor)
+    items.extend(_item(c, False, reason) for c in names if c not in done)
+    return sorted(items, key=lambda i: names.index(i["check"]))
 
 
 def ok_so_far(items: list[dict[str, Any]]) -> bool:

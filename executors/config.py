@@ -58,7 +58,7 @@ def between(lo: float, hi: float) -> AfterValidator:
     return AfterValidator(check)
 
 
-MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
+HOUR, DAY = 3600.0, 86400.0
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 # Durations with the range that makes sense for what they time (0, inf or 1e20 h never do).
 Interval = Annotated[float, BeforeValidator(parse_duration), between(0.05, HOUR)]  # how often something is done
@@ -294,7 +294,6 @@ Target = Annotated[AnyTarget, Field(discriminator="kind")]
 __all__ = [
     "DAY",
     "HOUR",
-    "MINUTE",
     "AnyTarget",
     "Duration",
     "Interval",

@@ -21,7 +21,8 @@ from trainer_plugin import jobctl, jobserve, rundir
 TOOL_FILES: tuple[Path, ...] = (Path(jobctl.__file__), Path(rundir.__file__), Path(jobserve.__file__))
 
 
-def _tools_hash(files: Sequence[Path]) -> str:
+def tools_hash(files: Sequence[Path]) -> str:
+    """A short digest of the files' names and contents: the name of the directory they are installed in."""
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -44,7 +45,7 @@ def _tools_tar(files: Sequence[Path]) -> bytes:
 # unpacked once per content into `<workdir>/.obd/tools-<JOBCTL_HASH>/`.
 JOBCTL_SOURCE: bytes = _tools_tar(TOOL_FILES)
 # The content hash over every tool file, so a change to either gives a new directory.
-JOBCTL_HASH: str = _tools_hash(TOOL_FILES)
+JOBCTL_HASH: str = tools_hash(TOOL_FILES)
 
 # Directory names never uploaded with a job's working directory (caches, VCS, environments).
 EXCLUDED_NAMES = frozenset({".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".mypy_cache", "node_modules"})

@@ -216,7 +216,8 @@ class SnapshotCallback(TrainerCallback):
             state.num_input_tokens_seen += decision.tokens
         if decision.code != 0 or decision.preempted:
             self._arm_snapshot(state, control, decision.code, preempted)
-        self._on_time(state, control)
+        if _monotonic() >= self._due:
+            self._on_time(state, control)
 
     def _arm_snapshot(self, state: Any, control: Any, code: int, preempted: bool) -> None:
         """A request or a SIGTERM reached this step end: make the Trainer save now and stop."""
@@ -275,10 +276,10 @@ class SnapshotCallback(TrainerCallback):
         now = _monotonic()
         if now >= self._metrics.write_due():
             self._metrics.flush(now)
-        self._heartbeat(state, control)
+        self._heartbeat(state, control, now)
         self._due = min(self._heartbeat_due, self._metrics.write_due())
 
-    def _heartbeat(self, state: Any, control: Any) -> None:
+    def _heartbeat(self, state: Any, control: Any, now: float) -> None:
         """Rank 0: a `log` line without `loss` when no `log` line came for `progress_interval` seconds.
 
         It keeps the daemon's step and ETA fresh between Trainer logs (`logging_steps` is 500 by
@@ -287,8 +288,8 @@ class SnapshotCallback(TrainerCallback):
         raises into training: a failure is said once in the job log and heartbeats stop.
         """
         if not self._heartbeats or not self._metrics.path:
+            self._heartbeat_due = math.inf  # none will come (rank > 0, metrics given up): no step end waits for one
             return
-        now = time.monotonic()
         if now < self._heartbeat_due or control.should_log:
             return
         try:

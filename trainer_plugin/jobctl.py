@@ -25,10 +25,6 @@ import stat
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
 
 try:  # imported as trainer_plugin.jobctl
     from . import rundir
@@ -495,21 +491,24 @@ def _read_proof(run_dir: str, result: dict) -> None:
     result["proof"] = _proof_text(proof) if proof is not None else None
 
 
-def probe_dir(run_dir: str, handle: dict | None = None) -> dict:
+def probe_dir(run_dir: str, handle: dict | None = None, with_job: bool = True) -> dict:
     """One read of a run directory: job status, request, proof, metrics summary, log size, checkpoints.
 
     Never raises: whatever a run directory holds, the probe of the others goes on. The proof
     is read before the checkpoints are listed, so a checkpoint written before its proof is listed.
+    `with_job=False` leaves the job's status and handle to the caller (a scheduler knows them).
     """
     result: dict = {"remote_dir": run_dir}
     try:
-        result["status"] = job_status(run_dir, handle)
+        if with_job:
+            result["status"] = job_status(run_dir, handle)
         request = read_regular(os.path.join(run_dir, rundir.SNAPSHOT_REQUEST), REQUEST_LIMIT)
         result["request"] = request.decode("utf-8", "replace") if request is not None else None
         _read_proof(run_dir, result)
         result.update(_metrics_summary(os.path.join(run_dir, rundir.METRICS)))
         result["log_size"] = file_size(os.path.join(run_dir, rundir.JOB_LOG))
-        result["handle"] = read_handle(run_dir)
+        if with_job:
+            result["handle"] = read_handle(run_dir)
         result["checkpoints"] = rundir.real_checkpoints(run_dir)
     except Exception as exc:
         result.setdefault("status", {"state": "running", "exit_code": None})

@@ -433,6 +433,7 @@ class MetricsWriter:
     def close(self) -> None:
         if self._waiting:
             self.write_line(b"")
+        atexit.unregister(self.close)  # closed: nothing is left for the end of the process
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)

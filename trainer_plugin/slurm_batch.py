@@ -222,7 +222,7 @@ def probe(runs: list[dict]) -> dict:
     now = time.time()
     out = []
     for run in runs:
-        result = jobctl.probe_dir(run["dir"], None)
+        result = jobctl.probe_dir(run["dir"], with_job=False)  # the status and handle come from Slurm below
         record = read_submit(run["dir"])
         job_id = record.get("job_id") or run.get("job_id")
         job = pick_job(jobs.get(job_name(run["dir"]), []), job_id)
@@ -230,8 +230,10 @@ def probe(runs: list[dict]) -> dict:
         facts = file_facts(run["dir"])
         if error is None:
             result["status"] = combine(facts, job, record, now)
+        else:  # squeue did not answer: the executor reports the target unreachable
+            result.setdefault("status", {"state": "running", "exit_code": None})
         result["handle"] = slurm_handle(job_id) if (job_id or record.get("submitting")) else None
-        result["slurm"] = {**(job or {}), "job_id": job_id, "exit_code_written": facts["exit_code"] is not None}
+        result["slurm"] = {**(job or {}), "job_id": job_id}
         out.append(result)
     return {"probes": out, "squeue_error": error}
 

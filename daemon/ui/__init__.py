@@ -5,3 +5,5 @@ so it sees and acts on exactly what that user may. `hub` holds the one `watch` l
 fans its answers out, `feed` follows one run (record, log, metrics by offset), `server` is the
 HTTP side (token, routes, server-sent events), and `static/` holds the page (no build step).
 """
+
+DEFAULT_PORT = 8765  # `obd ui` without --port: this one, or the next free one

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from daemon import plot
+from daemon.cli_common import FINAL
 from daemon.client import Client, RequestFailed
-from daemon.ui.hub import FINAL, Hub
+from daemon.ui.hub import Hub
 
 LOG_TAIL_LINES = 300  # lines of the log a page opens with
 ACTIVE_TICK = 1.0  # seconds between two reads of an active run's files

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.cli_common import FINAL
 from daemon.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
 
 WATCH_TIMEOUT = 25.0  # seconds the daemon holds a watch before it answers "nothing changed"
 POD_REFRESH = 60.0  # seconds between two reads of a pod run's spend when nothing else changed
-FINAL = frozenset({"stopped", "succeeded", "failed", "cancelled"})
 
 
 class Hub:
@@ -55,9 +55,11 @@ class Hub:
             runs = sorted(self.runs.values(), key=lambda r: (r.get("created") or 0, r["id"]))
             return self.seq, runs, self.error
 
-    def changes_since(self, seq: int) -> list[dict[str, Any]]:
+    def changes_since(self, seq: int) -> tuple[int, list[dict[str, Any]], str | None]:
+        """The runs changed after `seq`, with the seq they bring the caller to and the error, read at once."""
         with self._cond:
-            return [self.runs[rid] for rid, at in self.changed.items() if at > seq and rid in self.runs]
+            runs = [self.runs[rid] for rid, at in self.changed.items() if at > seq and rid in self.runs]
+            return self.seq, runs, self.error
 
     def changed_since(self, run_id: str, seq: int) -> bool:
         with self._cond:

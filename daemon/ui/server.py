@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from daemon.cli_common import EXIT_UNREACHABLE, EXIT_USAGE
 from daemon.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+from daemon.ui import DEFAULT_PORT
 from daemon.ui.feed import RunFeed
 from daemon.ui.hub import Hub
 
@@ -40,8 +42,7 @@ CONTENT_TYPES = {
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
 MAX_STREAMS = 32  # open event streams at once (each holds a connection to the daemon)
 HEARTBEAT = 15.0
-FIRST_PORT, PORT_TRIES = 8765, 20
-EXIT_UNREACHABLE, EXIT_USAGE = 69, 2
+PORT_TRIES = 20
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
@@ -232,8 +233,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if new == seq:
                 yield None
                 continue
-            changed = hub.changes_since(seq)
-            seq, _, error = hub.snapshot()
+            seq, changed, error = hub.changes_since(seq)
             yield "changed", {"runs": changed, "error": error}
 
     def _run_events(self, run_id: str, metric: str) -> Any:
@@ -255,7 +255,7 @@ def bind(socket_path: Path, port: int | None, token: str) -> UiServer:
     """The server on 127.0.0.1: on `port`, or the first free one from 8765 when none was asked for."""
     if port is not None:
         return UiServer(("127.0.0.1", port), socket_path, token)
-    for candidate in range(FIRST_PORT, FIRST_PORT + PORT_TRIES):
+    for candidate in range(DEFAULT_PORT, DEFAULT_PORT + PORT_TRIES):
         try:
             return UiServer(("127.0.0.1", candidate), socket_path, token)
         except OSError:

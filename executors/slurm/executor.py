@@ -36,6 +36,7 @@ from executors.base import (
     TargetUnreachable,
 )
 from executors.config import SlurmTarget, SshTarget
+from executors.remote import tools_hash
 from executors.slurm import script
 from executors.slurm.states import NOTABLE, SlurmJob, parse_sacct, parse_scontrol
 from trainer_plugin import jobctl, rundir, slurm_batch
@@ -47,16 +48,7 @@ HELPER_FILES: tuple[Path, ...] = (Path(slurm_batch.__file__), Path(jobctl.__file
 _ENDED = frozenset({JobState.lost, JobState.cancelled})
 
 
-def _helper_hash() -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    for path in HELPER_FILES:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-HELPER_HASH = _helper_hash()
+HELPER_HASH = tools_hash(HELPER_FILES)
 
 
 def host_executor(name: str, target: SlurmTarget) -> Executor:
@@ -103,7 +95,6 @@ class SlurmExecutor:
         self._ended_seen: dict[str, float] = {}
         self.last_seen: dict[str, SlurmJob] = {}  # run directory -> its job as the last probe saw it
         self.last_status: dict[str, JobStatus] = {}  # run directory -> its status in the last probe
-        self.slurm_calls = 0  # helper calls that ask Slurm something (a probe asks squeue once)
         self.compute_nodes = ComputeNodes(self)
 
     # --- the machine where sbatch works --------------------------------------------------------
@@ -206,7 +197,6 @@ class SlurmExecutor:
         if not runs:
             return []
         items = [{"dir": d, "job_id": str(h.pid) if h is not None and h.pid > 0 else None} for h, d in runs]
-        self.slurm_calls += 1
         answer = await self._call("a probe", ["probe"], json.dumps({"runs": items}).encode())
         if answer.get("squeue_error"):
             raise TargetUnreachable(
@@ -244,7 +234,6 @@ class SlurmExecutor:
         args = ["cancel", remote_dir, "--grace", repr(float(grace))]
         if handle.pid > 0:
             args += ["--job-id", str(handle.pid)]
-        self.slurm_calls += 1
         answer = await self._call(f"the cancel of {remote_dir}", args, timeout=grace + 180)
         return JobStatus.model_validate(answer)
 
@@ -285,7 +274,6 @@ class SlurmExecutor:
     async def obd_jobs(self) -> list[SlurmJob]:
         """The submitting user's jobs that obd made (named `obd-<run id>`) and Slurm still runs or queues."""
         argv = ["squeue", "--me", "--noheader", "--states=PENDING,RUNNING,SUSPENDED,CONFIGURING", "--format=%i|%j|%T"]
-        self.slurm_calls += 1
         result = await self.host.run_command(argv, timeout=60)
         if result.returncode != 0:
             raise TargetUnreachable(f"squeue on target {self.name}: {result.stderr.decode(errors='replace').strip()}")
@@ -298,7 +286,6 @@ class SlurmExecutor:
 
     async def scancel(self, job_id: str) -> None:
         """End one job that no run owns any more (a second submit that got through)."""
-        self.slurm_calls += 1
         await self.host.run_command(["scancel", job_id], timeout=60)
 
     @staticmethod
