@@ -76,6 +76,11 @@ def main() -> int:
     loop.end(step)
     print(f"rank {rank} stopped at step {step} reason {stopped}", flush=True)
     if distributed:
+        # DDP keeps its own reference to the gloo group: freed during interpreter finalisation,
+        # after a peer has gone, gloo can abort the process (torch's, not obd's). A tidy loop
+        # lets every rank finish, drops the model, then destroys the group.
+        dist.barrier()
+        del model, optimizer
         dist.destroy_process_group()
     return 0
 
