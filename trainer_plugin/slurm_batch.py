@@ -376,12 +376,14 @@ def batch(run_dir: str) -> int:
     started = time.monotonic()
     limit = plan.get("time_limit")
     child: list[subprocess.Popen] = []
+    cancel_seen: list[bool] = []  # obd's cancel TERM, kept for a child not started yet when it came
 
     def on_usr1(signum: int, frame: object) -> None:
         request_snapshot(run_dir, rundir.DEADLINE)
 
     def on_term(signum: int, frame: object) -> None:
         if os.path.lexists(os.path.join(run_dir, rundir.CANCELLING)):
+            cancel_seen.append(True)
             for proc in child:  # obd's cancel: the job ends (Slurm signals its steps too)
                 with contextlib.suppress(OSError):
                     proc.send_signal(signal.SIGTERM)
@@ -408,6 +410,11 @@ def batch(run_dir: str) -> int:
         "python": jobctl._which("python3", env, cwd) or jobctl._which("python", env, cwd),
     }
     rundir.atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(handle).encode())
+    if cancel_seen or os.path.lexists(os.path.join(run_dir, rundir.CANCELLING)):
+        # obd cancelled the run before its command started (scancel met the job as it began).
+        print("obd: the run was cancelled before its command started", file=sys.stderr, flush=True)
+        rundir.atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), b"143\n")
+        return 143
     argv = _launch_argv(run_dir, spec, plan, env)
     try:
         # Left in the batch's process group (no new session): Slurm's process tracking must find
@@ -417,6 +424,9 @@ def batch(run_dir: str) -> int:
         print(f"obd: could not start {argv[:1]!r}: {exc}", file=sys.stderr, flush=True)
         rundir.atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), b"127\n")
         return 127
+    if cancel_seen:  # the cancel's TERM came while the command was being started
+        with contextlib.suppress(OSError):
+            child[0].send_signal(signal.SIGTERM)
     code = child[0].wait()
     if code < 0:  # killed by a signal: the shell's convention, 128 + signal number
         code = 128 - code

@@ -24,9 +24,11 @@ WAIT_FOR_REQUEST = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):
 class Batch:
     """A run directory with a job.json, and the wrapper running it."""
 
-    def __init__(self, run_dir: Path, command: list[str], plan: dict | None = None) -> None:
+    def __init__(self, run_dir: Path, command: list[str], plan: dict | None, files: dict[str, str]) -> None:
         self.dir = run_dir
         run_dir.mkdir()
+        for name, text in files.items():
+            (run_dir / name).write_text(text)
         (run_dir / "job.json").write_text(json.dumps({"command": command, "cwd": str(run_dir)}))
         (run_dir / "slurm_launch.json").write_text(json.dumps({"nodes": 1, "launcher": "srun", **(plan or {})}))
         self.log = open(run_dir / "job.log", "ab")
@@ -63,8 +65,10 @@ def batches(tmp_path: Path) -> Iterator[list[Batch]]:
         batch.stop()
 
 
-def start(batches: list[Batch], tmp_path: Path, command: list[str], plan: dict | None = None) -> Batch:
-    batch = Batch(tmp_path / f"run{len(batches)}", command, plan)
+def start(
+    batches: list[Batch], tmp_path: Path, command: list[str], plan: dict | None = None, files: dict[str, str] | None = None
+) -> Batch:
+    batch = Batch(tmp_path / f"run{len(batches)}", command, plan, files or {})
     batches.append(batch)
     return batch
 
@@ -115,6 +119,16 @@ def test_a_term_during_obds_cancel_ends_the_job_and_records_its_exit(batches: li
     assert batch.wait() == 143
     assert batch.read("exit_code") == "143"
     assert batch.read("snapshot.request") is None
+
+
+def test_a_batch_that_begins_after_obds_cancel_starts_no_command(batches: list[Batch], tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    # obd's cancel writes `cancelling` before its scancel, which met the job as it began
+    batch = start(batches, tmp_path, ["touch", str(marker)], files={"cancelling": "now\n"})
+    assert batch.wait() == 143
+    assert batch.read("exit_code") == "143"
+    assert "cancelled before its command started" in (batch.read("job.log") or "")
+    assert not marker.exists()
 
 
 def test_a_command_that_cannot_start_is_exit_127_with_a_line_in_the_log(batches: list[Batch], tmp_path: Path) -> None:
