@@ -66,7 +66,11 @@ def batches(tmp_path: Path) -> Iterator[list[Batch]]:
 
 
 def start(
-    batches: list[Batch], tmp_path: Path, command: list[str], plan: dict | None = None, files: dict[str, str] | None = None
+    batches: list[Batch],
+    tmp_path: Path,
+    command: list[str],
+    plan: dict | None = None,
+    files: dict[str, str] | None = None,
 ) -> Batch:
     batch = Batch(tmp_path / f"run{len(batches)}", command, plan, files or {})
     batches.append(batch)
