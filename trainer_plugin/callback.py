@@ -1,7 +1,6 @@
 """SnapshotCallback: the Trainer side of obd's snapshot contract (request → save at this step → proof → stop).
 
-At every step end it looks for `snapshot.request` with one zero-timeout poll() of an inotify
-queue on the run directory (one access() where there is no inotify); on a request it makes the
+At every step end it looks for `snapshot.request` with one access(); on a request it makes the
 Trainer save `output/checkpoint-<step>` and stop, and once the checkpoint is on disk rank 0
 writes `snapshot.json`. It also writes `metrics.jsonl`. Outside obd every hook returns at once.
 """
@@ -17,7 +16,6 @@ from transformers import TrainerCallback
 
 from . import inject
 from .dist import Ranks, tear_down_at_exit
-from .request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
 from .rundir import PREEMPTED, checkpoint_relpath
 from .runtime import (
     VERSION,
@@ -43,7 +41,7 @@ REQUIRED_FILES = ("trainer_state.json",)
 # resumed run re-runs the script from the proven checkpoint and reaches the later stages.
 _process_snapshot: str | None = None
 
-# Bound once: the step end with no request is two calls (a poll and a clock read) and nothing else.
+# Bound once: the step end with no request is these two calls and nothing else.
 _access = os.access
 _EXISTS = os.F_OK
 _monotonic = time.monotonic
@@ -68,15 +66,12 @@ class SnapshotCallback(TrainerCallback):
         self._count_tokens = False
         self._local_tokens = 0  # counted by the forward pre-hook since the last step end (distributed)
         self._token_state: Any = None  # the TrainerState the pre-hook adds to directly (one process)
-        # While a step end with no request may be the quick check (one process, no profiler, no
-        # SIGTERM, proof or sign of a request yet in this training): called with 0, it returns
-        # something true when a request may be there. None: every step end takes the full path.
-        self._quick_poll: Any = None
-        self._watch: RequestWatch | None = None  # the inotify queue behind _quick_poll, if any
-        # The run directory, open, and the request's name in it: the lookup without the path walk.
+        # The request's path while a step end with no request may be one access() (one process,
+        # no profiler, no SIGTERM or proof yet in this training); None: every step end takes
+        # the full path.
+        self._quick_request: str | None = None
+        # The run directory, open: the quick check looks up one name in it, not the whole path.
         self._run_dir_fd: int | None = None
-        self._request_name = ""
-        self._recheck_due = math.inf  # when the quick path next looks the name up (with a watch)
         self._pending: tuple[int, str] | None = None  # (step, reason) of a snapshot under way
         self._proven = False
         self._profiler: Any = None
@@ -84,8 +79,7 @@ class SnapshotCallback(TrainerCallback):
         # time.monotonic() from which a heartbeat is due: progress_interval after the last `log` line.
         self._heartbeat_due = math.inf
         self._heartbeats = True
-        # The soonest of the heartbeat, the write of step logs that wait and the request recheck:
-        # one comparison a step.
+        # The sooner of the heartbeat and the write of step logs that wait: one comparison a step.
         self._due = math.inf
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -112,7 +106,7 @@ class SnapshotCallback(TrainerCallback):
         self._token_state = state if self._count_tokens and not self._ranks.distributed else None
         self._start_profiler(model)
         quick = not self._ranks.distributed and self._profiler is None and _process_snapshot is None
-        self._open_quick_check(quick)
+        self._quick_request = self._open_quick_check() if quick else None
         if self.env.snapshot_on_sigterm:
             self._sigterm.install(on_signal=self._leave_quick_path)
         self._metrics.write(
@@ -144,7 +138,7 @@ class SnapshotCallback(TrainerCallback):
             reason=self._pending[1] if self._pending else None,
         )
         self._metrics.close()
-        self._token_state = None
+        self._quick_request, self._token_state = None, None
         self._close_quick_check()
         if self._hook is not None:
             self._hook.remove()
@@ -170,66 +164,36 @@ class SnapshotCallback(TrainerCallback):
             self._profiler.step_begin(state.global_step + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        poll = self._quick_poll
-        if poll is not None and (not poll(0) or not self._sign_of_request()):
-            # Almost every step end: a poll finds nothing created in the run directory, and one
-            # clock read says nothing is due. With one process there is no decision to share and
-            # the pre-hook counts tokens straight into the state.
+        quick = self._quick_request
+        if quick is not None and not _access(quick, _EXISTS, dir_fd=self._run_dir_fd):
+            # Almost every step end: one access() finds no request, and one clock read says no
+            # heartbeat is due. With one process there is no decision to share and the pre-hook
+            # counts tokens straight into the state; a SIGTERM or a proof clears _quick_request.
             if _monotonic() >= self._due:
                 self._on_time(state, control)
             return
         self._step_end(state, control)
 
-    def _sign_of_request(self) -> bool:
-        """The quick check saw something: True (every later step end takes the full path) if it may be a request."""
-        if self._watch is not None and not self._watch.request_may_be_there():
-            return False  # other names were created (metrics.jsonl, a temporary file)
-        self._leave_quick_path()
-        return True
-
-    def _request_named(self, _timeout: int) -> bool:
-        """The quick check without inotify: one lookup of the request's name in the open run directory."""
-        return _access(self._request_name, _EXISTS, dir_fd=self._run_dir_fd)
-
-    def _open_quick_check(self, quick: bool) -> None:
-        """Set the quick check up (an inotify poll, else a name lookup); leave it off if the run directory will not open."""
+    def _open_quick_check(self) -> str | None:
+        """The request's name in the run directory, now open; None (the full path every step) if it cannot be opened."""
         self._close_quick_check()
-        if not quick or not self.env.request_path:
-            return
-        folder, self._request_name = os.path.split(self.env.request_path)
+        if not self.env.request_path:
+            return None
+        folder, name = os.path.split(self.env.request_path)
         try:
             self._run_dir_fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
-            return
-        # The watch first, then one lookup: a request made before the watch began is found by
-        # the lookup, one made after by the watch.
-        self._watch = RequestWatch.open(self.env.request_path)
-        if self._request_named(0):
-            self._close_quick_check()
-            return
-        if self._watch is None:
-            self._quick_poll = self._request_named
-        else:
-            self._quick_poll = self._watch.poll
-            self._recheck_due = _monotonic() + REQUEST_RECHECK_SECONDS
-        self._due = self._next_due()
+            return None
+        return name
 
     def _close_quick_check(self) -> None:
-        self._leave_quick_path()
         fd, self._run_dir_fd = self._run_dir_fd, None
         if fd is not None:
             os.close(fd)
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.close()
 
     def _leave_quick_path(self) -> None:
-        """From the SIGTERM handler, once proven, or at a sign of a request: every later step end takes the full path."""
-        self._quick_poll = None
-        self._recheck_due = math.inf
-
-    def _next_due(self) -> float:
-        return min(self._heartbeat_due, self._metrics.write_due(), self._recheck_due)
+        """From the SIGTERM handler, or once proven: every later step end takes the full path."""
+        self._quick_request = None
 
     def _step_end(self, state: Any, control: Any) -> None:
         """A step end that may stop training: a request or a SIGTERM is there, or other ranks or a profiler are."""
@@ -293,7 +257,7 @@ class SnapshotCallback(TrainerCallback):
             proof = write_proof(self.env, step, reason, required=REQUIRED_FILES)
             log_error(f"obd: snapshot at step {step} ({reason}): {proof['checkpoint']}")
         self._proven = True
-        self._leave_quick_path()
+        self._quick_request = None
         global _process_snapshot
         _process_snapshot = checkpoint_relpath(step)
 
@@ -308,18 +272,12 @@ class SnapshotCallback(TrainerCallback):
     # --- metrics ------------------------------------------------------------------------
 
     def _on_time(self, state: Any, control: Any) -> None:
-        """A step end at or past `_due`: the quick path's recheck, the step logs that wait, a heartbeat if one is due."""
+        """A step end at or past `_due`: write the step logs that wait, and a heartbeat if one is due."""
         now = _monotonic()
-        if now >= self._recheck_due:
-            self._recheck_due = now + REQUEST_RECHECK_SECONDS
-            if self._request_named(0):  # written where the kernel could not see it (another NFS client)
-                self._leave_quick_path()
-                self._step_end(state, control)  # takes its own turn at what is due
-                return
         if now >= self._metrics.write_due():
             self._metrics.flush(now)
         self._heartbeat(state, control, now)
-        self._due = self._next_due()
+        self._due = min(self._heartbeat_due, self._metrics.write_due())
 
     def _heartbeat(self, state: Any, control: Any, now: float) -> None:
         """Rank 0: a `log` line without `loss` when no `log` line came for `progress_interval` seconds.
@@ -356,7 +314,7 @@ class SnapshotCallback(TrainerCallback):
             now = _monotonic()
             metrics.write_soon(time.time(), state.global_step, state.num_input_tokens_seen, logs.copy(), now)
             self._heartbeat_due = now + self._progress_interval
-            self._due = self._next_due()
+            self._due = min(self._heartbeat_due, metrics.write_due())
             return
         fields = {"step": state.global_step, "tokens": state.num_input_tokens_seen}
         if logs:
