@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from daemon.service import Daemon
 
 log = structlog.get_logger("obd")
-# Files whose writing wakes a run's follow at once; metrics.jsonl growing marks the run for the
-# next tick (progress can wait a poll interval; an exit, a request or a proof cannot).
-URGENT_FILES = frozenset({rundir.SNAPSHOT_REQUEST, rundir.SNAPSHOT_PROOF, rundir.EXIT_CODE, rundir.CANCELLED})
+# Files whose writing wakes a run's follow at once (rundir.URGENT_FILES); metrics.jsonl growing
+# marks the run for the next tick (progress can wait a poll interval; an exit or a proof cannot).
+URGENT_FILES = frozenset(rundir.URGENT_FILES)
 PROGRESS_FILES = frozenset({rundir.METRICS})
 _TARGET_FAULTS = (ExecutorError, TimeoutError, OSError)
 

@@ -54,7 +54,7 @@ except ImportError:  # run beside jobctl.py and rundir.py (`python3 jobctl.py se
 
 SERVE_PROTOCOL = 1
 SERVE_READ_LIMIT = 4 << 20  # the most one `read` answers; the caller asks again from where it got to
-URGENT_FILES = (rundir.EXIT_CODE, rundir.CANCELLED, rundir.SNAPSHOT_REQUEST, rundir.SNAPSHOT_PROOF)
+URGENT_FILES = rundir.URGENT_FILES
 _PROGRESS_EVERY = 1.0  # metrics.jsonl growth is pushed at most this often per run directory
 _POLL_EVERY = 0.5  # how often a directory that inotify cannot watch is looked at
 # Requests that are seen through even when the channel closes under them (the helper waits for

@@ -28,6 +28,9 @@ OUTPUT = "output"  # the trainer: its output_dir; checkpoints are `output/checkp
 SNAPSHOT_REQUEST = "snapshot.request"  # anyone allowed to write the run directory: one reason word
 SNAPSHOT_PROOF = "snapshot.json"  # the plugin, rank 0, once the checkpoint is fully on disk: the proof
 METRICS = "metrics.jsonl"  # the plugin, rank 0: `begin`, `log` and `end` lines, one JSON object each
+# Files whose appearance a follower acts on at once (the daemon's inotify, the SSH helper's
+# push); metrics.jsonl growing can wait for the next tick.
+URGENT_FILES = (EXIT_CODE, CANCELLED, SNAPSHOT_REQUEST, SNAPSHOT_PROOF)
 PROFILE = "profile"  # the runner's wrapper: profiler artefacts of a run started with --profile
 PLUGIN = "plugin"  # obd: the trainer_plugin files for this run, first on the job's PYTHONPATH
 SOURCES = "src"  # obd: the job's --cwd, uploaded to targets that do not share the daemon's filesystem
