@@ -242,10 +242,10 @@ def test_without_inotify_the_helper_looks_by_stat_and_still_pushes(tmp_path: Pat
     assert watcher.add(str(run)) is False
     rundir.atomic_write(str(run / rundir.JOB_PID), json.dumps({"pid": 123, "start_time": 456}).encode())
     rundir.atomic_write(str(run / rundir.EXIT_CODE), b"0\n")
-    message = pushed.get(timeout=5)
+    message = pushed.get(timeout=15)
     assert message == {"event": "files", "dir": str(run), "names": [rundir.EXIT_CODE], "job": [123, 456]}
     (run / rundir.SNAPSHOT_REQUEST).write_text("requested\n")
-    assert pushed.get(timeout=5)["names"] == [rundir.SNAPSHOT_REQUEST]
+    assert pushed.get(timeout=15)["names"] == [rundir.SNAPSHOT_REQUEST]
     watcher.remove(str(run))
     (run / rundir.SNAPSHOT_REQUEST).write_text("disk\n")
     with pytest.raises(queue.Empty):
@@ -354,14 +354,18 @@ async def test_a_start_whose_connection_drops_before_it_answers_is_uncertain_and
 async def test_a_request_the_helper_does_not_answer_in_time_fails_as_unreachable_and_the_next_one_works(
     own_sshd: SshServer, workdir: Path
 ) -> None:
-    ex = SshExecutor("box", make_target(own_sshd, workdir), op_timeout=4)
+    ex = SshExecutor("box", make_target(own_sshd, workdir))
+    usual = ex.connection.op_timeout
     try:
+        # Connect and start the helper with the usual timeouts: on a loaded machine that takes seconds.
         await ex.read_from(str(workdir / "x"), 0, 1)
         frozen = helper_pid(ex)
         os.kill(frozen, signal.SIGSTOP)
+        ex.connection.op_timeout = 4
         with pytest.raises(TargetUnreachable, match="did not answer a probe"):
             await ex.probe([(None, str(workdir / "r"))])
         os.kill(frozen, signal.SIGCONT)
+        ex.connection.op_timeout = usual
         probes = await ex.probe([(None, str(workdir / "r"))])
         assert probes[0].status.state == JobState.lost and helper_pid(ex) != frozen
     finally:
