@@ -19,9 +19,9 @@ FAKE = str(Path(__file__).with_name("fake_plugin_job.py"))
 WORKLOAD = str(REPO / "workloads" / "train_qwen_lora.py")
 
 
-def ssh_config(server: SshServer, workdir: Path, extra: str = "") -> str:
+def ssh_config(server: SshServer, workdir: Path, extra: str = "", proof_timeout: str = "4s") -> str:
     f = server.target_fields()
-    return FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "4s"').replace(
+    return FAST_CONFIG.replace('proof_timeout = "60s"', f'proof_timeout = "{proof_timeout}"').replace(
         'end_timeout = "30s"', 'end_timeout = "3s"'
     ) + (
         f'\n[targets.box]\nkind = "ssh"\nhost = "{f["host"]}"\nport = {f["port"]}\nuser = "{f["user"]}"\n'
@@ -41,6 +41,16 @@ def box(make_daemon, sshd: SshServer, short_tmp: Path) -> DaemonProc:
     d = make_daemon(ssh_config(sshd, workdir))
     d.start()
     d.remote_workdir = workdir  # type: ignore[attr-defined]
+    yield d
+    kill_job_groups(workdir.glob("*/job.pid"))
+
+
+@pytest.fixture
+def lora_box(make_daemon, sshd: SshServer, short_tmp: Path) -> DaemonProc:
+    """`box` with the usual proof timeout: a real Trainer's save may take seconds on a loaded machine."""
+    workdir = short_tmp / "remote"
+    d = make_daemon(ssh_config(sshd, workdir, proof_timeout="60s"))
+    d.start()
     yield d
     kill_job_groups(workdir.glob("*/job.pid"))
 
@@ -144,7 +154,8 @@ def test_a_request_written_on_the_host_by_someone_else_is_seen_and_honoured(box:
     assert record["state"] == "stopped" and record["stop"]["reason"] == "disk"
 
 
-def test_the_tiny_lora_run_snapshots_and_resumes_on_an_ssh_target(box: DaemonProc) -> None:
+def test_the_tiny_lora_run_snapshots_and_resumes_on_an_ssh_target(lora_box: DaemonProc) -> None:
+    box = lora_box
     rid = start(box, PY, WORKLOAD, "--tiny", "--max_steps", "400")
     wait_for(lambda: (r := box.record(rid))["snapshots"] and (r["progress"]["step"] or 0) >= 2, 180, 0.2, "step 2")
     out = box.cli("train", "stop", rid, "--wait", "--json")

@@ -29,6 +29,14 @@ def sd(make_daemon) -> DaemonProc:
     return d
 
 
+@pytest.fixture
+def lora_sd(make_daemon) -> DaemonProc:
+    """A daemon with the usual proof timeout, for the real Trainer: its save may take seconds on a loaded machine."""
+    d = make_daemon(FAST_CONFIG)
+    d.start()
+    return d
+
+
 def start(d: DaemonProc, *command: str, opts: tuple[str, ...] = ()) -> str:
     out = d.cli("train", "start", *opts, "--", *command)
     assert out.returncode == 0, out.stderr
@@ -163,7 +171,8 @@ def test_a_run_dir_file_that_would_block_a_read_never_holds_up_the_follow(sd: Da
 # --- with the real tiny LoRA workload ---------------------------------------------------
 
 
-def test_the_tiny_lora_run_stops_at_a_step_boundary_with_a_proof_and_resumes_to_the_end(sd: DaemonProc) -> None:
+def test_the_tiny_lora_run_stops_at_a_step_boundary_with_a_proof_and_resumes_to_the_end(lora_sd: DaemonProc) -> None:
+    sd = lora_sd
     rid = start(sd, PY, WORKLOAD, "--tiny", "--max_steps", "400", opts=("--name", "lora"))
     announced(sd, rid, step=2)
     status = sd.cli("train", "status", rid).stdout
@@ -196,7 +205,8 @@ def test_a_run_with_no_snapshot_and_no_complete_checkpoint_cannot_be_resumed(sd:
     assert out.returncode == 1 and "no complete checkpoint" in out.stderr
 
 
-def test_a_sigterm_to_a_job_started_with_snapshot_on_sigterm_becomes_a_preempted_snapshot(sd: DaemonProc) -> None:
+def test_a_sigterm_to_a_job_started_with_snapshot_on_sigterm_becomes_a_preempted_snapshot(lora_sd: DaemonProc) -> None:
+    sd = lora_sd
     rid = start(sd, PY, WORKLOAD, "--tiny", "--max_steps", "400", opts=("--snapshot-on-sigterm",))
     record = announced(sd, rid, step=1)
     os.killpg(record["job"]["pid"], signal.SIGTERM)  # what a preempting scheduler does
