@@ -173,7 +173,7 @@ class Handlers:
         retrieved = self.daemon.store.run_dir(record.id) / "retrieved" / name
         if record.state.final and retrieved.is_file():
             # The copy obd brought home (a pod's run): its machine may be gone.
-            offset = _tail_local(retrieved, req.tail_lines) if req.tail_lines is not None else req.offset
+            offset = await _tail_local(retrieved, req.tail_lines) if req.tail_lines is not None else req.offset
             data = rundir.read_regular(str(retrieved), req.limit, offset) or b""
             return {
                 "data": base64.b64encode(data).decode(),
@@ -421,34 +421,59 @@ async def request_snapshot(daemon: Daemon, record: RunRecord, reason: str, by: s
     daemon.follow.wake_run(record)
 
 
-def _tail_local(path: Path, lines: int) -> int:
-    """The offset where the last `lines` lines of a local file start."""
-    data = rundir.read_regular(str(path), 1 << 24) or b""
+TAIL_BLOCK = 65536  # how much of a log one read takes when looking for where its last lines start
+
+
+def newlines_back(chunk: bytes, start: int, end: int, wanted: int) -> tuple[int | None, int]:
+    """Look back through `chunk` (a file's bytes from `start`; the file is `end` bytes) for `wanted` line starts.
+
+    Returns the offset of the earliest of them once `wanted` are found (else None) and how many
+    were found. The newline that ends the file's last line starts no line.
+    """
+    pos, found = len(chunk), 0
+    while found < wanted:
+        i = chunk.rfind(b"\n", 0, pos)
+        if i < 0:
+            return None, found
+        pos = i
+        if start + i != end - 1:
+            found += 1
+    return start + pos + 1, found
+
+
+async def tail_start(read: Callable[[int, int], Awaitable[bytes]], end: int, lines: int) -> int:
+    """The offset where the last `lines` lines of a file of `end` bytes start, read back from its end in blocks."""
     if lines == 0:
-        return len(data)
-    end = len(data) - 1 if data.endswith(b"\n") else len(data)
-    pos = end
-    for _ in range(lines):
-        pos = data.rfind(b"\n", 0, pos)
-        if pos < 0:
-            return 0
-    return pos + 1
+        return end
+    pos, wanted = end, lines
+    while pos > 0:
+        start = max(0, pos - TAIL_BLOCK)
+        offset, found = newlines_back(await read(start, pos - start), start, end, wanted)
+        if offset is not None:
+            return offset
+        wanted -= found
+        pos = start
+    return 0
+
+
+async def _tail_local(path: Path, lines: int) -> int:
+    """The offset where the last `lines` lines of a local file (a retrieved copy) start."""
+
+    async def read(start: int, size: int) -> bytes:
+        return rundir.read_regular(str(path), size, start) or b""
+
+    try:
+        end = path.stat().st_size
+    except OSError:
+        return 0
+    return await tail_start(read, end, lines)
 
 
 async def _tail_offset(executor: Executor, record: RunRecord, path: str, lines: int) -> int:
-    """The offset where the last `lines` lines of the log start (reading back in blocks)."""
+    """The offset where the last `lines` lines of the log on the target start."""
     [probe] = await executor.probe([(job_handle(record), record.remote_dir)])
-    end = pos = probe.log_size
-    if lines == 0:
-        return end
-    count, block = 0, 65536
-    while pos > 0:
-        start = max(0, pos - block)
-        chunk = await executor.read_from(path, start, pos - start)
-        for i in range(len(chunk) - 1, -1, -1):
-            if chunk[i] == 0x0A and start + i != end - 1:
-                count += 1
-                if count >= lines:
-                    return start + i + 1
-        pos = start
-    return 0
+
+    async def read(start: int, size: int) -> bytes:
+        return await executor.read_from(path, start, size)
+
+    return await tail_start(read, probe.log_size, lines)
