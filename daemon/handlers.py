@@ -168,8 +168,6 @@ class Handlers:
         if not record.remote_dir or (record.state == RunState.preparing and not record.job):
             return {"data": "", "offset": req.offset, "state": record.state.value}
         name = rundir.JOB_LOG if req.file == "log" else rundir.METRICS
-        if req.file != "log" and req.tail_lines is not None:
-            raise ApiError("tail_lines is for the log; read metrics from an offset", "usage")
         retrieved = self.daemon.store.run_dir(record.id) / "retrieved" / name
         if record.state.final and retrieved.is_file():
             # The copy obd brought home (a pod's run): its machine may be gone.
@@ -188,7 +186,7 @@ class Handlers:
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
                 if req.tail_lines is not None:
-                    offset = await _tail_offset(executor, record, path, req.tail_lines)
+                    offset = await _tail_offset(executor, record, path, req.tail_lines, req.file)
                 data = await executor.read_from(path, offset, req.limit)
         except (ExecutorError, TimeoutError, OSError) as exc:
             raise ApiError(f"could not read the log of run {record.id}: {exc}", "unavailable") from exc
@@ -469,11 +467,11 @@ async def _tail_local(path: Path, lines: int) -> int:
     return await tail_start(read, end, lines)
 
 
-async def _tail_offset(executor: Executor, record: RunRecord, path: str, lines: int) -> int:
-    """The offset where the last `lines` lines of the log on the target start."""
+async def _tail_offset(executor: Executor, record: RunRecord, path: str, lines: int, file: str) -> int:
+    """The offset where the last `lines` lines of the run's log or metrics on the target start."""
     [probe] = await executor.probe([(job_handle(record), record.remote_dir)])
 
     async def read(start: int, size: int) -> bytes:
         return await executor.read_from(path, start, size)
 
-    return await tail_start(read, probe.log_size, lines)
+    return await tail_start(read, probe.log_size if file == "log" else probe.metrics_size, lines)

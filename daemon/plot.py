@@ -21,6 +21,7 @@ from xml.sax.saxutils import escape, quoteattr
 from daemon.render import printable
 
 READ_LIMIT = 1 << 20  # the daemon's largest read
+MAX_TAIL_LINES = 100_000  # the most lines one read may ask to start from the end
 MAX_CHAIN = 100  # runs followed back through resumed_from; more means a loop or a mistake
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 MARKS = ("*", "o", "+", "x", "#", "@", "%", "&")
@@ -119,32 +120,23 @@ def read_file(client: Caller, run_id: str, file: str = "metrics", offset: int = 
             return b"".join(chunks), offset
 
 
-def file_end(client: Caller, run_id: str, file: str = "metrics") -> int:
-    """The size of a run's file, found with one-byte reads (the read op has no size): a few calls."""
-    if not base64.b64decode(client.call("read", id=run_id, file=file, offset=0, limit=1).get("data", "")):
-        return 0
-    low, high = 0, READ_LIMIT  # a byte exists at `low`; `high` is a guess past the end
-    while base64.b64decode(client.call("read", id=run_id, file=file, offset=high, limit=1).get("data", "")):
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        if base64.b64decode(client.call("read", id=run_id, file=file, offset=mid, limit=1).get("data", "")):
-            low = mid
-        else:
-            high = mid
-    return high
-
-
 def recent_values(client: Caller, run_id: str, metric: str = "loss", count: int = 40) -> list[float]:
-    """The last `count` values of `metric` a run logged, reading only the end of its metrics.jsonl."""
-    tail = 256 << 10
-    first = client.call("read", id=run_id, file="metrics", offset=0, limit=tail)
-    data = base64.b64decode(first.get("data", ""))
-    if len(data) == tail:  # a long run: read its last 256 KiB, not all of it
-        start = max(0, file_end(client, run_id) - tail)
-        data, _ = read_file(client, run_id, offset=start)
-        data = data[data.find(b"\n") + 1 :] if start else data
-    return [v for _, v in parse_metrics(data).points(metric)][-count:]
+    """The last `count` values of `metric` a run logged, reading only the end of its metrics.jsonl.
+
+    The daemon finds where the file's last lines start; further back is read only while those
+    hold too few values (heartbeat and evaluation lines come between the Trainer's logs).
+    """
+    lines = max(4 * count, 200)
+    while True:
+        reply = client.call("read", id=run_id, file="metrics", tail_lines=lines, limit=READ_LIMIT)
+        data = base64.b64decode(reply.get("data", ""))
+        if len(data) >= READ_LIMIT:  # the rest, up to the end of the file
+            rest, _ = read_file(client, run_id, offset=int(reply.get("next", len(data))))
+            data += rest
+        values = [v for _, v in parse_metrics(data).points(metric)]
+        if len(values) >= count or int(reply.get("offset", 0)) == 0 or lines >= MAX_TAIL_LINES:
+            return values[-count:]
+        lines = min(lines * 8, MAX_TAIL_LINES)
 
 
 def run_label(record: dict[str, Any]) -> str:

@@ -161,6 +161,7 @@ class RunProbe(BaseModel):
     last_log: Annotated[LogLine | None, _line(LogLine)] = None  # its last `log` line
     ended: bool = False  # metrics.jsonl has an `end` line
     log_size: int = 0
+    metrics_size: int = 0
     handle: dict | None = None  # job.pid as the wrapper wrote it (to adopt a run after a crash)
     # Names of the output/checkpoint-* entries that are real directories, with no symbolic link
     # on their path (output/ itself included): the only checkpoints a proof can name.

@@ -446,15 +446,15 @@ def _parse_json_line(line: bytes) -> dict | None:
 
 
 def _metrics_summary(path: str) -> dict:
-    """The `begin` line, the last `log` line and whether `end` was written."""
-    out: dict = {"begin": None, "last_log": None, "ended": False}
+    """The `begin` line, the last `log` line, whether `end` was written, and the file's size."""
+    out: dict = {"begin": None, "last_log": None, "ended": False, "metrics_size": 0}
     head = read_regular(path, METRICS_HEAD)
     if not head:
         return out
     first = _parse_json_line(head.split(b"\n", 1)[0])
     if first and first.get("event") == "begin":
         out["begin"] = first
-    size = file_size(path)
+    size = out["metrics_size"] = file_size(path)
     tail = read_regular(path, METRICS_TAIL, max(0, size - METRICS_TAIL)) or b""
     for line in reversed(tail.split(b"\n")):
         event = _parse_json_line(line) if line.strip() else None
@@ -492,7 +492,7 @@ def _read_proof(run_dir: str, result: dict) -> None:
 
 
 def probe_dir(run_dir: str, handle: dict | None = None, with_job: bool = True) -> dict:
-    """One read of a run directory: job status, request, proof, metrics summary, log size, checkpoints.
+    """One read of a run directory: job status, request, proof, metrics summary, file sizes, checkpoints.
 
     Never raises: whatever a run directory holds, the probe of the others goes on. The proof
     is read before the checkpoints are listed, so a checkpoint written before its proof is listed.

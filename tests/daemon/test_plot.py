@@ -8,6 +8,7 @@ axes say it should.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pty
@@ -277,6 +278,36 @@ def test_the_sparkline_of_a_long_run_shows_its_last_losses(runs: Runs, tmp_path:
     assert (Path(d.record(rid)["remote_dir"]) / "metrics.jsonl").stat().st_size > 3 << 20
     losses = [v for _, v in logged(d, rid)][-40:]
     _sparkline_line(on_a_terminal(d, "train", "status", rid), losses)
+
+
+def test_the_sparkline_of_a_run_that_logs_its_loss_rarely_goes_back_far_enough(runs: Runs, tmp_path: Path) -> None:
+    """A loss every 500 steps among lines without one (heartbeats): the last 40 losses lie 20,000 lines back."""
+    job = tmp_path / "sparse.py"
+    job.write_text(
+        "from trainer_plugin import loop\n"
+        "loop.begin(max_steps=30000)\n"
+        "for step in range(1, 30001):\n"
+        "    if step % 500 == 0:\n"
+        "        loop.log_metrics(step, loss=100.0 / step + (step % 1500) / 1000)\n"
+        "    else:\n"
+        "        loop.log_metrics(step, heartbeat=True)\n"
+        "loop.end(30000)\n"
+    )
+    d = runs.daemon
+    rid = start(d, PY, str(job))
+    assert d.wait_state(rid, "succeeded", "failed", timeout=120)["state"] == "succeeded"
+    losses = [v for _, v in logged(d, rid)][-40:]
+    assert len(losses) == 40
+    _sparkline_line(on_a_terminal(d, "train", "status", rid), losses)
+
+
+def test_a_read_of_the_metrics_can_start_at_their_last_lines(runs: Runs) -> None:
+    d = runs.daemon
+    path = Path(d.record(runs.child)["remote_dir"]) / "metrics.jsonl"
+    reply = d.call("read", id=runs.child, file="metrics", tail_lines=2, limit=1 << 20)
+    data = base64.b64decode(reply["data"])
+    assert data.splitlines() == path.read_bytes().splitlines()[-2:]
+    assert reply["offset"] == path.stat().st_size - len(data)
 
 
 # --- PNG -----------------------------------------------------------------------------------
