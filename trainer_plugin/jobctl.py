@@ -265,6 +265,27 @@ def job_environment(spec: dict, values: dict[str, str], clean_env: bool) -> dict
     return env
 
 
+def wrapper_handle(command: list[str], env: dict[str, str], cwd: str) -> dict:
+    """What a job wrapper writes to job.pid: itself (pid, start time, boot id: a reused pid is
+    never taken for it), and what the job got, for `obd train status`: its program and the
+    Python on its PATH."""
+    me = os.getpid()
+    return {
+        "pid": me,
+        "start_time": process_start_time(me),
+        "boot_id": boot_id(),
+        "uid": os.getuid(),
+        "cwd": cwd,
+        "executable": _which(command[0], env, cwd) if command else None,
+        "python": _which("python3", env, cwd) or _which("python", env, cwd),
+    }
+
+
+def shell_exit_code(code: int) -> int:
+    """A child's return code as a shell reports it: 128 + the signal number for one killed by a signal."""
+    return 128 - code if code < 0 else code
+
+
 def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int, clean_env: bool = False) -> int:
     os.setsid()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -283,17 +304,7 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int, clea
     command = spec.get("command") or []
     cwd = spec.get("cwd") or run_dir
     me = os.getpid()
-    handle = {
-        "pid": me,
-        "start_time": process_start_time(me),
-        "boot_id": boot_id(),
-        "uid": os.getuid(),
-        "cwd": cwd,
-        # What the job got, for `obd train status`: its program and the Python on its PATH.
-        "executable": _which(command[0], env, cwd) if command else None,
-        "python": _which("python3", env, cwd) or _which("python", env, cwd),
-    }
-    atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(handle).encode())
+    atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(wrapper_handle(command, env, cwd)).encode())
     try:
         child = subprocess.Popen(
             command,
@@ -311,9 +322,7 @@ def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int, clea
         _finish(run_dir, 127, ready_fd)
         return 127
     os.close(ready_fd)
-    code = child.wait()
-    if code < 0:  # killed by a signal: the shell's convention, 128 + signal number
-        code = 128 - code
+    code = shell_exit_code(child.wait())
     if code == 0 and spec.get("output_to") and not os.path.lexists(os.path.join(run_dir, rundir.SNAPSHOT_PROOF)):
         place_outputs(run_dir, spec["output_to"], cwd, log)
     left = [pid for pid in group_members(me) or [] if pid != me]

@@ -395,19 +395,11 @@ def batch(run_dir: str) -> int:
     signal.signal(signal.SIGUSR1, on_usr1)
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    me = os.getpid()
-    command = spec.get("command") or []
     handle = {
-        "pid": me,
-        "start_time": jobctl.process_start_time(me),
-        "boot_id": jobctl.boot_id(),
+        **jobctl.wrapper_handle(spec.get("command") or [], env, cwd),
         "host": socket.gethostname(),
         "node": os.environ.get("SLURMD_NODENAME"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        "uid": os.getuid(),
-        "cwd": cwd,
-        "executable": jobctl._which(command[0], env, cwd) if command else None,
-        "python": jobctl._which("python3", env, cwd) or jobctl._which("python", env, cwd),
     }
     rundir.atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(handle).encode())
     if cancel_seen or os.path.lexists(os.path.join(run_dir, rundir.CANCELLING)):
@@ -427,9 +419,7 @@ def batch(run_dir: str) -> int:
     if cancel_seen:  # the cancel's TERM came while the command was being started
         with contextlib.suppress(OSError):
             child[0].send_signal(signal.SIGTERM)
-    code = child[0].wait()
-    if code < 0:  # killed by a signal: the shell's convention, 128 + signal number
-        code = 128 - code
+    code = jobctl.shell_exit_code(child[0].wait())
     proof = os.path.lexists(os.path.join(run_dir, rundir.SNAPSHOT_PROOF))
     if code == 0 and spec.get("output_to") and not proof:
         jobctl.place_outputs(run_dir, spec["output_to"], cwd, sys.stderr.fileno())
