@@ -59,20 +59,10 @@ def host_executor(name: str, target: SlurmTarget) -> Executor:
         return LocalExecutor(name, Path(target.workdir).expanduser(), target.python, target.venv)
     from executors.ssh import SshExecutor
 
-    login = target.login
+    # Every SSH setting of the login node is one of an SSH target's (a field it lacked would be
+    # refused here); the workdir and Python are the cluster's.
     ssh = SshTarget(
-        kind="ssh",
-        host=login.host,
-        port=login.port,
-        user=login.user,
-        identity_file=login.identity_file,
-        known_hosts=login.known_hosts,
-        accept_unknown_host=login.accept_unknown_host,
-        workdir=target.workdir,
-        python=target.python,
-        venv=target.venv,
-        keepalive=login.keepalive,
-        connect_timeout=login.connect_timeout,
+        kind="ssh", **target.login.model_dump(), workdir=target.workdir, python=target.python, venv=target.venv
     )
     return SshExecutor(name, ssh)
 
