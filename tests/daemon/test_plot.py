@@ -260,21 +260,25 @@ def test_status_on_a_terminal_shows_the_recent_loss_as_a_sparkline(runs: Runs) -
     _sparkline_line(on_a_terminal(d, "train", "status", runs.child), [v for _, v in logged(d, runs.child)][-40:])
 
 
-def test_the_sparkline_of_a_long_run_shows_its_last_losses(runs: Runs, tmp_path: Path) -> None:
-    """A metrics.jsonl of megabytes: the sparkline is its end, not its first megabyte."""
-    job = tmp_path / "long.py"
+def loop_run(d: DaemonProc, tmp_path: Path, log_call: str) -> str:
+    """A finished custom-loop run of 30,000 steps whose step `step` logs with `log_call`."""
+    job = tmp_path / "loop_job.py"
     job.write_text(
         "from trainer_plugin import loop\n"
         "loop.begin(max_steps=30000)\n"
         "for step in range(1, 30001):\n"
-        "    loop.log_metrics(step, loss=1000.0 / step + (step % 7), note='x' * 60)\n"
+        f"    {log_call}\n"
         "loop.end(30000)\n"
     )
-    d = runs.daemon
-    out = d.cli("train", "start", "--", PY, str(job))
-    assert out.returncode == 0, out.stderr
-    rid = out.stdout.strip()
+    rid = start(d, PY, str(job))
     assert d.wait_state(rid, "succeeded", "failed", timeout=120)["state"] == "succeeded"
+    return rid
+
+
+def test_the_sparkline_of_a_long_run_shows_its_last_losses(runs: Runs, tmp_path: Path) -> None:
+    """A metrics.jsonl of megabytes: the sparkline is its end, not its first megabyte."""
+    d = runs.daemon
+    rid = loop_run(d, tmp_path, "loop.log_metrics(step, loss=1000.0 / step + (step % 7), note='x' * 60)")
     assert (Path(d.record(rid)["remote_dir"]) / "metrics.jsonl").stat().st_size > 3 << 20
     losses = [v for _, v in logged(d, rid)][-40:]
     _sparkline_line(on_a_terminal(d, "train", "status", rid), losses)
@@ -282,20 +286,13 @@ def test_the_sparkline_of_a_long_run_shows_its_last_losses(runs: Runs, tmp_path:
 
 def test_the_sparkline_of_a_run_that_logs_its_loss_rarely_goes_back_far_enough(runs: Runs, tmp_path: Path) -> None:
     """A loss every 500 steps among lines without one (heartbeats): the last 40 losses lie 20,000 lines back."""
-    job = tmp_path / "sparse.py"
-    job.write_text(
-        "from trainer_plugin import loop\n"
-        "loop.begin(max_steps=30000)\n"
-        "for step in range(1, 30001):\n"
-        "    if step % 500 == 0:\n"
-        "        loop.log_metrics(step, loss=100.0 / step + (step % 1500) / 1000)\n"
-        "    else:\n"
-        "        loop.log_metrics(step, heartbeat=True)\n"
-        "loop.end(30000)\n"
-    )
     d = runs.daemon
-    rid = start(d, PY, str(job))
-    assert d.wait_state(rid, "succeeded", "failed", timeout=120)["state"] == "succeeded"
+    rid = loop_run(
+        d,
+        tmp_path,
+        "loop.log_metrics(step, loss=100.0 / step + (step % 1500) / 1000) if step % 500 == 0"
+        " else loop.log_metrics(step, heartbeat=True)",
+    )
     losses = [v for _, v in logged(d, rid)][-40:]
     assert len(losses) == 40
     _sparkline_line(on_a_terminal(d, "train", "status", rid), losses)
