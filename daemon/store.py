@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,8 +69,9 @@ class RunStore:
         bad: list[BadRecord] = []
         if not self.runs_dir.is_dir():
             return records, bad
-        for entry in sorted(self.runs_dir.iterdir()):
-            if not entry.is_dir() or entry.name.startswith("."):
+        for name in sorted(os.listdir(self.runs_dir)):
+            entry = self.runs_dir / name
+            if name.startswith(".") or not entry.is_dir():
                 continue
             path = entry / "run.json"
             _clear_leftovers(entry)
@@ -96,7 +98,8 @@ def parse_record(path: Path, run_id: str) -> RunRecord:
     """Read one record; a malformed one raises StoreError saying where it is broken."""
     try:
         with open(path, "rb") as f:
-            data = f.read(RECORD_LIMIT + 1)
+            # Its size, not the limit: a read of the limit reserves 16 MiB for every record.
+            data = f.read(min(os.fstat(f.fileno()).st_size, RECORD_LIMIT) + 1)
     except FileNotFoundError as exc:
         raise StoreError(f"{path}: missing run record") from exc
     except OSError as exc:

@@ -115,3 +115,23 @@ def test_the_temporary_files_of_saves_cut_short_are_cleared_at_load(tmp_path: Pa
     records, bad = store.load_all()
     assert list(records) == ["20260101-000000-aaaaaa"] and not bad
     assert not leftover.exists()
+
+
+def test_a_record_larger_than_the_limit_is_reported_and_one_at_the_limit_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = RunStore(tmp_path)
+    small, padded = _record("20260101-000000-aaaaaa"), _record("20260101-000000-bbbbbb")
+    store.save(small)
+    store.save(padded)
+    path = store.record_path(padded.id)
+    text = path.read_text()
+    limit = len(text) + 100
+    monkeypatch.setattr("daemon.store.RECORD_LIMIT", limit)
+    path.write_text(text + " " * 100)  # exactly at the limit: JSON allows the trailing spaces
+    records, bad = store.load_all()
+    assert set(records) == {small.id, padded.id} and bad == []
+    path.write_text(text + " " * 101)
+    records, bad = store.load_all()
+    assert set(records) == {small.id}
+    assert [b.run_id for b in bad] == [padded.id] and f"larger than {limit} bytes" in bad[0].error
