@@ -244,7 +244,9 @@ def test_without_inotify_the_helper_looks_by_stat_and_still_pushes(tmp_path: Pat
     rundir.atomic_write(str(run / rundir.EXIT_CODE), b"0\n")
     message = pushed.get(timeout=15)
     assert message == {"event": "files", "dir": str(run), "names": [rundir.EXIT_CODE], "job": [123, 456]}
-    (run / rundir.SNAPSHOT_REQUEST).write_text("requested\n")
+    # Written whole, as obd writes it: a file made empty and then filled would be two changes
+    # to a poll that falls between them, and the second push would land after `remove` below.
+    rundir.atomic_write(str(run / rundir.SNAPSHOT_REQUEST), b"requested\n")
     assert pushed.get(timeout=15)["names"] == [rundir.SNAPSHOT_REQUEST]
     watcher.remove(str(run))
     (run / rundir.SNAPSHOT_REQUEST).write_text("disk\n")
