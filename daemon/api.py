@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MAX_MESSAGE = 1 << 20
+from daemon.client import MAX_TAIL_LINES, READ_LIMIT
 
 
 class RawJSON(bytes):
@@ -143,5 +143,5 @@ class ReadRequest(_Req):
     id: str
     file: Literal["log", "metrics"] = "log"  # job.log, or metrics.jsonl (the plugin's progress lines)
     offset: int = Field(default=0, ge=0)
-    limit: int = Field(default=65536, ge=1, le=1 << 20)
-    tail_lines: int | None = Field(default=None, ge=0, le=100000)
+    limit: int = Field(default=65536, ge=1, le=READ_LIMIT)
+    tail_lines: int | None = Field(default=None, ge=0, le=MAX_TAIL_LINES)

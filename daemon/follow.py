@@ -28,9 +28,8 @@ if TYPE_CHECKING:
     from daemon.service import Daemon
 
 log = structlog.get_logger("obd")
-# Files whose writing wakes a run's follow at once (rundir.URGENT_FILES); metrics.jsonl growing
-# marks the run for the next tick (progress can wait a poll interval; an exit or a proof cannot).
-URGENT_FILES = frozenset(rundir.URGENT_FILES)
+# Files in rundir.URGENT_FILES wake a run's follow at once; metrics.jsonl growing marks the run
+# for the next tick (progress can wait a poll interval; an exit or a proof cannot).
 PROGRESS_FILES = frozenset({rundir.METRICS})
 _TARGET_FAULTS = (ExecutorError, TimeoutError, OSError)
 
@@ -128,7 +127,7 @@ class Follower:
                 return  # polling still sees everything
             for path in paths:
                 where, _, name = path.rpartition("/")
-                if name in URGENT_FILES or not where:
+                if name in rundir.URGENT_FILES or not where:
                     self.mark(key, where)  # a bare name (the target cannot say where): every run
                 elif name in PROGRESS_FILES:
                     self.mark(key, where, urgent=False)

@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from xml.sax.saxutils import escape, quoteattr
 
+from daemon.client import MAX_TAIL_LINES, READ_LIMIT
 from daemon.render import printable
 
-READ_LIMIT = 1 << 20  # the daemon's largest read
-MAX_TAIL_LINES = 100_000  # the most lines one read may ask to start from the end
 MAX_CHAIN = 100  # runs followed back through resumed_from; more means a loop or a mistake
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 MARKS = ("*", "o", "+", "x", "#", "@", "%", "&")

@@ -30,7 +30,8 @@ from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ValidationError
 
-from daemon.api import MAX_MESSAGE, ApiError, Peer, RawJSON
+from daemon.api import ApiError, Peer, RawJSON
+from daemon.client import MAX_MESSAGE
 from daemon.config import DaemonSection
 
 log = structlog.get_logger("obd.server")

@@ -401,8 +401,13 @@ def _others_in_group(pgid: int) -> bool:
     return any(pid != pgid for pid in group_members(pgid) or [])
 
 
-def _finish(run_dir: str, code: int, ready_fd: int | None) -> None:
+def write_exit_code(run_dir: str, code: int) -> None:
+    """The job wrapper's last word: the job's exit status, in `exit_code`."""
     atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), f"{code}\n".encode())
+
+
+def _finish(run_dir: str, code: int, ready_fd: int | None) -> None:
+    write_exit_code(run_dir, code)
     if ready_fd is not None:
         os.close(ready_fd)
 

@@ -54,7 +54,6 @@ except ImportError:  # run beside jobctl.py and rundir.py (`python3 jobctl.py se
 
 SERVE_PROTOCOL = 1
 SERVE_READ_LIMIT = 4 << 20  # the most one `read` answers; the caller asks again from where it got to
-URGENT_FILES = rundir.URGENT_FILES
 _PROGRESS_EVERY = 1.0  # metrics.jsonl growth is pushed at most this often per run directory
 _POLL_EVERY = 0.5  # how often a directory that inotify cannot watch is looked at
 # Requests that are seen through even when the channel closes under them (the helper waits for
@@ -147,7 +146,7 @@ class _Watcher:
     def present(self, run_dir: str) -> list[str]:
         """The urgent files that exist already (pushed when a watch starts, so nothing written
         while no helper watched is missed)."""
-        return [n for n in URGENT_FILES if os.path.lexists(os.path.join(run_dir, n))]
+        return [n for n in rundir.URGENT_FILES if os.path.lexists(os.path.join(run_dir, n))]
 
     # -- inside the lock --
 
@@ -169,7 +168,7 @@ class _Watcher:
 
     @staticmethod
     def _signature(run_dir: str) -> dict[str, tuple[int, int, int] | None]:
-        return {n: _stat_signature(os.path.join(run_dir, n)) for n in (*URGENT_FILES, rundir.METRICS)}
+        return {n: _stat_signature(os.path.join(run_dir, n)) for n in (*rundir.URGENT_FILES, rundir.METRICS)}
 
     # -- the watcher's thread --
 
@@ -225,7 +224,7 @@ class _Watcher:
                 elif name == rundir.METRICS:
                     self._watch_metrics(run_dir)
                     self._progress.add(run_dir)
-                elif name in URGENT_FILES and mask & (self.IN_CLOSE_WRITE | self.IN_MOVED_TO):
+                elif name in rundir.URGENT_FILES and mask & (self.IN_CLOSE_WRITE | self.IN_MOVED_TO):
                     urgent.setdefault(run_dir, set()).add(name)
         if overflow:
             self._send({"event": "overflow"})
@@ -245,7 +244,7 @@ class _Watcher:
                 changed = [n for n, sig in now.items() if sig is not None and sig != before.get(n)]
                 if rundir.METRICS in changed:
                     self._progress.add(run_dir)
-            urgent = [n for n in changed if n in URGENT_FILES]
+            urgent = [n for n in changed if n in rundir.URGENT_FILES]
             if urgent:
                 self.push(run_dir, urgent)
 

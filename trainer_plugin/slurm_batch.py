@@ -405,7 +405,7 @@ def batch(run_dir: str) -> int:
     if cancel_seen or os.path.lexists(os.path.join(run_dir, rundir.CANCELLING)):
         # obd cancelled the run before its command started (scancel met the job as it began).
         print("obd: the run was cancelled before its command started", file=sys.stderr, flush=True)
-        rundir.atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), b"143\n")
+        jobctl.write_exit_code(run_dir, 143)
         return 143
     argv = _launch_argv(run_dir, spec, plan, env)
     try:
@@ -414,7 +414,7 @@ def batch(run_dir: str) -> int:
         child.append(subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL))
     except (OSError, ValueError) as exc:
         print(f"obd: could not start {argv[:1]!r}: {exc}", file=sys.stderr, flush=True)
-        rundir.atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), b"127\n")
+        jobctl.write_exit_code(run_dir, 127)
         return 127
     if cancel_seen:  # the cancel's TERM came while the command was being started
         with contextlib.suppress(OSError):
@@ -423,7 +423,7 @@ def batch(run_dir: str) -> int:
     proof = os.path.lexists(os.path.join(run_dir, rundir.SNAPSHOT_PROOF))
     if code == 0 and spec.get("output_to") and not proof:
         jobctl.place_outputs(run_dir, spec["output_to"], cwd, sys.stderr.fileno())
-    rundir.atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), f"{code}\n".encode())
+    jobctl.write_exit_code(run_dir, code)
     return min(code, 255)
 
 
