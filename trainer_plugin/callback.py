@@ -1,7 +1,8 @@
 """SnapshotCallback: the Trainer side of obd's snapshot contract (request → save at this step → proof → stop).
 
-At every step end it looks for `snapshot.request` with one access(); on a request it makes the
-Trainer save `output/checkpoint-<step>` and stop, and once the checkpoint is on disk rank 0
+At every step end it looks for `snapshot.request`: a flag that a thread raises when inotify sees
+the name written (request_watch.py), with one access() at least every tenth of a second (at
+every step end where there is no inotify); on a request it makes the Trainer save `output/checkpoint-<step>` and stop, and once the checkpoint is on disk rank 0
 writes `snapshot.json`. It also writes `metrics.jsonl`. Outside obd every hook returns at once.
 """
 
@@ -10,12 +11,14 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from typing import Any
 
 from transformers import TrainerCallback
 
 from . import inject
 from .dist import Ranks, tear_down_at_exit
+from .request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
 from .rundir import PREEMPTED, checkpoint_relpath
 from .runtime import (
     VERSION,
@@ -41,7 +44,7 @@ REQUIRED_FILES = ("trainer_state.json",)
 # resumed run re-runs the script from the proven checkpoint and reaches the later stages.
 _process_snapshot: str | None = None
 
-# Bound once: the step end with no request is these two calls and nothing else.
+# Bound once: the step end with no request is at most these two calls and nothing else.
 _access = os.access
 _EXISTS = os.F_OK
 _monotonic = time.monotonic
@@ -62,16 +65,23 @@ class SnapshotCallback(TrainerCallback):
         self._ranks = Ranks()
         self._metrics = MetricsWriter(None)
         self._sigterm = SigtermFlag()
-        self._hook: Any = None
+        self._hook: Any = None  # how tokens are counted: a forward pre-hook's handle, or an _InstanceMethod
+        # The Trainer that runs this callback (a weak reference), set by obd's patched Trainer.train.
+        self.trainer: weakref.ref[Any] | None = None
         self._count_tokens = False
         self._local_tokens = 0  # counted by the forward pre-hook since the last step end (distributed)
         self._token_state: Any = None  # the TrainerState the pre-hook adds to directly (one process)
-        # The request's path while a step end with no request may be one access() (one process,
-        # no profiler, no SIGTERM or proof yet in this training); None: every step end takes
-        # the full path.
+        # The request's name while a step end with no request may be quick (one process, no
+        # profiler, no SIGTERM or proof yet in this training); None: every step end takes the
+        # full path.
         self._quick_request: str | None = None
         # The run directory, open: the quick check looks up one name in it, not the whole path.
         self._run_dir_fd: int | None = None
+        # While the quick step end is the watch's flag (inotify), not a lookup; _watcher is the
+        # same watch, kept to be closed after the quick path is left.
+        self._quick_watch: RequestWatch | None = None
+        self._watcher: RequestWatch | None = None
+        self._recheck_due = math.inf  # when a step end with a watch next looks the name up
         self._pending: tuple[int, str] | None = None  # (step, reason) of a snapshot under way
         self._proven = False
         self._profiler: Any = None
@@ -105,10 +115,6 @@ class SnapshotCallback(TrainerCallback):
         # One process: the pre-hook counts straight into the state (no collective to sum ranks).
         self._token_state = state if self._count_tokens and not self._ranks.distributed else None
         self._start_profiler(model)
-        quick = not self._ranks.distributed and self._profiler is None and _process_snapshot is None
-        self._quick_request = self._open_quick_check() if quick else None
-        if self.env.snapshot_on_sigterm:
-            self._sigterm.install(on_signal=self._leave_quick_path)
         self._metrics.write(
             "begin",
             max_steps=state.max_steps,
@@ -124,6 +130,11 @@ class SnapshotCallback(TrainerCallback):
             snapshot_on_sigterm=self.env.snapshot_on_sigterm,
             **parameter_counts(model),
         )
+        # After the begin line: the watch's thread does not wake for metrics.jsonl being made.
+        quick = not self._ranks.distributed and self._profiler is None and _process_snapshot is None
+        self._quick_request = self._open_quick_check() if quick else None
+        if self.env.snapshot_on_sigterm:  # after the quick check is set: a SIGTERM from now on leaves it
+            self._sigterm.install(on_signal=self._leave_quick_path)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.env.active:
@@ -164,18 +175,31 @@ class SnapshotCallback(TrainerCallback):
             self._profiler.step_begin(state.global_step + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        quick = self._quick_request
-        if quick is not None and not _access(quick, _EXISTS, dir_fd=self._run_dir_fd):
-            # Almost every step end: one access() finds no request, and one clock read says no
-            # heartbeat is due. With one process there is no decision to share and the pre-hook
-            # counts tokens straight into the state; a SIGTERM or a proof clears _quick_request.
-            if _monotonic() >= self._due:
-                self._on_time(state, control)
-            return
+        # Almost every step end is one of the two quick checks and one clock read that says
+        # nothing is due (the recheck of the name, step logs to write, a heartbeat). With one
+        # process there is no decision to share and the pre-hook counts tokens straight into
+        # the state; a SIGTERM or a proof leaves the quick path.
+        watch = self._quick_watch
+        if watch is not None:
+            if not watch.seen:  # no system call: inotify saw nothing named like the request
+                if _monotonic() < self._due:
+                    return
+                if not self._recheck_finds_request():
+                    self._on_time(state, control)
+                    return
+            watch.seen = False  # before the look: a request written after it raises the flag again
+            if not watch.alive:  # the queue stopped vouching: a lookup at every step end
+                self._quick_watch, self._recheck_due = None, math.inf
+        else:
+            quick = self._quick_request
+            if quick is not None and not _access(quick, _EXISTS, dir_fd=self._run_dir_fd):
+                if _monotonic() >= self._due:
+                    self._on_time(state, control)
+                return
         self._step_end(state, control)
 
     def _open_quick_check(self) -> str | None:
-        """The request's name in the run directory, now open; None (the full path every step) if it cannot be opened."""
+        """The request's name in the run directory, now open and watched; None (the full path every step) if it cannot be opened."""
         self._close_quick_check()
         if not self.env.request_path:
             return None
@@ -184,16 +208,26 @@ class SnapshotCallback(TrainerCallback):
             self._run_dir_fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             return None
+        self._watcher = self._quick_watch = RequestWatch.start(self.env.request_path)
+        if self._watcher is not None:
+            self._recheck_due = _monotonic() + REQUEST_RECHECK_SECONDS
+            self._due = min(self._due, self._recheck_due)
         return name
 
     def _close_quick_check(self) -> None:
+        self._leave_quick_path()
         fd, self._run_dir_fd = self._run_dir_fd, None
         if fd is not None:
             os.close(fd)
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.close()
 
     def _leave_quick_path(self) -> None:
         """From the SIGTERM handler, or once proven: every later step end takes the full path."""
         self._quick_request = None
+        self._quick_watch = None
+        self._recheck_due = math.inf
 
     def _step_end(self, state: Any, control: Any) -> None:
         """A step end that may stop training: a request or a SIGTERM is there, or other ranks or a profiler are."""
@@ -257,7 +291,7 @@ class SnapshotCallback(TrainerCallback):
             proof = write_proof(self.env, step, reason, required=REQUIRED_FILES)
             log_error(f"obd: snapshot at step {step} ({reason}): {proof['checkpoint']}")
         self._proven = True
-        self._quick_request = None
+        self._leave_quick_path()
         global _process_snapshot
         _process_snapshot = checkpoint_relpath(step)
 
@@ -271,13 +305,30 @@ class SnapshotCallback(TrainerCallback):
 
     # --- metrics ------------------------------------------------------------------------
 
+    def _recheck_finds_request(self) -> bool:
+        """With a watch, at or past `_recheck_due`: one lookup of the name, for writers inotify does not see.
+
+        Those are another client of a network filesystem and a writer that keeps the file open;
+        when steps take longer than REQUEST_RECHECK_SECONDS this is every step end, as without
+        a watch.
+        """
+        now = _monotonic()
+        if now < self._recheck_due or self._quick_request is None:
+            return False
+        self._recheck_due = now + REQUEST_RECHECK_SECONDS
+        self._due = self._next_due()
+        return _access(self._quick_request, _EXISTS, dir_fd=self._run_dir_fd)
+
     def _on_time(self, state: Any, control: Any) -> None:
         """A step end at or past `_due`: write the step logs that wait, and a heartbeat if one is due."""
         now = _monotonic()
         if now >= self._metrics.write_due():
             self._metrics.flush(now)
         self._heartbeat(state, control, now)
-        self._due = min(self._heartbeat_due, self._metrics.write_due())
+        self._due = self._next_due()
+
+    def _next_due(self) -> float:
+        return min(self._heartbeat_due, self._metrics.write_due(), self._recheck_due)
 
     def _heartbeat(self, state: Any, control: Any, now: float) -> None:
         """Rank 0: a `log` line without `loss` when no `log` line came for `progress_interval` seconds.
@@ -310,11 +361,11 @@ class SnapshotCallback(TrainerCallback):
         # replace the last training loss with a null.
         if logs and "loss" in logs:
             # Kept as it is (a copy: later callbacks may change the dict) and made a line when
-            # written; the Trainer's keys land in the slots laid out first (step_log_line).
+            # written; the Trainer's keys land in the slots laid out first (step_log_lines).
             now = _monotonic()
-            metrics.write_soon(time.time(), state.global_step, state.num_input_tokens_seen, logs.copy(), now)
-            self._heartbeat_due = now + self._progress_interval
-            self._due = min(self._heartbeat_due, metrics.write_due())
+            due = metrics.write_soon(now, state.global_step, state.num_input_tokens_seen, logs.copy())
+            self._heartbeat_due = now + self._progress_interval  # later than before: _due may stay early
+            self._due = min(self._due, due)
             return
         fields = {"step": state.global_step, "tokens": state.num_input_tokens_seen}
         if logs:
@@ -322,16 +373,24 @@ class SnapshotCallback(TrainerCallback):
         metrics.write_record("metrics", fields)
 
     def _start_token_count(self, args: Any, model: Any) -> None:
-        """Count input tokens with a forward pre-hook unless the Trainer already does.
+        """Count input tokens unless the Trainer already does: in the Trainer's own call per micro-batch where it has one, else with a forward pre-hook.
 
         The Trainer's own count (include_num_input_tokens_seen) gathers across ranks on every
-        micro-batch; the hook reads only tensor shapes (no device sync) and the per-step
-        collective that carries the snapshot decision sums the ranks. Padding counts, like the
-        Trainer's "all" mode. The total lives in state.num_input_tokens_seen, so a checkpoint
-        carries it and a resumed run continues the count.
+        micro-batch. With that count off, the Trainer's loop still calls its
+        `_track_num_input_tokens(inputs)` once per training micro-batch, which then does
+        nothing: where the class has the stock one, this Trainer's call counts for obd instead
+        (no hook on the model, no extra call). Other Trainers (older transformers, a subclass
+        with its own) get a forward pre-hook on the model. Both read only tensor shapes (no
+        device sync); under torch.distributed the per-step collective that carries the snapshot
+        decision sums the ranks. Padding counts, like the Trainer's "all" mode. The total lives
+        in state.num_input_tokens_seen, so a checkpoint carries it and a resumed run continues it.
         """
         self._count_tokens = getattr(args, "include_num_input_tokens_seen", "no") in ("no", False, None)
-        if not self._count_tokens or model is None or self._hook is not None:
+        if not self._count_tokens or self._hook is not None:
+            return
+        trainer = self.trainer() if self.trainer is not None else None
+        if trainer is not None and _stock_token_tracker(trainer):
+            self._hook = _InstanceMethod(trainer, "_track_num_input_tokens", self._count_inputs)
             return
         register = getattr(model, "register_forward_pre_hook", None)
         if register is not None:
@@ -351,7 +410,19 @@ class SnapshotCallback(TrainerCallback):
         if model is not None:
             self._profiler.note_model(model)
 
+    def _count_inputs(self, inputs: Any) -> None:
+        """The Trainer's `_track_num_input_tokens` while its own count is off: one training micro-batch's tokens."""
+        try:
+            count = int(inputs["input_ids"].numel())
+        except (KeyError, TypeError, AttributeError, IndexError):  # no input_ids: the embeddings' positions
+            count = _positions(inputs.get("inputs_embeds") if hasattr(inputs, "get") else None)
+        if self._token_state is not None:
+            self._token_state.num_input_tokens_seen += count
+        else:
+            self._local_tokens += count
+
     def _count_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """The forward pre-hook, for Trainers without the stock per-micro-batch call."""
         if not module.training:
             return  # evaluation batches are not training tokens
         ids: Any = kwargs.get("input_ids")
@@ -360,14 +431,38 @@ class SnapshotCallback(TrainerCallback):
         try:
             count = int(ids.numel())
         except AttributeError:  # no input_ids: count the embeddings' positions instead
-            embeds = kwargs.get("inputs_embeds")
-            if embeds is None or not hasattr(embeds, "shape") or len(embeds.shape) < 2:
-                return
-            count = int(embeds.numel() // embeds.shape[-1])
+            count = _positions(kwargs.get("inputs_embeds"))
         if self._token_state is not None:
             self._token_state.num_input_tokens_seen += count
         else:
             self._local_tokens += count
+
+
+def _positions(embeds: Any) -> int:
+    """The token positions of an `inputs_embeds` tensor (all but its last dimension); 0 for anything else."""
+    shape = getattr(embeds, "shape", None)
+    if shape is None or len(shape) < 2:
+        return 0
+    return int(embeds.numel() // shape[-1])
+
+
+def _stock_token_tracker(trainer: Any) -> bool:
+    """Whether this Trainer's class calls transformers' own `_track_num_input_tokens` once per micro-batch."""
+    from transformers import Trainer
+
+    stock = getattr(Trainer, "_track_num_input_tokens", None)
+    return stock is not None and getattr(type(trainer), "_track_num_input_tokens", None) is stock
+
+
+class _InstanceMethod:
+    """`function` set as `name` on one object, over its class's method, until `remove()`: the handle of the in-loop token count."""
+
+    def __init__(self, target: Any, name: str, function: Any) -> None:
+        self._target, self._name = target, name
+        setattr(target, name, function)
+
+    def remove(self) -> None:
+        vars(self._target).pop(self._name, None)
 
 
 def parameter_counts(model: Any) -> dict[str, int | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
@@ -123,6 +124,8 @@ def _wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
         if env.active:
             redirect_output_dir(self.args, env)
             dedupe_callbacks(self)
+            for callback in _snapshot_callbacks(self):
+                callback.trainer = weakref.ref(self)  # it counts tokens in this Trainer's loop
             args, kwargs = _with_resume(args, kwargs, env)
         return original(self, *args, **kwargs)
 

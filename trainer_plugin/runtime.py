@@ -292,61 +292,54 @@ def encode_line(record: dict[str, Any]) -> bytes:
     return (line + "\n").encode()
 
 
-def trainer_log_line(now: float, step: int, tokens: int, logs: dict[str, Any]) -> bytes | None:
-    """The `log` line of the Trainer's usual log, built with one f-string; None for any other log.
-
-    The usual log is exactly `loss`, `learning_rate`, `grad_norm` and `epoch`, all finite floats,
-    which the Trainer writes every `logging_steps`. The line is byte for byte what `encode_line`
-    makes of `{"event": "log", "time": now, "step": step, **logs, "tokens": tokens}` (float repr
-    is JSON's), at about half its cost on a cache-cold step; anything else goes to `encode_line`.
-    """
-    if len(logs) != 4:
-        return None
-    try:  # four keys, these four: exactly the usual log
-        loss, rate, norm, epoch = logs["loss"], logs["learning_rate"], logs["grad_norm"], logs["epoch"]
-    except KeyError:
-        return None
-    if not (type(loss) is type(rate) is type(norm) is type(epoch) is float and type(step) is type(tokens) is int):
-        return None
-    total = loss + rate + norm + epoch
-    if total - total != 0.0:  # a NaN or an infinity among them (or a sum past the float range)
-        return None
-    return (
-        f'{{"event":"log","time":{now!r},"step":{step},"loss":{loss!r},"learning_rate":{rate!r},'
-        f'"grad_norm":{norm!r},"epoch":{epoch!r},"tokens":{tokens}}}\n'
-    ).encode()
-
-
 # The Trainer's step logs are written together at most this often (seconds): at a log a step,
 # a write() per line was most of the plugin's share of a short step.
 LOG_BATCH_SECONDS = 0.25
 
 
-def step_log_line(now: float, step: int, tokens: int, logs: dict[str, Any]) -> bytes:
-    """The `log` line of a Trainer step log: its keys in the slots laid out first (null when absent), any other after `tokens`.
+def step_log_lines(waiting: list[tuple[float, int, int, dict[str, Any]]], offset: float) -> bytes:
+    """The `log` lines of Trainer step logs `(time.monotonic(), step, tokens, logs)`; each line's time is its monotonic time + `offset`.
 
-    b"" (said in the job log) for a log that cannot be encoded: it costs that line, never the training.
+    Each line is what `encode_line` makes of `{"event": "log", "time", "step", "loss",
+    "learning_rate", "grad_norm", "epoch", "tokens", **logs}`: the Trainer's keys land in the
+    slots laid out first (null when absent), any other after `tokens`, and `event` and `time`
+    are never replaced. The Trainer's usual log (exactly `loss`, `learning_rate`, `grad_norm`,
+    `epoch`, all finite floats) is built by one f-string in this loop, byte for byte the same
+    (float repr is JSON's) at a fraction of the cost; any other goes through `encode_line`. A
+    log that cannot be encoded costs its line (said in the job log), never the training.
     """
-    line = trainer_log_line(now, step, tokens, logs)
-    if line is not None:
-        return line
-    record: dict[str, Any] = {
-        "event": "log",
-        "time": now,
-        "step": step,
-        "loss": None,
-        "learning_rate": None,
-        "grad_norm": None,
-        "epoch": None,
-        "tokens": tokens,
-    }
-    record.update(logs)
-    record["event"], record["time"] = "log", now
-    try:
-        return encode_line(record)
-    except Exception as exc:  # a logged value whose str() fails must not stop training
-        log_error(f"obd: a log line could not be written as JSON ({exc!r}); skipped")
-        return b""
+    out: list[str] = []
+    add = out.append
+    for mono, step, tokens, logs in waiting:
+        now = mono + offset
+        if len(logs) == 4 and type(step) is type(tokens) is int:
+            get = logs.get
+            loss, rate, norm, epoch = get("loss"), get("learning_rate"), get("grad_norm"), get("epoch")
+            if type(loss) is type(rate) is type(norm) is type(epoch) is float:
+                total = loss + rate + norm + epoch
+                if total - total == 0.0:  # no NaN or infinity among them (nor a sum past the float range)
+                    add(
+                        f'{{"event":"log","time":{now!r},"step":{step},"loss":{loss!r},"learning_rate":{rate!r},'
+                        f'"grad_norm":{norm!r},"epoch":{epoch!r},"tokens":{tokens}}}\n'
+                    )
+                    continue
+        record: dict[str, Any] = {
+            "event": "log",
+            "time": now,
+            "step": step,
+            "loss": None,
+            "learning_rate": None,
+            "grad_norm": None,
+            "epoch": None,
+            "tokens": tokens,
+        }
+        record.update(logs)
+        record["event"], record["time"] = "log", now
+        try:
+            add(encode_line(record).decode())
+        except Exception as exc:  # a logged value whose str() fails must not stop training
+            log_error(f"obd: a log line could not be written as JSON ({exc!r}); skipped")
+    return "".join(out).encode()
 
 
 class MetricsWriter:
@@ -364,19 +357,23 @@ class MetricsWriter:
         self._fd: int | None = None
         self._lock = threading.Lock()
         self.began = False
-        # Step logs not yet written, oldest first, as (time, step, tokens, logs): the lines are
-        # made when written, several together, where formatting them one a step was cache-cold.
+        # Step logs not yet written, oldest first, as (time.monotonic(), step, tokens, logs): the
+        # lines are made when written, several together, where formatting them one a step was
+        # cache-cold; their wall time is taken from the clocks' offset then (one clock read a log).
         self._waiting: list[tuple[float, int, int, dict[str, Any]]] = []
         # time.monotonic() from which step logs that wait are written (by write_soon or flush).
         self._due = 0.0
         if path is not None:  # a script that ends without the Trainer's train end (a crash) keeps its step logs
             atexit.register(self.close)
 
-    def write_soon(self, now: float, step: int, tokens: int, logs: dict[str, Any], mono: float) -> None:
-        """A Trainer step log: written at once if none was in the last LOG_BATCH_SECONDS, else with the next write."""
-        self._waiting.append((now, step, tokens, logs))  # one append: atomic, no lock needed
+    def write_soon(self, mono: float, step: int, tokens: int, logs: dict[str, Any]) -> float:
+        """A Trainer step log, logged at `mono` (time.monotonic()): written at once if none was in the
+        last LOG_BATCH_SECONDS, else with the next write. Returns `write_due()` after it."""
+        self._waiting.append((mono, step, tokens, logs))  # one append: atomic, no lock needed
         if mono >= self._due:
             self.flush(mono)
+            return math.inf
+        return self._due
 
     def write_due(self) -> float:
         """When the step logs that wait are to be written (time.monotonic()); infinity when none wait."""
@@ -409,13 +406,13 @@ class MetricsWriter:
             self.began = True
 
     def write_line(self, line: bytes) -> bool:
-        """Append one encoded line (`encode_line`, `trainer_log_line`); False if it was not written."""
+        """Append encoded lines (`encode_line`, `step_log_lines`); False if they were not written."""
         with self._lock:
             if self.path is None:
                 return False
             if self._waiting:  # step logs that waited go first, in the same write
                 waiting, self._waiting = self._waiting, []
-                line = b"".join([step_log_line(*item) for item in waiting]) + line
+                line = step_log_lines(waiting, time.time() - time.monotonic()) + line
             try:
                 if self._fd is None:
                     self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)

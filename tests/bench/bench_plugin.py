@@ -6,9 +6,10 @@
 The share of a step: the workload runs under obd's plugin with every hook of SnapshotCallback
 (its `on_*` methods, inherited no-ops included, and its token-counting forward pre-hook) wrapped
 in `time.perf_counter_ns`. Two figures per run:
-- `share_pct`: all time inside the hooks during `train()` over the wall time of `train()` (from
-  the end of `on_train_begin` to the start of `on_train_end`). On a loaded machine a hook that
-  gets preempted is charged the other process's time slice, so this one reads high there.
+- `share_pct`: all time inside the hooks during `train()`, plus the CPU time of the plugin's
+  request-watch thread's wake-ups in that time, over the wall time of `train()` (from the end
+  of `on_train_begin` to the start of `on_train_end`). On a loaded machine a hook
+  that gets preempted is charged the other process's time slice, so this one reads high there.
 - `median_share_pct`: each hook's median call times its number of calls, over the median step
   (time between two `on_step_end`s) times the steps: what a step costs when nothing else
   interferes. Both are ratios of times taken in the same process over the same steps.
@@ -122,7 +123,11 @@ def in_job(out: Path, argv: list[str]) -> None:
 
     from trainer_plugin.callback import SnapshotCallback
 
-    hooks = [*sorted(name for name in vars(TrainerCallback) if name.startswith("on_")), "_count_forward"]
+    hooks = [
+        *sorted(name for name in vars(TrainerCallback) if name.startswith("on_")),
+        "_count_forward",
+        "_count_inputs",
+    ]
     calls: dict[str, list[int]] = {}  # hook -> the duration of each call, ns
     step_ends: list[int] = []  # perf_counter_ns at the start of each on_step_end
     loop: dict[str, int] = {}
@@ -147,7 +152,29 @@ def in_job(out: Path, argv: list[str]) -> None:
         return wrapper
 
     for name in hooks:
-        setattr(SnapshotCallback, name, timed(name, getattr(SnapshotCallback, name)))
+        if hasattr(SnapshotCallback, name):  # a plugin from before a hook was added (--compare) has not got it
+            setattr(SnapshotCallback, name, timed(name, getattr(SnapshotCallback, name)))
+
+    # The request watch's thread is plugin time too, on whichever core it runs: the CPU time
+    # (thread_time) of each of its wake-ups that ends while training runs (the one that ends it
+    # comes at on_train_end, outside, like the thread's start in on_train_begin).
+    wakes: list[tuple[int, int]] = []  # (perf_counter_ns at its end, CPU ns)
+    try:
+        from trainer_plugin.request_watch import RequestWatch
+    except ImportError:  # a plugin from before the watch (--compare)
+        RequestWatch = None
+
+    if RequestWatch is not None:
+        watch_wake = RequestWatch._wake
+
+        def timed_wake(self: Any) -> bool:
+            cpu = time.thread_time_ns()  # asleep in read() costs no CPU time
+            try:
+                return watch_wake(self)
+            finally:
+                wakes.append((time.perf_counter_ns(), time.thread_time_ns() - cpu))
+
+        RequestWatch._wake = timed_wake  # type: ignore[method-assign]
     sys.argv = argv
     sys.path[0] = str(Path(argv[0]).resolve().parent)  # as if the workload had been run as a script
     try:
@@ -155,14 +182,18 @@ def in_job(out: Path, argv: list[str]) -> None:
     finally:
         rank = int(os.environ.get("RANK", "0"))
         path = out if rank == 0 else out.with_name(f"{out.name}.rank{rank}")
-        path.write_text(json.dumps(share_of_a_step(calls, step_ends, loop.get("end", 0) - loop.get("begin", 0))))
+        begin, end = loop.get("begin", 0), loop.get("end", 0)
+        inside = [cpu for at, cpu in wakes if begin <= at <= end]
+        path.write_text(json.dumps(share_of_a_step(calls, step_ends, end - begin, sum(inside), len(inside))))
 
 
-def share_of_a_step(calls: dict[str, list[int]], step_ends: list[int], wall_ns: int) -> dict[str, Any]:
-    """The plugin's share of a step from the durations of its hook calls (see the module's docstring)."""
+def share_of_a_step(
+    calls: dict[str, list[int]], step_ends: list[int], wall_ns: int, thread_ns: int = 0, wakeups: int = 0
+) -> dict[str, Any]:
+    """The plugin's share of a step from the durations of its hook calls and the CPU time of its watch thread (see the module's docstring)."""
     per_step = {name: d for name, d in calls.items() if name not in ONCE_HOOKS and d}
     steps = len(calls.get("on_step_end", []))
-    in_hooks = sum(sum(d) for d in per_step.values())
+    in_hooks = sum(sum(d) for d in per_step.values()) + thread_ns
     intervals = [b - a for a, b in itertools.pairwise(step_ends)]
     median_step = statistics.median(intervals) if intervals else 0
     typical = sum(statistics.median(d) * len(d) for d in per_step.values())
@@ -181,6 +212,8 @@ def share_of_a_step(calls: dict[str, list[int]], step_ends: list[int], wall_ns: 
         "median_us_per_call": {name: statistics.median(d) / 1e3 for name, d in per_step.items()},
         "calls": {name: len(d) for name, d in per_step.items()},
         "floor_us": min(floor) / 1e3 if floor else None,
+        "watch_thread_us": thread_ns / 1e3,
+        "watch_wakeups": wakeups,
     }
 
 
@@ -378,7 +411,10 @@ def print_report(result: dict[str, Any], opts: argparse.Namespace) -> None:
                 f"typical step {run['median_share_pct']:.3f} % ({run['median_hooks_us_per_step']:.1f} us of "
                 f"{run['median_step_us']:.0f} us)"
             )
-            print(f"      median us per call: {hooks}; no-op floor {run['floor_us']:.1f}")
+            print(
+                f"      median us per call: {hooks}; no-op floor {run['floor_us']:.1f}; request watch thread "
+                f"{run['watch_thread_us']:.0f} us CPU in {run['watch_wakeups']} wake-up(s) while training"
+            )
             for rank, other in enumerate(run["other_ranks"], start=1):
                 print(
                     f"      rank {rank}: all time {other['share_pct']:.3f} %, typical step "

@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,21 +27,32 @@ from hypothesis import strategies as st
 from tests.trainer_plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero, read_jsonl, wait_until
 from tests.trainer_plugin.test_distributed_trainer import final_steps
 from trainer_plugin import runtime
+from trainer_plugin.request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
 
 # A SnapshotCallback driven by hand through step ends, as the Trainer drives it. Between two
-# step ends it runs the ACTIONS given as JSON ({"before_step": N, "do": ...}); it prints, for
-# each step end, whether the Trainer was told to save and stop.
+# step ends it sleeps STEP seconds (a real step releases the GIL in torch's ops, so the watch's
+# thread runs) and runs the ACTIONS given as JSON ({"before_step": N, "do": ...}). WATCH is
+# "inotify" (the default: the flag with a lookup every REQUEST_RECHECK_SECONDS), "flag-only"
+# (no lookup for an hour: only the watch can see a request) or "lookup" (no inotify: one lookup
+# at every step end). It prints, for each step end, whether the Trainer was told to save and
+# stop, and the monotonic time each step end began and each action was done.
 DRIVE_STEP_ENDS = """
-import json, os, sys
+import json, os, sys, threading, time
 from transformers import TrainerControl, TrainerState, TrainingArguments
+from trainer_plugin import callback as cb
 from trainer_plugin.callback import SnapshotCallback
 from trainer_plugin.runtime import RunEnv
 
-run, actions, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+run, actions, steps, step_seconds, watch = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+if watch == "lookup":
+    cb.RequestWatch.start = staticmethod(lambda path: None)
+elif watch == "flag-only":
+    cb.REQUEST_RECHECK_SECONDS = 3600.0
 request = os.path.join(run, "snapshot.request")
 callback = SnapshotCallback(env=RunEnv.from_environ({"OBD_RUN_DIR": run}))
 args = TrainingArguments(output_dir=run + "/output", report_to="none", use_cpu=True)
-state, control = TrainerState(max_steps=100), TrainerControl()
+state, control = TrainerState(max_steps=1000), TrainerControl()
+held, done = [], {}
 def act(step):
     for action in actions:
         if action["before_step"] != step:
@@ -56,24 +68,40 @@ def act(step):
             open(request, "w").close()
         elif action["do"] == "mkdir":
             os.mkdir(request)
+        elif action["do"] == "hold-open":  # written, flushed and kept open: no event says so
+            f = open(request, "w")
+            f.write(action["text"])
+            f.flush()
+            held.append(f)
+        done[step] = time.monotonic()
 
 act(0)
 callback.on_train_begin(args, state, control)
+threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("obd-"))
 seen = []
 for step in range(1, steps + 1):
+    time.sleep(step_seconds)
     act(step)
     state.global_step = step
+    began = time.monotonic()
     callback.on_step_end(args, state, control)
-    seen.append([step, control.should_save, control.should_training_stop])
+    seen.append([step, control.should_save, control.should_training_stop, began])
     if control.should_training_stop:
         break
-print(json.dumps({"seen": seen, "pending": callback._pending}))
+try:
+    callback.on_train_end(args, state, control)
+except RuntimeError:  # a snapshot asked for and never saved (nothing saves here): expected
+    pass
+after = sorted(t.name for t in threading.enumerate() if t.name.startswith("obd-"))
+print(json.dumps({"seen": seen, "pending": callback._pending, "done": done, "threads": threads, "after": after}))
 """
 
 
-def drive_step_ends(run: RunDir, actions: list[dict[str, Any]], steps: int = 5) -> dict[str, Any]:
+def drive_step_ends(
+    run: RunDir, actions: list[dict[str, Any]], steps: int = 5, step_seconds: float = 0.002, watch: str = "inotify"
+) -> dict[str, Any]:
     out = subprocess.run(
-        [PY, "-c", DRIVE_STEP_ENDS, str(run.root), json.dumps(actions), str(steps)],
+        [PY, "-c", DRIVE_STEP_ENDS, str(run.root), json.dumps(actions), str(steps), str(step_seconds), watch],
         env=run.env(obd=False),
         capture_output=True,
         text=True,
@@ -84,32 +112,98 @@ def drive_step_ends(run: RunDir, actions: list[dict[str, Any]], steps: int = 5) 
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def stops(result: dict[str, Any]) -> list[tuple[int, bool, bool]]:
+    return [(step, save, stop) for step, save, stop, _began in result["seen"]]
+
+
+def stop_step(result: dict[str, Any]) -> int:
+    """The step whose end told the Trainer to save and stop (the last one driven)."""
+    step, save, stop, _began = result["seen"][-1]
+    assert save and stop, result
+    return int(step)
+
+
+def latest_step(result: dict[str, Any], written_before: int) -> int:
+    """The first step end that began REQUEST_RECHECK_SECONDS after the action before `written_before`: the latest a request may be taken."""
+    due = result["done"][str(written_before)] + REQUEST_RECHECK_SECONDS
+    return next((step for step, _save, _stop, began in result["seen"] if began >= due), result["seen"][-1][0])
+
+
 @pytest.mark.parametrize("how", ["rename", "echo"])
-def test_a_request_written_between_two_steps_is_seen_at_the_next_step_end(run_dir: RunDir, how: str) -> None:
-    result = drive_step_ends(run_dir, [{"before_step": 3, "do": how, "text": "cost\n"}])
-    assert result["seen"] == [[1, False, False], [2, False, False], [3, True, True]]
+def test_without_inotify_a_request_written_between_two_steps_is_seen_at_the_next_step_end(
+    run_dir: RunDir, how: str
+) -> None:
+    result = drive_step_ends(run_dir, [{"before_step": 3, "do": how, "text": "cost\n"}], watch="lookup")
+    assert stops(result) == [(1, False, False), (2, False, False), (3, True, True)]
     assert result["pending"] == [3, "cost"]
+    assert result["threads"] == []  # no watch: no thread
 
 
-def test_an_empty_request_file_is_no_request_until_someone_writes_a_reason_into_it(run_dir: RunDir) -> None:
-    # The file is there from step 2 on, empty: each step end must look at what it holds, since
-    # writing into it later changes nothing in the directory.
+@pytest.mark.parametrize("how", ["rename", "echo"])
+def test_the_watch_alone_sees_a_request_written_between_two_steps(run_dir: RunDir, how: str) -> None:
+    # No lookup for an hour: only inotify's flag can make a step end read the request. It is
+    # raised as soon as the watch's thread runs, which a real step lets it do at once.
+    result = drive_step_ends(run_dir, [{"before_step": 3, "do": how, "text": "cost\n"}], steps=500, watch="flag-only")
+    assert 3 <= stop_step(result) < 500
+    assert result["pending"] == [stop_step(result), "cost"]
+    assert result["threads"] == ["obd-request-watch"]
+    assert result["after"] == []  # the thread ends with the training
+
+
+@pytest.mark.parametrize("how", ["rename", "echo"])
+def test_a_request_is_taken_at_the_latest_at_the_first_step_end_a_recheck_time_after_it_was_written(
+    run_dir: RunDir, how: str
+) -> None:
+    result = drive_step_ends(run_dir, [{"before_step": 3, "do": how, "text": "cost\n"}], steps=500)
+    assert 3 <= stop_step(result) <= latest_step(result, 3)
+    assert result["pending"] == [stop_step(result), "cost"]
+
+
+def test_a_request_no_event_tells_of_is_found_by_the_recheck(run_dir: RunDir) -> None:
+    # Written and flushed into a file kept open, as a writer on another NFS client looks to this
+    # kernel: inotify saw the empty file created, never its content. The recheck finds it.
+    result = drive_step_ends(run_dir, [{"before_step": 3, "do": "hold-open", "text": "deadline"}], steps=500)
+    assert 3 <= stop_step(result) <= latest_step(result, 3)
+    assert result["pending"] == [stop_step(result), "deadline"]
+
+
+@pytest.mark.parametrize("watch", ["inotify", "lookup"])
+def test_an_empty_request_file_is_no_request_until_someone_writes_a_reason_into_it(run_dir: RunDir, watch: str) -> None:
+    # The file is there from step 2 on, empty: a step end that looks must read what it holds.
     actions = [{"before_step": 2, "do": "touch"}, {"before_step": 4, "do": "echo", "text": "deadline"}]
-    result = drive_step_ends(run_dir, actions)
-    assert result["seen"] == [[1, False, False], [2, False, False], [3, False, False], [4, True, True]]
-    assert result["pending"] == [4, "deadline"]
+    result = drive_step_ends(run_dir, actions, steps=500, watch=watch)
+    if watch == "lookup":
+        assert stop_step(result) == 4
+    assert 4 <= stop_step(result) <= latest_step(result, 4)
+    assert result["pending"] == [stop_step(result), "deadline"]
 
 
-def test_a_request_made_before_training_began_is_taken_at_the_first_step_end(run_dir: RunDir) -> None:
-    result = drive_step_ends(run_dir, [{"before_step": 0, "do": "rename", "text": "requested\n"}])
-    assert result["seen"] == [[1, True, True]]
+@pytest.mark.parametrize("watch", ["inotify", "lookup"])
+def test_a_request_made_before_training_began_is_taken_at_the_first_step_end(run_dir: RunDir, watch: str) -> None:
+    result = drive_step_ends(run_dir, [{"before_step": 0, "do": "rename", "text": "requested\n"}], watch=watch)
+    assert stops(result) == [(1, True, True)]
     assert result["pending"] == [1, "requested"]
 
 
 def test_a_directory_in_place_of_the_request_is_no_request_and_training_goes_on(run_dir: RunDir) -> None:
-    result = drive_step_ends(run_dir, [{"before_step": 2, "do": "mkdir"}], steps=4)
-    assert [stop for _step, _save, stop in result["seen"]] == [False, False, False, False]
+    result = drive_step_ends(run_dir, [{"before_step": 2, "do": "mkdir"}], steps=60)
+    assert not any(stop for _step, _save, stop in stops(result))
     assert result["pending"] is None
+
+
+def test_a_watch_whose_directory_is_gone_says_so_and_asks_for_a_look(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    watch = RequestWatch.start(str(run / "snapshot.request"))
+    assert watch is not None
+    watch.seen = False  # as a step end that looked
+    run.rmdir()
+    deadline = time.monotonic() + 10
+    while watch.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not watch.alive
+    assert watch.seen  # the step end looks, finds the queue dead, and looks up the name from then on
+    watch.close()
 
 
 # on_log as the Trainer calls it, once per logs dict given as JSON (NaN and Infinity allowed);
@@ -215,10 +309,7 @@ def test_the_usual_log_line_is_byte_for_byte_what_the_general_encoder_writes(
 ) -> None:
     logs = {"loss": loss, "learning_rate": rate, "grad_norm": norm, "epoch": epoch}
     general = runtime.encode_line({"event": "log", "time": now, "step": step, **logs, "tokens": tokens})
-    fast = runtime.trainer_log_line(now, step, tokens, logs)
-    assert fast is None or fast == general  # None only for sums past the float range
-    if math.isfinite(loss + rate + norm + epoch):
-        assert fast == general
+    assert runtime.step_log_lines([(now, step, tokens, logs)], 0.0) == general
 
 
 @pytest.mark.parametrize(
@@ -234,10 +325,15 @@ def test_the_usual_log_line_is_byte_for_byte_what_the_general_encoder_writes(
         {"loss": 1.0, "learning_rate": 1.0, "grad_norm": 1.0, "epochs": 1.0},
     ],
 )
-def test_any_other_log_is_left_to_the_general_encoder(logs: dict[str, Any]) -> None:
-    assert runtime.trainer_log_line(1.0, 1, 1, logs) is None
-    line = json.loads(runtime.encode_line({"event": "log", **logs}), parse_constant=reject)
-    assert line == {"event": "log", **{k: v if v is None or math.isfinite(v) else None for k, v in logs.items()}}
+def test_any_other_log_is_written_as_the_general_encoder_writes_it(logs: dict[str, Any]) -> None:
+    slots = {"event": "log", "time": 1.5, "step": 1, "loss": None, "learning_rate": None, "grad_norm": None}
+    record = {**slots, "epoch": None, "tokens": 1, **logs}
+    line = runtime.step_log_lines([(1.0, 1, 1, logs)], 0.5)
+    assert line == runtime.encode_line(record)
+    assert json.loads(line, parse_constant=reject) == {
+        **record,
+        **{k: v if v is None or math.isfinite(v) else None for k, v in logs.items()},
+    }
 
 
 def reject(constant: str) -> Any:
@@ -247,17 +343,17 @@ def reject(constant: str) -> Any:
 def test_a_numpy_float_in_the_usual_slots_is_written_as_a_plain_number() -> None:
     np = pytest.importorskip("numpy")
     logs = {**USUAL, "loss": np.float64(1.5), "grad_norm": np.float32(0.5)}
-    assert runtime.trainer_log_line(1.0, 1, 1, logs) is None
-    assert json.loads(runtime.encode_line({"event": "log", **logs}), parse_constant=reject)["loss"] == 1.5
+    line = json.loads(runtime.step_log_lines([(1.0, 1, 1, logs)], 0.0), parse_constant=reject)
+    assert (line["loss"], line["grad_norm"]) == (1.5, 0.5)
 
 
 # A job that logs one line and is killed at once (SIGKILL: no handler, no exit code of its own).
 LOG_THEN_DIE = """
 import os, signal, sys
-from trainer_plugin.runtime import MetricsWriter, trainer_log_line
+from trainer_plugin.runtime import MetricsWriter, step_log_lines
 writer = MetricsWriter(sys.argv[1])
 writer.write("begin", max_steps=10, snapshots=True)
-writer.write_line(trainer_log_line(1.0, 7, 70, {"loss": 0.5, "learning_rate": 0.1, "grad_norm": 1.0, "epoch": 1.0}))
+writer.write_line(step_log_lines([(1.0, 7, 70, {"loss": 0.5, "learning_rate": 0.1, "grad_norm": 1.0, "epoch": 1.0})], 0.0))
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -282,11 +378,12 @@ def test_the_last_line_of_a_job_killed_right_after_logging_it_is_in_the_file(run
 DRIVE_BATCH = """
 import json, os, signal, sys, time
 from transformers import TrainerControl, TrainerState, TrainingArguments
-from trainer_plugin import runtime
+from trainer_plugin import callback as cb, runtime
 from trainer_plugin.callback import SnapshotCallback
 from trainer_plugin.runtime import RunEnv
 
 runtime.LOG_BATCH_SECONDS = BATCH = 1.0
+cb.RequestWatch.start = staticmethod(lambda path: None)  # a lookup at every step end: the request is seen at step 6
 run, ending = sys.argv[1], sys.argv[2]
 callback = SnapshotCallback(env=RunEnv.from_environ({"OBD_RUN_DIR": run}))
 args = TrainingArguments(output_dir=run + "/output", report_to="none", use_cpu=True)
@@ -370,14 +467,20 @@ def test_a_job_killed_outright_loses_at_most_the_batch_time_of_step_logs(run_dir
     assert set(final) <= {1, 2, 3, 4, 7}
 
 
+@pytest.mark.parametrize("trainer", ["stock", "own-tracker"])
 def test_one_process_counts_each_steps_tokens_exactly_and_saves_the_count_with_the_snapshot(
-    run_dir: RunDir, start_job: Callable[..., Job], tmp_path: Path
+    run_dir: RunDir, start_job: Callable[..., Job], tmp_path: Path, trainer: str
 ) -> None:
-    argv = [PY, str(SCRIPTS / "plain_trainer.py"), "--output_dir", str(tmp_path / "mine")]
+    argv = [PY, str(SCRIPTS / "plain_trainer.py"), "--output_dir", str(tmp_path / "mine"), "--report-hooks"]
     argv += ["--write-at", "3", "--write-file", f"{run_dir.request}=requested"]
+    if trainer == "own-tracker":
+        argv.append("--own-tracker")
     job = start_job(run_dir, argv, run_dir.env())
     assert_exit_zero(job, job.wait())
-    # 4 samples of 8 features a step, counted by the plugin's forward pre-hook.
+    # 4 samples of 8 features a step: counted in the Trainer's own call per micro-batch, which
+    # leaves the model without hooks; a subclass with its own tracker gets a forward pre-hook.
+    hooks = 0 if trainer == "stock" else 1
+    assert f"forward pre-hooks on the model while training: {hooks}" in job.log_text()
     assert [(m["step"], m["tokens"]) for m in run_dir.logs()] == [(1, 32), (2, 64), (3, 96)]
     state = json.loads((run_dir.output / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["num_input_tokens_seen"] == 96

@@ -55,10 +55,17 @@ class Outside(TrainerCallback):
             path, _, text = self.opts.write_file.partition("=")
             with open(path, "w") as f:
                 f.write(text)
+            # A step longer than the plugin's recheck time (0.1 s): its end looks the name up,
+            # so the snapshot is at this very step however the plugin comes to see the request.
+            time.sleep(0.2)
         if self.opts.sigterm_at == step and rank == self.opts.sigterm_rank:
             os.kill(os.getpid(), signal.SIGTERM)
         if self.opts.step_sleep:
             time.sleep(self.opts.step_sleep)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):  # type: ignore[no-untyped-def]
+        if self.opts.report_hooks and state.global_step == 1:
+            print(f"forward pre-hooks on the model while training: {len(model._forward_pre_hooks)}", flush=True)
 
 
 class MyTrainer(Trainer):
@@ -67,6 +74,14 @@ class MyTrainer(Trainer):
     def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.made_by_subclass = True
+
+
+class OwnTracker(MyTrainer):
+    """A subclass with its own _track_num_input_tokens: obd counts with a forward pre-hook instead."""
+
+    def _track_num_input_tokens(self, inputs):  # type: ignore[no-untyped-def]
+        self.tracked = getattr(self, "tracked", 0) + 1
+        return super()._track_num_input_tokens(inputs)
 
 
 def report_process_group() -> None:
@@ -89,6 +104,8 @@ def main() -> int:
         "--resume", choices=("none", "true"), default="none", help="resume_from_checkpoint passed to train()"
     )
     p.add_argument("--subclass", action="store_true")
+    p.add_argument("--own-tracker", action="store_true", help="a subclass with its own _track_num_input_tokens")
+    p.add_argument("--report-hooks", action="store_true", help="test: print the model's forward pre-hooks at step 1")
     p.add_argument("--callback-by-hand", action="store_true", help="pass SnapshotCallback and add another one")
     p.add_argument("--write-at", type=int, default=0, help="test: write --write-file at this step")
     p.add_argument("--write-file", default="", help="test: PATH=TEXT")
@@ -123,7 +140,7 @@ def main() -> int:
         use_cpu=True,
         dataloader_num_workers=0,
     )
-    cls = MyTrainer if opts.subclass else Trainer
+    cls = OwnTracker if opts.own_tracker else MyTrainer if opts.subclass else Trainer
     model = Regression()
     if opts.freeze_first:
         model.net[0].requires_grad_(False)
