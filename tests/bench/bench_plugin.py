@@ -4,8 +4,8 @@
                                        [--compare DIR] [--share-only] [--json]
 
 The share of a step: the workload runs under obd's plugin with every hook of SnapshotCallback
-(its `on_*` methods, inherited no-ops included, and its token-counting forward pre-hook) wrapped
-in `time.perf_counter_ns`. Two figures per run:
+(its `on_*` methods, inherited no-ops included, and its token count: the Trainer's own call per
+micro-batch, or a forward pre-hook where the Trainer has none) wrapped in `time.perf_counter_ns`. Two figures per run:
 - `share_pct`: all time inside the hooks during `train()`, plus the CPU time of the plugin's
   request-watch thread's wake-ups in that time, over the wall time of `train()` (from the end
   of `on_train_begin` to the start of `on_train_end`). On a loaded machine a hook
@@ -14,8 +14,8 @@ in `time.perf_counter_ns`. Two figures per run:
   (time between two `on_step_end`s) times the steps: what a step costs when nothing else
   interferes. Both are ratios of times taken in the same process over the same steps.
 Not in either: the Trainer's own dispatch of each event to one more callback before the wrapper
-starts, and the slower path torch takes to call a module that has a forward pre-hook (measured
-alone below). An inherited no-op hook shows the floor of any hook, the timer included.
+starts, and, where the count is a forward pre-hook, the slower path torch takes to call a module
+that has one (measured alone below). An inherited no-op hook shows the floor of any hook, the timer included.
 
 `--compare DIR` also times another copy of the plugin (a `trainer_plugin` directory, e.g. the
 last commit's: `git archive HEAD trainer_plugin | tar -x -C /tmp/before`), its runs interleaved
