@@ -231,12 +231,21 @@ async def test_metrics_growth_is_pushed_at_most_about_once_a_second(executor: Ss
     assert 1 <= pushes <= 2
 
 
-def test_without_inotify_the_helper_looks_by_stat_and_still_pushes(tmp_path: Path) -> None:
+def test_without_inotify_the_helper_looks_by_stat_and_still_pushes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ctypes
+
+    def no_libc(*args: object, **kwargs: object) -> None:
+        raise OSError("no inotify here")
+
+    # As on a host without inotify, from the start: closing the queue of a watcher already made
+    # raced its thread's first select() (a closed descriptor there ended the thread).
+    monkeypatch.setattr(ctypes, "CDLL", no_libc)
     pushed: queue.Queue[dict[str, object]] = queue.Queue()
     watcher = jobserve._Watcher(pushed.put)
-    if watcher._fd >= 0:  # as on a host without inotify
-        os.close(watcher._fd)
-    watcher._libc, watcher._fd = None, -1
+    monkeypatch.undo()
+    assert watcher._fd < 0
     run = tmp_path / "run"
     run.mkdir()
     assert watcher.add(str(run)) is False
