@@ -177,8 +177,8 @@ class SnapshotCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Almost every step end is one of the two quick checks and one clock read that says
         # nothing is due (the recheck of the name, step logs to write, a heartbeat). With one
-        # process there is no decision to share and the pre-hook counts tokens straight into
-        # the state; a SIGTERM or a proof leaves the quick path.
+        # process there is no decision to share and the token count goes straight into the
+        # state; a SIGTERM or a proof leaves the quick path.
         watch = self._quick_watch
         if watch is not None:
             if not watch.seen:  # no system call: inotify saw nothing named like the request
