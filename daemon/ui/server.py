@@ -1,10 +1,16 @@
 """The HTTP side of `obd ui`: 127.0.0.1 only, a random token, the page's files, its API and its event streams.
 
-The token is in the URL `obd ui` prints (as Jupyter does); the first visit with it sets a
+Cookies are not kept apart by port, so everything a view serves lives under a random secret
+path prefix of its own (`/<prefix>/`, printed with the token and never sent by the server
+outside it), and its cookie is set with `Path=/<prefix>/` and a name unique to the instance and
+the user: the browser sends it to no other URL of 127.0.0.1, whoever listens on the other ports.
+
+The token is in the URL `obd ui` prints (as Jupyter does); the first visit with it sets the
 cookie and redirects to the same page without it. Every request needs the cookie or the token;
 a request that changes something (stop, cancel) also needs the token in an `X-OBD-Token` header,
-which only the page itself can read (from /api/session), so another site cannot make a browser
-act. A Host header other than a loopback name is refused (no DNS rebinding). Through
+which only the page itself can read (from its api/session), and the page's own Origin (or none,
+with `Sec-Fetch-Site: same-origin`), so another site cannot make a browser act. A Host header
+other than a loopback name is refused (no DNS rebinding); its port is not checked, so through
 `ssh -L LOCAL:127.0.0.1:PORT` the page works as it does here.
 """
 
@@ -15,6 +21,7 @@ import http.server
 import json
 import os
 import pwd
+import re
 import secrets
 import signal
 import socket
@@ -40,6 +47,7 @@ CONTENT_TYPES = {
     ".png": "image/png",
 }
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
+HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]]+)(?::(\d{1,5}))?")
 MAX_STREAMS = 32  # open event streams at once (each holds a connection to the daemon)
 HEARTBEAT = 15.0
 PORT_TRIES = 20
@@ -50,6 +58,15 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 ERRORS = {"usage": 400, "denied": 403, "not_found": 404, "state": 409, "unavailable": 503}
+COOKIE_MAX_AGE = 2592000  # 30 days; the cookie is useless once its `obd ui` has stopped anyway
+NOT_HERE = (
+    "no such page: obd ui serves only under the address it printed "
+    "(http://127.0.0.1:PORT/PREFIX/?token=...); open that address, or run `obd ui` again for a new one."
+)
+NEEDS_TOKEN = (
+    "obd ui needs its token: open the address `obd ui` printed (http://127.0.0.1:PORT/PREFIX/?token=...), "
+    "or run `obd ui` again for a new one."
+)
 
 
 class UiServer(http.server.ThreadingHTTPServer):
@@ -65,8 +82,20 @@ class UiServer(http.server.ThreadingHTTPServer):
         self.token = token
         self.hub = Hub(socket_path)
         self.streams = threading.BoundedSemaphore(MAX_STREAMS)
-        self.cookie = f"obd_ui_{self.server_address[1]}"
+        # The secret first path segment everything is served under, and the cookie's name:
+        # the browser sends the cookie only below `/<prefix>/`, which no other server knows.
+        self.prefix = secrets.token_urlsafe(18)
+        self.cookie = f"obd_ui_{os.getuid()}_{secrets.token_hex(6)}"
         self.user = _user_name(os.getuid())
+
+    @property
+    def root(self) -> str:
+        """The path of the page, `/<prefix>/`: also the cookie's Path."""
+        return f"/{self.prefix}/"
+
+    def login_url(self) -> str:
+        """The address `obd ui` prints: the page, with the token that sets the cookie."""
+        return f"http://127.0.0.1:{self.server_address[1]}{self.root}?token={self.token}"
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -82,25 +111,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         if not self._host_ok():
             return self._refuse(HTTPStatus.FORBIDDEN, "obd ui answers only to 127.0.0.1 or localhost")
+        path = self._inner_path(url.path)
+        if path is None:
+            return self._refuse(HTTPStatus.NOT_FOUND, NOT_HERE)
+        if not path:
+            # `/<prefix>` without its slash: the cookie's Path needs the slash.
+            return self._redirect(self.server.root + (f"?{url.query}" if url.query else ""))
         query = parse_qs(url.query)
         given = (query.get("token") or [""])[0]
         if given and self._token_ok(given):
             # Remember the token in a cookie and drop it from the address bar.
-            self.send_response(HTTPStatus.SEE_OTHER)
-            self.send_header(
-                "Set-Cookie", f"{self.server.cookie}={given}; Path=/; HttpOnly; SameSite=Strict; Max-Age=2592000"
-            )
-            self.send_header("Location", url.path or "/")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return None
+            return self._redirect(url.path, self._cookie_header(given))
         if not self._token_ok(self._cookie_token()):
-            return self._refuse(
-                HTTPStatus.FORBIDDEN,
-                "obd ui needs its token: open the address `obd ui` printed (http://127.0.0.1:PORT/?token=...), "
-                "or run `obd ui` again for a new one.",
-            )
-        path = url.path
+            return self._refuse(HTTPStatus.FORBIDDEN, NEEDS_TOKEN)
+        if path.startswith("/api/") and not self._fetch_site_ok():
+            return self._refuse(HTTPStatus.FORBIDDEN, "obd ui's API answers only to its own page")
         if path in ("/", "/index.html"):
             return self._file("index.html")
         if path.startswith("/static/"):
@@ -122,12 +147,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return self._refuse(HTTPStatus.NOT_FOUND, f"no such page: {path}")
 
     def do_POST(self) -> None:
-        if not self._host_ok() or not self._origin_ok():
-            return self._refuse(HTTPStatus.FORBIDDEN, "obd ui answers only to its own page on 127.0.0.1")
+        if not self._host_ok():
+            return self._refuse(HTTPStatus.FORBIDDEN, "obd ui answers only to 127.0.0.1 or localhost")
+        path = self._inner_path(urlsplit(self.path).path)
+        if not path:
+            return self._refuse(HTTPStatus.NOT_FOUND, NOT_HERE)
+        if not self._origin_ok():
+            return self._refuse(
+                HTTPStatus.FORBIDDEN,
+                "obd ui acts only for its own page: use the page's buttons, or `obd train stop` / `obd train cancel`",
+            )
         if not self._token_ok(self.headers.get("X-OBD-Token", "")):
             return self._refuse(HTTPStatus.FORBIDDEN, "a request that acts on a run needs the X-OBD-Token header")
         self._drain_body()
-        parts = urlsplit(self.path).path.split("/")
+        parts = path.split("/")
         if len(parts) == 5 and parts[:3] == ["", "api", "runs"] and parts[4] in ("stop", "cancel"):
             params = {"reason": "requested"} if parts[4] == "stop" else {}
             return self._call(parts[4], id=parts[3], **params)
@@ -136,15 +169,40 @@ class Handler(http.server.BaseHTTPRequestHandler):
     # --- checks --------------------------------------------------------------------------
 
     def _host_ok(self) -> bool:
-        host = self.headers.get("Host", "")
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        return name.lower() in LOOPBACK_HOSTS
+        """A loopback name in Host, so a page of another site reaching us by DNS rebinding is refused.
+
+        The port is not checked: a browser names the port it connected to, which through
+        `ssh -L LOCAL:127.0.0.1:PORT` is the laptop's LOCAL, and a browser never sends a request
+        for one port to another, so checking it would stop nothing but that tunnel.
+        """
+        match = HOST_HEADER.fullmatch(self.headers.get("Host", ""))
+        return match is not None and match.group(1).lower() in LOOPBACK_HOSTS
+
+    def _inner_path(self, path: str) -> str | None:
+        """The path below `/<prefix>` ("" for the prefix alone), or None when it is not this view's."""
+        head, slash, rest = path.removeprefix("/").partition("/")
+        if not path.startswith("/") or not hmac.compare_digest(head.encode(), self.server.prefix.encode()):
+            return None
+        return slash + rest
+
+    def _fetch_site_ok(self) -> bool:
+        """False for a browser's request made by another site's page (the other ports of 127.0.0.1 too)."""
+        return self.headers.get("Sec-Fetch-Site") in (None, "same-origin", "none")
 
     def _origin_ok(self) -> bool:
+        """A request that acts comes from this page: its Origin is ours, or it has none and is same-origin.
+
+        A browser sends Origin with every cross-origin POST and `Sec-Fetch-Site` with every request,
+        so a request with neither is refused too: the command line acts on runs, not this server.
+        """
         origin = self.headers.get("Origin")
+        site = self.headers.get("Sec-Fetch-Site")
+        if site is not None and site != "same-origin":
+            return False
         if origin is None:
-            return True  # not a browser's cross-site request (those always carry Origin on POST)
-        return urlsplit(origin).netloc == self.headers.get("Host", "")
+            return site == "same-origin"
+        parts = urlsplit(origin)
+        return parts.scheme == "http" and parts.netloc.lower() == self.headers.get("Host", "").lower()
 
     def _token_ok(self, given: str) -> bool:
         return bool(given) and hmac.compare_digest(given.encode(), self.server.token.encode())
@@ -155,6 +213,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if name == self.server.cookie:
                 return value
         return ""
+
+    def _cookie_header(self, token: str) -> str:
+        """The cookie that holds the token: sent back only below this view's secret prefix."""
+        return (
+            f"{self.server.cookie}={token}; Path={self.server.root}; HttpOnly; SameSite=Strict; "
+            f"Max-Age={COOKIE_MAX_AGE}"
+        )
 
     def _drain_body(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
@@ -175,6 +240,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def _send(self, status: int, content_type: str, body: bytes) -> None:
         self._headers(status, content_type, len(body))
         self.wfile.write(body)
+
+    def _redirect(self, location: str, cookie: str | None = None) -> None:
+        """303 to `location` (a path of this view), setting `cookie` when given."""
+        self.send_response(HTTPStatus.SEE_OTHER)
+        if cookie is not None:
+            self.send_header("Set-Cookie", cookie)
+        for name, value in SECURITY_HEADERS.items():
+            self.send_header(name, value)
+        self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def _json(self, value: Any, status: int = 200) -> None:
         self._send(status, "application/json", json.dumps(value).encode())
@@ -284,7 +360,7 @@ def serve(socket_path: Path, port: int | None) -> int:
         return EXIT_USAGE
     bound = server.server_address[1]
     server.hub.start()
-    print(f"obd ui: serving the runs of {server.user} on http://127.0.0.1:{bound}/?token={token}")
+    print(f"obd ui: serving the runs of {server.user} on {server.login_url()}")
     print(
         f"From another machine: ssh -N -L {bound}:127.0.0.1:{bound} {server.user}@{socket.gethostname()}, "
         "then open the same address there. Ctrl-C stops it.",

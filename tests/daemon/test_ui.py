@@ -1,6 +1,7 @@
 """`obd ui` in a real headless Chromium (Debian's, driven with selenium) against a real daemon.
 
-The page must open with the token and nothing without it, show a run started from the command
+The page must open with the token and nothing without it (nor outside its secret path prefix),
+show a run started from the command
 line as it starts, draw its loss as it trains, and stop it with a snapshot from the button once
 the confirmation is accepted. The root-only test checks that one user's page never shows
 another user's runs. Skipped, saying why, where chromium or chromedriver is absent
@@ -20,8 +21,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -94,16 +97,39 @@ def browser() -> Iterator[Any]:
 
 
 class Ui:
-    """One `obd ui` process and the address it printed."""
+    """One `obd ui` process and the address it printed.
+
+    `url` is that address (it sets the cookie), `origin` the server's `http://127.0.0.1:PORT`, and
+    `base` the page's address without its final slash (the origin and the view's secret prefix),
+    so `f"{ui.base}/api/runs"` names a path of this view.
+    """
 
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.proc = proc
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        match = re.search(r"(http://127\.0\.0\.1:(\d+))/\?token=(\S+)", line)
+        match = re.search(r"http://127\.0\.0\.1:\d+/\S*\?token=\S+", line)
         assert match, f"obd ui printed {line!r}; stderr: {proc.stderr.read() if proc.stderr else ''}"
-        self.base, self.port, self.token = match.group(1), int(match.group(2)), match.group(3)
-        self.url = f"{self.base}/?token={self.token}"
+        self.url = match.group(0)
+        parts = urlsplit(self.url)
+        assert parts.port is not None, self.url
+        self.port, self.token = parts.port, parse_qs(parts.query)["token"][0]
+        self.origin = f"http://127.0.0.1:{self.port}"
+        self.base = self.origin + parts.path.rstrip("/")
+
+    def login(self) -> str:
+        """Visit the printed address as a browser would and return its cookie as `name=value`."""
+        parts = urlsplit(self.url)
+        connection = HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            connection.request("GET", f"{parts.path}?{parts.query}")
+            reply = connection.getresponse()
+            reply.read()
+            cookie = reply.getheader("Set-Cookie") or ""
+        finally:
+            connection.close()
+        assert reply.status == 303 and cookie, f"the token address answered {reply.status} {cookie!r}"
+        return cookie.split(";", 1)[0]
 
     def close(self) -> None:
         self.proc.terminate()
@@ -213,11 +239,18 @@ def test_the_page_opens_with_its_token_and_nothing_is_served_without_it(browser:
     assert status == 403 and "needs its token" in body and "obd ui" in body
     assert http(f"{ui.base}/api/runs")[0] == 403
     assert http(f"{ui.base}/?token=not-the-token")[0] == 403
-    assert http(f"{ui.base}/static/app.js", headers={"Cookie": f"obd_ui_{ui.port}=guess"})[0] == 403
+    name, _, value = ui.login().partition("=")
+    assert value == ui.token
+    assert http(f"{ui.base}/static/app.js", headers={"Cookie": f"{name}=guess"})[0] == 403
     # A page of another site that names 127.0.0.1 through its own host name (DNS rebinding).
     assert http(f"{ui.url}", headers={"Host": f"evil.example:{ui.port}"})[0] == 403
+    # Outside its secret prefix the server serves nothing, even with the token, and never names it.
+    prefix = urlsplit(ui.base).path.strip("/")
+    for outside in ("/", f"/?token={ui.token}", "/api/runs", "/static/app.js", f"/{prefix[:-1]}/"):
+        status, body = http(f"{ui.origin}{outside}", headers={"Cookie": f"{name}={ui.token}"})
+        assert status == 404 and prefix not in body, (outside, status, body)
     # An action needs the token in a header that only the page can read, not only the cookie.
-    cookie = {"Cookie": f"obd_ui_{ui.port}={ui.token}"}
+    cookie = {"Cookie": f"{name}={ui.token}"}
     assert http(f"{ui.base}/api/runs/last/stop", "POST", cookie)[0] == 403
     # Through `ssh -L 9999:127.0.0.1:PORT` the browser names localhost and its own port.
     status, body = http(f"{ui.base}/api/runs", headers={**cookie, "Host": "localhost:9999"})
@@ -227,7 +260,7 @@ def test_the_page_opens_with_its_token_and_nothing_is_served_without_it(browser:
     assert "needs its token" in browser.find_element("tag name", "body").text
     browser.get(ui.url)
     wait_for(lambda: text_of(browser, "daemon") == "live", 10, 0.05, "the page to follow the daemon")
-    assert "token=" not in browser.current_url  # the cookie holds it now
+    assert browser.current_url == f"{ui.base}/"  # the cookie holds the token now
     assert by_css(browser, "#list-view h1")[0].text == "Runs"
 
 
@@ -322,7 +355,7 @@ def test_a_users_page_never_shows_another_users_runs(browser: Any, box: Box) -> 
         status, body = http(
             f"{ui.base}/api/runs/{bob_run}/stop",
             "POST",
-            {"Cookie": f"obd_ui_{ui.port}={ui.token}", "X-OBD-Token": ui.token},
+            {"Cookie": ui.login(), "X-OBD-Token": ui.token, "Origin": ui.origin},
         )
         assert status == 403 and "not yours" in body
         assert box.daemon.record(bob_run)["stop"]["requested_at"] is None

@@ -1,5 +1,7 @@
 // The obd web view: the run list and a run's page, kept current by server-sent events.
 // Everything from the daemon is shown with textContent, never as HTML.
+// Every URL here is relative: the page lives under its view's secret prefix (/<prefix>/), the only
+// path its cookie is sent to (see daemon/ui/server.py).
 "use strict";
 
 const FINAL = new Set(["stopped", "succeeded", "failed", "cancelled"]);
@@ -98,7 +100,7 @@ function renderList() {
 
 function openList() {
   if (state.listEvents) return;
-  const es = new EventSource("/api/events");
+  const es = new EventSource("api/events");
   state.listEvents = es;
   es.addEventListener("runs", (e) => {
     const data = JSON.parse(e.data);
@@ -166,7 +168,7 @@ function openRun(runId) {
   $("chart-note").textContent = "";
   state.chart = new window.LossChart($("chart"), "loss");
   state.chart.draw();
-  const es = new EventSource(`/api/runs/${encodeURIComponent(runId)}/events`);
+  const es = new EventSource(`api/runs/${encodeURIComponent(runId)}/events`);
   state.runEvents = es;
   es.addEventListener("record", (e) => renderRecord(JSON.parse(e.data)));
   es.addEventListener("curve", (e) => {
@@ -207,7 +209,7 @@ async function act(action) {
   const result = $("action-result");
   result.textContent = action === "stop" ? "asking for a snapshot…" : "cancelling…";
   try {
-    const reply = await fetch(`/api/runs/${encodeURIComponent(r.id)}/${action}`, {
+    const reply = await fetch(`api/runs/${encodeURIComponent(r.id)}/${action}`, {
       method: "POST",
       headers: { "X-OBD-Token": state.token },
     });
@@ -237,7 +239,7 @@ function route() {
 }
 
 async function start() {
-  const session = await (await fetch("/api/session")).json();
+  const session = await (await fetch("api/session")).json();
   state.token = session.token;
   $("who").textContent = `runs of ${session.user}`;
   $("stop-button").addEventListener("click", () => act("stop"));
