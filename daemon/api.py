@@ -25,11 +25,17 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class Peer:
-    """Who is at the other end of the socket (SO_PEERCRED): every request acts as them."""
+    """Who is at the other end of the socket: every request acts as them.
 
-    pid: int
+    All of it is what the kernel recorded on the socket when the caller connected (SO_PEERCRED,
+    SO_PEERGROUPS), never read again from the calling process: its pid may be gone or reused
+    by then, and a process that took it over must not lend the caller its groups. `groups` is
+    None only where the kernel cannot say (SO_PEERGROUPS needs Linux 4.13).
+    """
+
     uid: int
     gid: int
+    groups: tuple[int, ...] | None = None
 
     @property
     def is_root(self) -> bool:

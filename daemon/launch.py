@@ -90,14 +90,12 @@ def user_name(uid: int) -> str:
 
 
 def caller_groups(peer: Peer, user: str, gid: int) -> list[int]:
-    """The caller's supplementary groups as its process has them, else as a login would."""
-    try:
-        with open(f"/proc/{peer.pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return [int(g) for g in line.split()[1:]] or [gid]
-    except (OSError, ValueError):
-        pass
+    """The caller's supplementary groups as the socket recorded them when it connected (a caller
+    that dropped groups has them dropped in its job too); as a login would get them only on a
+    kernel that cannot say (no SO_PEERGROUPS). Never read from /proc/<pid>: by the time a
+    request is read that pid may be another process's, whose groups the job must not get."""
+    if peer.groups is not None:
+        return list(peer.groups) or [gid]
     return os.getgrouplist(user, gid)
 
 

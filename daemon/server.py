@@ -1,7 +1,7 @@
 """The control socket: a unix socket, private by default, one JSON object a line each way.
 
-Each connection is served on its own; a caller that is not allowed (checked with SO_PEERCRED),
-sends garbage, a message over 1 MiB, or goes quiet halfway gets an error or is dropped, and
+Each connection is served on its own; a caller that is not allowed (checked with SO_PEERCRED
+and SO_PEERGROUPS: who connected, as the kernel recorded it on the socket), sends garbage, a message over 1 MiB, or goes quiet halfway gets an error or is dropped, and
 nothing it does reaches another caller's request. Callers that hold connections without using
 them (silent, or not reading their replies) cannot lock others out: a reply that cannot be
 sent within `SEND_TIMEOUT` drops its connection, each uid has a share of the connections, and
@@ -11,6 +11,8 @@ when there is no room the caller that has waited on its peer the longest makes w
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import grp
 import json
 import os
@@ -110,10 +112,90 @@ def raise_fd_limit() -> None:
             )
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; Python has no name for it
+GID = struct.Struct("I")  # gid_t
+MAX_GROUPS_BYTES = 65536 * GID.size  # NGROUPS_MAX
+PY_GETSOCKOPT_MAX = 1024  # CPython refuses a larger getsockopt buffer
+
+
+def peer_identity(sock: socket.socket) -> Peer:
+    """Who connected: uid, gid and supplementary groups as the kernel recorded them on the socket
+    at connect time. Nothing is read from the calling process (its pid may already be another
+    process's); the account database is asked only on a kernel without SO_PEERGROUPS."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    _pid, uid, gid = struct.unpack("iII", raw)
+    return Peer(uid=uid, gid=gid, groups=peer_groups(sock))
+
+
+def peer_groups(sock: socket.socket) -> tuple[int, ...] | None:
+    """The supplementary groups the caller had when it connected (SO_PEERGROUPS), the buffer
+    grown while the kernel says it is too small; None on a kernel without the option."""
+    size = 64 * GID.size
+    while True:
+        try:
+            raw = _getsockopt(sock, SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE and size < MAX_GROUPS_BYTES:
+                size = min(size * 4, MAX_GROUPS_BYTES)
+                continue
+            if exc.errno == errno.ENOPROTOOPT:
+                return None
+            raise
+        return tuple(gid for (gid,) in GID.iter_unpack(raw[: len(raw) - len(raw) % GID.size]))
+
+
+def _getsockopt(sock: socket.socket, option: int, size: int) -> bytes:
+    """getsockopt(SOL_SOCKET, option) into a buffer of `size` bytes: Python's own up to the 1 KiB
+    it allows (256 groups), libc's beyond (a caller in more groups)."""
+    if size <= PY_GETSOCKOPT_MAX:
+        return sock.getsockopt(socket.SOL_SOCKET, option, size)
+    import ctypes
+
+    buf = ctypes.create_string_buffer(size)
+    length = ctypes.c_uint32(size)  # socklen_t
+    if _libc().getsockopt(sock.fileno(), socket.SOL_SOCKET, option, buf, ctypes.byref(length)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return buf.raw[: length.value]
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def make_socket_dir(directory: Path, gid: int | None) -> None:
+    """Make the socket's directory, and each missing one above it, as the socket needs them:
+    0700 for a private socket; 0710 with group `gid` when socket_group is set, so its members
+    can reach the socket but not list the directory, and no one else can do either. The mode is
+    set outright: the daemon's umask (0077) would otherwise close the directory to the group.
+
+    A directory that already exists is the administrator's and is left as it is; one that shuts
+    the group out is said in the log."""
+    missing: list[Path] = []
+    here = directory
+    while not here.exists():
+        missing.append(here)
+        here = here.parent
+    mode = 0o700 if gid is None else 0o710
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            continue  # made meanwhile by someone else: theirs
+        if gid is not None:
+            os.chown(path, -1, gid)
+        os.chmod(path, mode)
+    if gid is not None and not missing:
+        info = directory.stat()
+        if not (info.st_mode & 0o001 or (info.st_gid == gid and info.st_mode & 0o010)):
+            log.warning(
+                "socket_dir_shuts_out_group",
+                directory=str(directory),
+                hint=f"the socket_group cannot reach the socket: chgrp it to that group and chmod g+x {directory}",
+            )
 
 
 class ControlServer:
@@ -133,25 +215,25 @@ class ControlServer:
                     f"obd: socket_group {self.group!r} does not exist (create it or fix the config)"
                 ) from exc
 
-    def allowed(self, uid: int, gid: int) -> bool:
-        if uid in (0, os.geteuid()):
+    def allowed(self, peer: Peer) -> bool:
+        """Root, the daemon's own user, and members of socket_group (as the socket says they
+        connected; as the account database says on a kernel without SO_PEERGROUPS)."""
+        if peer.uid in (0, os.geteuid()):
             return True
         if self.gid is None:
             return False
-        if gid == self.gid:
+        if peer.gid == self.gid:
             return True
+        if peer.groups is not None:
+            return self.gid in peer.groups
         try:
-            name = pwd.getpwuid(uid).pw_name
-            return self.gid in os.getgrouplist(name, gid)
+            name = pwd.getpwuid(peer.uid).pw_name
+            return self.gid in os.getgrouplist(name, peer.gid)
         except KeyError:
             return False
 
     def _prepare_path(self) -> None:
-        parent = self.path.parent
-        if not parent.exists():
-            parent.mkdir(parents=True, mode=0o700 if self.gid is None else 0o750)
-            if self.gid is not None:
-                os.chown(parent, -1, self.gid)
+        make_socket_dir(self.path.parent, self.gid)
         if self.path.exists() or self.path.is_symlink():
             if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 raise SystemExit(f"obd: {self.path} exists and is not a socket; remove it or choose --socket")
@@ -198,17 +280,17 @@ class ControlServer:
     async def _connection(self, stream: SocketStream) -> None:
         async with stream:
             try:
-                pid, uid, gid = peer_credentials(stream.extra(SocketAttribute.raw_socket))
+                peer = peer_identity(stream.extra(SocketAttribute.raw_socket))
             except OSError:
                 return
             reader = BufferedByteReceiveStream(stream)
-            if not self.allowed(uid, gid):
-                log.warning("caller_refused", uid=uid)
-                await self._refuse(stream, reader, "denied", self.denied_message(uid))
+            if not self.allowed(peer):
+                log.warning("caller_refused", uid=peer.uid)
+                await self._refuse(stream, reader, "denied", self.denied_message(peer.uid))
                 return
-            caller = Caller(uid, Peer(pid, uid, gid))
+            caller = Caller(peer.uid, peer)
             if not self.callers.admit(caller):
-                log.warning("caller_busy", uid=uid, connections=self.callers.count(uid))
+                log.warning("caller_busy", uid=peer.uid, connections=self.callers.count(peer.uid))
                 await self._refuse(stream, reader, "busy", "the daemon is busy with other callers")
                 return
             try:
