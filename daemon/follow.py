@@ -57,6 +57,7 @@ class Follower:
         self._all_dirty: set[str] = set()  # executor keys to read whole at their next wake
         self._sweep_at: dict[str, float] = {}
         self._every_poll: set[str] = set()  # keys read whole at every poll, events or not
+        self._planted_noted: dict[str, set[str]] = {}  # run id -> planted marks already logged
 
     # --- loops ---------------------------------------------------------------------------
 
@@ -219,6 +220,7 @@ class Follower:
 
     async def apply(self, record: RunRecord, probe: RunProbe) -> None:
         """Fold a probe into the record; finish the run, or cancel it, as the rules say."""
+        self._note_planted(record, probe)
         async with self.daemon.lock(record.id):
             if not record.has_job:
                 return
@@ -241,6 +243,14 @@ class Follower:
         elif verdict.cancel and record.id not in self.cancelling:
             await self.fallback_cancel(record, verdict.cancel, f"stop fallback: cancelling ({verdict.cancel})")
             log.warning("stop_fallback_cancel", run_id=record.id, reason=verdict.cancel)
+
+    def _note_planted(self, record: RunRecord, probe: RunProbe) -> None:
+        """End marks planted in a run directory whose job's end the target records elsewhere
+        change nothing; each is logged once, as what it is: tampering by the job's user."""
+        new = set(probe.planted) - self._planted_noted.setdefault(record.id, set())
+        if new:
+            self._planted_noted[record.id] |= new
+            log.warning("run_dir_tampering", run_id=record.id, owner=record.owner, planted=sorted(new))
 
     async def fallback_cancel(self, record: RunRecord, why: str, note: str) -> None:
         """Cancel the job on obd's own decision (the stop fallback, a pod's cap)."""

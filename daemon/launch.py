@@ -10,6 +10,7 @@ looks in the run's directory once the target answers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import pwd
@@ -31,7 +32,7 @@ from daemon.recovery import Checkpoint, resume_point
 from daemon.store import StoreError
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
 from executors.gpus import visible_devices
-from trainer_plugin import rundir
+from trainer_plugin import creds, rundir
 
 if TYPE_CHECKING:
     from daemon.service import Daemon
@@ -147,6 +148,22 @@ def caller_environment(req: StartRequest, run_as: RunAs | None, target_names: li
     return base
 
 
+def check_cwd(cwd: str, run_as: RunAs | None) -> None:
+    """A --cwd must be a directory the caller can open: checked with the caller's own rights, so
+    a root daemon never tells a user what is in, or whether there is, a directory they cannot see."""
+    who = creds.account(run_as.uid, run_as.gid, run_as.groups) if run_as is not None else None
+    try:
+        with creds.acting_as(who):
+            fd = os.open(cwd, os.O_RDONLY | os.O_DIRECTORY)
+        os.close(fd)
+    except PermissionError as exc:
+        raise ApiError(
+            f"--cwd {cwd}: you cannot open it ({exc.strerror}); give a directory of yours", "denied"
+        ) from exc
+    except OSError as exc:
+        raise ApiError(f"--cwd {cwd}: no such directory on the daemon's machine", "usage") from exc
+
+
 class Launcher:
     """Makes run records and launches their jobs."""
 
@@ -183,9 +200,9 @@ class Launcher:
                     f"start it again with `obd train start`",
                     "state",
                 )
-        if req.cwd and not Path(req.cwd).is_dir():
+        if req.cwd:
             # On a local target it is where the job runs; elsewhere the directory uploaded as the job's src/.
-            raise ApiError(f"--cwd {req.cwd}: no such directory on the daemon's machine", "usage")
+            await anyio.to_thread.run_sync(check_cwd, req.cwd, run_as)
         record = self._new_record(req, peer.uid)
         record.gpus_wanted = wanted
         record.retries = req.retry if req.retry is not None else getattr(supervision.config, "retry", 0)
@@ -384,13 +401,14 @@ class Launcher:
             async with daemon.editing(record):
                 record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
         rd = record.remote_dir
+        await executor.make_run_dir(rd, run_as)
         await executor.upload(self._plugin_stage(), f"{rd}/{rundir.PLUGIN}")
         cwd = record.cwd
         if cwd and not Path(cwd).is_dir():
             cwd = None  # the client's directory went away before the launch: the run directory instead
         if cwd and not executor.shares_filesystem:
             cwd_there = f"{rd}/{rundir.SOURCES}"
-            await executor.upload(Path(cwd), cwd_there)
+            await self._upload_sources(record, Path(cwd), cwd_there, executor, run_as)
             cwd = cwd_there
         env = {**req.env, **job_env(record, rd)}
         base_env = None
@@ -415,11 +433,32 @@ class Launcher:
             env=env,
             secrets=req.secrets,
             base_env=base_env,
-            run_as=run_as if executor.shares_filesystem else None,
+            run_as=run_as if executor.shares_filesystem or getattr(executor, "runs_as_caller", False) else None,
             umask=req.umask,
             output_to=req.output_to,
         )
         return executor, spec
+
+    async def _upload_sources(
+        self, record: RunRecord, cwd: Path, there: str, executor: Executor, run_as: RunAs | None
+    ) -> None:
+        """Upload a --cwd to a target that does not share this machine's files. For a caller the
+        daemon is not (a root daemon's users), it is first copied with the caller's own rights
+        into a place of the daemon's, so only what the caller can read is ever uploaded, and no
+        link swapped in meanwhile is followed with root's rights."""
+        if run_as is None:
+            await executor.upload(cwd, there)
+            return
+        stage = self.daemon.store.run_dir(record.id) / "sources-stage"
+        who = creds.account(run_as.uid, run_as.gid, run_as.groups)
+        try:
+            await anyio.to_thread.run_sync(shutil.rmtree, stage, True)
+            await anyio.to_thread.run_sync(
+                functools.partial(creds.copy_tree, str(cwd), str(stage), read_as=who, write_as=None, keep_links=True)
+            )
+            await executor.upload(stage, there)
+        finally:
+            await anyio.to_thread.run_sync(shutil.rmtree, stage, True)
 
     async def _resume_path(self, record: RunRecord, source: RunRecord, checkpoint: str, executor: Executor) -> str:
         """Where the new run's job finds the checkpoint: in place on the same target, else copied

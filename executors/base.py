@@ -162,7 +162,12 @@ class RunProbe(BaseModel):
     ended: bool = False  # metrics.jsonl has an `end` line
     log_size: int = 0
     metrics_size: int = 0
-    handle: dict | None = None  # job.pid as the wrapper wrote it (to adopt a run after a crash)
+    # The wrapper's handle (to adopt a run after a crash): from the run's facts directory where the
+    # target keeps one (the local target), else job.pid as the wrapper wrote it.
+    handle: dict | None = None
+    # End marks (`cancelled`, `cancelling`) found in a run directory whose job's end is recorded
+    # elsewhere: only the job's user can have put them there; they change nothing, and are logged.
+    planted: list[str] = Field(default_factory=list)
     # Names of the output/checkpoint-* entries that are real directories, with no symbolic link
     # on their path (output/ itself included): the only checkpoints a proof can name.
     checkpoints: list[str] = Field(default_factory=list)
@@ -283,6 +288,12 @@ class Executor(Protocol):
 
     async def run_command(self, argv: list[str], *, stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
         """Run one command on the target, its arguments quoted; no shell is involved locally."""
+        ...
+
+    async def make_run_dir(self, remote_dir: str, owner: RunAs | None) -> None:
+        """Make the run directory before anything is put in it, and give it to `owner` (the user
+        a root daemon runs the job as) where the target runs jobs as other users; elsewhere the
+        first write makes it, as the target's own user."""
         ...
 
     async def spawn(self, job: JobSpec) -> JobHandle: ...

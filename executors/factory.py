@@ -37,7 +37,9 @@ def make_executor(name: str, target: AnyTarget, state_dir: Path, remote_poll: fl
     if isinstance(target, LocalTarget):
         from executors.local import LocalExecutor
 
-        return LocalExecutor(name, Path(target.workdir or state_dir / "jobs"), target.python, target.venv)
+        return LocalExecutor(
+            name, Path(target.workdir or state_dir / "jobs"), target.python, target.venv, facts=state_dir / "facts"
+        )
     if isinstance(target, SshTarget):
         from executors.ssh import SshExecutor
 

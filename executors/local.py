@@ -1,10 +1,17 @@
 """The local executor: jobs on the daemon's own machine, detached so they outlive it.
 
-The job is started by `trainer_plugin/jobctl.py` (the same wrapper used on SSH hosts and
-pods) in its own session and process group; the daemon is not its parent, so a restart of
-the daemon never touches it. Under systemd the wrapper is launched in its own transient
-scope (`systemd-run --scope`), outside the service's cgroup, so `systemctl restart obd`
-kills no job.
+The job is started by the job wrapper (`trainer_plugin/supervisor.py`, through `jobctl.py
+start`, the same wrapper used on SSH hosts and pods) in its own session and process group; the
+daemon is not its parent, so a restart of the daemon never touches it. Under systemd the
+wrapper is launched in its own transient scope (`systemd-run --scope`), outside the service's
+cgroup, so `systemctl restart obd` kills no job.
+
+Under a root daemon a run directory is its owner's, and everything in it is as hostile as its
+owner: every read, write, copy and listing in it is done with the owner's filesystem rights
+(`trainer_plugin/creds.py`, in the worker thread doing it), so no link or file planted there
+makes root read, copy or write anything the owner could not. Whether a job runs, how it ended
+and which processes are its come from the wrapper, which stays root, and its facts directory
+(`STATE_DIR/facts/<run id>/`, the daemon's own): never from a file in the run directory.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import ctypes
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +41,10 @@ from executors.base import (
     JobState,
     JobStatus,
     Reached,
+    RunAs,
     RunProbe,
 )
-from trainer_plugin import jobctl, rundir
+from trainer_plugin import creds, jobctl, rundir
 
 log = structlog.get_logger("obd.local")
 
@@ -51,6 +61,7 @@ class DirWatch:
 
     IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE = 0x2, 0x8, 0x80, 0x100
     IN_IGNORED, IN_Q_OVERFLOW = 0x8000, 0x4000
+    IN_ONLYDIR, IN_DONT_FOLLOW = 0x01000000, 0x02000000  # a link planted for a watched name is never followed
     _HEADER = struct.Struct("iIII")
 
     def __init__(self) -> None:
@@ -78,15 +89,17 @@ class DirWatch:
     def add(self, directory: str) -> None:
         if not self.available or directory in self._wds:
             return
-        wd = self._add(directory, self.IN_CLOSE_WRITE | self.IN_MOVED_TO | self.IN_CREATE)
+        wd = self._add(
+            directory, self.IN_CLOSE_WRITE | self.IN_MOVED_TO | self.IN_CREATE | self.IN_ONLYDIR | self.IN_DONT_FOLLOW
+        )
         if wd is not None:
             self._wds[directory] = wd
             self._watch_metrics(directory)
 
     def _watch_metrics(self, directory: str) -> None:
         path = os.path.join(directory, rundir.METRICS)
-        if path not in self._files and os.path.isfile(path):
-            wd = self._add(path, self.IN_MODIFY)
+        if path not in self._files and rundir.non_regular(path) is None and os.path.lexists(path):
+            wd = self._add(path, self.IN_MODIFY | self.IN_DONT_FOLLOW)
             if wd is not None:
                 self._files[path] = wd
 
@@ -176,15 +189,25 @@ class LocalEvents:
 
 
 class LocalExecutor:
-    """Runs jobs on this machine; reads and writes the run directory directly."""
+    """Runs jobs on this machine; reads and writes the run directory directly, with its owner's rights."""
 
     shares_filesystem = True
 
-    def __init__(self, name: str, workdir: Path, python: str | None = None, venv: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        python: str | None = None,
+        venv: str | None = None,
+        facts: Path | None = None,
+    ) -> None:
         self.name = name
         self.workdir = str(workdir)
         self.interpreter = python or sys.executable
         self.venv = venv  # its bin/ leads the job's PATH
+        # Where each run's wrapper records its handle and end (None: in the run directory, as
+        # for a host that is not the daemon's: only for a workdir used without a state directory).
+        self.facts_root = str(facts) if facts is not None else None
         self.events: LocalEvents | None = LocalEvents()
 
     async def resolve_workdir(self) -> str:
@@ -205,9 +228,67 @@ class LocalExecutor:
             return CommandResult(returncode=127, stderr=str(exc).encode())
         return CommandResult(returncode=r.returncode, stdout=r.stdout, stderr=r.stderr)
 
+    # --- whose rights -------------------------------------------------------------------------
+
+    def _workdirs(self) -> tuple[str, ...]:
+        given = os.path.normpath(os.path.expanduser(self.workdir))
+        return given, os.path.realpath(given)
+
+    def owner(self, path: str) -> creds.Account | None:
+        """Whose filesystem rights an operation on `path` takes: the owner of the run directory it
+        is in (root made it and gave it to them, and only root can give it to anyone else), or
+        the daemon's own for a path outside the workdir (its state directory, the plugin stage)."""
+        parts = path.split("/")
+        if ".." in parts:
+            raise ExecutorError(f"{path}: a path with '..' is never used in a run directory")
+        path = os.path.normpath(path)
+        for root in self._workdirs():
+            rel = os.path.relpath(path, root)
+            if rel != "." and not rel.startswith(".."):
+                return creds.owner_of(os.path.join(root, rel.split(os.sep)[0]))
+        return None
+
+    def in_workdir(self, path: str) -> bool:
+        """Whether `path` is in a run directory (not the workdir itself)."""
+        path = os.path.normpath(path)
+        return any(not os.path.relpath(path, root).startswith(".") for root in self._workdirs())
+
+    def facts(self, remote_dir: str) -> str | None:
+        """A run's facts directory, or None for a run started before obd kept them (its run
+        directory says how it ended, as it did then)."""
+        if self.facts_root is None:
+            return None
+        path = os.path.join(self.facts_root, os.path.basename(remote_dir.rstrip("/")))
+        return path if os.path.isdir(path) else None
+
+    async def _as_owner(self, path: str, fn: Any, *args: Any, abandon: bool = False) -> Any:
+        who = self.owner(path)
+        return await anyio.to_thread.run_sync(creds.call_as, who, fn, *args, abandon_on_cancel=abandon)
+
+    # --- the job ------------------------------------------------------------------------------
+
+    async def make_run_dir(self, remote_dir: str, owner: RunAs | None) -> None:
+        """Make the run directory, private, and give it to the user the job runs as; and the
+        run's facts directory, the daemon's own."""
+
+        def make() -> None:
+            run_dir = Path(remote_dir)
+            private_dir(run_dir)
+            st = os.lstat(run_dir)
+            if not stat.S_ISDIR(st.st_mode):
+                raise ExecutorError(f"{run_dir} exists and is not a directory")
+            if owner is not None and os.geteuid() == 0 and st.st_uid != owner.uid:
+                os.lchown(run_dir, owner.uid, owner.gid)
+            if self.facts_root is not None:
+                Path(self.facts_root).mkdir(mode=0o700, parents=True, exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    (Path(self.facts_root) / run_dir.name).mkdir(mode=0o700)
+
+        await anyio.to_thread.run_sync(make)
+
     async def spawn(self, job: JobSpec) -> JobHandle:
         run_dir = Path(job.remote_dir)
-        await anyio.to_thread.run_sync(private_dir, run_dir)
+        await self.make_run_dir(job.remote_dir, job.run_as)
         spec: dict[str, Any] = {
             "command": job.command,
             "cwd": job.cwd,
@@ -219,26 +300,26 @@ class LocalExecutor:
             spec["path_prepend"] = [str(Path(self.venv) / "bin")]
         if job.run_as is not None:
             spec["run_as"] = job.run_as.model_dump()
-        await self.put_file(str(run_dir / rundir.JOB_SPEC), json.dumps(spec).encode())
-        if job.run_as is not None:
-            # Made by the daemon in a directory only it could enter so far: now the user's.
-            await anyio.to_thread.run_sync(hand_over, run_dir, job.run_as.uid, job.run_as.gid)
         # -S -E: the wrapper needs only the standard library, and starts faster without site-packages
-        # and the daemon's PYTHON* variables.
-        wrapper = [self.interpreter, "-S", "-E", str(JOBCTL), "start", str(run_dir), "--secrets-stdin"]
+        # and the daemon's PYTHON* variables. The spec comes on stdin with the values: job.json is
+        # a file the user could rewrite before a root wrapper read it.
+        wrapper = [self.interpreter, "-S", "-E", str(JOBCTL), "start", str(run_dir), "--spec-stdin"]
+        facts = self.facts(job.remote_dir)
+        if facts is not None:
+            wrapper += ["--facts", facts]
         values = {**(job.base_env or {}), **job.env, **job.secrets}
         if job.base_env is not None:
             wrapper.append("--clean-env")  # the job's whole environment is on stdin, not the daemon's
-        secrets = json.dumps(values).encode()
+        payload = json.dumps({"spec": spec, "values": values}).encode()
         scope = systemd_scope_prefix(job.run_id)
-        result = await self._run_wrapper([*scope, *wrapper], secrets)
-        if scope and result.returncode != 0 and jobctl.read_handle(str(run_dir)) is None:
+        result = await self._run_wrapper([*scope, *wrapper], payload)
+        if scope and result.returncode != 0 and not self._wrapper_ran(job.remote_dir):
             # No scope could be made (no user manager for a `User=` service, no bus): the wrapper
             # never ran, so run it in the service's cgroup, which KillMode=process keeps on restart.
             log.warning(
                 "systemd_scope_failed", run_id=job.run_id, error=_text(result.stderr) or f"exit {result.returncode}"
             )
-            result = await self._run_wrapper(wrapper, secrets)
+            result = await self._run_wrapper(wrapper, payload)
         if result.returncode != 0:
             raise ExecutorError(
                 f"the job wrapper failed (exit {result.returncode}): {_text(result.stderr)}; see {run_dir}/job.log"
@@ -247,6 +328,12 @@ class LocalExecutor:
             return JobHandle.model_validate_json(result.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
             raise ExecutorError(f"the job wrapper printed no handle; see {run_dir}/job.log") from exc
+
+    def _wrapper_ran(self, remote_dir: str) -> bool:
+        facts = self.facts(remote_dir)
+        if facts is not None:
+            return jobctl.read_handle(remote_dir, facts) is not None
+        return creds.call_as(self.owner(remote_dir), jobctl.read_handle, remote_dir) is not None
 
     @staticmethod
     async def _run_wrapper(argv: list[str], secrets: bytes) -> subprocess.CompletedProcess[bytes]:
@@ -274,24 +361,63 @@ class LocalExecutor:
             code = await proc.wait()
         return subprocess.CompletedProcess(argv, code, bytes(out), bytes(err))
 
+    def _status(self, remote_dir: str, handle: dict | None) -> dict:
+        """The job's status: from the wrapper and its facts (as the daemon), or, for a run started
+        before obd kept facts, from its run directory (with its owner's rights)."""
+        facts = self.facts(remote_dir)
+        if facts is not None:
+            return jobctl.job_status(remote_dir, handle, facts)
+        return creds.call_as(self.owner(remote_dir), jobctl.job_status, remote_dir, handle)
+
     async def status(self, handle: JobHandle, remote_dir: str) -> JobStatus:
-        raw = await anyio.to_thread.run_sync(jobctl.job_status, remote_dir, handle.model_dump(), abandon_on_cancel=True)
+        raw = await anyio.to_thread.run_sync(self._status, remote_dir, handle.model_dump(), abandon_on_cancel=True)
         return JobStatus.model_validate(raw)
 
     async def cancel(self, handle: JobHandle, remote_dir: str, grace: float) -> JobStatus:
+        def cancel() -> dict:
+            facts, who = self.facts(remote_dir), self.owner(remote_dir)
+            if facts is None:
+                return creds.call_as(who, jobctl.cancel, remote_dir, grace, handle.model_dump())
+            if jobctl.job_status(remote_dir, handle.model_dump(), facts)["state"] == "running":
+                self._copy_mark(facts, rundir.CANCELLING, remote_dir, who, f"{time.time()}\n".encode())
+            result = jobctl.cancel(remote_dir, grace, handle.model_dump(), facts)
+            self._copy_mark(facts, rundir.CANCELLED, remote_dir, who)
+            return result
+
         # jobctl.cancel sleeps through the grace; in a worker thread it holds up nothing else.
-        raw = await anyio.to_thread.run_sync(jobctl.cancel, remote_dir, grace, handle.model_dump())
-        return JobStatus.model_validate(raw)
+        return JobStatus.model_validate(await anyio.to_thread.run_sync(cancel))
+
+    @staticmethod
+    def _copy_mark(facts: str, name: str, remote_dir: str, who: creds.Account | None, data: bytes = b"") -> None:
+        """The run directory's copy of a cancel mark, for people (the contract's `cancelling`,
+        `cancelled`), written with its owner's rights; the facts directory's is the one obd reads."""
+        data = data or jobctl.read_regular(os.path.join(facts, name), rundir.JOB_PID_LIMIT) or b""
+        with creds.acting_as(who), contextlib.suppress(OSError):
+            jobctl.atomic_write(os.path.join(remote_dir, name), data)
+
+    def _probe(self, handle: dict | None, remote_dir: str) -> dict:
+        facts = self.facts(remote_dir)
+        who = self.owner(remote_dir)
+        if facts is None:
+            return creds.call_as(who, jobctl.probe_dir, remote_dir, handle)
+        status = jobctl.job_status(remote_dir, handle, facts)
+        with creds.acting_as(who):
+            result = jobctl.probe_dir(remote_dir, handle, with_job=False)
+            found = jobctl.planted(remote_dir)
+        result["planted"] = [n for n in found if not os.path.lexists(os.path.join(facts, n))]
+        result["status"] = status
+        result["handle"] = jobctl.read_handle(remote_dir, facts)
+        return result
 
     async def probe(self, runs: list[tuple[JobHandle | None, str]]) -> list[RunProbe]:
         def probe_all() -> list[dict]:
-            return [jobctl.probe_dir(d, h.model_dump() if h else None) for h, d in runs]
+            return [self._probe(h.model_dump() if h else None, d) for h, d in runs]
 
         # abandon_on_cancel: a read stuck in the kernel (NFS, FUSE) is left behind, not waited for.
         return [RunProbe.model_validate(p) for p in await anyio.to_thread.run_sync(probe_all, abandon_on_cancel=True)]
 
     async def read_from(self, path: str, offset: int, limit: int) -> bytes:
-        data = await anyio.to_thread.run_sync(jobctl.read_regular, path, limit, offset, abandon_on_cancel=True)
+        data = await self._as_owner(path, jobctl.read_regular, path, limit, offset, abandon=True)
         return data or b""
 
     async def put_file(self, path: str, data: bytes) -> None:
@@ -300,15 +426,24 @@ class LocalExecutor:
             jobctl.atomic_write(path, data)
 
         try:
-            await anyio.to_thread.run_sync(write)
+            await self._as_owner(path, write)
         except OSError as exc:
             raise ExecutorError(f"could not write {path}: {exc.strerror or exc}") from exc
 
     async def upload(self, local: Path, remote: str) -> None:
-        await anyio.to_thread.run_sync(_copy, local, Path(remote))
+        await anyio.to_thread.run_sync(self._copy, str(local), remote)
 
     async def download(self, remote: str, local: Path) -> None:
-        await anyio.to_thread.run_sync(_copy, Path(remote), local)
+        await anyio.to_thread.run_sync(self._copy, remote, str(local))
+
+    def _copy(self, src: str, dst: str) -> None:
+        """Copy with the rights of whoever owns each side; links are kept only inside a run
+        directory (the job's own space), never recreated in a place of the daemon's."""
+        read_as, write_as = self.owner(src), self.owner(dst)
+        with creds.acting_as(write_as):
+            if not os.path.isdir(os.path.dirname(dst)):
+                private_dir(Path(dst).parent)
+        creds.copy_tree(src, dst, read_as=read_as, write_as=write_as, keep_links=self.in_workdir(dst), skip=_skip)
 
     async def aclose(self) -> None:
         return None
@@ -329,23 +464,11 @@ def hand_over(run_dir: Path, uid: int, gid: int) -> None:
     os.lchown(run_dir, uid, gid)
 
 
-def _copy(src: Path, dst: Path) -> None:
-    if not src.exists():
-        return
-    if not dst.parent.exists():
-        private_dir(dst.parent)
-    if src.is_dir():
-        shutil.copytree(src, dst, dirs_exist_ok=True, symlinks=True, ignore=_ignore)
-    else:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst)
-
-
-def _ignore(directory: str, names: list[str]) -> set[str]:
-    skip = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", "node_modules", ".venv", "venv"}
-    out = {n for n in names if n in skip}
-    out |= {n for n in names if (Path(directory) / n / "pyvenv.cfg").exists()}
-    return out
+def _skip(directory: str, name: str) -> bool:
+    """Entries never copied: caches, version control, virtual environments."""
+    if name in {".git", "__pycache__", ".pytest_cache", ".mypy_cache", "node_modules", ".venv", "venv"}:
+        return True
+    return os.path.exists(os.path.join(directory, name, "pyvenv.cfg"))
 
 
 __all__ = ["JobState", "LocalExecutor"]

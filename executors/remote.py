@@ -15,10 +15,17 @@ import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from trainer_plugin import jobctl, jobserve, rundir
+from trainer_plugin import creds, jobctl, jobserve, rundir, supervisor
 
-# The files a target needs to start, watch and cancel jobs: jobctl.py and the contract it imports.
-TOOL_FILES: tuple[Path, ...] = (Path(jobctl.__file__), Path(rundir.__file__), Path(jobserve.__file__))
+# The files a target needs to start, watch and cancel jobs: jobctl.py, the job wrapper
+# (supervisor.py, creds.py), the helper (jobserve.py) and the contract they import.
+TOOL_FILES: tuple[Path, ...] = (
+    Path(jobctl.__file__),
+    Path(rundir.__file__),
+    Path(jobserve.__file__),
+    Path(supervisor.__file__),
+    Path(creds.__file__),
+)
 
 
 def tools_hash(files: Sequence[Path]) -> str:

@@ -1,17 +1,19 @@
-"""The job wrapper and the target-side control of a run directory (standard library only).
+"""The target-side control of a run directory and its job (standard library only).
 
-obd copies this file, with the `rundir.py` it imports (the run directory's contract), into
-every run's `plugin/` (and, for SSH targets, into `<workdir>/.obd/tools-<hash>/`) and runs it
-*on the target*, so the same code starts, watches and cancels jobs on this machine, over SSH
-and on a pod:
+obd copies this file, with the `rundir.py` it imports (the run directory's contract) and the job
+wrapper (`supervisor.py`, `creds.py`), into every run's `plugin/` (and, for SSH targets, into
+`<workdir>/.obd/tools-<hash>/`) and runs it *on the target*, so the same code starts, watches
+and cancels jobs on this machine, over SSH and on a pod:
 
-    python3 jobctl.py start RUN_DIR [--secrets-stdin] [--clean-env]   # detach the job, print its handle
-    python3 jobctl.py cancel RUN_DIR [--grace S]         # TERM the group, grace, KILL
+    python3 jobctl.py start RUN_DIR [--secrets-stdin | --spec-stdin] [--clean-env] [--facts DIR]
+    python3 jobctl.py cancel RUN_DIR [--grace S]         # TERM the job's processes, grace, KILL
     python3 jobctl.py probe < [{"dir": ..., "handle": ...}, ...]   # one read of many runs
     python3 -S jobctl.py serve                           # the persistent helper of an SSH connection
 
 Doing the pid checks on the target itself means a pid is never checked on one round trip
 and signalled on another, and a reused pid (start time differs) is never mistaken for the job.
+With a facts directory (`--facts DIR`: where the wrapper records the job's handle and end, a
+place of the daemon's own), how the job ends is read there and never from the run directory.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
 import sys
 import time
 
@@ -156,8 +157,10 @@ def group_alive(handle: dict | None) -> bool:
     return group_exists(pgid)
 
 
-def read_handle(run_dir: str) -> dict | None:
-    data = read_regular(os.path.join(run_dir, rundir.JOB_PID), rundir.JOB_PID_LIMIT)
+def read_handle(run_dir: str, facts: str | None = None) -> dict | None:
+    """The wrapper's handle: from the facts directory where there is one, else from job.pid."""
+    path = os.path.join(facts, rundir.FACT_HANDLE) if facts else os.path.join(run_dir, rundir.JOB_PID)
+    data = read_regular(path, rundir.JOB_PID_LIMIT)
     if not data:
         return None
     try:
@@ -177,18 +180,23 @@ def read_int(path: str) -> int | None:
         return None
 
 
-def job_status(run_dir: str, handle: dict | None = None) -> dict:
-    """{state: running|exited|cancelled|lost, exit_code} from the run directory and /proc."""
-    code = read_int(os.path.join(run_dir, rundir.EXIT_CODE))
-    if os.path.exists(os.path.join(run_dir, rundir.CANCELLED)):
+def job_status(run_dir: str, handle: dict | None = None, facts: str | None = None) -> dict:
+    """{state: running|exited|cancelled|lost, exit_code} from /proc and the end the wrapper recorded.
+
+    With a facts directory, the end and the cancel marks are read there only: nothing in the
+    run directory is looked at. The wrapper outlives every process of its job, so the job runs
+    while it lives."""
+    marks = facts or run_dir
+    code = read_int(os.path.join(marks, rundir.FACT_EXIT if facts else rundir.EXIT_CODE))
+    if os.path.lexists(os.path.join(marks, rundir.CANCELLED)):
         return {"state": "cancelled", "exit_code": code}
-    handle = handle or read_handle(run_dir)
+    handle = handle or read_handle(run_dir, facts)
     # A job whose wrapper died but whose processes live on is still running (and cancellable).
     if code is None and (handle_alive(handle) or group_alive(handle)):
         return {"state": "running", "exit_code": None}
     # The wrapper may have just written exit_code and exited: read once more.
-    code = read_int(os.path.join(run_dir, rundir.EXIT_CODE))
-    if os.path.exists(os.path.join(run_dir, rundir.CANCELLING)):
+    code = read_int(os.path.join(marks, rundir.FACT_EXIT if facts else rundir.EXIT_CODE))
+    if os.path.lexists(os.path.join(marks, rundir.CANCELLING)):
         # A cancel was under way (its canceller may have died before writing `cancelled`).
         return {"state": "cancelled", "exit_code": code}
     if code is not None:
@@ -196,36 +204,89 @@ def job_status(run_dir: str, handle: dict | None = None) -> dict:
     return {"state": "lost", "exit_code": None}
 
 
-# --- start ------------------------------------------------------------------------------
+def planted(run_dir: str) -> list[str]:
+    """The end marks found in a run directory whose job's end is recorded elsewhere (a facts
+    directory): nobody but the job's user can have put them there, and they change nothing."""
+    return [n for n in (rundir.CANCELLING, rundir.CANCELLED) if os.path.lexists(os.path.join(run_dir, n))]
 
 
-def start(run_dir: str, secrets: dict[str, str], clean_env: bool = False) -> dict:
-    """Start the job of `run_dir/job.json` detached, in its own session; return its handle.
+# --- the job's processes ------------------------------------------------------------------
 
-    job.json holds `command` (argv), `cwd`, `pythonpath` (put ahead of the PYTHONPATH the job
-    would have), `path_prepend` (e.g. a venv's bin) and, for a job that runs as another user
-    than the caller of this script, `run_as` (`uid`, `gid`, `groups`, `user`, `home`) and
-    `umask`. Values come separately, on stdin (`secrets`: variables added to the job's
-    environment): never on a command line or in a file. With `clean_env`, stdin holds the
-    job's whole environment and the wrapper's own is not passed on.
-    """
-    spec = json.loads(read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the wrapper: session and process-group leader for the job's lifetime
-        os.close(read_end)
+
+def _process_table() -> dict[int, tuple[int, int]] | None:
+    """{pid: (parent pid, process group)} of every live process, or None when /proc cannot be read."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    table = {}
+    for entry in entries:
+        rest = _stat_fields(entry) if entry.isdigit() else None
+        if rest and len(rest) > 2 and rest[0] not in (b"Z", b"X"):
+            with contextlib.suppress(ValueError):
+                table[int(entry)] = (int(rest[1]), int(rest[2]))
+    return table
+
+
+def job_processes(root: int) -> set[int]:
+    """The live processes of the job whose wrapper is `root`: its process group and every
+    descendant of the wrapper (a subreaper: orphans of the job come back to it), not the wrapper."""
+    table = _process_table()
+    if table is None:
+        return set()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found = {pid for pid, (_, pgid) in table.items() if pgid == root}
+    stack, seen = list(children.get(root, [])), set()
+    while stack:
+        pid = stack.pop()
+        if pid not in seen:
+            seen.add(pid)
+            found.add(pid)
+            stack.extend(children.get(pid, []))
+    found.discard(root)
+    return found
+
+
+def _belongs(pid: int, root: int) -> bool:
+    """Whether `pid` is, right now, in the group of `root` or below it in the process tree."""
+    seen = 0
+    while pid > 1 and seen < 4096:
+        rest = _stat_fields(pid)
+        if not rest or len(rest) < 3 or rest[0] in (b"Z", b"X"):
+            return False
+        ppid, pgid = int(rest[1]), int(rest[2])
+        if root in (pgid, ppid):
+            return True
+        pid, seen = ppid, seen + 1
+    return False
+
+
+def signal_job(root: int, sig: int) -> None:
+    """Send `sig` to every process of the job whose wrapper is `root` (never to the wrapper).
+
+    Each process is held by a pidfd before it is checked to be the job's, and signalled through
+    it, so a pid that ended and was handed to another process is never signalled."""
+    for pid in job_processes(root):
         try:
-            code = _wrap(run_dir, spec, secrets, write_end, clean_env)
-        except BaseException:  # never return into the caller's stack from a fork
-            code = 70
-        os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        pipe.read()  # EOF once the wrapper wrote job.pid and started the command
-    handle = read_handle(run_dir)
-    if handle is None:
-        raise SystemExit(f"obd: the job wrapper did not start; see {run_dir}/job.log")
-    return handle
+            fd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1
+        except OSError:
+            continue  # gone already
+        try:
+            if not _belongs(pid, root):
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                if fd >= 0:
+                    signal.pidfd_send_signal(fd, sig)
+                else:
+                    os.kill(pid, sig)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+# --- start ------------------------------------------------------------------------------
 
 
 def become(run_as: dict) -> None:
@@ -276,62 +337,19 @@ def wrapper_handle(command: list[str], env: dict[str, str], cwd: str) -> dict:
         "boot_id": boot_id(),
         "uid": os.getuid(),
         "cwd": cwd,
-        "executable": _which(command[0], env, cwd) if command else None,
-        "python": _which("python3", env, cwd) or _which("python", env, cwd),
+        "executable": which(command[0], env, cwd) if command else None,
+        "python": env_python(env, cwd),
     }
+
+
+def env_python(env: dict[str, str], cwd: str) -> str | None:
+    """The Python a job's `python3` (or `python`) runs, on its PATH."""
+    return which("python3", env, cwd) or which("python", env, cwd)
 
 
 def shell_exit_code(code: int) -> int:
     """A child's return code as a shell reports it: 128 + the signal number for one killed by a signal."""
     return 128 - code if code < 0 else code
-
-
-def _wrap(run_dir: str, spec: dict, secrets: dict[str, str], ready_fd: int, clean_env: bool = False) -> int:
-    os.setsid()
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    # TERM reaches the whole group; the wrapper outlives it so it can record the exit status.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if spec.get("run_as"):
-        become(spec["run_as"])
-    if spec.get("umask") is not None:
-        os.umask(int(spec["umask"]) & 0o777)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    log = os.open(os.path.join(run_dir, rundir.JOB_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-    os.dup2(devnull, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    env = job_environment(spec, secrets, clean_env)
-    command = spec.get("command") or []
-    cwd = spec.get("cwd") or run_dir
-    me = os.getpid()
-    atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(wrapper_handle(command, env, cwd)).encode())
-    try:
-        child = subprocess.Popen(
-            command,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            restore_signals=True,
-            # The wrapper is a forked, single-threaded process: preexec_fn is safe here.
-            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),  # noqa: PLW1509
-        )
-    except (OSError, ValueError) as exc:
-        os.write(log, f"obd: could not start {command[:1]!r}: {exc}\n".encode())
-        _finish(run_dir, 127, ready_fd)
-        return 127
-    os.close(ready_fd)
-    code = shell_exit_code(child.wait())
-    if code == 0 and spec.get("output_to") and not os.path.lexists(os.path.join(run_dir, rundir.SNAPSHOT_PROOF)):
-        place_outputs(run_dir, spec["output_to"], cwd, log)
-    left = [pid for pid in group_members(me) or [] if pid != me]
-    if left:  # said before the exit status, so the run's record says it (a GPU may be held)
-        pids = " ".join(str(p) for p in sorted(left)[:10])
-        os.write(log, f"{LEFT_BEHIND} {len(left)} processes in its group (pids {pids}); ending them\n".encode())
-    _finish(run_dir, code, None)
-    _reap_group(me)
-    return 0
 
 
 def asked_output_dir(run_dir: str) -> str | None:
@@ -369,7 +387,7 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _which(program: str, env: dict[str, str], cwd: str) -> str | None:
+def which(program: str, env: dict[str, str], cwd: str) -> str | None:
     if "/" in program:
         path = os.path.join(cwd, program)
         return os.path.realpath(path) if os.access(path, os.X_OK) else None
@@ -380,72 +398,45 @@ def _which(program: str, env: dict[str, str], cwd: str) -> str | None:
 LEFT_BEHIND = "obd: the job left"
 
 
-def _reap_group(me: int, grace: float = 5.0) -> None:
-    """After the command ended, end what it left in the group (stray workers holding a GPU).
-
-    The exit status is already on disk; the wrapper ignores TERM, and a final KILL may take the
-    wrapper with it, which is fine.
-    """
-    if not _others_in_group(me):
-        return
-    _killpg(me, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _others_in_group(me):
-        time.sleep(0.05)
-    if _others_in_group(me):
-        _killpg(me, signal.SIGKILL)
-
-
-def _others_in_group(pgid: int) -> bool:
-    """Whether a live process other than the group leader is in the group."""
-    return any(pid != pgid for pid in group_members(pgid) or [])
-
-
 def write_exit_code(run_dir: str, code: int) -> None:
     """The job wrapper's last word: the job's exit status, in `exit_code`."""
     atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), f"{code}\n".encode())
 
 
-def _finish(run_dir: str, code: int, ready_fd: int | None) -> None:
-    write_exit_code(run_dir, code)
-    if ready_fd is not None:
-        os.close(ready_fd)
-
-
 # --- cancel -----------------------------------------------------------------------------
 
 
-def cancel(run_dir: str, grace: float, handle: dict | None = None) -> dict:
-    """TERM the job's process group, wait `grace` seconds, then KILL; idempotent.
+def cancel(run_dir: str, grace: float, handle: dict | None = None, facts: str | None = None) -> dict:
+    """TERM the job's processes, wait `grace` seconds, then KILL; idempotent.
 
-    A job that already ended is never signalled; a second cancel only reports.
+    A job that already ended is never signalled; a second cancel only reports. The wrapper is
+    left to record the exit status once its job's processes are gone, and waited for briefly.
+    With a facts directory the cancel marks are written there, not in the run directory.
     """
-    status = job_status(run_dir, handle)
+    status = job_status(run_dir, handle, facts)
     if status["state"] in ("exited", "cancelled"):
         return status
-    handle = handle or read_handle(run_dir)
-    now = time.time()
-    atomic_write(os.path.join(run_dir, rundir.CANCELLING), f"{now}\n".encode())
+    marks = facts or run_dir
+    handle = handle or read_handle(run_dir, facts)
+    atomic_write(os.path.join(marks, rundir.CANCELLING), f"{time.time()}\n".encode(), 0o600)
     killed = False
     if handle is not None and (handle_alive(handle) or group_alive(handle)):
-        pgid = int(handle["pid"])
-        _killpg(pgid, signal.SIGTERM)
+        root = int(handle["pid"])
+        signal_job(root, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and group_exists(pgid):
+        while time.monotonic() < deadline and job_processes(root):
             time.sleep(0.05)
-        if group_exists(pgid):
-            _killpg(pgid, signal.SIGKILL)
+        if job_processes(root):
+            signal_job(root, signal.SIGKILL)
             killed = True
-            while group_exists(pgid) and time.monotonic() < deadline + 5:
+            while job_processes(root) and time.monotonic() < deadline + 5:
                 time.sleep(0.02)
+        while handle_alive(handle) and time.monotonic() < deadline + 5:
+            time.sleep(0.02)  # the wrapper records the end, then exits
     record = {"time": time.time(), "killed": killed}
-    atomic_write(os.path.join(run_dir, rundir.CANCELLED), json.dumps(record).encode())
-    return {"state": "cancelled", "exit_code": read_int(os.path.join(run_dir, rundir.EXIT_CODE))}
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
+    atomic_write(os.path.join(marks, rundir.CANCELLED), json.dumps(record).encode(), 0o600)
+    exit_path = os.path.join(marks, rundir.FACT_EXIT if facts else rundir.EXIT_CODE)
+    return {"state": "cancelled", "exit_code": read_int(exit_path)}
 
 
 # --- probe ------------------------------------------------------------------------------
@@ -536,13 +527,21 @@ def main(argv: list[str]) -> int:
         return 2
     command = argv[0]
     if command == "start" and len(argv) >= 2:
-        secrets = json.loads(sys.stdin.read() or "{}") if "--secrets-stdin" in argv else {}
-        print(json.dumps(start(argv[1], secrets, clean_env="--clean-env" in argv)), flush=True)
+        # The wrapper lives in its own module, which imports this one (the shared helpers).
+        try:
+            from . import supervisor
+        except ImportError:  # run as a script beside supervisor.py
+            import supervisor  # type: ignore[no-redef, import-not-found]
+        spec, values = supervisor.read_start_input(argv[1], argv)
+        facts = argv[argv.index("--facts") + 1] if "--facts" in argv else None
+        started = supervisor.start(argv[1], spec, values, clean_env="--clean-env" in argv, facts=facts)
+        print(json.dumps(started), flush=True)
         return 0
     if command == "cancel" and len(argv) >= 2:
         grace = float(argv[argv.index("--grace") + 1]) if "--grace" in argv else 10.0
         handle = json.loads(argv[argv.index("--handle") + 1]) if "--handle" in argv else None
-        print(json.dumps(cancel(argv[1], grace, handle)), flush=True)
+        facts = argv[argv.index("--facts") + 1] if "--facts" in argv else None
+        print(json.dumps(cancel(argv[1], grace, handle, facts)), flush=True)
         return 0
     if command == "status" and len(argv) >= 2:
         print(json.dumps(job_status(argv[1])), flush=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 # --- the files of a run directory (`<target workdir>/<run id>/`) -----------------------------
 
-JOB_SPEC = "job.json"  # obd, before the start: the job's argv, cwd, env and PYTHONPATH (read by `jobctl start`)
+JOB_SPEC = "job.json"  # obd, before the start: the job's argv, cwd, env and PYTHONPATH (read by `jobctl start` on remote targets)
 JOB_LOG = "job.log"  # the job: its stdout and stderr
 JOB_PID = "job.pid"  # the job wrapper: its pid (the job's process-group leader), start time and boot id
 EXIT_CODE = "exit_code"  # the job wrapper, once the job ended: its exit status
@@ -35,6 +35,12 @@ PROFILE = "profile"  # the runner's wrapper: profiler artefacts of a run started
 PLUGIN = "plugin"  # obd: the trainer_plugin files for this run, first on the job's PYTHONPATH
 SOURCES = "src"  # obd: the job's --cwd, uploaded to targets that do not share the daemon's filesystem
 RESUME = "resume"  # obd: a checkpoint brought from another target for OBD_RESUME_FROM
+
+# The facts directory: where the job wrapper records the job's handle and end, in a place of the
+# daemon's own that the job's user cannot write (a local target's `STATE_DIR/facts/<run id>/`).
+# The cancel marks (CANCELLING, CANCELLED) go there too; the run directory's copies are for people.
+FACT_HANDLE = "handle.json"  # the wrapper, before the job starts: its pid, start time, boot id
+FACT_EXIT = "exit_code"  # the wrapper, once every process of the job is gone: the exit status
 
 # The pod watchdog's files (Runpod targets only).
 WATCHDOG_CONFIG = "watchdog.json"  # obd: the watchdog's caps and settings (no secret in it)

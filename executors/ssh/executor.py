@@ -28,6 +28,7 @@ from executors.base import (
     JobStatus,
     LaunchUncertain,
     Reached,
+    RunAs,
     RunProbe,
     TargetUnreachable,
 )
@@ -335,6 +336,10 @@ class SshExecutor:
                 f"could not write {path} on {self.address}: {exc.error}; the old file, if any, is intact "
                 f"(a full disk? check `df -h {remote.q(parent)}` there)"
             ) from exc
+
+    async def make_run_dir(self, remote_dir: str, owner: RunAs | None) -> None:
+        """Nothing to do: the first upload makes it, as the login's user, who runs the job."""
+        return None
 
     async def upload(self, local: Path, remote: str) -> None:
         await self.files.upload(local, remote)
