@@ -37,7 +37,7 @@ from daemon.api import (
 )
 from daemon.follow import job_handle
 from daemon.models import RunRecord, RunState, normalise_reason
-from daemon.queue import load_spec
+from daemon.queue import uses_caller_environment
 from daemon.recovery import chain_of
 from executors.base import Executor, ExecutorError
 from executors.local import hand_over
@@ -221,6 +221,7 @@ class Handlers:
         return {
             "id": record.id,
             "name": record.name,
+            "owner_uid": record.owner_uid,
             "state": record.state.value,
             "run_dir": str(where),
             "output": str(where / rundir.OUTPUT),
@@ -231,15 +232,16 @@ class Handlers:
     # --- acting --------------------------------------------------------------------------
 
     async def start(self, req: StartRequest, peer: Peer) -> dict[str, Any]:
+        if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
+            req.environ = None  # its jobs never start from the caller's environment: not kept, not even here
         return (await self.daemon.launcher.start(req, peer)).public()
 
     async def resume(self, req: ResumeRequest, peer: Peer) -> dict[str, Any]:
-        """A new run like RUN (target, command, name, GPUs, directory, --env values), from its
-        checkpoint, with the environment of whoever resumes it."""
+        """A new run like RUN (target, command, name, GPUs, directory), from its checkpoint, with
+        the environment, `--env` values and secrets of whoever resumes it: never RUN's, which
+        are not kept once nothing can start from RUN again (docs/security.md)."""
         daemon = self.daemon
         source = daemon.find(req.id, peer)
-        spec = load_spec(daemon, source.id)
-        old = spec[0] if spec else None
         start = StartRequest(
             op="start",
             command=req.command or source.command,
@@ -247,7 +249,7 @@ class Handlers:
             name=resumed_name(daemon, source.name),
             cwd=source.cwd if not daemon.targets.of(source).shares_filesystem(source) else None,
             client_cwd=source.cwd,
-            env=req.env if req.env is not None else (dict(old.env) if old else {}),
+            env=req.env or {},
             secrets=req.secrets,
             environ=req.environ,
             env_clear=req.env_clear,
@@ -259,9 +261,8 @@ class Handlers:
             retry=req.retry,
             profile=source.profile,
             snapshot_on_sigterm=source.snapshot_on_sigterm,
-            output_to=old.output_to if old else None,
         )
-        return (await daemon.launcher.start(start, peer)).public()
+        return await self.start(start, peer)
 
     async def stop(self, req: StopRequest, peer: Peer) -> dict[str, Any]:
         record = self.daemon.find(req.id, peer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import sys
 from pathlib import Path
@@ -78,6 +79,45 @@ def copy_tree(src: Path, dest: Path, leave_out: set[str]) -> tuple[int, int, lis
 
 
 def copy_outputs(reply: dict[str, Any], to: str | None, which: str | None, as_json: bool) -> int:
+    """Copy the outputs as `obd train outputs` does; root copying another user's run does it as
+    that user (see `_as_owner`)."""
+    owner = reply.get("owner_uid")
+    if os.geteuid() == 0 and isinstance(owner, int) and owner != 0:
+        return _as_owner(owner, lambda: _copy_outputs(reply, to, which, as_json))
+    return _copy_outputs(reply, to, which, as_json)
+
+
+def _as_owner(uid: int, copy: Any) -> int:
+    """Run `copy` in a child that is the run's owner for good: a run's files are as hostile as
+    their owner, so root never reads through a link of theirs or writes through one (`--to`)."""
+    try:
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        print(f"obd: the run's owner (uid {uid}) has no account here; copy its files by hand", file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.initgroups(pw.pw_name, pw.pw_gid)
+            os.setresgid(pw.pw_gid, pw.pw_gid, pw.pw_gid)
+            os.setresuid(uid, uid, uid)
+            code = copy()
+            if code != 0:
+                print(
+                    f"obd: root copies a run of {pw.pw_name}'s as {pw.pw_name}, so --to must be a directory "
+                    f"{pw.pw_name} can write (copy on from there as root if you need them elsewhere)",
+                    file=sys.stderr,
+                )
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _copy_outputs(reply: dict[str, Any], to: str | None, which: str | None, as_json: bool) -> int:
     try:
         src, leave_out = pick_source(reply, which)
         if not src.is_dir():
@@ -88,7 +128,7 @@ def copy_outputs(reply: dict[str, Any], to: str | None, which: str | None, as_js
         dest.mkdir(parents=True, exist_ok=True)
         files, size, skipped = copy_tree(src, dest, leave_out)
     except PermissionError as exc:
-        print(f"obd: cannot read the outputs of run {reply['id']}: {exc}", file=sys.stderr)
+        print(f"obd: cannot copy the outputs of run {reply['id']}: {exc}", file=sys.stderr)
         return 1
     except OutputsError as exc:
         print(f"obd: {exc}", file=sys.stderr)

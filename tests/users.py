@@ -14,6 +14,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -96,6 +97,34 @@ class Box:
             text=True,
             **self._as(user),
         )
+
+
+def training_python(base: Path) -> Path:
+    """A Python the throwaway users can run, with torch and transformers: a venv of Debian's
+    /usr/bin/python3 (the same 3.11 ABI) that sees this repository's site-packages, directly when
+    every directory above them is open to others, else through a tree of hard links (no copy of
+    the bytes) in `base`."""
+    site = Path(next(p for p in sys.path if p.endswith("site-packages") and (Path(p) / "torch").is_dir()))
+    venv = base / "train-venv"
+    if (venv / "bin" / "python").exists():
+        return venv / "bin" / "python"
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True)
+    reachable = all(p.stat().st_mode & 0o005 == 0o005 for p in (site, *site.parents))
+    if not reachable:
+        linked = base / "site-packages"
+        made = subprocess.run(["cp", "-al", str(site), str(linked)], check=False, capture_output=True)
+        if made.returncode != 0:
+            pytest.skip(f"this repository's site-packages cannot be shared with test users: {made.stderr!r}")
+        site = linked
+        for root, dirs, _ in os.walk(site):
+            for d in dirs:
+                (Path(root) / d).chmod(0o755)
+        site.chmod(0o755)
+    (next((venv / "lib").glob("python3*")) / "site-packages" / "obd-test-site.pth").write_text(f"{site}\n")
+    for path in (venv, *venv.rglob("*")):
+        if not path.is_symlink():
+            path.chmod(path.stat().st_mode | 0o055)
+    return venv / "bin" / "python"
 
 
 def _add_user(name: str, group: str, base: Path) -> User:
