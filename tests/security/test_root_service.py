@@ -41,7 +41,10 @@ def box(make_daemon, short_tmp: Path, accounts) -> Iterator[Box]:
     """A root daemon with one configured GPU, whose socket the throwaway users' group may use."""
     alice, bob, group, client, venv = accounts
     os.chmod(short_tmp, 0o711)
-    d = make_daemon(CONFIG.replace("[daemon]", f'[daemon]\nsocket_group = "{group}"'))
+    # The users' venv runs obd's wrappers (--profile's) as them: the daemon's own Python may be
+    # under root's private home.
+    config = CONFIG.replace("[daemon]", f'[daemon]\nsocket_group = "{group}"') + f'python = "{venv}/bin/python"\n'
+    d = make_daemon(config)
     d.start()
     yield Box(d, alice, bob, group, client, venv)
 
@@ -230,6 +233,8 @@ def test_links_in_a_run_directory_never_make_root_read_copy_or_serve_a_root_only
         rid = _start(box, alice, "sh", "-c", job, opts=("--profile",))
         final = box.daemon.wait_state(rid, "succeeded", "failed", "stopped", "cancelled", timeout=60)
         assert final["snapshot"] is None
+        rd = Path(final["remote_dir"])
+        assert (rd / "metrics.jsonl").is_symlink() and (rd / "profile").is_symlink()  # the job did plant them
         for args in (("logs", rid), ("status", rid, "--json"), ("metrics", rid, "--json")):
             out = box.obd(alice, "train", *args)
             assert marker not in out.stdout + out.stderr, args
