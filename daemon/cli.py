@@ -292,6 +292,21 @@ def _targets_from_config(config: str | None) -> list[dict[str, Any]]:
     return rows
 
 
+def _environ_for(client: Client, target: str, env_clear: bool) -> dict[str, str] | None:
+    """This shell's environment, sent only for a run whose job starts from it: a local target's.
+
+    SSH, Slurm and pod jobs never use it, so it is not sent for them (nor kept by the daemon).
+    `local`, the default when --target is absent, is always this machine (the config may not
+    give that name to another kind), so the usual start costs no extra request; another name is
+    looked up in the daemon's own list of targets, whose config this client may not be able to
+    read (one round trip on the same connection)."""
+    if env_clear:
+        return None  # the job starts from an empty environment: nothing of this one is needed
+    if target == "local" or any(t.get("name") == target and t.get("kind") == "local" for t in client.call("targets")):
+        return dict(os.environ)
+    return None
+
+
 def _umask() -> int:
     mask = os.umask(0o077)
     os.umask(mask)
@@ -307,6 +322,13 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     if action == "start":
         return _start(args, list(args.command) + command, client)
     if action == "resume":
+        source = client.call("wait", id=args.id, timeout=0.0)  # its record at once (no wait): its target
+        if source.get("env_names") and not args.env:
+            print(
+                f"obd: note: {source['id']} was started with --env {', '.join(source['env_names'])}; a resume never "
+                "takes those values (they are not kept): give them again with --env NAME=VALUE if the job needs them",
+                file=sys.stderr,
+            )
         record = client.call(
             "resume",
             id=args.id,
@@ -314,7 +336,7 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             command=(list(args.command) + command) or None,
             env=_env_pairs(args.env) if args.env else None,
             secrets=_secrets(args.secret),
-            environ=dict(os.environ),
+            environ=_environ_for(client, source["target"], args.env_clear),
             env_clear=args.env_clear,
             umask=_umask(),
             retry=args.retry,
@@ -361,7 +383,7 @@ def _start(args: argparse.Namespace, command: list[str], client: Client) -> int:
         client_cwd=os.getcwd(),
         env=_env_pairs(args.env),
         secrets=_secrets(args.secret),
-        environ=dict(os.environ),
+        environ=_environ_for(client, args.target, args.env_clear),
         env_clear=args.env_clear,
         umask=_umask(),
         output_to=args.output_to,

@@ -45,7 +45,8 @@ examples:
   obd train resume last -- python train.py --lr 1e-4   a new command
 
 The new run has the old one's target, name (suffixed -r2, -r3...), GPUs and
-working directory."""
+working directory; its environment, --env values and secrets are yours, given
+now as for a start (RUN's are not kept)."""
 
 COMPLETION_HELP = """\
 install:
@@ -239,13 +240,14 @@ def _run_arg(parser: argparse.ArgumentParser, what: str = "the run") -> None:
     parser.add_argument("id", metavar="RUN", help=f"{what}: an id, a unique id prefix, a name, or `last`")
 
 
-def _add_environment(parser: argparse.ArgumentParser, replaces: bool = False) -> None:
+def _add_environment(parser: argparse.ArgumentParser, for_resume: bool = False) -> None:
     parser.add_argument(
         "--env",
         action="append",
         default=[],
         metavar="K=V",
-        help="set K=V in the job's environment" + (" (replaces the old run's --env values)" if replaces else ""),
+        help="set K=V in the job's environment"
+        + (" (RUN's --env values are not kept: give them again)" if for_resume else ""),
     )
     parser.add_argument(
         "--secret",
@@ -316,7 +318,7 @@ def _add_resume(train: Any) -> None:
     )
     _run_arg(rs, "the run to resume")
     rs.add_argument("--checkpoint", metavar="WHICH", help="latest, a step number, or a path on the target")
-    _add_environment(rs, replaces=True)
+    _add_environment(rs, for_resume=True)
     rs.add_argument(
         "--retry", type=_count(0, 100), metavar="N", help="start it again up to N times if it fails or is preempted"
     )

@@ -8,20 +8,26 @@ the queue until its backoff is over, without holding up the runs behind it.
 
 Runs leave the queue one at a time, each saved `preparing` with its devices before its launch
 begins, so a daemon killed at any moment never starts a run twice: a run still `queued` after a
-restart is started once, later. What a queued run needs to start (its environment and secrets,
-its user) is kept beside its record in `launch.json`, readable by the daemon's user only.
+restart is started once, later. What a queued run needs to start (its `--env` values, secrets
+and user, and the caller's environment for a target whose jobs start from it) is kept beside its
+record in `launch.json`, readable by the daemon's user only, and only while an attempt of its
+chain may still start from it: the file is deleted when the chain ends (daemon/recovery.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
 
 from daemon.api import StartRequest
+from daemon.config import ConfigError
 from daemon.models import RunRecord, RunState
 from executors.base import RunAs
 from trainer_plugin.rundir import atomic_write, read_regular
@@ -34,8 +40,21 @@ SPEC = "launch.json"
 SAFETY_POLL = 30.0  # the queue is looked at this often even when nothing says it should be
 
 
+def uses_caller_environment(daemon: Daemon, target: str) -> bool:
+    """Whether a job on this target starts from its caller's environment: only a local target's
+    (this machine's). SSH, Slurm and pod jobs start from their machine's, so the caller's
+    environment is neither kept nor used for them."""
+    try:
+        return daemon.config.target(target).kind == "local"
+    except ConfigError:
+        return False  # an unknown target: the start is refused, nothing is kept
+
+
 def save_spec(daemon: Daemon, run_id: str, req: StartRequest, run_as: RunAs | None) -> None:
-    """Keep what a run needs to start later (its request, values included, and its user)."""
+    """Keep what a run needs to start later (its request, values included, and its user), in a
+    file only the daemon's user can read; the caller's environment only where it is used."""
+    if req.environ is not None and (req.env_clear or not uses_caller_environment(daemon, req.target)):
+        req = req.model_copy(update={"environ": None})
     data = {"request": req.model_dump(mode="json"), "run_as": run_as.model_dump() if run_as else None}
     directory = daemon.store.run_dir(run_id)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -55,15 +74,32 @@ def load_spec(daemon: Daemon, run_id: str) -> tuple[StartRequest, RunAs | None] 
     return req, run_as
 
 
-def forget_secrets(daemon: Daemon, run_id: str) -> None:
-    """Once nothing will start from a run again, its secrets are not kept (its other values are,
-    for `obd train resume`)."""
-    spec = load_spec(daemon, run_id)
-    if spec is None or not spec[0].secrets:
+def drop_spec(daemon: Daemon, run_id: str) -> None:
+    """Delete a run's launch.json (its caller's environment, `--env` values and secrets) once
+    nothing can start from the run again. Deleted, not emptied: no value of it stays on disk. A
+    resume takes the resumer's values, never these."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        os.unlink(daemon.store.run_dir(run_id) / SPEC)
+
+
+def drop_orphan_specs(daemon: Daemon, keep: Collection[str]) -> None:
+    """Delete the launch settings of run directories with no record at all (a start whose record
+    could not be saved after its launch.json was, a crash amid the write of one), with any
+    temporary copy left behind. The runs in `keep` and those whose record is there but unreadable
+    (it may be mended by hand, and its run started) are left alone."""
+    try:
+        names = os.listdir(daemon.store.runs_dir)
+    except FileNotFoundError:
         return
-    req, run_as = spec
-    req.secrets = {}
-    save_spec(daemon, run_id, req, run_as)
+    for name in names:
+        directory = daemon.store.runs_dir / name
+        if name in keep or os.path.lexists(directory / "run.json"):
+            continue
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in os.listdir(directory):
+                if entry == SPEC or entry.startswith(f".{SPEC}.tmp."):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(directory / entry)
 
 
 class Scheduler:

@@ -10,6 +10,11 @@ non-zero exit, a lost job, a failed launch, a preemption, a `deadline` snapshot;
 by a user nor an invalid proof) is started again as the next attempt of its chain, after a
 backoff that doubles each time, from its checkpoint (or from the start when it has none).
 Each attempt is a run of its own; `list` shows a chain's latest attempt, `status` the chain.
+
+An attempt's launch settings (launch.json: the caller's environment, `--env` values, secrets)
+are deleted as soon as nothing can start from it again: when its next attempt is made (which
+keeps its own copy), or when it ended with no retry to come (no attempt left, a cause retries do
+not help with, a cancel). A daemon that starts deletes those an earlier one left behind.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import structlog
 
 from daemon.api import ApiError
 from daemon.models import RunRecord, RunState
-from daemon.queue import forget_secrets, load_spec
+from daemon.queue import drop_orphan_specs, drop_spec, load_spec
 from executors.base import ExecutorError
 from trainer_plugin import rundir
 
@@ -159,8 +164,8 @@ class Recovery:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self._pending: set[str] = set()
-        # Ended runs with no attempt left, their secrets already dropped: later edits (notes,
-        # collected metrics, mirrored outputs) have nothing to decide.
+        # Ended runs nothing starts from again, their launch settings deleted: later edits
+        # (notes, collected metrics, mirrored outputs) have nothing to decide.
         self._settled: set[str] = set()
 
     def on_change(self, record: RunRecord) -> None:
@@ -174,24 +179,42 @@ class Recovery:
             self.daemon.start_soon(self._after_end, record)
 
     def catch_up(self) -> None:
-        """At start: attempts with retries left whose end an earlier daemon recorded but did not
-        act on (a run without retries had its secrets dropped when it ended)."""
-        for record in list(self.daemon.records.values()):
-            if record.retries and self.attempts_left(record) > 0:
+        """At start: retry the attempts an earlier daemon saw end but did not act on, and delete
+        the launch settings of every ended run nothing can start from any more (one that ended
+        while no daemon ran, or whose deletion a crash cut short), and of runs with no record."""
+        daemon = self.daemon
+        for record in list(daemon.records.values()):
+            if not record.state.final:
+                continue
+            if record.retried_by is None and self.retry_due(record):
                 self.on_change(record)
+            else:
+                self._settle(record)
+        drop_orphan_specs(daemon, daemon.records.keys())
 
     def attempts_left(self, record: RunRecord) -> int:
         return record.retries - (record.attempt - 1)
 
+    def retry_due(self, record: RunRecord) -> str | None:
+        """Why an ended attempt is started again (its cause), or None when its chain ends here."""
+        cause = retry_cause(record)
+        if cause and cause in self.daemon.config.retry.on and self.attempts_left(record) > 0:
+            return cause
+        return None
+
+    def _settle(self, record: RunRecord) -> None:
+        """Nothing starts from this run again: its launch settings go, and later edits of it
+        (notes, collected metrics, mirrored outputs) have nothing to decide."""
+        drop_spec(self.daemon, record.id)
+        self._settled.add(record.id)
+
     async def _after_end(self, record: RunRecord) -> None:
         try:
-            cause = retry_cause(record)
-            if cause and cause in self.daemon.config.retry.on and self.attempts_left(record) > 0:
+            cause = self.retry_due(record)
+            if cause:
                 await self._next_attempt(record, cause)
-            elif self.attempts_left(record) <= 0 or not cause:
-                forget_secrets(self.daemon, record.id)
-                if self.attempts_left(record) <= 0:
-                    self._settled.add(record.id)
+            else:
+                self._settle(record)
         except Exception:  # a retry that cannot be made is said in the record, never fatal
             log.exception("retry_failed", run_id=record.id)
         finally:
@@ -204,9 +227,11 @@ class Recovery:
         if existing:  # made before a restart, its link not yet saved
             async with daemon.editing(record):
                 record.retried_by = existing[0].id
+            self._settle(record)
             return
         spec = load_spec(daemon, record.id)
         if spec is None:
+            self._settled.add(record.id)  # said once: nothing can start from it
             async with daemon.editing(record):
                 record.note("no retry: the settings it was started with are gone (launch.json); resume it by hand")
             return
@@ -225,6 +250,7 @@ class Recovery:
             record.note(
                 f"retrying ({cause}): attempt {new.attempt} of {record.retries + 1} is {new.id}, {start}, in {delay:g} s"
             )
+        self._settle(record)  # the next attempt keeps its own copy of the settings
         log.info("run_retried", run_id=record.id, next_run=new.id, cause=cause, attempt=new.attempt, delay_s=delay)
 
 

@@ -201,7 +201,7 @@ complete -c obd -n '__obd_at \'train start\'' -l json -d 'print the new run\'s r
 complete -c obd -n '__obd_at \'train start\'' -a '--'
 complete -c obd -n '__obd_at \'train resume\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train resume\'' -l checkpoint -x -d 'latest, a step number, or a path on the target'
-complete -c obd -n '__obd_at \'train resume\'' -l env -x -d 'set K=V in the job\'s environment (replaces the old run\'s --env values)'
+complete -c obd -n '__obd_at \'train resume\'' -l env -x -d 'set K=V in the job\'s environment (RUN\'s --env values are not kept: give them again)'
 complete -c obd -n '__obd_at \'train resume\'' -l secret -x -d 'pass $NAME from this shell to the job, never on a command line or in a record'
 complete -c obd -n '__obd_at \'train resume\'' -l env-clear -d 'start the job from an empty environment (HOME, USER, PATH), not this shell\'s'
 complete -c obd -n '__obd_at \'train resume\'' -l retry -x -d 'start it again up to N times if it fails or is preempted'
