@@ -104,6 +104,7 @@ class StopRequest(_Req):
     op: Literal["stop"]
     id: str
     reason: str = "requested"
+    via: Literal["cli", "ui", "api"] = "cli"  # how the request came, for the run's history
 
 
 class IdRequest(_Req):

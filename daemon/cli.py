@@ -402,7 +402,12 @@ def _start(args: argparse.Namespace, command: list[str], client: Client) -> int:
 def _stop(args: argparse.Namespace, client: Client) -> int:
     record = client.call("stop", id=args.id, reason=args.reason)
     if not args.wait:
-        _print_record(record, args.json, f"{record['id']}: snapshot requested ({record['stop']['reason']})")
+        said = f"{record['id']}: snapshot requested ({record['stop']['reason']})"
+        if not record.get("snapshots"):
+            said += (
+                "; its job has not announced obd's snapshot plugin yet (still loading?): it is asked at its first step"
+            )
+        _print_record(record, args.json, said)
         return 0
     final = _wait(Patient(client), record, _Feedback.for_terminal())
     _print_record(final, args.json, render.status(final))

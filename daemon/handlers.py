@@ -12,7 +12,6 @@ import base64
 import json
 import os
 import shutil
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +38,7 @@ from daemon.follow import job_handle
 from daemon.models import RunRecord, RunState, normalise_reason
 from daemon.queue import uses_caller_environment
 from daemon.recovery import chain_of
+from daemon.stop import ASKED_VIA, request_snapshot
 from executors.base import Executor, ExecutorError
 from executors.local import hand_over
 from trainer_plugin import rundir
@@ -277,16 +277,12 @@ class Handlers:
             )
         if not record.snapshots and record.state == RunState.running:
             await self._refresh(record)  # the job may have announced the plugin since the last poll
-        if not record.snapshots:
-            raise ApiError(
-                f"run {record.id} cannot snapshot: its job has not announced obd's snapshot plugin "
-                f'(no `begin` line with "snapshots": true in metrics.jsonl). '
-                f"Use `obd train cancel {record.id}` to end it",
-                "state",
-            )
+        # A job that has not announced obd's plugin yet (still loading its model, or not started)
+        # keeps the request: the plugin takes it at its first step boundary, and the stop
+        # fallback ends a job that never announces it.
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
-                await request_snapshot(self.daemon, record, reason, "`obd train stop`")
+                await request_snapshot(self.daemon, record, reason, ASKED_VIA[req.via])
         except (ExecutorError, TimeoutError, OSError) as exc:
             raise ApiError(
                 f"could not write the snapshot request on target {record.target}: {exc or 'no answer in time'}; "
@@ -389,35 +385,6 @@ def pwd_gid(uid: int) -> int:
         return pwd.getpwuid(uid).pw_gid
     except KeyError:
         return uid
-
-
-async def request_snapshot(daemon: Daemon, record: RunRecord, reason: str, by: str) -> None:
-    """Write `snapshot.request` in the run directory, and record that it was asked for.
-
-    Recorded before the file is written, so a daemon killed in between still counts the
-    fallback from the request; undone if the write fails.
-    """
-    executor = daemon.targets.executor(record)
-    async with daemon.editing(record):
-        first = record.stop.requested_at is None
-        before = record.stop.model_copy()
-        if first:
-            record.stop.requested_at = time.time()
-        record.stop.reason = reason
-    try:
-        await executor.put_file(f"{record.remote_dir}/{rundir.SNAPSHOT_REQUEST}", rundir.request_bytes(reason))
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            async with daemon.editing(record):
-                record.stop = before
-        raise
-    async with daemon.editing(record):
-        if first:
-            record.note(f"snapshot requested ({reason}) by {by}")
-        elif before.reason != reason:
-            record.note(f"snapshot request reason changed to {reason}")
-    log.info("snapshot_requested", run_id=record.id, reason=reason, by=by)
-    daemon.follow.wake_run(record)
 
 
 TAIL_BLOCK = 65536  # how much of a log one read takes when looking for where its last lines start

@@ -29,6 +29,7 @@ from daemon.gpus import parse_wanted
 from daemon.models import RunRecord, RunState
 from daemon.queue import load_spec, save_spec
 from daemon.recovery import Checkpoint, resume_point
+from daemon.stop import write_pending_request
 from daemon.store import StoreError
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
 from executors.gpus import visible_devices
@@ -364,6 +365,7 @@ class Launcher:
         log.info("run_started", run_id=record.id, pid=handle.pid)
         follow.ensure_loop(record)
         follow.watch(record)
+        await write_pending_request(daemon, record)  # a stop that came while the run prepared
         if record.stop.cancel_by == "user":
             follow.start_cancel(record)
 

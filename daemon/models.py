@@ -79,6 +79,10 @@ class StopState(BaseModel):
     invalid_proof: str | None = None  # why the proof was rejected
     fallback: str | None = None  # why the daemon cancelled the job, if it did
     cancel_by: str | None = None  # "user" or "fallback"
+    # Who asked through obd (`obd train stop`, the web view, a pod's cap...); None for a request
+    # someone wrote in the run directory. A stop asked through obd of a job that never announces
+    # the plugin is ended by the fallback; a request written by hand never cancels such a job.
+    asked_by: str | None = None
 
 
 class RunRecord(BaseModel):

@@ -176,8 +176,9 @@ def fallback_reason(record: RunRecord, now: float, stop: StopTimes) -> str | Non
     """Why the stop fallback must cancel the running job now, or None.
 
     A proof and the job still running `end_timeout` later: cancel (the run is then `stopped`).
-    A request, no proof `proof_timeout` after it was seen, and a job that announced the plugin:
-    cancel (the run is then `cancelled`). A job without the plugin is never cancelled for a request.
+    A request, no proof `proof_timeout` after it was seen, and a job that announced the plugin, or
+    a stop asked through obd (which may come before the job announced it): cancel (the run is then
+    `cancelled`). A job without the plugin is never cancelled for a request written by hand.
     """
     st = record.stop
     if st.fallback:  # already cancelling
@@ -186,8 +187,13 @@ def fallback_reason(record: RunRecord, now: float, stop: StopTimes) -> str | Non
         if now - st.proof_at >= stop.end_timeout:
             return f"the job still ran {format_duration(stop.end_timeout)} after its snapshot"
         return None
-    if record.snapshots and st.requested_at is not None and now - st.requested_at >= stop.proof_timeout:
-        return f"no snapshot within {format_duration(stop.proof_timeout)} of the request"
+    if (
+        (record.snapshots or st.asked_by)
+        and st.requested_at is not None
+        and now - st.requested_at >= stop.proof_timeout
+    ):
+        never = "" if record.snapshots else " (the job never announced obd's snapshot plugin)"
+        return f"no snapshot within {format_duration(stop.proof_timeout)} of the request{never}"
     return None
 
 
@@ -229,11 +235,14 @@ def state_from_exit(record: RunRecord, status: JobStatus) -> tuple[RunState, str
             f"machine rebooted); see `obd train logs {rid}`"
         )
     code = status.exit_code
+    untaken = ""
+    if snap is None and record.stop.asked_by and not record.snapshots:
+        untaken = "; the stop asked for was never taken: the job never announced obd's snapshot plugin"
     if code == 0:
         if snap is not None:
             return RunState.stopped, f"snapshot {snap.checkpoint} at step {snap.step} ({snap.reason})"
-        return RunState.succeeded, "exit 0"
-    return RunState.failed, f"exit {code}; see `obd train logs {rid}`"
+        return RunState.succeeded, "exit 0" + untaken
+    return RunState.failed, f"exit {code}; see `obd train logs {rid}`{untaken}"
 
 
 def final_state(record: RunRecord, status: JobStatus, checkpoints: list[str]) -> FinalDecision:

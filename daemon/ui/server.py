@@ -162,7 +162,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._drain_body()
         parts = path.split("/")
         if len(parts) == 5 and parts[:3] == ["", "api", "runs"] and parts[4] in ("stop", "cancel"):
-            params = {"reason": "requested"} if parts[4] == "stop" else {}
+            params = {"reason": "requested", "via": "ui"} if parts[4] == "stop" else {}
             return self._call(parts[4], id=parts[3], **params)
         return self._refuse(HTTPStatus.NOT_FOUND, "no such action")
 

@@ -101,12 +101,17 @@ def test_an_invalid_proof_fails_the_run_and_no_path_of_it_is_used(sd: DaemonProc
     assert record["snapshot"] is None
 
 
-def test_a_run_without_the_plugin_cannot_be_stopped_and_is_pointed_to_cancel(sd: DaemonProc) -> None:
+def test_a_stop_of_a_job_that_never_announces_the_plugin_is_kept_then_ended_by_the_fallback_saying_why(
+    sd: DaemonProc,
+) -> None:
     rid = start(sd, PY, FAKE, "no-plugin")
     sd.wait_state(rid, "running")
     out = sd.cli("train", "stop", rid)
-    assert out.returncode == 1
-    assert "cannot snapshot" in out.stderr and f"obd train cancel {rid}" in out.stderr
+    assert out.returncode == 0, out.stderr
+    assert "not announced" in out.stdout  # the user is told the job will be asked once it can snapshot
+    record = sd.wait_state(rid, "cancelled", "stopped", "failed", timeout=30)
+    assert record["state"] == "cancelled"
+    assert "no snapshot within 3 s of the request (the job never announced obd's snapshot plugin)" in record["message"]
 
 
 def test_a_request_from_elsewhere_never_gets_a_job_without_the_plugin_cancelled(sd: DaemonProc) -> None:
