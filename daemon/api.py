@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from daemon.client import MAX_TAIL_LINES, READ_LIMIT
 
 
+# The largest file offset a read may ask for (off_t is signed 64 bits): larger is a bad request.
+MAX_OFFSET = (1 << 63) - 1
+
+
 class RawJSON(bytes):
     """A result already encoded as JSON: the server puts it in its reply as it is."""
 
@@ -132,7 +136,7 @@ class ListRunsRequest(_Req):
     states: list[str] = Field(default_factory=list)
     target: str | None = None
     name: str | None = None
-    since: float | None = None  # unix time: runs created at or after it
+    since: float | None = Field(default=None, allow_inf_nan=False)  # unix time: runs created at or after it
     limit: int | None = Field(default=None, ge=1, le=100_000)
     recent: int = Field(default=10, ge=0, le=100_000)  # finished runs shown by default
 
@@ -141,7 +145,7 @@ class WatchRequest(_Req):
     """Answer when any of the caller's runs changed after `since` (a version), or after `timeout`."""
 
     op: Literal["watch"]
-    since: int = Field(default=0, ge=0)
+    since: int = Field(default=0, ge=0, le=MAX_OFFSET)
     timeout: float = Field(default=25.0, ge=0, le=300)
 
 
@@ -149,6 +153,6 @@ class ReadRequest(_Req):
     op: Literal["read"]
     id: str
     file: Literal["log", "metrics"] = "log"  # job.log, or metrics.jsonl (the plugin's progress lines)
-    offset: int = Field(default=0, ge=0)
+    offset: int = Field(default=0, ge=0, le=MAX_OFFSET)
     limit: int = Field(default=65536, ge=1, le=READ_LIMIT)
     tail_lines: int | None = Field(default=None, ge=0, le=MAX_TAIL_LINES)

@@ -243,14 +243,31 @@ __all__ = [
 ]
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "tuple", "none"})
+_KIND_TAGS = frozenset({"local", "ssh", "runpod", "slurm"})
+
+
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    """Where a configuration error is, as the file spells it: pydantic's tags for the member of
+    a union it tried (a target's kind, `list[str]`, `int`, `function-after[...]`) left out."""
+    parts = [str(p) for p in loc]
+    if len(parts) >= 3 and parts[0] == "targets" and parts[2] in _KIND_TAGS:
+        del parts[2]
+    return ".".join(p for p in parts if not ("[" in p or p in _TYPE_TAGS or p.startswith("function-")))
+
+
 def _format_validation(error: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid configuration"]
+    """One line per key at fault, each of its complaints once (a union's members joined by `or`)."""
+    found: dict[str, list[str]] = {}
     for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-"))
         msg = item["msg"]
         if item["type"] == "extra_forbidden":
             msg = "unknown key (check its spelling against the README's configuration section)"
-        lines.append(f"  {where}: {msg}")
+        said = found.setdefault(_key_path(item["loc"]), [])
+        if msg not in said:
+            said.append(msg)
+    lines = [f"{source}: invalid configuration"]
+    lines += [f"  {where}: {'; or '.join(msgs)}" for where, msgs in found.items()]
     return "\n".join(lines)
 
 

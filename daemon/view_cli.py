@@ -73,6 +73,8 @@ def plot_command(args: argparse.Namespace, client: Any) -> int:
     except plot.PlotError as exc:
         print(exc if str(exc).startswith("obd:") else f"obd: {exc}", file=sys.stderr)
         return EXIT_USAGE if exc.usage else EXIT_ERROR
+    except BrokenPipeError:
+        raise  # the reader went away (`| head`): the command's exit code says so (141)
     except OSError as exc:
         print(f"obd: cannot write the image: {exc}", file=sys.stderr)
         return EXIT_ERROR

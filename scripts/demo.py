@@ -37,6 +37,22 @@ def obd(*args: str, check: bool = True, show: bool = True) -> subprocess.Complet
     return out
 
 
+def wait_ready(daemon: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """Wait quietly until the daemon answers on its socket (it is still starting meanwhile)."""
+    from daemon.client import Client, DaemonUnreachable
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if daemon.poll() is not None:
+            raise SystemExit(f"demo: the daemon exited ({daemon.returncode}); see its log")
+        try:
+            Client(Path(os.environ["OBD_SOCKET"]), timeout=2).call("ping")
+            return
+        except DaemonUnreachable:
+            time.sleep(0.05)
+    raise SystemExit("demo: the daemon did not answer within 30 s; see its log")
+
+
 def record(run_id: str) -> dict:
     return json.loads(obd("train", "status", run_id, "--json", show=False).stdout)
 
@@ -67,10 +83,7 @@ def main() -> int:
     log = open(root / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes to it for the demo's whole life
     daemon = subprocess.Popen([*OBD, "daemon"], stdout=log, stderr=log, cwd=REPO)
     try:
-        for _ in range(100):
-            if obd("train", "list", check=False, show=False).returncode == 0:
-                break
-            time.sleep(0.1)
+        wait_ready(daemon)
         say("a tiny Qwen2 LoRA fine-tune (random weights, local tokenizer, shipped data)")
         run = obd("train", "start", "--name", "lora-demo", "--", *WORKLOAD, "--max_steps", "60").stdout.strip()
         wait_step(run, 5)

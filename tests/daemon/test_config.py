@@ -57,7 +57,7 @@ def test_a_config_file_is_read_and_overridden_by_variables_and_flags(tmp_path: P
         ('[stop]\nproof_timeout = "soon"\n', "stop.proof_timeout"),
         ("[deamon]\n", "deamon: unknown key"),
         ('[targets.x]\nkind = "ftp"\n', "targets.x"),
-        ('[targets.x]\nkind = "ssh"\n', "targets.x.ssh.host"),
+        ('[targets.x]\nkind = "ssh"\n', "targets.x.host"),
         ("[stop\n", "not valid TOML"),
     ],
 )
@@ -146,8 +146,18 @@ def test_a_client_given_the_daemons_state_dir_finds_its_socket(short_tmp: Path) 
             [*cli, "train", "list"], cwd=REPO, env={**env, "OBD_STATE_DIR": str(state)}, capture_output=True, text=True
         )
         assert by_env.returncode == 0, by_env.stderr
-        lost = subprocess.run([*cli, "train", "list"], cwd=REPO, env=env, capture_output=True, text=True)
-        assert lost.returncode == 69 and "obd daemon" in lost.stderr  # says how to start it
+        made = subprocess.run(
+            [*cli, "--state-dir", str(state), "train", "start", "--name", "in-this-daemon", "--", "true"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert made.returncode == 0, made.stderr
+        lost = subprocess.run([*cli, "train", "list", "--all"], cwd=REPO, env=env, capture_output=True, text=True)
+        # Not this daemon: none at the default socket (it says how to start one), or the machine's own.
+        assert "in-this-daemon" not in lost.stdout
+        assert lost.returncode == 0 or (lost.returncode == 69 and "obd daemon" in lost.stderr), lost.stderr
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
@@ -189,7 +199,7 @@ def test_nonsense_settings_are_refused(tmp_path) -> None:
         ("[daemon]\nsocket_mode = 0o7777\n", "daemon.socket_mode"),
         ('[targets.local]\nkind = "ssh"\nhost = "h"\n', "this machine"),
         ('[daemon]\nlog_level = "verbose"\n', "daemon.log_level"),
-        ('[targets.box]\nkind = "ssh"\nhost = "h"\nport = 70000\n', "targets.box.ssh.port"),
+        ('[targets.box]\nkind = "ssh"\nhost = "h"\nport = 70000\n', "targets.box.port"),
         ('[targets.pods]\nkind = "runpod"\nmax_hours = -1\n', "max_hours"),
     ):
         path = tmp_path / "c.toml"
@@ -222,8 +232,20 @@ def test_a_client_whose_config_is_broken_says_so(tmp_path) -> None:
     path = tmp_path / "config.toml"
     path.write_text("[daemon\nsocket = ")
     env = {k: v for k, v in os.environ.items() if k not in ("OBD_SOCKET", "OBD_STATE_DIR")}
+    # --state-dir after the config: the client still reads the config first, and never reaches a
+    # daemon of the machine's at the default socket.
     out = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "--config", str(path), "train", "list"],
+        [
+            sys.executable,
+            "-m",
+            "daemon.cli",
+            "--config",
+            str(path),
+            "--state-dir",
+            str(tmp_path / "s"),
+            "train",
+            "list",
+        ],
         capture_output=True,
         text=True,
         timeout=30,
