@@ -7,11 +7,17 @@ renewed and the caps checked before every probe; when its job ends, the outputs 
 and verified before the pod is terminated. Everything Runpod-specific that the daemon does is
 here. A run's pod is a `PodInfo`; the record keeps it as a plain dict (`target_info`), converted
 here and nowhere else.
+
+The caps hold from this side whatever the job does on its pod (it may kill or fake the watchdog,
+its lease, even obd's tools there): no pod outlives its first cap by more than `abandon_grace`
+(`end_by`). A job still running then, or outputs not home by then, and the pod is terminated
+through the API, which nothing on the pod can reach: the account's key never goes there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +34,7 @@ from trainer_plugin import jobctl
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
+    from pathlib import Path
 
     from daemon.service import Daemon
     from executors.config import RunpodTarget
@@ -114,6 +121,7 @@ class PodSupervision(Supervision):
 
         A failure once the pod exists ends the pod before the launch is recorded failed, and says so.
         """
+        self._refuse_account_key_secrets()
         info = await self.driver.create(record.id, self._saver(record))
         try:
             executor = self.driver.executor(info)
@@ -128,6 +136,18 @@ class PodSupervision(Supervision):
                 ended = await self._end_unused(record, info, why)
             raise ExecutorError(f"{why}; {ended}") from exc
         return executor
+
+    def _refuse_account_key_secrets(self) -> None:
+        """Refuse, before any pod is made, a target whose `secrets` would give its jobs the account's key
+        (the pod's executor refuses to send it anyway; this says so before anything is billed)."""
+        key = self.driver.ctx.account_key()
+        names = [n for n in self.config.secrets if key and key in os.environ.get(n, "")]
+        if names:
+            raise ExecutorError(
+                f"target {self.name!r} lists {', '.join(names)} in `secrets`, which holds the Runpod account's API "
+                "key: a job on a pod must never get a credential of the account. Remove it from the target's "
+                "`secrets`; nothing was created"
+            )
 
     async def _end_unused(self, record: RunRecord, info: PodInfo, why: str) -> str:
         """Terminate a pod whose job never started (nothing on it to retrieve); what became of it."""
@@ -185,6 +205,8 @@ class PodSupervision(Supervision):
 
         if self._ending(record):
             raise PodEnded(f"the pod of run {record.id} is being emptied and ended")
+        if await self._end_overdue(record):
+            raise PodEnded(f"the pod of run {record.id} was terminated past its cap")
         with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
             request, cancel = await self._tick(record, executor)
         if self._due_for_check(record) and await self._ended_outside(record):
@@ -203,6 +225,74 @@ class PodSupervision(Supervision):
         if reached:
             return reached, f"the {reached} cap of pod {info.pod_id} was reached"
         return self.driver.check_caps(info, now), None
+
+    async def _end_overdue(self, record: RunRecord) -> bool:
+        """Terminate, through the API, the pod of a run whose job still runs `abandon_grace` after the
+        pod's cap (the cancel at the cap did not end it, or the daemon was away); True when it did."""
+        info = self.info(record)
+        end_by = self.driver.end_by(info)
+        if end_by is None or not info.pod_id or time.time() < end_by or record.id in self.daemon.follow.cancelling:
+            return False  # a cancel under way is given its time (TERM, grace, KILL)
+        why = await self._terminate_overdue(record.id, info, "its job still ran")
+        if why is None:
+            return False  # the API did not answer: the next poll tries again
+        async with self.daemon.editing(record):
+            self.keep(record, self.info(record).model_copy(update={"ended": True}))
+        await self.daemon.fail(record, why)
+        return True
+
+    async def _terminate_overdue(self, run_id: str, info: PodInfo, what: str) -> str | None:
+        """Terminate a pod past its cap + abandon_grace; the message saying so, or None if that failed."""
+        assert info.pod_id is not None
+        reason = self.driver.cap_reached(info, time.time()) or "cap"
+        try:
+            with anyio.fail_after(self.daemon.config.daemon.probe_timeout * 3):
+                await self.driver.terminate(info.pod_id, run_id)
+        except Exception as exc:
+            log.error("pod_overdue_terminate_failed", run_id=run_id, pod_id=info.pod_id, error=str(exc))
+            return None
+        with contextlib.suppress(ExecutorError):  # an orphan without a run id has no entry
+            self.driver.book.put(run_id, finished=time.time(), terminated=True)
+        log.error("pod_terminated_past_cap", run_id=run_id, pod_id=info.pod_id, reason=reason, what=what)
+        return (
+            f"the {reason} cap of pod {info.pod_id} passed more than abandon_grace "
+            f"({self.config.abandon_grace:.0f}s) ago and {what}: the pod was terminated through the API "
+            "and the outputs on it are lost"
+        )
+
+    async def _finish_in_time(
+        self, run_id: str, remote_dir: str, info: PodInfo, local: Path, lease_ttl: float | None = None
+    ) -> tuple[bool, str]:
+        """`finish` (outputs home, then the pod ended), but never past the pod's `end_by`: by then a
+        pod whose outputs are not home is terminated anyway (at once, or when `end_by` comes)."""
+        end_by = self.driver.end_by(info)
+        if end_by is None or not info.pod_id:
+            return await self.driver.finish(run_id, remote_dir, info, local, lease_ttl=lease_ttl)
+        ok, message = False, "the outputs were not retrieved in time"
+        with anyio.move_on_after(max(0.0, end_by - time.time())):
+            ok, message = await self.driver.finish(run_id, remote_dir, info, local, lease_ttl=lease_ttl)
+        if ok:
+            return ok, message
+        if time.time() < end_by:
+            self.daemon.start_soon(self._end_when_due, run_id, info, end_by)
+            return (
+                ok,
+                f"{message}; obd terminates the pod at its cap + abandon_grace if its outputs are not home by then",
+            )
+        why = await self._terminate_overdue(run_id, info, f"its outputs could not be retrieved ({message})")
+        return False, why or message
+
+    async def _end_when_due(self, run_id: str, info: PodInfo, end_by: float) -> None:
+        """At `end_by`, terminate the pod unless its outputs came home (or it ended) meanwhile."""
+        await anyio.sleep(max(0.0, end_by - time.time()))
+        entry = self.driver.book.get(run_id)
+        if entry is not None and (entry.retrieved or entry.terminated or entry.pod_gone):
+            return
+        why = await self._terminate_overdue(run_id, info, "its outputs could not be retrieved by then")
+        record = self.daemon.records.get(run_id)
+        if why is not None and record is not None:
+            async with self.daemon.editing(record):
+                record.note(why)
 
     def _due_for_check(self, record: RunRecord) -> bool:
         """Whether to ask the API if the pod still exists (at most every api_poll_interval, 30 s tops)."""
@@ -355,7 +445,7 @@ class PodSupervision(Supervision):
                     await self.driver.terminate(info.pod_id, record.id)
                 message = f"outputs retrieved and verified into {local}; pod {info.pod_id} ended"
             else:
-                ok, message = await self.driver.finish(
+                ok, message = await self._finish_in_time(
                     record.id, record.remote_dir, info, local, lease_ttl=self.lease_ttl()
                 )
                 log.info("pod_finished", run_id=record.id, outputs_safe=ok, message=message)
@@ -469,14 +559,19 @@ class PodSupervision(Supervision):
             return None
 
         record = daemon.records.get(run_id)
+        end_by = self.driver.end_by(item.target_info)
         try:
-            info = await self.driver.resume(item.target_info, keep)
+            # Past its cap + abandon_grace a pod is not waited for: it is terminated below.
+            with anyio.fail_after(max(0.0, end_by - time.time()) if end_by is not None else None):
+                info = await self.driver.resume(item.target_info, keep)
             # A run that ended without its outputs (its pod was stopped, say) gets them in its own directory.
             local = daemon.store.run_dir(run_id) if record else daemon.state_dir / "orphans"
             local = local / "retrieved" if record else local / item.pod_id
-            ok, message = await self.driver.finish(run_id, item.remote_dir or "", info, local)
+            ok, message = await self._finish_in_time(run_id, item.remote_dir or "", info, local)
         except Exception as exc:
-            ok, message = False, str(exc)
+            ok, message = False, str(exc) or "its outputs had not been retrieved"
+            if end_by is not None and time.time() >= end_by:
+                message = await self._terminate_overdue(run_id, item.target_info, message) or message
         log.warning(
             "pod_orphan_finished",
             target=self.name,

@@ -3,7 +3,7 @@
 Standard library only (plus its siblings jobctl.py and rundir.py, also standard library): obd
 uploads it with them into the run's `plugin/trainer_plugin/` and starts it detached before the job:
 
-    python3 watchdog.py run --config RUN_DIR/watchdog.json    # the API key comes in RUNPOD_API_KEY
+    python3 watchdog.py run --config RUN_DIR/watchdog.json    # no credential given: see "Credentials"
     python3 watchdog.py manifest RUN_DIR [PATH...]             # size and sha256 of the outputs, as JSON
     python3 - manifest RUN_DIR [PATH...] < watchdog.py         # the same, fed on stdin (see `contract_for`)
 
@@ -15,15 +15,24 @@ Every `interval` seconds it looks at the run directory and decides, by these rul
   (the request is written whatever the lease, the cancel only when the lease is stale);
 - `disk`: writes `snapshot.request` `disk` when the workdir's free space falls under
   `disk_min_free_gb` or its use goes over `disk_max_used_pct`;
-- `abandoned`: deletes the pod through the Runpod API when the job ended `abandon_grace` ago and no
-  one wrote `retrieved`, and the lease is stale;
-- `never_started`: deletes the pod when no job appeared within `boot_grace` of the watchdog's start
-  and the lease is stale.
+- `abandoned`: deletes its own pod through the Runpod API when the job ended `abandon_grace` ago and
+  no one wrote `retrieved`, and the lease is stale;
+- `never_started`: deletes its own pod when no job appeared within `boot_grace` of the watchdog's
+  start and the lease is stale.
 An existing request is never overwritten. `retrieved` (written by obd once the outputs are safe)
 ends the watchdog. The lease is `RUN_DIR/lease`: the unix time (seconds) until which the daemon
 is in charge; a lease whose file is older than `lease_max_ttl` counts as stale whatever it says,
 so a daemon clock far ahead cannot hold the watchdog off for good. Every decision is one JSON line
 in `RUN_DIR/watchdog.log`.
+
+Credentials: none from obd. The job runs as root in the same container, so whatever the watchdog
+could read the job could read too; the account's API key therefore never comes to the pod. To end
+its own pod the watchdog uses the key Runpod gives every pod, `RUNPOD_API_KEY` "limited in scope to
+only the pod" (Runpod's pod environment variables), read when needed from the container's
+environment (`container_environ`, PID 1's `/proc/1/environ`; failing that, its own environment).
+It asks for `podTerminate`; should the pod's key be refused that, it asks for `podStop` (Runpod
+documents stopping a pod from inside it with that key), which ends the GPU's billing and keeps the
+volume. Anything the job can do with that key concerns its own pod only.
 """
 
 from __future__ import annotations
@@ -69,7 +78,10 @@ DEFAULTS: dict[str, Any] = {
     "interval": 30.0,
     "lease_max_ttl": 3600.0,
     "api_base_url": None,  # default: RUNPOD_API_BASE_URL, else https://api.runpod.io
+    "container_environ": "/proc/1/environ",  # the pod's own environment, as Runpod gave it to the container
 }
+# How much of the container's environment is read (Runpod allows 50 variables of a pod).
+ENVIRON_LIMIT = 1 << 20
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -97,11 +109,42 @@ def read_lease(run_dir: str) -> tuple[float | None, float | None]:
     return expiry, mtime
 
 
-def delete_pod_http(base_url: str, api_key: str, pod_id: str, timeout: float = 30.0) -> None:
-    """Terminate the pod with the same GraphQL mutation the runpod SDK sends; raises on failure."""
+def read_environ(path: str) -> dict[str, str]:
+    """The variables of an environ file (NUL-separated `NAME=value`, as /proc/PID/environ); {} when
+    it cannot be read. Never follows a link at the end of `path`, never blocks on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return {}
+    try:
+        data = os.read(fd, ENVIRON_LIMIT)
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
+    out: dict[str, str] = {}
+    for item in data.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep and name:
+            out[name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return out
+
+
+class Refused(RuntimeError):
+    """The API refused the key for this call (401/403, or an `Unauthorized` GraphQL error)."""
+
+
+class NoPodKey(RuntimeError):
+    """The pod's own key is nowhere to be read: the watchdog cannot end its pod."""
+
+
+def pod_mutation(base_url: str, api_key: str, field: str, pod_id: str, timeout: float = 30.0) -> None:
+    """Send `podTerminate` or `podStop` for `pod_id` as the runpod SDK writes them; raises on failure
+    (`Refused` when the key may not do it). A pod that is already gone counts as done."""
     if not pod_id.isalnum():
         raise ValueError(f"bad pod id {pod_id!r}")
-    query = f'mutation {{ podTerminate(input: {{ podId: "{pod_id}" }}) }}'
+    selection = "" if field == "podTerminate" else " { id desiredStatus }"
+    query = f'mutation {{ {field}(input: {{ podId: "{pod_id}" }}){selection} }}'
     req = urllib.request.Request(
         base_url.rstrip("/") + "/graphql",
         data=json.dumps({"query": query}).encode(),
@@ -116,6 +159,8 @@ def delete_pod_http(base_url: str, api_key: str, pod_id: str, timeout: float = 3
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
     except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise Refused(f"HTTP {exc.code}") from None
         raise RuntimeError(f"HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise RuntimeError(f"API unreachable: {getattr(exc, 'reason', exc)}") from None
@@ -126,9 +171,28 @@ def delete_pod_http(base_url: str, api_key: str, pod_id: str, timeout: float = 3
     errors = answer.get("errors") if isinstance(answer, dict) else None
     if errors:
         message = str(errors[0].get("message", errors[0])) if isinstance(errors, list) and errors else str(errors)
-        if "not found" in message.lower():
+        lowered = message.lower()
+        if "not found" in lowered:
             return  # already gone
+        if "unauthori" in lowered or "forbidden" in lowered or "permission" in lowered:
+            raise Refused(message[:300])
         raise RuntimeError(message[:300])
+
+
+def delete_pod_http(base_url: str, api_key: str, pod_id: str, timeout: float = 30.0) -> None:
+    """Terminate the pod with the GraphQL mutation the runpod SDK sends; raises on failure."""
+    pod_mutation(base_url, api_key, "podTerminate", pod_id, timeout)
+
+
+def end_pod_http(base_url: str, api_key: str, pod_id: str, timeout: float = 30.0) -> str:
+    """End the pod with its own key: terminated, or, where the key may not terminate it, stopped
+    (GPU billing ends, the volume stays). Returns how: "terminated" or "stopped"."""
+    try:
+        pod_mutation(base_url, api_key, "podTerminate", pod_id, timeout)
+        return "terminated"
+    except Refused:
+        pod_mutation(base_url, api_key, "podStop", pod_id, timeout)
+        return "stopped"
 
 
 class Watchdog:
@@ -140,7 +204,7 @@ class Watchdog:
         *,
         clock: Callable[[], float] = time.time,
         statvfs: Callable[[str], Any] = os.statvfs,
-        delete_pod: Callable[[str], None] | None = None,
+        delete_pod: Callable[[str], str | None] | None = None,
         cancel_job: Callable[[str, float], Any] | None = None,
         environ: dict[str, str] | None = None,
     ) -> None:
@@ -148,17 +212,33 @@ class Watchdog:
         self.run_dir: str = self.cfg["run_dir"]
         self.clock = clock
         self.statvfs = statvfs
-        env = dict(os.environ if environ is None else environ)
-        self.api_key = env.get("RUNPOD_API_KEY") or ""
-        self.pod_id = self.cfg["pod_id"] or env.get("RUNPOD_POD_ID") or ""
-        self.base_url = self.cfg["api_base_url"] or env.get("RUNPOD_API_BASE_URL") or "https://api.runpod.io"
-        self._needs_key = delete_pod is None
-        self._delete = delete_pod or (lambda pod_id: delete_pod_http(self.base_url, self.api_key, pod_id))
+        self.environ = dict(os.environ if environ is None else environ)
+        self.pod_id = self.cfg["pod_id"] or self.environ.get("RUNPOD_POD_ID") or ""
+        self.base_url = self.cfg["api_base_url"] or self.environ.get("RUNPOD_API_BASE_URL") or "https://api.runpod.io"
+        self._delete = delete_pod or self._end_own_pod
         self._cancel = cancel_job or jobctl.cancel
         self.started = clock()
         self.lost_since: float | None = None
         self.said: set[tuple[str, str]] = set()
         self.deleted = False
+
+    # --- its one credential ---------------------------------------------------------------------
+
+    def pod_key(self) -> str:
+        """The pod's own key, which Runpod scopes to this pod: from the container's environment
+        (PID 1's, where Runpod put it), else from this process's own; "" when there is none."""
+        container = read_environ(str(self.cfg["container_environ"] or ""))
+        return (container.get("RUNPOD_API_KEY") or self.environ.get("RUNPOD_API_KEY") or "").strip()
+
+    def _end_own_pod(self, pod_id: str) -> str:
+        """Terminate (or, where its key may only stop it, stop) this pod with the pod's own key."""
+        key = self.pod_key()
+        if not key:
+            raise NoPodKey(
+                f"no pod-scoped RUNPOD_API_KEY in the container's environment ({self.cfg['container_environ']}) "
+                "nor in the watchdog's; the daemon ends the pod when it is back (`obd pods rm POD` by hand)"
+            )
+        return end_pod_http(self.base_url, key, pod_id)
 
     # --- observations -------------------------------------------------------------------------
 
@@ -251,17 +331,21 @@ class Watchdog:
         self.say("job_cancelled", reason)
 
     def delete(self, reason: str, **fields: Any) -> bool:
-        """Delete the pod; True once the API confirmed it."""
-        if not self.pod_id or (self._needs_key and not self.api_key):
-            self.say("cannot_delete_pod", reason, why="no pod id" if not self.pod_id else "no RUNPOD_API_KEY", **fields)
+        """End the pod (terminated, or stopped where its key may only stop it); True once the API
+        confirmed it. A failure is logged and tried again at the next step."""
+        if not self.pod_id:
+            self.say("cannot_delete_pod", reason, why="no pod id", **fields)
             return False
         self.say("deleting_pod", reason, pod_id=self.pod_id, **fields)
         try:
-            self._delete(self.pod_id)
+            how = self._delete(self.pod_id) or "terminated"
+        except NoPodKey as exc:
+            self.say("cannot_delete_pod", reason, why=str(exc))
+            return False
         except Exception as exc:
             self.say("delete_failed", reason, once=False, error=str(exc)[:300])
             return False
-        self.say("pod_deleted", reason, pod_id=self.pod_id)
+        self.say("pod_deleted" if how == "terminated" else "pod_stopped", reason, pod_id=self.pod_id)
         self.deleted = True
         return True
 

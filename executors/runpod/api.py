@@ -269,8 +269,12 @@ class RunpodApi:
         self.backoff_max = backoff_max
         self._sleep = sleep
 
+    def account_key(self) -> str | None:
+        """The account's key these calls use (never to be sent anywhere but the API), if there is one."""
+        return self._api_key or resolve_api_key()
+
     def _key(self) -> str:
-        key = self._api_key or resolve_api_key()
+        key = self.account_key()
         if not key:
             raise AuthError(f"no Runpod API key: {KEY_HELP}")
         return key

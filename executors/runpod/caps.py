@@ -2,7 +2,14 @@
 
 The caps are enforced from both sides: the watchdog on the pod writes a snapshot request ahead of
 a cap and deletes a pod that is abandoned; the daemon renews a lease the watchdog honours and
-checks the same caps on every poll, so a cap holds with either side gone.
+checks the same caps on every poll, so a cap holds with either side gone. Only the daemon's side
+holds against a hostile job (root in the pod's container, it can kill or fake the watchdog and
+its lease): the daemon never lets a pod outlive its first cap by more than `abandon_grace`
+(`end_by`), ending it through the API, which nothing on the pod can touch.
+
+The watchdog gets no credential from obd: the account's key never goes to the pod, where the job
+could read it. It ends its own pod with the key Runpod puts in every pod's environment, scoped to
+that pod (`trainer_plugin/watchdog.py`, "Credentials").
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ from typing import Any
 import structlog
 
 from executors.base import Executor, JobHandle, JobSpec
-from executors.runpod.api import AuthError, resolve_api_key
 from executors.runpod.context import PodContext
 from executors.runpod.info import PodInfo
 from trainer_plugin import rundir
@@ -24,6 +30,10 @@ log = structlog.get_logger("obd.runpod")
 PLUGIN_DIR = Path(rundir.__file__).resolve().parent
 # What the watchdog imports on the pod, put beside it in the run's plugin directory.
 WATCHDOG_FILES = ("jobctl.py", "rundir.py", "watchdog.py")
+# Where the watchdog reads the pod's own environment (and in it the pod-scoped RUNPOD_API_KEY Runpod
+# gives every pod): the container's first process, which Runpod started with it. `{pod_id}` in it
+# is the pod's id (the tests' fake API keeps one file per pod).
+CONTAINER_ENVIRON = "/proc/1/environ"
 
 
 def snapshot_margin(margin: float, span: float) -> float:
@@ -39,10 +49,18 @@ def lease_bytes(now: float, ttl: float) -> bytes:
 class PodCaps:
     """The caps as the daemon checks them, the lease it renews, and the watchdog it starts."""
 
-    def __init__(self, ctx: PodContext, *, cap_margin: float = 900.0, watchdog_interval: float = 30.0) -> None:
+    def __init__(
+        self,
+        ctx: PodContext,
+        *,
+        cap_margin: float = 900.0,
+        watchdog_interval: float = 30.0,
+        container_environ: str = CONTAINER_ENVIRON,
+    ) -> None:
         self.ctx = ctx
         self.cap_margin = cap_margin
         self.watchdog_interval = watchdog_interval
+        self.container_environ = container_environ
 
     def cap_points(self, info: PodInfo) -> dict[str, float]:
         """Unix times at which each cap is reached, for the caps that apply."""
@@ -75,12 +93,21 @@ class PodCaps:
                 return reason
         return None
 
+    def end_by(self, info: PodInfo) -> float | None:
+        """Unix time by which the pod must be gone whatever its job does: its first cap plus
+        `abandon_grace` (the time to stop the job and bring its outputs home); None without a cap."""
+        points = self.cap_points(info)
+        if not points:
+            return None
+        return min(points.values()) + float(self.ctx.target.abandon_grace)
+
     async def renew_lease(self, executor: Executor, remote_dir: str, ttl: float) -> None:
         """Tell the watchdog the daemon is in charge for the next `ttl` seconds."""
         await executor.put_file(f"{remote_dir}/{rundir.LEASE}", lease_bytes(self.ctx.clock(), ttl))
 
     def watchdog_config(self, remote_dir: str, info: PodInfo) -> dict[str, Any]:
-        """The settings written to `<remote_dir>/watchdog.json` (no secret in it)."""
+        """The settings written to `<remote_dir>/watchdog.json`: no secret in it, nor anywhere else
+        the watchdog gets from obd."""
         t = self.ctx.target
         return {
             "run_dir": remote_dir,
@@ -97,10 +124,11 @@ class PodCaps:
             "snapshot_margin": self.cap_margin,
             "interval": self.watchdog_interval,
             "api_base_url": os.environ.get("RUNPOD_API_BASE_URL"),
+            "container_environ": self.container_environ.replace("{pod_id}", info.pod_id or ""),
         }
 
     def watchdog_command(self, remote_dir: str) -> list[str]:
-        """argv of the watchdog on the pod (no secret: the key arrives through jobctl's stdin)."""
+        """argv of the watchdog on the pod (no secret: it is given none)."""
         return [
             self.ctx.target.python,
             f"{remote_dir}/{rundir.PLUGIN}/trainer_plugin/watchdog.py",
@@ -116,10 +144,8 @@ class PodCaps:
             await executor.put_file(f"{remote_dir}/{rundir.PLUGIN}/trainer_plugin/{name}", data)
 
     async def start_watchdog(self, executor: Executor, remote_dir: str, info: PodInfo) -> JobHandle:
-        """Write the watchdog's config and start it detached (jobctl: setsid), the key on stdin."""
-        key = resolve_api_key()
-        if not key:
-            raise AuthError("no Runpod API key for the pod watchdog: set RUNPOD_API_KEY or run `runpod config`")
+        """Write the watchdog's config and start it detached (jobctl: setsid), with no secret: the
+        account's key stays with the daemon (see the module's docstring)."""
         await self.install_tools(executor, remote_dir)
         config = self.watchdog_config(remote_dir, info)
         await executor.put_file(f"{remote_dir}/{rundir.WATCHDOG_CONFIG}", json.dumps(config, indent=1).encode())
@@ -130,7 +156,6 @@ class PodCaps:
             command=self.watchdog_command(remote_dir),
             cwd=remote_dir,
             env=env,
-            secrets={"RUNPOD_API_KEY": key},
         )
         handle = await executor.spawn(job)
         log.info(

@@ -1,17 +1,18 @@
 """What every part of the pod driver shares: the target, the API, the book, the owner, the clock.
 
 The parts (lifecycle, caps, retrieval, reconcile) each hold one `PodContext`, so a change of
-the target's settings (`obd pods retrieve --keep`) is seen by all of them at once.
+the target's settings (`obd pods retrieve --keep`) is seen by all of them at once. Its executor
+(`PodExecutor`) is the one way obd reaches a pod, and it never carries the account's API key there.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from executors.base import ExecutorError
+from executors.base import ExecutorError, JobHandle, JobSpec
 from executors.config import RunpodTarget, SshTarget
 from executors.runpod.api import Pod, RunpodApi
 from executors.runpod.book import PodBook, owner_id
@@ -30,6 +31,52 @@ async def keep_in_book(_info: PodInfo) -> None:
     """A Save for callers whose record lives only in the driver's book (which the driver writes)."""
 
 
+class AccountKeyRefused(ExecutorError):
+    """Something obd was about to send to a pod carries the account's API key."""
+
+
+class PodExecutor(SshExecutor):
+    """The SSH executor to one pod, refusing whatever would carry the account's API key there.
+
+    Everything on a pod is the job's to read (it runs as root in the container), so the key that
+    controls the account must never get there: not in a job's environment or secrets (a target's
+    `secrets = ["RUNPOD_API_KEY"]`, a `--secret` or `--env` holding it), its command line, or a
+    file obd writes. The pod has a key of its own, scoped to it, in its container's environment.
+    """
+
+    def __init__(self, name: str, target: SshTarget, *, host_key: str, pod_id: str, account_key: str | None) -> None:
+        super().__init__(name, target, host_key=host_key)
+        self.pod_id = pod_id
+        self._account_key = account_key
+
+    def refuse_account_key(self, what: str, values: Iterable[str]) -> None:
+        """Raise `AccountKeyRefused` when any of `values` holds the account's key."""
+        key = self._account_key
+        if key and any(key in value for value in values):
+            raise AccountKeyRefused(
+                f"refusing to send the Runpod account's API key to pod {self.pod_id} ({what}): a job on a pod "
+                "must never hold a credential of the account, with which it could spend past its caps or "
+                "control other pods. Remove RUNPOD_API_KEY from the target's `secrets` and from the run's "
+                "--secret and --env; the pod has a key of its own, scoped to it, in its container's environment"
+            )
+
+    async def spawn(self, job: JobSpec) -> JobHandle:
+        self.refuse_account_key(f"the start of {job.run_id}", self._job_values(job))
+        return await super().spawn(job)
+
+    async def put_file(self, path: str, data: bytes) -> None:
+        self.refuse_account_key(path, [data.decode("utf-8", "replace")])
+        await super().put_file(path, data)
+
+    @staticmethod
+    def _job_values(job: JobSpec) -> list[str]:
+        """Every string of the job obd would send to the pod."""
+        values = [*job.command, job.cwd or ""]
+        for env in (job.env, job.secrets, job.base_env or {}):
+            values.extend(env.values())
+        return values
+
+
 @dataclass
 class PodContext:
     """One Runpod target as the driver's parts see it."""
@@ -42,6 +89,7 @@ class PodContext:
     clock: Callable[[], float] = time.time
     book: PodBook = field(init=False)
     _owner: str | None = field(default=None, init=False)
+    _account_key: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.state_dir = Path(self.state_dir)
@@ -79,11 +127,24 @@ class PodContext:
             secrets=list(t.secrets),
         )
 
-    def executor(self, info: PodInfo) -> SshExecutor:
-        """An SSH executor to the pod, with its host key pinned (never known_hosts, never TOFU again)."""
+    def account_key(self) -> str | None:
+        """The account's API key (the one obd's API calls use), kept from the first look."""
+        if self._account_key is None:
+            self._account_key = self.api.account_key()
+        return self._account_key
+
+    def executor(self, info: PodInfo) -> PodExecutor:
+        """An SSH executor to the pod, with its host key pinned (never known_hosts, never TOFU again),
+        that never sends the account's key to it."""
         if not info.host_key:
             raise ExecutorError(f"pod {info.pod_id} has no pinned host key yet; it never became ready")
-        return SshExecutor(self.name, self.ssh_target(info), host_key=info.host_key)
+        return PodExecutor(
+            self.name,
+            self.ssh_target(info),
+            host_key=info.host_key,
+            pod_id=info.pod_id or "",
+            account_key=self.account_key(),
+        )
 
     def remote_dir(self, info: PodInfo, run_id: str) -> str:
         """The run directory of `run_id` on the pod: under the workdir the pod was made with."""

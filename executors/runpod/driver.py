@@ -20,7 +20,7 @@ from executors.base import Executor, JobHandle
 from executors.config import RunpodTarget, SshTarget
 from executors.runpod.api import Pod, RunpodApi
 from executors.runpod.book import PodBook
-from executors.runpod.caps import PodCaps
+from executors.runpod.caps import CONTAINER_ENVIRON, PodCaps
 from executors.runpod.context import PodContext, Save
 from executors.runpod.info import PodInfo, PodObservation
 from executors.runpod.lifecycle import PodLifecycle
@@ -47,6 +47,7 @@ class RunpodDriver:
         watchdog_interval: float = 30.0,
         describe_timeout: float = 10.0,
         clock: Callable[[], float] = time.time,
+        container_environ: str = CONTAINER_ENVIRON,
     ) -> None:
         self.ctx = PodContext(name, target, Path(state_dir), api or RunpodApi(), ssh_user=ssh_user, clock=clock)
         self.lifecycle = PodLifecycle(
@@ -57,7 +58,9 @@ class RunpodDriver:
             ssh_probe_timeout=ssh_probe_timeout,
             describe_timeout=describe_timeout,
         )
-        self.caps = PodCaps(self.ctx, cap_margin=cap_margin, watchdog_interval=watchdog_interval)
+        self.caps = PodCaps(
+            self.ctx, cap_margin=cap_margin, watchdog_interval=watchdog_interval, container_environ=container_environ
+        )
         self.retrieval = Retrieval(self.ctx, self.lifecycle)
         self.reconciler = Reconciler(self.ctx, create_window=self.lifecycle.create_window)
 
@@ -175,6 +178,10 @@ class RunpodDriver:
 
     def cap_reached(self, info: PodInfo, now: float) -> str | None:
         return self.caps.cap_reached(info, now)
+
+    def end_by(self, info: PodInfo) -> float | None:
+        """When the pod must be gone whatever its job does (its first cap + abandon_grace), if capped."""
+        return self.caps.end_by(info)
 
     async def renew_lease(self, executor: Executor, remote_dir: str, ttl: float) -> None:
         await self.caps.renew_lease(executor, remote_dir, ttl)

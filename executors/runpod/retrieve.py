@@ -164,7 +164,9 @@ class Retrieval:
             (local_dir / "retrieved.json").write_text(json.dumps(record, indent=1))
             return count, total, refused
         finally:
-            await ex.aclose()
+            # Closed even when the daemon gives up on the retrieval (a pod past its cap's end).
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                await ex.aclose()
 
     async def remote_manifest(self, ex: Executor, remote_dir: str) -> dict[str, Any]:
         """Sizes and sha256 of the outputs, computed on the pod by the watchdog script (one round trip)."""

@@ -13,6 +13,16 @@ is held for `delay` seconds before the operation runs: a create that completes l
 sent, whoever still waits for it), `drop` (the
 operation runs, then the connection is closed unanswered), `drop_before` (closed unanswered,
 nothing done), `nodata` (HTTP 200 with a JSON body that has no `data`).
+
+Pod-scoped keys: Runpod gives every pod an `RUNPOD_API_KEY` of its own, "used to make RunPod API
+calls to the specific pod. It's limited in scope to only the pod" (Runpod's pod environment
+variables), with `RUNPOD_POD_ID`. The fake mints one per pod (`pod_key(pod_id)`), writes the pod's
+container environment into `container_env_dir/<pod id>.environ` when that is set (NUL-separated, as
+`/proc/1/environ` on a pod), and lets such a key read its own pod (`pod`), stop, resume and
+terminate it (terminate only while `pod_keys_may_terminate`), nothing else. Runpod documents the
+scope, not the answer to a call outside it; the fake gives the one Runpod gives a key lacking a
+permission, a GraphQL error `Unauthorized` (the SDK raises it as a QueryError). A terminated pod's
+key is refused like any unknown key (HTTP 401).
 """
 
 from __future__ import annotations
@@ -21,11 +31,13 @@ import contextlib
 import json
 import random
 import re
+import secrets
 import string
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from tests.fakes.tcp_relay import TcpRelay
@@ -35,6 +47,10 @@ NO_CAPACITY = (
 )
 # What podResume answers when the machine the pod's volume lives on has no GPU free.
 NOT_ENOUGH_FREE_GPUS = "There are not enough free GPUs on the host machine to start this pod."
+# What a key is answered when it may not make a call (a pod's own key outside its pod).
+UNAUTHORIZED = "Unauthorized"
+# What a pod's own key may do, to its own pod only.
+POD_KEY_OPS = {("query", "pod"), ("mutation", "podStop"), ("mutation", "podResume"), ("mutation", "podTerminate")}
 
 
 # --- a small GraphQL parser (the subset the SDK sends) ---------------------------------------
@@ -240,6 +256,9 @@ class FakeRunpod:
     def __init__(self, *, api_keys: tuple[str, ...] = ("test-key",)) -> None:
         self.lock = threading.RLock()
         self.api_keys = set(api_keys)
+        self.pod_keys: dict[str, str] = {}  # each pod's own key -> its pod id
+        self.pod_keys_may_terminate = True  # False: a pod's key may stop its pod but not terminate it
+        self.container_env_dir: Path | None = None  # where each pod's container environment is written
         self.gpus: dict[str, Gpu] = {}
         self.pods: dict[str, dict[str, Any]] = {}
         self.terminated: dict[str, dict[str, Any]] = {}
@@ -285,6 +304,34 @@ class FakeRunpod:
         with self.lock:
             self.faults.clear()
 
+    def pod_key(self, pod_id: str) -> str:
+        """The pod's own key, as Runpod puts it in the pod's environment (RUNPOD_API_KEY)."""
+        with self.lock:
+            return next(key for key, pod in self.pod_keys.items() if pod == pod_id)
+
+    def container_environ(self, pod_id: str) -> Path | None:
+        """The file standing for the pod's `/proc/1/environ`, when `container_env_dir` is set."""
+        return self.container_env_dir / f"{pod_id}.environ" if self.container_env_dir else None
+
+    def _write_container_env(self, pod: dict[str, Any]) -> None:
+        """A new container of the pod starts with its env, plus what Runpod adds to every pod."""
+        path = self.container_environ(pod["id"])
+        if path is None:
+            return
+        key = next(k for k, p in self.pod_keys.items() if p == pod["id"])
+        items = [
+            *pod["env"],
+            f"RUNPOD_POD_ID={pod['id']}",
+            f"RUNPOD_API_KEY={key}",
+            f"RUNPOD_GPU_COUNT={pod['gpuCount']}",
+        ]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"".join(item.encode() + b"\0" for item in items))
+
+    def _forget_pod_key(self, pod_id: str) -> None:
+        for key in [k for k, p in self.pod_keys.items() if p == pod_id]:
+            del self.pod_keys[key]
+
     def live_pods(self) -> list[dict[str, Any]]:
         with self.lock:
             return [dict(p) for p in self.pods.values()]
@@ -294,7 +341,8 @@ class FakeRunpod:
         with self.lock:
             pod = self.pods.pop(pod_id, None)
             if pod:
-                self.terminated[pod_id] = pod
+                self.terminated[pod_id] = {**pod, "terminated_at": time.time()}
+            self._forget_pod_key(pod_id)
             self._close_ssh(pod_id)
 
     def stop_from_outside(self, pod_id: str) -> None:
@@ -386,8 +434,11 @@ class FakeRunpod:
         if req.path != "/graphql":
             return self._send(req, 404, b"not found", "text/plain", "?")
         auth = req.headers.get("Authorization", "")
-        if not auth.startswith("Bearer ") or auth[len("Bearer ") :] not in self.api_keys:
-            return self._send_json(req, 401, {"errors": [{"message": "Unauthorized"}]}, "?")
+        key = auth[len("Bearer ") :] if auth.startswith("Bearer ") else ""
+        with self.lock:
+            scope = self.pod_keys.get(key)  # a pod's own key: that pod only
+        if key not in self.api_keys and scope is None:
+            return self._send_json(req, 401, {"errors": [{"message": UNAUTHORIZED}]}, "?")
         try:
             query = json.loads(body)["query"]
             op_kind, fields = Parser(query).document()
@@ -396,6 +447,8 @@ class FakeRunpod:
         except (ValueError, KeyError, TypeError):
             return self._send_json(req, 400, {"errors": [{"message": "Must provide query string."}]}, "?")
         op = fields[0].name
+        if scope is not None and not self._pod_key_may(scope, op_kind, fields):
+            return self._send_json(req, 200, {"errors": [{"message": UNAUTHORIZED, "path": [op]}], "data": None}, op)
         with self.lock:
             self.arrived.append(op)
         fault = self._take_fault(op)
@@ -415,6 +468,15 @@ class FakeRunpod:
         if fault and fault.kind == "drop":
             return self._drop(req, op)
         self._send_json(req, 200, payload, op)
+
+    def _pod_key_may(self, pod_id: str, op_kind: str, fields: list[Field]) -> bool:
+        """Whether a key scoped to `pod_id` may make every call of this request."""
+        for f in fields:
+            if (op_kind, f.name) not in POD_KEY_OPS or (f.args.get("input") or {}).get("podId") != pod_id:
+                return False
+            if f.name == "podTerminate" and not self.pod_keys_may_terminate:
+                return False
+        return True
 
     def _send_fault(self, req: BaseHTTPRequestHandler, kind: str, op: str) -> None:
         if kind == "429":
@@ -549,7 +611,8 @@ class FakeRunpod:
         pod_id = (f.args.get("input") or {}).get("podId")
         if pod_id not in self.pods:
             raise QueryFailure("pod not found to terminate")
-        self.terminated[pod_id] = self.pods.pop(pod_id)
+        self.terminated[pod_id] = {**self.pods.pop(pod_id), "terminated_at": time.time()}
+        self._forget_pod_key(pod_id)
         self._close_ssh(pod_id)
         if f.selections is not None:
             raise QueryFailure('Field "podTerminate" must not have a selection since type "Void" has no subfields.')
@@ -575,6 +638,7 @@ class FakeRunpod:
             # A new container: it boots again, with a new public port.
             pod.update(desiredStatus="RUNNING", polls=0, created=time.time())
             self._open_ssh(pod)
+            self._write_container_env(pod)
         view = {**self._pod_view(pod, count_poll=False), "machine": {"podHostId": pod["id"] + "-host"}}
         return self._project(view, f, "Pod")
 
@@ -606,7 +670,9 @@ class FakeRunpod:
             "dockerArgs": spec.get("dockerArgs", ""),
             "networkVolumeId": spec.get("networkVolumeId"),
         }
+        self.pod_keys[f"rpa_pod_{secrets.token_hex(20)}"] = pod_id
         self._open_ssh(self.pods[pod_id])
+        self._write_container_env(self.pods[pod_id])
         return pod_id
 
     def _pod_view(self, pod: dict[str, Any] | None, count_poll: bool = True) -> dict[str, Any] | None:

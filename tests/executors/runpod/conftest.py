@@ -50,6 +50,8 @@ def make_driver(tmp_path: Path, pod_sshd: SshServer, fake: FakeRunpod) -> Iterat
     workdir = tmp_path / "pod"
     workdir.mkdir()
     fake.ssh_endpoint = (pod_sshd.host, pod_sshd.port)
+    # Each pod's container environment (its /proc/1/environ on Runpod), with the pod's own key.
+    fake.container_env_dir = tmp_path / "containers"
 
     def make(
         *, api: RunpodApi | None = None, state_dir: Path | None = None, name: str = "pods", **target: Any
@@ -73,6 +75,7 @@ def make_driver(tmp_path: Path, pod_sshd: SshServer, fake: FakeRunpod) -> Iterat
             settle=0.05,
             ssh_probe_timeout=2.0,
             watchdog_interval=0.1,
+            container_environ=str(fake.container_env_dir / "{pod_id}.environ"),
         )
 
     yield make

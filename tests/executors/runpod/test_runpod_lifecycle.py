@@ -335,6 +335,8 @@ async def test_an_orphan_found_by_reconcile_can_be_retrieved_and_terminated(
 async def test_the_watchdog_started_beside_the_job_deletes_a_pod_whose_job_never_started(
     make_driver, fake: FakeRunpod, saves: Saves
 ) -> None:
+    from trainer_plugin import jobctl
+
     driver = make_driver(boot_grace=1.0)
     info = await driver.create("r1", saves)
     remote_dir = f"{driver.target.workdir}/r1"
@@ -344,6 +346,10 @@ async def test_the_watchdog_started_beside_the_job_deletes_a_pod_whose_job_never
     finally:
         await ex.aclose()
     assert not any("test-key" in line for line in cmdlines()), "the API key is on a command line"
+    # The watchdog is given no key at all: it ends its pod with the pod's own (in the fake's
+    # stand-in for the container's environment).
+    pid = int(jobctl.read_handle(f"{remote_dir}/watchdog")["pid"])
+    assert b"test-key" not in Path(f"/proc/{pid}/environ").read_bytes()
     with anyio.fail_after(15):
         while fake.live_pods():
             await anyio.sleep(0.1)

@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 
 from tests.fakes.runpod_api import FakeRunpod
@@ -292,6 +294,83 @@ def test_the_watchdog_deletes_the_pod_through_the_graphql_api_the_sdk_uses(fake:
     fake.inject("502")
     with pytest.raises(RuntimeError, match="HTTP 502"):
         watchdog.delete_pod_http(fake.url, "test-key", raw)
+
+
+def own_pod_watchdog(fake: FakeRunpod, pod_id: str, run_dir: Path, **cfg: Any) -> Watchdog:
+    """A watchdog with no credential of its own, whose pod's environment is the fake's file for `pod_id`."""
+    run_dir.mkdir(exist_ok=True)
+    config = {"run_dir": str(run_dir), "pod_id": pod_id, "boot_grace": 0, "api_base_url": fake.url}
+    config["container_environ"] = str(fake.container_environ(pod_id))
+    return Watchdog({**config, **cfg}, environ={})
+
+
+def events_of(run_dir: Path) -> list[tuple[str, str]]:
+    lines = (run_dir / "watchdog.log").read_text().splitlines()
+    return [(e["event"], e["reason"]) for e in map(json.loads, lines)]
+
+
+def test_the_watchdog_ends_its_pod_with_the_pods_own_key_from_the_container_environment(
+    fake: FakeRunpod, tmp_path: Path
+) -> None:
+    fake.container_env_dir = tmp_path / "containers"
+    mine, other = fake.add_foreign_pod("obd-mine"), fake.add_foreign_pod("obd-other")
+    dog = own_pod_watchdog(fake, mine, tmp_path / "run")
+    assert dog.pod_key() == fake.pod_key(mine) != "test-key"
+    assert dog.step()  # no job within boot_grace: the pod is ended
+    assert [p["id"] for p in fake.live_pods()] == [other]
+    assert ("pod_deleted", "never_started") in events_of(tmp_path / "run")
+
+
+def test_a_pods_own_key_acts_on_its_own_pod_only(fake: FakeRunpod) -> None:
+    from executors.runpod.api import AuthError
+    from tests.executors.runpod.conftest import fast_api
+
+    mine, other = fake.add_foreign_pod("obd-mine"), fake.add_foreign_pod("obd-other")
+    key = fake.pod_key(mine)
+    with pytest.raises(watchdog.Refused, match="Unauthorized"):
+        watchdog.delete_pod_http(fake.url, key, other)
+    api = fast_api(api_key=key)
+    with pytest.raises(AuthError):
+        anyio.run(api.list_pods)  # the account's pods: not this key's to see
+    with pytest.raises(AuthError):
+        anyio.run(api.get_pod, other)
+    with pytest.raises(AuthError):
+        anyio.run(partial(api.create_pod, name="obd-more", image_name="x", gpu_type_id="NVIDIA A40", cloud_type="ALL"))
+    assert fake.creates == [] and {p["id"] for p in fake.live_pods()} == {mine, other}
+    assert anyio.run(api.get_pod, mine).id == mine
+    watchdog.pod_mutation(fake.url, key, "podStop", mine)
+    watchdog.delete_pod_http(fake.url, key, mine)
+    assert [p["id"] for p in fake.live_pods()] == [other]
+    with pytest.raises(watchdog.Refused, match="HTTP 401"):  # the pod is gone, and its key with it
+        watchdog.delete_pod_http(fake.url, key, other)
+
+
+def test_where_the_pods_key_may_not_terminate_it_the_watchdog_stops_it(fake: FakeRunpod, tmp_path: Path) -> None:
+    fake.container_env_dir = tmp_path / "containers"
+    fake.pod_keys_may_terminate = False
+    mine = fake.add_foreign_pod("obd-mine")
+    assert own_pod_watchdog(fake, mine, tmp_path / "run").step()
+    assert [(p["id"], p["desiredStatus"]) for p in fake.live_pods()] == [(mine, "EXITED")]  # the GPU is let go
+    assert ("pod_stopped", "never_started") in events_of(tmp_path / "run")
+
+
+def test_without_the_pods_own_key_the_watchdog_says_so_once_and_leaves_the_pod_to_the_daemon(
+    fake: FakeRunpod, tmp_path: Path
+) -> None:
+    mine = fake.add_foreign_pod("obd-mine")  # no container environment written anywhere
+    dog = own_pod_watchdog(fake, mine, tmp_path / "run", container_environ=str(tmp_path / "nowhere"))
+    assert not dog.step() and not dog.step()
+    assert [p["id"] for p in fake.live_pods()] == [mine]
+    assert events_of(tmp_path / "run").count(("cannot_delete_pod", "never_started")) == 1
+    assert "test-key" not in (tmp_path / "run" / "watchdog.log").read_text()
+
+
+def test_the_container_environment_is_read_without_following_a_link(tmp_path: Path) -> None:
+    (tmp_path / "real").write_bytes(b"RUNPOD_API_KEY=k\0RUNPOD_POD_ID=p\0junk\0")
+    assert watchdog.read_environ(str(tmp_path / "real")) == {"RUNPOD_API_KEY": "k", "RUNPOD_POD_ID": "p"}
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert watchdog.read_environ(str(tmp_path / "link")) == {}
+    assert watchdog.read_environ(str(tmp_path / "missing")) == {}
 
 
 def test_a_second_watchdog_on_the_same_run_exits_at_once(tmp_path: Path) -> None:
