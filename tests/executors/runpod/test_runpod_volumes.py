@@ -111,7 +111,7 @@ def test_a_malformed_network_volume_id_is_a_config_error_naming_the_key(
     with pytest.raises(ConfigError) as caught:
         load_config(path, environ={})
     message = str(caught.value)
-    assert "targets.gpu.runpod.network_volume_id" in message
+    assert "targets.gpu.network_volume_id" in message
     assert "is not a Runpod network volume id" in message and "Runpod console" in message
     assert fake.calls == []
 
