@@ -6,19 +6,28 @@ Slurm ended without the wrapper's exit code (its time limit, a node failure, a p
 memory) gets a message that says so and what to do; `status` shows the Slurm job; and a job
 named for a run that has ended (a submit that went through after its run was given up) is
 cancelled, at start and every few minutes, so no run ever has a second job.
+
+Under a root daemon a user's job is submitted, read and cancelled as that user
+(`executors/slurm/as_user.py`): each user's runs of a target share an executor of their own
+(one probe per poll each), and a run that cannot be acted on as its user (a login node that is
+not theirs, an account gone) is refused with what to do, never done as root.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 import structlog
 
+from daemon.api import ApiError
 from daemon.models import RunRecord
 from daemon.targets import Supervision
-from executors.base import ExecutorError, JobState, JobStatus
+from executors.base import Executor, ExecutorError, JobState, JobStatus
+from executors.slurm import as_user
+from executors.slurm.executor import SlurmExecutor
 from executors.slurm.states import SlurmJob, end_message, lost_message
 
 if TYPE_CHECKING:
@@ -27,6 +36,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("obd.slurm")
 ORPHAN_CHECK_INTERVAL = 300.0  # how often jobs of ended runs are looked for
 ORPHAN_AGE = 60.0  # a run ended this long ago has no business with a job still in Slurm
+ACCOUNT_TTL = 60.0  # how long whom a user's runs are submitted as is kept before the account database is asked again
 
 
 class SlurmJobs(Protocol):
@@ -52,6 +62,52 @@ class SlurmSupervision(Supervision):
     def __init__(self, daemon: Any, name: str, config: Any) -> None:
         super().__init__(daemon, name, config)
         self._explained: set[str] = set()  # runs whose lost job's message already says what Slurm did
+        self._submitters: dict[int | None, tuple[float, as_user.Submitter]] = {}  # owner uid -> (when, whom)
+        self._executors: dict[tuple[str, str | None], SlurmExecutor] = {}
+
+    # --- one executor per account -----------------------------------------------------------------
+
+    def submitter(self, record: RunRecord) -> as_user.Submitter:
+        """Whom the run's Slurm commands run as (asked of the account database once a minute per user)."""
+        uid = record.owner_uid
+        now = time.monotonic()
+        known = self._submitters.get(uid)
+        if known is None or now - known[0] > ACCOUNT_TTL:
+            known = (now, as_user.submitter(self.name, self.config, uid))
+            self._submitters[uid] = known
+        return known[1]
+
+    def executor_key(self, record: RunRecord) -> str:
+        """The target's name, with the user's uid for a user's runs under a root daemon (their own probe)."""
+        key = self.submitter(record).key
+        return f"{self.name}/{key}" if key else self.name
+
+    def executor(self, record: RunRecord) -> Executor:
+        submitter = self.submitter(record)
+        cache = (submitter.key, submitter.refusal)
+        if cache not in self._executors:
+            self._executors[cache] = SlurmExecutor(self.name, self.config, submitter=submitter)
+        return self._executors[cache]
+
+    def workdir(self, record: RunRecord) -> str:
+        """The workdir; a run that cannot be submitted as its user is refused here, before it is saved."""
+        refusal = self.submitter(record).refusal
+        if refusal is not None:
+            raise ApiError(refusal, "denied")
+        return super().workdir(record)
+
+    async def prepare(self, record: RunRecord) -> Executor:
+        """The run's executor; a queued run whose user can no longer be acted as fails its launch saying why."""
+        refusal = self.submitter(record).refusal
+        if refusal is not None:
+            raise ExecutorError(refusal)
+        return self.executor(record)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        for executor in self._executors.values():
+            with contextlib.suppress(Exception):
+                await executor.aclose()
 
     def slurm(self, record: RunRecord) -> SlurmJobs:
         return cast("SlurmJobs", self.executor(record))
@@ -113,20 +169,28 @@ class SlurmSupervision(Supervision):
             await self._end_orphans()
 
     async def _end_orphans(self) -> None:
-        records = [r for r in self.daemon.records.values() if r.target == self.name]
-        if not records:
-            return
+        """For each account with runs on the target: its jobs of runs that ended, listed and cancelled as it."""
+        groups: dict[str, list[RunRecord]] = {}
+        for record in self.daemon.records.values():
+            if record.target == self.name:
+                groups.setdefault(self.executor_key(record), []).append(record)
+        for key, records in groups.items():
+            if self.submitter(records[0]).refusal is None:
+                await self._end_orphans_of(key, records)
+
+    async def _end_orphans_of(self, key: str, records: list[RunRecord]) -> None:
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout * 3):
                 jobs = await self.slurm(records[0]).obd_jobs()
         except (ExecutorError, TimeoutError, OSError) as exc:
-            log.warning("slurm_orphan_check_deferred", target=self.name, error=str(exc))
+            log.warning("slurm_orphan_check_deferred", target=key, error=str(exc))
             return
         now = time.time()
+        runs = {r.id: r for r in records}
         for job in jobs:
-            record = self.daemon.records.get((job.name or "")[len("obd-") :])
-            if record is None or record.target != self.name or not record.state.final or not job.job_id:
-                continue  # not this daemon's, or its run still has it
+            record = runs.get((job.name or "")[len("obd-") :])
+            if record is None or not record.state.final or not job.job_id:
+                continue  # not this account's run, or its run still has it
             ended = record.history[-1].time if record.history else record.created
             if now - ended < ORPHAN_AGE:
                 continue  # the job of a run that just ended is still being torn down

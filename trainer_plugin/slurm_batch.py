@@ -7,10 +7,12 @@ nodes through the shared workdir. Its commands:
     python3 slurm_batch.py submit RUN_DIR < {"sbatch": [...], "script": ..., "env": {...}}
     python3 slurm_batch.py probe < {"runs": [{"dir": ..., "job_id": ...}, ...]}
     python3 slurm_batch.py cancel RUN_DIR [--grace S] [--job-id ID]
+    python3 slurm_batch.py put PATH < bytes  # a file the daemon writes in a user's run directory
     python3 slurm_batch.py batch RUN_DIR     # the batch script execs this on the first node
     python3 slurm_batch.py node RUN_DIR      # srun runs this on every node of a multi-node job
 
-`submit` writes its intent into the run directory before sbatch and the job id right after,
+Under a root daemon the helper runs as the run's user (`executors/slurm/as_user.py`), so every
+Slurm command and every file it writes is theirs. `submit` writes its intent into the run directory before sbatch and the job id right after,
 and submits nothing when the run already has a job (by id, or by its name `obd-<run id>`), so
 a daemon killed between the submit and its record never gets a second job. `probe` reads every
 run directory and asks `squeue` once for all of them. `batch` is the job wrapper of a Slurm job:
@@ -77,10 +79,13 @@ def _run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 60
 
 
 def squeue_by_name(names: list[str]) -> tuple[dict[str, list[dict]], str | None]:
-    """Every job Slurm still knows under these names (`squeue -t all`), in one call; or why not."""
+    """Every job of this helper's user Slurm still knows under these names (`squeue --me -t all`),
+    in one call; or why not. Only the user's own: obd submits a run's job as the run's user, and a
+    job someone else named `obd-<run id>` is never taken for the run's."""
     if not names:
         return {}, None
-    out = _run(["squeue", "--noheader", "--states=all", f"--name={','.join(names)}", f"--format={SQUEUE_FORMAT}"])
+    argv = ["squeue", "--me", "--noheader", "--states=all", f"--name={','.join(names)}", f"--format={SQUEUE_FORMAT}"]
+    out = _run(argv)
     if out.returncode != 0:
         return {}, (out.stderr.strip().splitlines() or [f"squeue exited {out.returncode}"])[-1]
     jobs: dict[str, list[dict]] = {}
@@ -93,8 +98,8 @@ def squeue_by_name(names: list[str]) -> tuple[dict[str, list[dict]], str | None]
 
 
 def job_state(job_id: str) -> str | None:
-    """The state of one job (`squeue -j`), None when Slurm no longer knows it."""
-    out = _run(["squeue", "--noheader", "--states=all", f"--jobs={job_id}", "--format=%T"], timeout=30)
+    """The state of one job of this helper's user (`squeue --me -j`), None when Slurm no longer knows it."""
+    out = _run(["squeue", "--me", "--noheader", "--states=all", f"--jobs={job_id}", "--format=%T"], timeout=30)
     if out.returncode != 0:
         return None if "Invalid job id" in out.stderr else "UNKNOWN"
     states = out.stdout.split()
@@ -293,6 +298,17 @@ def cancel(run_dir: str, grace: float, job_id: str | None) -> dict:
     return {"state": "cancelled", "exit_code": jobctl.read_int(os.path.join(run_dir, rundir.EXIT_CODE))}
 
 
+# --- put ------------------------------------------------------------------------------------------
+
+
+def put(path: str, data: bytes) -> dict:
+    """Write a file whole (its directories made as needed) with this helper's rights: a root
+    daemon writes a snapshot request in a user's run directory as the user, so the job reads it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    rundir.atomic_write(path, data)
+    return {"written": len(data)}
+
+
 # --- in the job: the batch wrapper and the per-node launcher -------------------------------------
 
 
@@ -456,6 +472,9 @@ def main(argv: list[str]) -> int:
     if command == "cancel" and len(argv) >= 2:
         grace = float(_option(argv, "--grace") or 10.0)
         print(json.dumps(cancel(argv[1], grace, _option(argv, "--job-id"))), flush=True)
+        return 0
+    if command == "put" and len(argv) >= 2:
+        print(json.dumps(put(argv[1], sys.stdin.buffer.read())), flush=True)
         return 0
     if command == "batch" and len(argv) >= 2:
         return batch(argv[1])

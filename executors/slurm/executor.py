@@ -8,17 +8,25 @@ the workdir the compute nodes share, so the job wrapper on a node writes `job.pi
 `exit_code`, requests and proofs where the daemon reads them.
 
 A run's handle holds the Slurm job id where other targets hold a pid. A probe of every run of
-the target is one helper call, which asks `squeue` once.
+the executor is one helper call, which asks `squeue` once.
+
+Under a root daemon each user's runs have an executor of their own (`as_user.py`): with `login`
+unset it runs the helper and Slurm's commands as that user, so the job is submitted, read and
+cancelled as them and runs as them; its run directory is theirs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import structlog
 
 from executors.base import (
@@ -31,13 +39,14 @@ from executors.base import (
     JobStatus,
     LaunchUncertain,
     Reached,
+    RunAs,
     RunEvents,
     RunProbe,
     TargetUnreachable,
 )
 from executors.config import SlurmTarget, SshTarget
 from executors.remote import tools_hash
-from executors.slurm import script
+from executors.slurm import as_user, script
 from executors.slurm.states import NOTABLE, SlurmJob, parse_sacct, parse_scontrol
 from trainer_plugin import jobctl, rundir, slurm_batch
 
@@ -73,9 +82,22 @@ class SlurmExecutor:
     shares_filesystem = False  # a --cwd is uploaded into the run directory, on the shared workdir
     events: RunEvents | None = None
 
-    def __init__(self, name: str, target: SlurmTarget, *, host: Executor | None = None, settle: float = 5.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        target: SlurmTarget,
+        *,
+        host: Executor | None = None,
+        settle: float = 5.0,
+        submitter: as_user.Submitter | None = None,
+    ) -> None:
         self.name = name
         self.target = target
+        # Whom Slurm's commands run as: the daemon's own user (or the login's), a user of a root
+        # daemon, or no one (a refusal every operation raises).
+        self.submitter = submitter if submitter is not None else as_user.Submitter()
+        if self.account is not None and target.login is not None:
+            raise ValueError("a login node's jobs run as its SSH user: they cannot be submitted as another")
         self.host = host if host is not None else host_executor(name, target)
         # A job Slurm ended with no exit code in its run directory is reported ended only after
         # this long: on a shared filesystem the wrapper's last write may reach the login node late.
@@ -86,6 +108,23 @@ class SlurmExecutor:
         self.last_seen: dict[str, SlurmJob] = {}  # run directory -> its job as the last probe saw it
         self.last_status: dict[str, JobStatus] = {}  # run directory -> its status in the last probe
         self.compute_nodes = ComputeNodes(self)
+
+    # --- whose commands -------------------------------------------------------------------------
+
+    @property
+    def account(self) -> RunAs | None:
+        """The user this executor submits, reads and cancels as on this machine; None: its own."""
+        return self.submitter.account if self.submitter.refusal is None else None
+
+    @property
+    def runs_as_caller(self) -> bool:
+        """Whether the job of a run's caller runs as them (the launch then names them in the JobSpec)."""
+        return self.account is not None
+
+    def _refuse(self) -> None:
+        """Raise the refusal, where this executor's runs cannot be acted on as their user."""
+        if self.submitter.refusal is not None:
+            raise ExecutorError(self.submitter.refusal)
 
     # --- the machine where sbatch works --------------------------------------------------------
 
@@ -106,6 +145,10 @@ class SlurmExecutor:
         return await self.host.python()
 
     async def run_command(self, argv: list[str], *, stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
+        """A command where sbatch works, as this executor's account (a root daemon's user: as them)."""
+        self._refuse()
+        if self.account is not None:
+            return await as_user.run(self.account, argv, stdin=stdin, timeout=timeout)
         return await self.host.run_command(argv, stdin=stdin, timeout=timeout)
 
     async def aclose(self) -> None:
@@ -117,21 +160,27 @@ class SlurmExecutor:
             if self._helper is None:
                 workdir = (await self.resolve_workdir()).rstrip("/")
                 where = f"{workdir}/.obd/slurm-{HELPER_HASH}"
-                for path in HELPER_FILES:
-                    await self.host.put_file(f"{where}/{path.name}", path.read_bytes())
+                files = {f"{where}/{path.name}": path.read_bytes() for path in HELPER_FILES}
+                if self.target.login is None:
+                    # As the daemon, readable by the users whose commands run it, and checked.
+                    await anyio.to_thread.run_sync(install_locally, workdir, where, files)
+                else:
+                    for path, data in files.items():
+                        await self.host.put_file(path, data)
                 self._helper = f"{where}/{Path(slurm_batch.__file__).name}"
             return self._helper
 
     async def _call(self, what: str, args: list[str], stdin: bytes = b"", *, timeout: float = 60.0) -> Any:
         """Run the helper with these arguments; its JSON answer. ExecutorError says what failed."""
+        self._refuse()
         helper = await self.install_helper()
         python = await self.python()
-        result = await self.host.run_command([python, helper, *args], stdin=stdin, timeout=timeout)
+        result = await self.run_command([python, helper, *args], stdin=stdin, timeout=timeout)
         if result.returncode == 2 and b"can't open file" in result.stderr:
             # Someone removed obd's files under the workdir: install them again, once.
             self._helper = None
             helper = await self.install_helper()
-            result = await self.host.run_command([python, helper, *args], stdin=stdin, timeout=timeout)
+            result = await self.run_command([python, helper, *args], stdin=stdin, timeout=timeout)
         if result.returncode != 0:
             lines = result.stderr.decode(errors="replace").strip().splitlines() or [f"exit {result.returncode}"]
             raise ExecutorError(f"{what} on target {self.name} failed: {' | '.join(lines[-3:])}")
@@ -143,7 +192,10 @@ class SlurmExecutor:
     # --- jobs ------------------------------------------------------------------------------------
 
     async def spawn(self, job: JobSpec) -> JobHandle:
-        """Write the run's job files and batch script, then submit it once; the handle names the Slurm job."""
+        """Write the run's job files and batch script, give the run directory to the job's user,
+        then submit it once, as them; the handle names the Slurm job."""
+        self._refuse()
+        self._check_run_as(job)
         rd = job.remote_dir.rstrip("/")
         python = await self.python()
         spec: dict[str, Any] = {
@@ -158,6 +210,10 @@ class SlurmExecutor:
         plan = script.launch_plan(self.target, python)
         await self.host.put_file(f"{rd}/{script.LAUNCH_PLAN}", json.dumps(plan).encode())
         await self.host.put_file(f"{rd}/{script.BATCH_SCRIPT}", script.batch_script(python, rd, job.run_id).encode())
+        if self.account is not None:
+            # The job (on the nodes) and the helper (here) write in it as the user.
+            await anyio.to_thread.run_sync(reachable_workdir, os.path.dirname(rd))
+            await anyio.to_thread.run_sync(give_run_dir, rd, self.account)
         request = {
             "sbatch": script.sbatch_arguments(self.target, job.run_id, rd),
             "script": f"{rd}/{script.BATCH_SCRIPT}",
@@ -176,8 +232,26 @@ class SlurmExecutor:
         except ExecutorError as exc:
             raise ExecutorError(f"{exc}; `obd targets check {self.name}` checks the target's Slurm settings") from exc
         job_id = str(answer["job_id"])
-        log.info("slurm.submitted", target=self.name, run_id=job.run_id, job_id=job_id, reused=answer.get("reused"))
+        user = self.account.user if self.account is not None else None
+        log.info(
+            "slurm.submitted",
+            target=self.name,
+            run_id=job.run_id,
+            job_id=job_id,
+            user=user,
+            reused=answer.get("reused"),
+        )
         return JobHandle.model_validate(slurm_batch.slurm_handle(job_id))
+
+    def _check_run_as(self, job: JobSpec) -> None:
+        """A job is submitted only as the user the launch named: never someone else's account."""
+        if job.run_as is None or (self.account is not None and job.run_as.uid == self.account.uid):
+            return
+        submits_as = self.account.user if self.account is not None else "the daemon's own user"
+        raise ExecutorError(
+            f"run {job.run_id} is {job.run_as.user}'s, but target {self.name}'s executor for it submits as "
+            f"{submits_as}: nothing was submitted; start the run again (a daemon restart clears this)"
+        )
 
     async def status(self, handle: JobHandle, remote_dir: str) -> JobStatus:
         return (await self.probe([(handle, remote_dir)]))[0].status
@@ -248,7 +322,7 @@ class SlurmExecutor:
 
     async def _scontrol(self, job_id: str) -> SlurmJob | None:
         with anyio.move_on_after(30):
-            result = await self.host.run_command(["scontrol", "show", "job", "--oneliner", job_id], timeout=30)
+            result = await self.run_command(["scontrol", "show", "job", "--oneliner", job_id], timeout=30)
             if result.returncode == 0:
                 return parse_scontrol(result.stdout.decode(errors="replace"))
         return None
@@ -256,7 +330,7 @@ class SlurmExecutor:
     async def _sacct(self, job_id: str) -> SlurmJob | None:
         argv = ["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", job_id]
         with anyio.move_on_after(30):
-            result = await self.host.run_command([*argv, "--format=JobID,State,ExitCode,NodeList,Reason"], timeout=30)
+            result = await self.run_command([*argv, "--format=JobID,State,ExitCode,NodeList,Reason"], timeout=30)
             if result.returncode == 0:
                 return parse_sacct(result.stdout.decode(errors="replace"))
         return None
@@ -264,7 +338,7 @@ class SlurmExecutor:
     async def obd_jobs(self) -> list[SlurmJob]:
         """The submitting user's jobs that obd made (named `obd-<run id>`) and Slurm still runs or queues."""
         argv = ["squeue", "--me", "--noheader", "--states=PENDING,RUNNING,SUSPENDED,CONFIGURING", "--format=%i|%j|%T"]
-        result = await self.host.run_command(argv, timeout=60)
+        result = await self.run_command(argv, timeout=60)
         if result.returncode != 0:
             raise TargetUnreachable(f"squeue on target {self.name}: {result.stderr.decode(errors='replace').strip()}")
         jobs = []
@@ -275,8 +349,8 @@ class SlurmExecutor:
         return jobs
 
     async def scancel(self, job_id: str) -> None:
-        """End one job that no run owns any more (a second submit that got through)."""
-        await self.host.run_command(["scancel", job_id], timeout=60)
+        """End one job that no run owns any more (a second submit that got through), as its user."""
+        await self.run_command(["scancel", job_id], timeout=60)
 
     @staticmethod
     def notable(job: SlurmJob | None) -> bool:
@@ -285,16 +359,43 @@ class SlurmExecutor:
 
     # --- files ------------------------------------------------------------------------------------
 
+    # Files move through the submitting machine's executor, which (on this machine, under a root
+    # daemon) acts in a run directory with its owner's rights.
+
     async def read_from(self, path: str, offset: int, limit: int) -> bytes:
+        self._refuse()
         return await self.host.read_from(path, offset, limit)
 
     async def put_file(self, path: str, data: bytes) -> None:
+        """Write a file there; in a directory that is a user's (their run directory, once given to
+        them), through the helper running as them, so the file is theirs and their job reads it."""
+        self._refuse()
+        if self.account is not None and await anyio.to_thread.run_sync(owned_by, path, self.account.uid):
+            await self._call(f"the write of {path}", ["put", path], data)
+            return
         await self.host.put_file(path, data)
 
+    async def make_run_dir(self, remote_dir: str, owner: RunAs | None) -> None:
+        """The run directory on the shared workdir, made by the submitting machine's executor and
+        given to the user the job is submitted as (a login node's: its SSH user's, as made there)."""
+        self._refuse()
+        if owner is not None and self.account is not None and owner.uid != self.account.uid:
+            raise ExecutorError(f"{remote_dir} is for {owner.user}, but this executor submits as {self.account.user}")
+        maker = getattr(self.host, "make_run_dir", None)
+        if maker is not None:
+            await maker(remote_dir, self.account)
+        elif self.target.login is None:
+            # The daemon's and private until the spawn gives it, with what obd put in it, to the user.
+            await anyio.to_thread.run_sync(private_run_dir, remote_dir)
+        if self.account is not None:
+            await anyio.to_thread.run_sync(reachable_workdir, os.path.dirname(remote_dir.rstrip("/")))
+
     async def upload(self, local: Path, remote: str) -> None:
+        self._refuse()
         await self.host.upload(local, remote)
 
     async def download(self, remote: str, local: Path) -> None:
+        self._refuse()
         await self.host.download(remote, local)
 
 
@@ -332,3 +433,100 @@ class ComputeNodes:
             *options,
             *argv,
         ]
+
+
+# --- obd's files on this machine ------------------------------------------------------------------
+
+
+def install_locally(workdir: str, where: str, files: dict[str, bytes]) -> None:
+    """Install the helper at `where` (under `<workdir>/.obd/`) as the daemon: readable by every
+    user whose Slurm commands run it, writable by the daemon alone, and checked to be so (a
+    helper someone else could rewrite would run their code as the daemon and as every user)."""
+    os.makedirs(workdir, mode=0o711, exist_ok=True)
+    _check_workdir(workdir)
+    reachable_workdir(workdir)
+    for directory in (os.path.dirname(where), where):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o755)
+        _own_directory(directory)
+        os.chmod(directory, 0o755)  # whatever the daemon's umask (systemd's 0022, or 0077)
+    for path, data in files.items():
+        rundir.atomic_write(path, data)
+        os.chmod(path, 0o644)  # just renamed into a directory only the daemon can write
+
+
+def _check_workdir(workdir: str) -> None:
+    """A root daemon's workdir must not let others replace obd's helper or a run directory."""
+    if os.geteuid() != 0:
+        return  # a user's own daemon: the workdir is that user's to choose
+    st = os.stat(workdir)
+    open_to_others = st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
+    if st.st_uid != 0 or open_to_others:
+        raise ExecutorError(
+            f"workdir {workdir} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: under a root "
+            "daemon others could replace obd's helper or a run directory there; make it root's and not writable "
+            f"by others (`chown root {workdir}; chmod 711 {workdir}`)"
+        )
+
+
+def reachable_workdir(workdir: str) -> None:
+    """Under a root daemon, let users through the workdir (a+x, not listable): their Slurm commands
+    run obd's helper there and their jobs write their run directories. The daemon's umask (0077)
+    made a workdir it created 0700; one of someone else's is left as it is."""
+    st = os.lstat(workdir)
+    if os.geteuid() == 0 and stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and st.st_mode & 0o011 != 0o011:
+        os.chmod(workdir, stat.S_IMODE(st.st_mode) | 0o711)
+
+
+def _own_directory(path: str) -> None:
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise ExecutorError(
+            f"{path} is not a directory of the daemon's user (uid {st.st_uid}): obd's helper there could be "
+            f"someone else's code; remove it (`rm -r {path}`), obd installs it again"
+        )
+
+
+def owned_by(path: str, uid: int) -> bool:
+    """Whether the nearest existing directory above `path` belongs to `uid` (links not followed)."""
+    here = os.path.dirname(path.rstrip("/"))
+    while here and here != "/":
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            here = os.path.dirname(here)
+            continue
+        return stat.S_ISDIR(st.st_mode) and st.st_uid == uid
+    return False
+
+
+def private_run_dir(remote_dir: str) -> None:
+    """A run directory of the daemon's only (0700), made now or by an earlier try of the launch."""
+    os.makedirs(os.path.dirname(remote_dir.rstrip("/")), mode=0o711, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(remote_dir, 0o700)
+
+
+def give_run_dir(remote_dir: str, account: RunAs) -> None:
+    """Give a run directory to the user its job runs as, with everything obd put in it.
+
+    One already theirs (made for them) is left as it is. Otherwise it must be the daemon's, with
+    no directory in it anyone else could write: then only the daemon put anything there, and
+    each entry is handed over without following a link, the run directory itself last.
+    """
+    st = os.lstat(remote_dir)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == account.uid:
+        return
+    me = os.geteuid()
+    for root, _dirs, _files in os.walk(remote_dir):  # first, check: nothing is handed over yet
+        here = os.lstat(root)
+        if not stat.S_ISDIR(here.st_mode) or here.st_uid != me or here.st_mode & 0o022:
+            raise ExecutorError(
+                f"{root} is not a directory only the daemon could write (uid {here.st_uid}, mode "
+                f"{stat.S_IMODE(here.st_mode):o}): it is not given to {account.user}, and nothing was submitted; "
+                "start the run again"
+            )
+    for root, dirs, files in os.walk(remote_dir, topdown=False):  # then each directory after what is in it
+        for name in dirs + files:
+            os.lchown(os.path.join(root, name), account.uid, account.gid)
+    os.lchown(remote_dir, account.uid, account.gid)

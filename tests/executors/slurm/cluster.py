@@ -1,7 +1,10 @@
 """A real Slurm cluster on this machine for tests: munge, slurmctld and two slurmd (n1, n2).
 
-Every daemon runs in the foreground under a temporary directory, with free ports and a private
-munge socket, so nothing of the machine's own Slurm or munge (if any) is touched. Node names do
+Every daemon runs in the foreground under a temporary directory, with free ports and a munge
+socket of its own, so nothing of the machine's own Slurm or munge (if any) is touched. The
+directory and the socket's are open to every user (not the key, nor the state), as /etc/slurm
+and /run/munge are: a root daemon submits a user's job as that user, whose sbatch reads
+slurm.conf and asks munge for a credential. Node names do
 not resolve, so each node's `NodeAddr` is 127.0.0.1 and its `Port=` its own. `SLURM_CONF`
 points the client commands (sbatch, squeue, ...) at this cluster.
 """
@@ -271,9 +274,10 @@ SHARED = SharedCluster()
 def running_cluster(settings: dict[str, str] | None = None) -> Iterator[Cluster]:
     """A cluster up for the duration of the block, torn down (every daemon and step) after it."""
     root = Path(tempfile.mkdtemp(prefix="obd-slurm-", dir="/tmp"))
+    root.chmod(0o755)  # users' Slurm commands read slurm.conf here
     for sub in ("munge", "state", "spool", "run", "log"):
         (root / sub).mkdir()
-    (root / "munge").chmod(0o700)
+    (root / "munge").chmod(0o711)  # the socket reachable by users (munged's own check allows it), the key not
     (root / "plugstack.conf").write_text("")
     ports = {n: free_port() for n in NODES}
     ctld_port = free_port()
