@@ -219,7 +219,11 @@ def _daemon(args: argparse.Namespace) -> int:
         print(f"obd: [daemon] {exc}", file=sys.stderr)
         return EXIT_USAGE
     anyio.run(Daemon(config).run)
-    return 0
+    # A worker thread may still sit in a call to a remote that does not answer (a hung cloud API),
+    # abandoned on purpose: it must not hold the exit up. Everything the daemon keeps is on disk.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:

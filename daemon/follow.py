@@ -26,6 +26,7 @@ from trainer_plugin import jobctl, rundir
 
 if TYPE_CHECKING:
     from daemon.service import Daemon
+    from daemon.targets import Supervision
 
 log = structlog.get_logger("obd")
 # Files in rundir.URGENT_FILES wake a run's follow at once; metrics.jsonl growing marks the run
@@ -58,12 +59,16 @@ class Follower:
         self._sweep_at: dict[str, float] = {}
         self._every_poll: set[str] = set()  # keys read whole at every poll, events or not
         self._planted_noted: dict[str, set[str]] = {}  # run id -> planted marks already logged
+        self.reconciling: set[str] = set()  # runs whose remote target has not been matched with them yet
 
     # --- loops ---------------------------------------------------------------------------
 
     def resume_all(self) -> None:
-        """After the reconcile: a loop for every run left running or preparing."""
+        """After the reconcile: a loop for every run left running or preparing (those still
+        being reconciled in the background get theirs when it is done)."""
         for record in list(self.daemon.records.values()):
+            if record.id in self.reconciling:
+                continue
             if record.has_job:
                 self.ensure_loop(record)
                 self.watch(record)
@@ -355,9 +360,12 @@ class Follower:
 
     async def reconcile(self) -> None:
         """At start: match each target with the records, re-attach to every run left preparing or
-        running, and finish those whose job ended while the daemon was down."""
-        for supervision in self.daemon.targets.configured():
-            await supervision.reconcile()
+        running, and finish those whose job ended while the daemon was down.
+
+        This machine's runs are reconciled before the daemon answers (a local read). A remote
+        target (an SSH host, a Slurm cluster, a cloud API) is reconciled in the background, so
+        a host or an API that does not answer never holds up the socket: its runs are marked
+        `reconciling` meanwhile, and followed once their target answered."""
         records = self.daemon.records.values()
         for record in [r for r in records if r.state == RunState.preparing and not r.remote_dir]:
             async with self.daemon.editing(record):
@@ -366,13 +374,48 @@ class Follower:
                     "the daemon stopped while launching this run and its job never started; "
                     "start it again with `obd train start`",
                 )
+        configured = self.daemon.targets.configured()
+        names = {s.name for s in configured}
+        pending = [r for r in records if r.state == RunState.preparing or r.has_job]
+        for supervision in configured:
+            runs = [r for r in pending if r.target == supervision.name]
+            if supervision.answers_at_once():
+                await self._reconcile_target(supervision, runs)
+            else:
+                self.reconciling.update(r.id for r in runs)
+                self.daemon.start_soon(self._reconcile_in_background, supervision, runs)
+        # Runs of a target no longer in the config: reported as their probe fails.
+        await self._reconcile_runs_by_key([r for r in pending if r.target not in names])
+
+    async def _reconcile_target(self, supervision: Supervision, runs: list[RunRecord]) -> None:
+        try:
+            await supervision.reconcile()
+        except Exception:  # one target's surprise must not stop the daemon; the follow retries
+            log.exception("reconcile_failed", target=supervision.name)
+        await self._reconcile_runs_by_key(runs)
+
+    async def _reconcile_runs_by_key(self, runs: list[RunRecord]) -> None:
         groups: dict[str, list[RunRecord]] = {}
-        for record in records:
+        for record in runs:
             if record.state == RunState.preparing or record.has_job:
                 groups.setdefault(self.daemon.targets.key(record), []).append(record)
         async with anyio.create_task_group() as tg:
-            for runs in groups.values():
-                tg.start_soon(self._reconcile_group, runs)
+            for group in groups.values():
+                tg.start_soon(self._reconcile_group, group)
+
+    async def _reconcile_in_background(self, supervision: Supervision, runs: list[RunRecord]) -> None:
+        """A remote target's reconcile, after which its runs are followed as any others."""
+        try:
+            await self._reconcile_target(supervision, runs)
+        finally:
+            self.reconciling.difference_update(r.id for r in runs)
+            for record in runs:
+                if record.has_job:
+                    self.ensure_loop(record)
+                    self.watch(record)
+                elif record.state == RunState.preparing:
+                    self.ensure_loop(record)
+            log.info("reconciled", target=supervision.name, runs=len(runs))
 
     async def _reconcile_group(self, runs: list[RunRecord]) -> None:
         try:

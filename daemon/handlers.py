@@ -133,6 +133,8 @@ class Handlers:
     async def status(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         record = self.daemon.find(req.id, peer)
         out = record.public()
+        if record.id in self.daemon.follow.reconciling:
+            out["reconciling"] = True  # its target has not answered since the daemon started
         if record.in_queue:
             out["queue"] = {
                 "position": self.daemon.scheduler.position(record),
@@ -140,7 +142,7 @@ class Handlers:
             }
         if record.chain or record.retries:
             out["chain_runs"] = chain_of(self.daemon, record)
-        if not record.state.final:
+        if not record.state.final and not out.get("reconciling"):  # its target has not answered yet
             with anyio.move_on_after(10):
                 out.update(await self.daemon.targets.of(record).describe(record))
         return out

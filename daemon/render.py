@@ -298,6 +298,10 @@ def status(r: dict[str, Any]) -> str:
         lines.append(f"latest    {last}")
     if r.get("gpus"):
         lines.append(f"gpus      {','.join(r['gpus'])}")
+    if r.get("reconciling"):
+        lines.append(
+            "reconcile still being matched with its target after the daemon's start (the target has not answered yet)"
+        )
     queue = r.get("queue") or {}
     if queue:
         lines.append(f"queue     position {queue.get('position') or '-'}; {queue.get('waiting_for') or ''}")

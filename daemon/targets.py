@@ -16,7 +16,7 @@ from daemon.api import ApiError
 from daemon.config import ConfigError
 from daemon.models import RunRecord
 from executors.base import Executor, ExecutorError
-from executors.factory import make_executor, makes_pods, schedules_jobs
+from executors.factory import is_this_machine, make_executor, makes_pods, schedules_jobs
 
 if TYPE_CHECKING:
     from daemon.service import Daemon
@@ -58,6 +58,12 @@ class Supervision:
     def shares_filesystem(self, record: RunRecord) -> bool:
         """Whether the run's machine sees the daemon's files (a --cwd is then used where it is)."""
         return self.executor(record).shares_filesystem
+
+    def answers_at_once(self) -> bool:
+        """Whether the target is this machine, whose runs are reconciled before the daemon
+        answers; any other (a host, a cluster, a cloud API) is reconciled in the background,
+        so nothing remote can hold up the socket."""
+        return is_this_machine(self.config)
 
     def poll_interval(self, record: RunRecord) -> float:
         d = self.daemon.config.daemon

@@ -28,6 +28,11 @@ def schedules_jobs(target: AnyTarget) -> TypeGuard[SlurmTarget]:
     return isinstance(target, SlurmTarget)
 
 
+def is_this_machine(target: AnyTarget) -> bool:
+    """Whether the target is the daemon's own machine (nothing remote to wait for)."""
+    return isinstance(target, LocalTarget)
+
+
 def make_executor(name: str, target: AnyTarget, state_dir: Path, remote_poll: float = 3.0) -> Executor:
     """The executor of a machine target; local run directories default to STATE_DIR/jobs.
 

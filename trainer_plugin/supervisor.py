@@ -229,7 +229,11 @@ def read_start_input(run_dir: str, argv: list[str]) -> tuple[dict, dict[str, str
     (`--spec-stdin`, a root daemon's way), or job.json and the values on stdin (`--secrets-stdin`)."""
     if "--spec-stdin" in argv:
         payload = _json_object(sys.stdin.buffer.read())
-        return payload.get("spec") or {}, payload.get("values") or {}
+        spec = payload.get("spec")
+        if not isinstance(spec, dict) or not spec.get("command"):
+            # Cut short (the daemon went away while it was sending): nothing is started.
+            raise SystemExit("obd: the job wrapper got no job on its stdin; nothing was started")
+        return spec, payload.get("values") or {}
     spec = _json_object(rundir.read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
     values = _json_object(sys.stdin.buffer.read()) if "--secrets-stdin" in argv else {}
     return spec, values

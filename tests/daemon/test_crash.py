@@ -37,13 +37,16 @@ def test_a_sigkill_during_a_start_loses_nothing(daemon: DaemonProc, delay: float
 
 
 def test_a_job_keeps_running_through_a_sigkill_of_the_daemon_and_is_followed_again(daemon: DaemonProc) -> None:
-    rid = daemon.cli("train", "start", "--", "sh", "-c", "sleep 2; echo finished").stdout.strip()
+    # The job ends when the test says so (a file), not after a sleep a slow restart could outlast.
+    job = 'while [ ! -e "$OBD_RUN_DIR/go" ]; do sleep 0.05; done; echo finished'
+    rid = daemon.cli("train", "start", "--", "sh", "-c", job).stdout.strip()
     record = daemon.wait_state(rid, "running")
     handle = record["job"]
     daemon.kill()
     assert jobctl.handle_alive(handle)  # the daemon's death did not touch the job
     daemon.start()
     assert daemon.record(rid)["state"] == "running"
+    (Path(record["remote_dir"]) / "go").touch()
     record = daemon.wait_state(rid, "succeeded", timeout=30)
     assert record["exit_code"] == 0
 

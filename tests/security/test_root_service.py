@@ -208,7 +208,7 @@ def test_a_job_pid_forged_from_the_launch_on_never_makes_root_signal_another_pro
 def test_a_planted_end_mark_changes_nothing_and_a_gpu_is_never_given_to_two_runs(box: Box) -> None:
     alice = box.alice
     with _root_secret() as (secret, _):
-        plant = f"cd \"$OBD_RUN_DIR\"; echo planted > cancelled; echo 0 > exit_code; ln -s {secret}/nothing cancelling; sleep 300"
+        plant = f'cd "$OBD_RUN_DIR"; echo planted > cancelled; echo 0 > exit_code; ln -s {secret}/nothing cancelling; sleep 300'
         first = _start(box, alice, "sh", "-c", plant, opts=("--gpus", "1"))
         box.daemon.wait_state(first, "running")
         second = _start(box, alice, "sh", "-c", "echo second ran", opts=("--gpus", "1"))
@@ -227,7 +227,7 @@ def test_links_in_a_run_directory_never_make_root_read_copy_or_serve_a_root_only
     alice = box.alice
     with _root_secret() as (secret, marker):
         job = (
-            f"cd \"$OBD_RUN_DIR\"; ln -s {secret}/secret.txt metrics.jsonl; rm -rf profile; ln -s {secret} profile; "
+            f'cd "$OBD_RUN_DIR"; ln -s {secret}/secret.txt metrics.jsonl; rm -rf profile; ln -s {secret} profile; '
             f"mkdir -p output; ln -s {secret} output/checkpoint-1; ln -s {secret}/secret.txt snapshot.json; exit 0"
         )
         rid = _start(box, alice, "sh", "-c", job, opts=("--profile",))
@@ -247,7 +247,7 @@ def test_links_in_a_run_directory_never_make_root_read_copy_or_serve_a_root_only
 def test_root_copying_a_users_outputs_follows_none_of_their_links(box: Box, short_tmp: Path) -> None:
     alice = box.alice
     with _root_secret() as (secret, marker):
-        rid = _start(box, alice, "sh", "-c", f"cd \"$OBD_RUN_DIR\"; ln -s {secret} output")
+        rid = _start(box, alice, "sh", "-c", f'cd "$OBD_RUN_DIR"; ln -s {secret} output')
         box.daemon.wait_state(rid, "succeeded", "failed")
         dest = short_tmp / "root-copy"
         out = box.daemon.cli("train", "outputs", rid, "--to", str(dest))  # run by root
