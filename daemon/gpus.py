@@ -10,6 +10,7 @@ jobs see what their machine gives them.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from daemon.api import ApiError
@@ -104,8 +105,13 @@ class Inventory:
             return list(wanted) if all(w in free for w in wanted) else None
         return free[:wanted] if len(free) >= wanted else None
 
-    def waiting_for(self, record: RunRecord) -> str:
-        """What a queued run waits for, in words."""
+    def waiting_for(self, record: RunRecord, now: float | None = None) -> str:
+        """What a queued run waits for now, in words: the end of its retry's backoff, else its
+        GPUs, naming the runs that hold them now (never one that has ended)."""
+        now = time.time() if now is None else now
+        if record.not_before is not None and record.not_before > now:
+            when = time.strftime("%H:%M:%S", time.localtime(record.not_before))
+            return f"waiting until {when} (backoff)"
         wanted = self.wanted(record)
         held = self.held(record.target)
         total = len(self.of(record.target))

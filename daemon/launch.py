@@ -27,7 +27,7 @@ import structlog
 from daemon.api import ApiError, Peer, StartRequest
 from daemon.gpus import parse_wanted
 from daemon.models import RunRecord, RunState
-from daemon.queue import load_spec, save_spec
+from daemon.queue import load_spec, queue_message, save_spec
 from daemon.recovery import Checkpoint, resume_point
 from daemon.stop import write_pending_request
 from daemon.store import StoreError
@@ -235,13 +235,21 @@ class Launcher:
             snapshot_on_sigterm=req.snapshot_on_sigterm,
         )
 
-    def _admit(self, record: RunRecord, req: StartRequest, run_as: RunAs | None, source: RunRecord | None) -> RunRecord:
-        """Save a new run, and its launch settings; launch it now, or queue it."""
+    def _admit(
+        self,
+        record: RunRecord,
+        req: StartRequest,
+        run_as: RunAs | None,
+        source: RunRecord | None,
+        why: str | None = None,
+    ) -> RunRecord:
+        """Save a new run, and its launch settings; launch it now, or queue it (saying `why`, when
+        that is more than waiting: a retry's attempt, in the one history entry it starts with)."""
         daemon = self.daemon
         supervision = daemon.targets.of(record)
         waits = bool(daemon.inventory.wanted(record)) or record.not_before is not None
         if waits:
-            record.transition(RunState.queued, self._waiting_message(record))
+            record.transition(RunState.queued, queue_message(daemon, record, why))
         else:
             record.transition(RunState.preparing, "created")
         workdir = supervision.workdir(record)
@@ -263,12 +271,6 @@ class Launcher:
             self.launching.add(record.id)
             daemon.start_soon(self._launch, record, req, source, run_as)
         return record
-
-    def _waiting_message(self, record: RunRecord) -> str:
-        if record.not_before is not None and record.not_before > time.time():
-            when = time.strftime("%H:%M:%S", time.localtime(record.not_before))
-            return f"attempt {record.attempt} of {record.retries + 1}: waiting until {when} (backoff)"
-        return self.daemon.inventory.waiting_for(record)
 
     async def launch_queued(self, record: RunRecord, devices: list[str]) -> None:
         """Start a queued run with these devices (the scheduler's call)."""
@@ -312,11 +314,11 @@ class Launcher:
         record.cwd = prev.cwd
         record.env_from_caller = prev.env_from_caller
         record.not_before = not_before
-        if point is not None:
-            record.resumed_from, record.resume_checkpoint = prev.id, point.name
+        if point is not None:  # of `prev`, or of an earlier attempt of the chain (point.source)
+            record.resumed_from, record.resume_checkpoint = point.source or prev.id, point.name
             record.resume_reason = point.reason
-        record.note(f"attempt {record.attempt} of {record.retries + 1} after {prev.id} ended ({cause})")
-        return self._admit(record, req, run_as, prev)
+        why = f"attempt {record.attempt} of {record.retries + 1} after {prev.id} ended ({cause})"
+        return self._admit(record, req, run_as, prev, why)
 
     # --- the job -------------------------------------------------------------------------
 

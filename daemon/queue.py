@@ -6,6 +6,11 @@ run); then first come, first served. There is no backfill: a run that waits for 
 not overtaken by a later run that needs one, so a big run is never starved. A retry waits in
 the queue until its backoff is over, without holding up the runs behind it.
 
+A queued run's message says what it waits for now: the end of its backoff, or its GPUs and the
+runs that hold them. It is brought up to date on every pass of the queue (a holder that ended is
+never named), as the message only: the history keeps the entry the run was queued with, true
+when it was written, and gets no new line each time a holder changes.
+
 Runs leave the queue one at a time, each saved `preparing` with its devices before its launch
 begins, so a daemon killed at any moment never starts a run twice: a run still `queued` after a
 restart is started once, later. What a queued run needs to start (its `--env` values, secrets
@@ -102,6 +107,15 @@ def drop_orphan_specs(daemon: Daemon, keep: Collection[str]) -> None:
                         os.unlink(directory / entry)
 
 
+def queue_message(daemon: Daemon, record: RunRecord, why: str | None = None) -> str:
+    """A queued run's message: why it is queued, when that is more than waiting (`why`, else a
+    retry's "attempt 3 of 4"), then what it waits for now."""
+    waiting = daemon.inventory.waiting_for(record)
+    if why is None and record.attempt > 1:
+        why = f"attempt {record.attempt} of {record.retries + 1}"
+    return f"{why}: {waiting}" if why else waiting
+
+
 class Scheduler:
     """Starts queued runs when their GPUs are free and their backoff is over."""
 
@@ -139,6 +153,20 @@ class Scheduler:
     async def schedule(self) -> None:
         for target in sorted({r.target for r in self.queued()}):
             await self._schedule_target(target)
+            await self._refresh_messages(target)
+
+    async def _refresh_messages(self, target: str) -> None:
+        """Bring the message of every run still queued on `target` up to date (see the module's
+        docstring); a message that already ends with what the run waits for is left alone, so a
+        pass that changes nothing saves nothing."""
+        daemon = self.daemon
+        now = time.time()
+        for record in self.queued(target):
+            if record.message.endswith(daemon.inventory.waiting_for(record, now)):
+                continue
+            async with daemon.editing(record):
+                if record.in_queue:  # not started or cancelled meanwhile
+                    record.message = queue_message(daemon, record)
 
     def order(self, target: str, runs: list[RunRecord], held: dict[str, str]) -> list[RunRecord]:
         """The queue's order (see the module's docstring)."""

@@ -8,8 +8,11 @@ job killed while saving) fails that test and is skipped for the one before it.
 A run started with `--retry N` that ends for a reason a retry can help with (`[retry] on`: a
 non-zero exit, a lost job, a failed launch, a preemption, a `deadline` snapshot; never a cancel
 by a user nor an invalid proof) is started again as the next attempt of its chain, after a
-backoff that doubles each time, from its checkpoint (or from the start when it has none).
-Each attempt is a run of its own; `list` shows a chain's latest attempt, `status` the chain.
+backoff that doubles each time, from the newest trusted checkpoint of the whole chain (or from
+the start when no attempt has one): recovery never goes backwards because an attempt died
+before it saved anything. Each attempt is a run of its own; `list` shows a chain's latest
+attempt, `status` the chain, and a stop or a cancel of any attempt's id acts on the chain's
+live attempt (`latest_attempt`); a cancel of an ended attempt ends its chain (`end_chain`).
 
 An attempt's launch settings (launch.json: the caller's environment, `--env` values, secrets)
 are deleted as soon as nothing can start from it again: when its next attempt is made (which
@@ -54,6 +57,9 @@ class Checkpoint:
     name: str  # checkpoint-<step>, or the path given
     step: int | None
     reason: str  # why it is trusted, for the new run's record
+    # The run whose directory holds it, when that is not the run being resumed (an earlier
+    # attempt of a chain); None: the run being resumed.
+    source: str | None = None
 
 
 class Checkpoints:
@@ -141,6 +147,93 @@ async def resume_point(daemon: Daemon, source: RunRecord, which: str | None) -> 
     raise ApiError(f"--checkpoint {which!r}: use latest, a step number, or a path", "usage")
 
 
+def chain_attempts(daemon: Daemon, record: RunRecord) -> list[RunRecord]:
+    """Every attempt of `record`'s chain, oldest first (a run with no retries: itself alone)."""
+    chain = record.chain or record.id
+    runs = [r for r in daemon.records.values() if (r.chain or r.id) == chain]
+    return sorted(runs, key=lambda r: (r.attempt, r.created, r.id))
+
+
+def latest_attempt(daemon: Daemon, record: RunRecord) -> RunRecord:
+    """The attempt a stop, a cancel or a wait given any attempt's id acts on: the chain's newest,
+    followed through `retried_by` (the id `start` printed names the first attempt, which has
+    ended once a retry waits in the queue)."""
+    seen = {record.id}
+    while record.retried_by and record.retried_by in daemon.records and record.retried_by not in seen:
+        record = daemon.records[record.retried_by]
+        seen.add(record.id)
+    return record
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A checkpoint of one attempt that the next attempt may resume from, not yet judged."""
+
+    step: int
+    proven: bool  # the attempt's snapshot proof names it: trusted as the proof rule judged it
+    attempt: RunRecord
+    checkpoints: Checkpoints  # where it is read, to judge it complete
+
+    @property
+    def order(self) -> tuple[int, bool, int]:
+        """Newest first: the highest step; at the same step a proof, then the later attempt."""
+        return self.step, self.proven, self.attempt.attempt
+
+
+async def _candidates(daemon: Daemon, attempt: RunRecord) -> list[_Candidate]:
+    """What one ended attempt offers: its proven snapshot, and its real `output/checkpoint-<step>`
+    directories (none of an attempt whose proof was invalid: nothing of such a job is trusted).
+    Raises what reading its directory raises; the proof is kept even when it cannot be read."""
+    found = Checkpoints(daemon, attempt)
+    out = []
+    if attempt.snapshot is not None:
+        out.append(_Candidate(attempt.snapshot.step, True, attempt, found))
+    if attempt.stop.invalid_proof:
+        return out
+    try:
+        names = await found.names()
+    except (ApiError, ExecutorError, TimeoutError, OSError) as exc:
+        log.warning("retry_attempt_unreadable", attempt_id=attempt.id, error=str(exc))
+        return out
+    steps = (rundir.checkpoint_step(name) for name in names)
+    return out + [_Candidate(step, False, attempt, found) for step in steps if step is not None]
+
+
+async def chain_resume_point(daemon: Daemon, record: RunRecord) -> Checkpoint | None:
+    """Where the next attempt after `record` resumes: the newest trusted checkpoint of any attempt
+    of its chain up to `record` (None: none has one, start from the beginning).
+
+    Trusted: an attempt's proven snapshot, or an `output/checkpoint-<step>` that `complete` finds
+    whole; never a checkpoint of an attempt whose proof was invalid. Newest: the highest step;
+    at the same step a proof first, then the later attempt. An attempt whose directory cannot
+    be read now (a pod that is gone with nothing retrieved, a target that does not answer) is
+    passed over and logged, so one unreachable attempt does not send the chain back to step 0."""
+    candidates: list[_Candidate] = []
+    for attempt in chain_attempts(daemon, record):
+        if attempt.attempt <= record.attempt and attempt.state.final:
+            candidates += await _candidates(daemon, attempt)
+    for candidate in sorted(candidates, key=lambda c: c.order, reverse=True):
+        name, step = rundir.checkpoint_name(candidate.step), candidate.step
+        if candidate.proven:
+            why = f"the proof of its snapshot at step {step}"
+        else:
+            try:
+                complete = await candidate.checkpoints.complete(name)
+            except (ApiError, ExecutorError, TimeoutError, OSError) as exc:
+                log.warning(
+                    "retry_checkpoint_unreadable", attempt_id=candidate.attempt.id, checkpoint=name, error=str(exc)
+                )
+                continue
+            if complete is None:
+                continue  # a save cut short: the one before it
+            why = f"the newest complete checkpoint: {complete}"
+        if candidate.attempt.id == record.id:
+            return Checkpoint(name, step, why)
+        source = candidate.attempt
+        return Checkpoint(name, step, f"{why}, of attempt {source.attempt} ({source.id})", source.id)
+    return None
+
+
 def retry_cause(record: RunRecord) -> str | None:
     """Why a run ended, as `[retry] on` names it; None when a retry cannot help."""
     if record.state == RunState.stopped and record.snapshot is not None:
@@ -167,6 +260,8 @@ class Recovery:
         # Ended runs nothing starts from again, their launch settings deleted: later edits
         # (notes, collected metrics, mirrored outputs) have nothing to decide.
         self._settled: set[str] = set()
+        # Chains a user ended while their next attempt was being made: it is not made.
+        self._ended_chains: set[str] = set()
 
     def on_change(self, record: RunRecord) -> None:
         if (
@@ -202,6 +297,24 @@ class Recovery:
             return cause
         return None
 
+    async def end_chain(self, record: RunRecord, why: str) -> bool:
+        """End the chain of an attempt that has ended (a cancel of the id `start` printed, once
+        that attempt failed): no next attempt is made, and its launch settings go. For a cancel
+        that comes while the next attempt is still being made (its checkpoint being looked for);
+        once made, that attempt is queued and the cancel acts on it (`latest_attempt`). True when
+        a retry was still to come and will not."""
+        if not record.state.final or record.retried_by is not None or record.id in self._settled:
+            return False
+        if not self.retry_due(record):
+            return False  # its chain ends here anyway
+        self._ended_chains.add(record.chain or record.id)
+        async with self.daemon.editing(record):
+            record.note(f"no retry: {why}")
+        if record.id not in self._pending:
+            self._settle(record)
+        log.info("chain_ended", run_id=record.id, why=why)
+        return True
+
     def _settle(self, record: RunRecord) -> None:
         """Nothing starts from this run again: its launch settings go, and later edits of it
         (notes, collected metrics, mirrored outputs) have nothing to decide."""
@@ -211,7 +324,7 @@ class Recovery:
     async def _after_end(self, record: RunRecord) -> None:
         try:
             cause = self.retry_due(record)
-            if cause:
+            if cause and (record.chain or record.id) not in self._ended_chains:
                 await self._next_attempt(record, cause)
             else:
                 self._settle(record)
@@ -236,17 +349,19 @@ class Recovery:
                 record.note("no retry: the settings it was started with are gone (launch.json); resume it by hand")
             return
         req, run_as = spec
-        try:
-            point = await resume_point(daemon, record, None)
-        except ApiError as exc:
-            log.warning("retry_checkpoint_unreadable", run_id=record.id, error=str(exc))
-            point = None
+        point = await chain_resume_point(daemon, record)
+        if chain in self._ended_chains:  # cancelled while its checkpoint was looked for
+            self._settle(record)
+            return
         cfg = daemon.config.retry
         delay = min(cfg.backoff * 2 ** (record.attempt - 1), cfg.max_backoff)
         new = await daemon.launcher.next_attempt(record, req, run_as, point, time.time() + delay, cause)
         async with daemon.editing(record):
             record.retried_by = new.id
-            start = f"from {point.name}" if point else "from the start (it had no complete checkpoint)"
+            if point is None:
+                start = "from the start (no attempt of its chain has a complete checkpoint)"
+            else:
+                start = f"from {point.name}" + (f" of {point.source}" if point.source else "")
             record.note(
                 f"retrying ({cause}): attempt {new.attempt} of {record.retries + 1} is {new.id}, {start}, in {delay:g} s"
             )
@@ -256,12 +371,19 @@ class Recovery:
 
 def chain_of(daemon: Daemon, record: RunRecord) -> list[dict[str, object]]:
     """The attempts of a run's chain, oldest first, for `status`."""
-    chain = record.chain or record.id
-    runs = [r for r in daemon.records.values() if (r.chain or r.id) == chain]
     return [
         {"id": r.id, "attempt": r.attempt, "state": r.state.value, "message": r.message}
-        for r in sorted(runs, key=lambda r: (r.attempt, r.created))
+        for r in chain_attempts(daemon, record)
     ]
 
 
-__all__ = ["Checkpoint", "Recovery", "chain_of", "resume_point", "retry_cause"]
+__all__ = [
+    "Checkpoint",
+    "Recovery",
+    "chain_attempts",
+    "chain_of",
+    "chain_resume_point",
+    "latest_attempt",
+    "resume_point",
+    "retry_cause",
+]

@@ -151,3 +151,46 @@ def test_targets_list_shows_the_gpus_and_what_holds_each(box: DaemonProc, tmp_pa
     text = box.cli("targets", "list").stdout
     assert f"0:{rid}" in text and "1:free" in text
     box.call("cancel", id=rid)
+
+
+def test_a_queued_runs_message_names_only_the_runs_that_still_hold_its_gpus(box: DaemonProc, tmp_path: Path) -> None:
+    env_opt = ("--env", f"LEDGER={tmp_path / 'ledger'}")
+    first, second = (start(box, "sh", "-c", SHOW, opts=("--gpus", "1", *env_opt)) for _ in range(2))
+    for rid in (first, second):
+        box.wait_state(rid, "running")
+    both = start(box, "sh", "-c", SHOW, opts=("--gpus", "2", *env_opt))
+    queued = box.record(both)
+    assert first in queued["message"] and second in queued["message"]
+    box.call("cancel", id=first)
+    box.wait_state(first, "cancelled")
+
+    def message_now() -> str | None:
+        message = box.record(both)["message"]
+        return message if first not in message else None
+
+    message = wait_for(message_now, 10, 0.1, "the queued run's message to drop the run that ended")
+    assert message == f"waiting for 2 GPUs: 1 of 2 free (held by {second})"
+    assert box.record(both)["queue"]["waiting_for"] == message
+    history = box.record(both)["history"]
+    assert [h["state"] for h in history] == ["queued"]  # the message moved on; no line per change
+    box.call("cancel", id=second)
+    box.wait_state(both, "running", timeout=10)
+    box.call("cancel", id=both)
+
+
+def test_a_retry_waiting_out_its_backoff_says_so_once_in_its_history_and_queue(make_daemon) -> None:
+    d = make_daemon(FAST_CONFIG + '\n[retry]\nbackoff = "30s"\n')
+    d.start()
+    first = start(d, "sh", "-c", "exit 3", opts=("--retry", "1"))
+    retry = wait_for(lambda: d.record(first)["retried_by"], 20, 0.1, "the next attempt")
+    record = d.record(retry)
+    assert record["state"] == "queued" and record["not_before"]
+    [entry] = record["history"]  # one line: queued, why and until when; never a `preparing` it was not in
+    assert entry["state"] == "queued"
+    assert entry["reason"].startswith(f"attempt 2 of 2 after {first} ended (exit): waiting until ")
+    assert entry["reason"].endswith("(backoff)")
+    assert record["queue"]["waiting_for"].startswith("waiting until ")  # the backoff, not GPUs
+    text = d.cli("train", "status", retry).stdout
+    assert text.count("attempt 2 of 2") == 2, text  # the message and the one history line
+    d.call("cancel", id=retry)
+    d.wait_state(retry, "cancelled")
