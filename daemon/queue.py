@@ -34,6 +34,7 @@ import structlog
 from daemon.api import StartRequest
 from daemon.config import ConfigError
 from daemon.models import RunRecord, RunState
+from daemon.store import LAUNCH_SETTINGS
 from executors.base import RunAs
 from trainer_plugin.rundir import atomic_write, read_regular
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from daemon.service import Daemon
 
 log = structlog.get_logger("obd.queue")
-SPEC = "launch.json"
+SPEC = LAUNCH_SETTINGS
 SAFETY_POLL = 30.0  # the queue is looked at this often even when nothing says it should be
 
 

@@ -3,6 +3,13 @@
 A save writes a temporary file beside the record, fsyncs it, renames it over the record and
 fsyncs the directory, so a SIGKILL or a power cut at any moment leaves the old record or the
 new one, never half of one; a full disk leaves the old record and raises `StoreError`.
+
+What such a kill leaves is cleared when the records are loaded (`load_all`, at the daemon's
+start): the temporary files of atomic writes (`.NAME.tmp.*`) made before this process started,
+and the directory of a start cut short before its record was first saved (no `run.json`, only
+its `launch.json` or such temporary files, or nothing): its `obd train start` never answered,
+so no one knows the run, and it would otherwise be listed `unreadable` for ever. A directory
+with anything else in it is left as it is and listed `unreadable`, for a person to look at.
 """
 
 from __future__ import annotations
@@ -10,15 +17,41 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from pydantic import ValidationError
 
 from daemon.models import RunRecord, check_run_id
-from trainer_plugin.rundir import atomic_write
+from trainer_plugin.rundir import atomic_write, is_run_id
 
+log = structlog.get_logger("obd.store")
 RECORD_LIMIT = 16 * 1024 * 1024
+# A run's launch settings (daemon/queue.py), written before its first record: alone in a
+# directory, they are what a start cut short left.
+LAUNCH_SETTINGS = "launch.json"
+_IMPORTED_AT = time.time()
+
+
+def process_started() -> float:
+    """When this process started, in wall-clock seconds (from /proc; where /proc cannot say, when
+    this module was imported, which the daemon does as it starts)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # since boot
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])  # to the hundredth (btime is to the second)
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a name is that of an atomic write's temporary file (`rundir.atomic_write`)."""
+    return name.startswith(".") and ".tmp." in name
 
 
 class StoreError(Exception):
@@ -64,7 +97,10 @@ class RunStore:
     def load(self, run_id: str) -> RunRecord:
         return parse_record(self.record_path(run_id), run_id)
 
-    def load_all(self) -> tuple[dict[str, RunRecord], list[BadRecord]]:
+    def load_all(self, started: float | None = None) -> tuple[dict[str, RunRecord], list[BadRecord]]:
+        """Every record, and those that cannot be read; what a crash left before `started` (this
+        process's start by default) is cleared first (see the module's docstring)."""
+        started = process_started() if started is None else started
         records: dict[str, RunRecord] = {}
         bad: list[BadRecord] = []
         if not self.runs_dir.is_dir():
@@ -74,7 +110,9 @@ class RunStore:
             if name.startswith(".") or not entry.is_dir():
                 continue
             path = entry / "run.json"
-            _clear_leftovers(entry)
+            _clear_leftovers(entry, started)
+            if _drop_unrecorded_start(entry):
+                continue
             try:
                 check_run_id(entry.name)
                 records[entry.name] = parse_record(path, entry.name)
@@ -83,15 +121,49 @@ class RunStore:
         return records, bad
 
 
-def _clear_leftovers(directory: Path) -> None:
-    """Remove the temporary files of saves cut short (a SIGKILL between write and rename)."""
+def _clear_leftovers(directory: Path, started: float) -> None:
+    """Remove the temporary files of atomic writes cut short (a SIGKILL between write and rename)
+    made before `started`: a newer one may be a write under way, by this daemon."""
     try:
-        names = [p for p in directory.iterdir() if p.name.startswith(".run.json.tmp.")]
+        names = [name for name in os.listdir(directory) if is_temporary(name)]
     except OSError:
         return
-    for leftover in names:
+    removed = []
+    for name in names:
+        path = directory / name
         with contextlib.suppress(OSError):
-            leftover.unlink()
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < started:
+                path.unlink()
+                removed.append(name)
+    if removed:
+        log.info("leftovers_removed", run_id=directory.name, files=removed, why="atomic writes cut short")
+
+
+def _drop_unrecorded_start(directory: Path) -> bool:
+    """Remove the directory of a start cut short before its record was first saved (its launch
+    settings alone, or nothing, and no `run.json`); True when it was removed."""
+    if not is_run_id(directory.name) or os.path.lexists(directory / "run.json"):
+        return False
+    try:
+        names = os.listdir(directory)
+        if any(name != LAUNCH_SETTINGS for name in names):
+            return False  # something more: left for a person, listed unreadable
+        if names and not stat.S_ISREG(os.lstat(directory / LAUNCH_SETTINGS).st_mode):
+            return False
+        for name in names:
+            os.unlink(directory / name)
+        os.rmdir(directory)
+    except OSError as exc:
+        log.warning("unrecorded_start_not_removed", run_id=directory.name, error=str(exc))
+        return False
+    log.warning(
+        "unrecorded_start_removed",
+        run_id=directory.name,
+        files=names,
+        why="a start cut short before its record was saved; no one was told its id",
+    )
+    return True
 
 
 def parse_record(path: Path, run_id: str) -> RunRecord:

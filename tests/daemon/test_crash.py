@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -138,3 +139,43 @@ def test_a_job_whose_wrapper_was_killed_is_still_running_and_cancel_reaches_its_
     assert daemon.cli("train", "cancel", rid, "--wait").returncode == 0
     assert daemon.record(rid)["state"] == "cancelled"
     assert not jobctl.group_alive(record["job"])
+
+
+def test_what_a_sigkill_leaves_of_a_start_and_of_atomic_writes_is_cleared_at_the_next_start(
+    daemon: DaemonProc,
+) -> None:
+    rid = daemon.cli("train", "start", "--", "sh", "-c", "exit 0").stdout.strip()
+    daemon.wait_state(rid, "succeeded")
+    daemon.kill()
+    runs = daemon.state_dir / "runs"
+    # As a SIGKILL leaves them: a start killed after its launch.json was written and before its
+    # record was (its `train start` never answered), one killed amid that first write, and
+    # temporary files of atomic writes killed between write and rename, beside a good record.
+    cut_short = runs / "20260101-000000-aaaaaa"
+    cut_short.mkdir(mode=0o700)
+    (cut_short / "launch.json").write_text('{"request": {}, "run_as": null}')
+    amid = runs / "20260101-000000-bbbbbb"
+    amid.mkdir(mode=0o700)
+    (amid / ".launch.json.tmp.123.00aa11bb22cc").write_text('{"requ')
+    leftovers = [runs / rid / f".{name}.tmp.123.00aa11bb22cc" for name in ("run.json", "launch.json", "notify.json")]
+    for path in leftovers:
+        path.write_text("half")
+    # Someone's own file in a record directory with no record: left for a person to look at.
+    kept = runs / "20260101-000000-cccccc"
+    kept.mkdir(mode=0o700)
+    (kept / "notes.txt").write_text("mine")
+    a_minute_ago = time.time() - 60  # the crash came before this start
+    for path in [*leftovers, amid / ".launch.json.tmp.123.00aa11bb22cc", cut_short / "launch.json"]:
+        os.utime(path, (a_minute_ago, a_minute_ago))
+    daemon.start()
+    listed = {r["id"]: r["state"] for r in daemon.call("list", all=True)}
+    assert listed[rid] == "succeeded"
+    assert listed.get(cut_short.name) is None and listed.get(amid.name) is None
+    assert listed[kept.name] == "unreadable" and (kept / "notes.txt").exists()
+    assert not cut_short.exists() and not amid.exists()
+    assert not any(path.exists() for path in leftovers)
+    log = daemon.log_path.read_text()
+    assert "unrecorded_start_removed" in log and cut_short.name in log and "leftovers_removed" in log
+    daemon.kill()  # and a second start finds nothing more to clear or to list unreadable
+    daemon.start()
+    assert {r["id"]: r["state"] for r in daemon.call("list", all=True)} == listed

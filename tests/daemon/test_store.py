@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -110,11 +111,31 @@ def test_the_temporary_files_of_saves_cut_short_are_cleared_at_load(tmp_path: Pa
     store = RunStore(tmp_path)
     store.ensure()
     store.save(RunRecord(id="20260101-000000-aaaaaa"))
-    leftover = store.run_dir("20260101-000000-aaaaaa") / ".run.json.tmp.123.abcdef"
-    leftover.write_text('{"half": ')
-    records, bad = store.load_all()
+    directory = store.run_dir("20260101-000000-aaaaaa")
+    leftovers = [directory / f".{name}.tmp.123.abcdef" for name in ("run.json", "launch.json", "notify.json")]
+    for leftover in leftovers:
+        leftover.write_text('{"half": ')
+        os.utime(leftover, (time.time() - 60, time.time() - 60))
+    under_way = directory / ".run.json.tmp.456.abcdef"  # a write of this process, after its start
+    under_way.write_text('{"half": ')
+    records, bad = store.load_all(started=time.time() - 30)
     assert list(records) == ["20260101-000000-aaaaaa"] and not bad
-    assert not leftover.exists()
+    assert not any(leftover.exists() for leftover in leftovers)
+    assert under_way.exists()
+
+
+def test_a_record_directory_holding_only_what_a_start_cut_short_left_is_removed_at_load(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    store.ensure()
+    for name, files in (("20260101-000000-aaaaaa", ["launch.json"]), ("20260101-000000-bbbbbb", [])):
+        (store.runs_dir / name).mkdir()
+        for file in files:
+            (store.runs_dir / name / file).write_text("{}")
+    (store.runs_dir / "20260101-000000-cccccc").mkdir()
+    (store.runs_dir / "20260101-000000-cccccc" / "retrieved").mkdir()  # more than a start leaves
+    records, bad = store.load_all()
+    assert records == {} and [b.run_id for b in bad] == ["20260101-000000-cccccc"]
+    assert sorted(os.listdir(store.runs_dir)) == ["20260101-000000-cccccc"]
 
 
 def test_a_record_larger_than_the_limit_is_reported_and_one_at_the_limit_loads(
