@@ -86,6 +86,19 @@ class Box:
             **self._as(user),  # type: ignore[call-overload]
         )
 
+    def start(
+        self,
+        user: User,
+        *command: str,
+        opts: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> str:
+        """`obd train start OPTS -- COMMAND` run by `user`; the new run's id."""
+        out = self.obd(user, "train", "start", *opts, "--", *command, env=env, cwd=cwd)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
     def popen(self, user: User, *args: str) -> subprocess.Popen[str]:
         """`obd ARGS` started by `user` and left running (`obd ui`); its stdout is a pipe."""
         return subprocess.Popen(  # type: ignore[call-overload]

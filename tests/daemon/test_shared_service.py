@@ -18,16 +18,10 @@ import uuid
 from pathlib import Path
 
 from tests import users
-from tests.users import Box, User
+from tests.users import Box
 
 pytestmark = users.needs_root_and_users
 accounts, box = users.accounts, users.box  # the fixtures, shared with the web view's tests
-
-
-def _start(box: Box, user: User, *command: str, opts: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
-    out = box.obd(user, "train", "start", *opts, "--", *command, env=env)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
 
 
 def test_a_users_job_runs_as_them_with_their_environment_and_not_the_daemons(box: Box) -> None:
@@ -40,7 +34,7 @@ def test_a_users_job_runs_as_them_with_their_environment_and_not_the_daemons(box
     env = box.env(alice, MYVAR="x-from-alice")
     work = alice.home / "work"
     subprocess.run(["install", "-d", "-o", str(alice.uid), "-g", str(alice.gid), str(work)], check=True)
-    rid = _start(box, alice, "sh", "-c", script, env=env)
+    rid = box.start(alice, "sh", "-c", script, env=env)
     record = box.daemon.wait_state(rid, "succeeded", "failed")
     assert record["state"] == "succeeded", record["message"]
     log = box.obd(alice, "train", "logs", rid)
@@ -64,7 +58,7 @@ def test_a_users_job_runs_as_them_with_their_environment_and_not_the_daemons(box
 
 
 def test_another_user_can_neither_act_on_nor_read_a_run_but_root_can(box: Box) -> None:
-    rid = _start(box, box.alice, "sh", "-c", "echo private-output-of-alice; sleep 60")
+    rid = box.start(box.alice, "sh", "-c", "echo private-output-of-alice; sleep 60")
     box.daemon.wait_state(rid, "running")
     bob = box.bob
     for args in (
@@ -93,8 +87,7 @@ def test_no_value_reaches_a_command_line_a_log_a_record_or_a_file_others_can_rea
     alice = box.alice
     secret, value = "s3cret-" + uuid.uuid4().hex, "v4lue-" + uuid.uuid4().hex
     env = box.env(alice, TOKEN=secret, MYVAR=value)
-    rid = _start(
-        box,
+    rid = box.start(
         alice,
         "sh",
         "-c",
@@ -125,7 +118,7 @@ def test_no_value_reaches_a_command_line_a_log_a_record_or_a_file_others_can_rea
 
 
 def test_state_records_and_run_directories_are_private(box: Box) -> None:
-    rid = _start(box, box.alice, "sh", "-c", "echo hi")
+    rid = box.start(box.alice, "sh", "-c", "echo hi")
     record = box.daemon.wait_state(rid, "succeeded")
     state = box.daemon.state_dir
     assert stat.S_IMODE(state.stat().st_mode) & 0o044 == 0
@@ -146,7 +139,7 @@ def test_outputs_copies_a_checkpoint_into_a_directory_the_caller_owns(box: Box) 
         'mkdir -p "$OBD_OUTPUT_DIR/checkpoint-3" && head -c 300000 /dev/urandom > "$OBD_OUTPUT_DIR/checkpoint-3/adapter.bin"'
         ' && echo final > "$OBD_OUTPUT_DIR/adapter_config.json"'
     )
-    rid = _start(box, alice, "sh", "-c", script)
+    rid = box.start(alice, "sh", "-c", script)
     record = box.daemon.wait_state(rid, "succeeded")
     src = Path(record["remote_dir"]) / "output" / "checkpoint-3" / "adapter.bin"
     out = box.obd(alice, "train", "outputs", rid, "--to", "mine", "--checkpoint", "latest")
@@ -176,8 +169,7 @@ def test_a_user_without_access_to_the_socket_is_told_who_may_use_it(box: Box, ac
 
 def test_env_clear_starts_from_an_empty_environment(box: Box) -> None:
     alice = box.alice
-    rid = _start(
-        box,
+    rid = box.start(
         alice,
         "sh",
         "-c",
@@ -207,6 +199,6 @@ def test_obd_names_and_names_given_twice_are_refused(box: Box) -> None:
 def test_a_job_of_a_user_sees_the_callers_sys_executable_as_its_python(box: Box) -> None:
     """The shipped unit's PATH is not the user's: `python3` resolves through the caller's PATH."""
     alice = box.alice
-    rid = _start(box, alice, "python3", "-c", "import sys; print(sys.executable)")
+    rid = box.start(alice, "python3", "-c", "import sys; print(sys.executable)")
     box.daemon.wait_state(rid, "succeeded")
     assert box.obd(alice, "train", "logs", rid).stdout.strip() == f"{box.venv}/bin/python3"

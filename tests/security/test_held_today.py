@@ -15,16 +15,10 @@ from pathlib import Path
 
 from tests import users
 from tests.conftest import wait_for
-from tests.users import Box, User
+from tests.users import Box
 
 pytestmark = users.needs_root_and_users
 accounts, box = users.accounts, users.box
-
-
-def _start(box: Box, user: User, *command: str) -> str:
-    out = box.obd(user, "train", "start", "--", *command)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
 
 
 def test_a_proof_that_is_a_fifo_or_a_link_proves_nothing_and_holds_no_one_up(box: Box) -> None:
@@ -34,7 +28,7 @@ def test_a_proof_that_is_a_fifo_or_a_link_proves_nothing_and_holds_no_one_up(box
         'printf \'{"checkpoint": "output/checkpoint-3", "step": 3, "time": 1, "reason": "requested"}\' > elsewhere/p; '
         "mkfifo snapshot.json; sleep 2; rm snapshot.json; ln -s elsewhere/p snapshot.json; sleep 2"
     )
-    rid = _start(box, alice, "sh", "-c", job)
+    rid = box.start(alice, "sh", "-c", job)
     rd = Path(box.daemon.wait_state(rid, "running")["remote_dir"])
     wait_for(lambda: (rd / "snapshot.json").exists() or (rd / "snapshot.json").is_symlink(), 20, 0.05, "the FIFO")
     began = time.monotonic()
@@ -58,7 +52,7 @@ for request in json.loads(sys.argv[2]):
 
 def test_another_user_gets_nothing_of_a_run_over_the_raw_socket(box: Box) -> None:
     marker = "alice-private-" + uuid.uuid4().hex
-    rid = _start(box, box.alice, "sh", "-c", f"echo {marker}; sleep 60")
+    rid = box.start(box.alice, "sh", "-c", f"echo {marker}; sleep 60")
     box.daemon.wait_state(rid, "running")
     requests = [
         {"op": "status", "id": rid},
@@ -89,7 +83,7 @@ def test_another_user_gets_nothing_of_a_run_over_the_raw_socket(box: Box) -> Non
 
 def test_escape_sequences_a_job_writes_reach_roots_terminal_only_as_text(box: Box) -> None:
     evil = r"\033]0;owned\007\033[2J\033[31mfake-ok"
-    rid = _start(box, box.alice, "sh", "-c", f"printf '{evil}\\n'; exit 3")
+    rid = box.start(box.alice, "sh", "-c", f"printf '{evil}\\n'; exit 3")
     box.daemon.wait_state(rid, "failed")
     for args in (("status", rid), ("list", "--all")):
         out = box.daemon.cli("train", *args)  # root reads alice's run

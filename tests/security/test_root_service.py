@@ -55,12 +55,6 @@ def training_python(accounts) -> Path:
     return users.training_python(accounts[4].parent)
 
 
-def _start(box: Box, user: User, *command: str, opts: tuple[str, ...] = (), cwd: Path | None = None) -> str:
-    out = box.obd(user, "train", "start", *opts, "--", *command, cwd=cwd)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
-
-
 def _workdir(user: User) -> Path:
     work = user.home / f"work-{uuid.uuid4().hex[:6]}"
     subprocess.run(["install", "-d", "-o", str(user.uid), "-g", str(user.gid), str(work)], check=True)
@@ -115,11 +109,11 @@ def test_a_group_members_unmodified_trainer_script_stops_with_a_proven_snapshot_
     alice = box.alice
     work = _workdir(alice)
     command = (str(training_python), PLAIN.name, "--output_dir", "mine", "--max_steps", "24", "--step-sleep", "0.1")
-    whole = _start(box, alice, *command, cwd=work)
+    whole = box.start(alice, *command, cwd=work)
     uninterrupted = box.daemon.wait_state(whole, "succeeded", "failed", "cancelled", timeout=240)
     assert uninterrupted["state"] == "succeeded", uninterrupted["message"]
 
-    rid = _start(box, alice, *command, cwd=work)
+    rid = box.start(alice, *command, cwd=work)
     _announced(box, rid, step=3)
     began = time.monotonic()
     out = box.obd(alice, "train", "stop", rid, "--wait", "--json", timeout=120)
@@ -146,7 +140,7 @@ def test_a_stop_with_the_reason_deadline_arrives_as_deadline_and_is_retried(box:
     alice = box.alice
     work = _workdir(alice)
     command = (str(training_python), PLAIN.name, "--output_dir", "mine", "--max_steps", "16", "--step-sleep", "0.1")
-    rid = _start(box, alice, *command, opts=("--retry", "1"), cwd=work)
+    rid = box.start(alice, *command, opts=("--retry", "1"), cwd=work)
     _announced(box, rid, step=2)
     out = box.obd(alice, "train", "stop", rid, "--reason", "deadline")
     assert out.returncode == 0, out.stderr
@@ -180,7 +174,7 @@ def test_a_job_pid_forged_from_the_launch_on_never_makes_root_signal_another_pro
         start_time = jobctl.process_start_time(victim.pid)
         forged = json.dumps({"pid": victim.pid, "start_time": start_time, "boot_id": jobctl.boot_id()})
         alice = box.alice
-        rid = _start(box, alice, "sh", "-c", f"cd \"$OBD_RUN_DIR\"; echo '{forged}' > job.pid; sleep 300")
+        rid = box.start(alice, "sh", "-c", f"cd \"$OBD_RUN_DIR\"; echo '{forged}' > job.pid; sleep 300")
         rd = box.daemon.state_dir / "jobs" / rid
         racer = subprocess.Popen(  # alice rewrites job.pid as fast as she can, from the moment it can be
             [f"{box.venv}/bin/python", "-S", "-c", _RACER, str(rd), forged],
@@ -209,9 +203,9 @@ def test_a_planted_end_mark_changes_nothing_and_a_gpu_is_never_given_to_two_runs
     alice = box.alice
     with _root_secret() as (secret, _):
         plant = f'cd "$OBD_RUN_DIR"; echo planted > cancelled; echo 0 > exit_code; ln -s {secret}/nothing cancelling; sleep 300'
-        first = _start(box, alice, "sh", "-c", plant, opts=("--gpus", "1"))
+        first = box.start(alice, "sh", "-c", plant, opts=("--gpus", "1"))
         box.daemon.wait_state(first, "running")
-        second = _start(box, alice, "sh", "-c", "echo second ran", opts=("--gpus", "1"))
+        second = box.start(alice, "sh", "-c", "echo second ran", opts=("--gpus", "1"))
         rd = Path(box.daemon.record(first)["remote_dir"])
         wait_for(lambda: (rd / "cancelled").exists(), 20, 0.1, "the job to plant its marks")
         time.sleep(2)  # ten polls and the events of the writes
@@ -230,7 +224,7 @@ def test_links_in_a_run_directory_never_make_root_read_copy_or_serve_a_root_only
             f'cd "$OBD_RUN_DIR"; ln -s {secret}/secret.txt metrics.jsonl; rm -rf profile; ln -s {secret} profile; '
             f"mkdir -p output; ln -s {secret} output/checkpoint-1; ln -s {secret}/secret.txt snapshot.json; exit 0"
         )
-        rid = _start(box, alice, "sh", "-c", job, opts=("--profile",))
+        rid = box.start(alice, "sh", "-c", job, opts=("--profile",))
         final = box.daemon.wait_state(rid, "succeeded", "failed", "stopped", "cancelled", timeout=60)
         assert final["snapshot"] is None
         rd = Path(final["remote_dir"])
@@ -247,7 +241,7 @@ def test_links_in_a_run_directory_never_make_root_read_copy_or_serve_a_root_only
 def test_root_copying_a_users_outputs_follows_none_of_their_links(box: Box, short_tmp: Path) -> None:
     alice = box.alice
     with _root_secret() as (secret, marker):
-        rid = _start(box, alice, "sh", "-c", f'cd "$OBD_RUN_DIR"; ln -s {secret} output')
+        rid = box.start(alice, "sh", "-c", f'cd "$OBD_RUN_DIR"; ln -s {secret} output')
         box.daemon.wait_state(rid, "succeeded", "failed")
         dest = short_tmp / "root-copy"
         out = box.daemon.cli("train", "outputs", rid, "--to", str(dest))  # run by root
@@ -255,7 +249,7 @@ def test_root_copying_a_users_outputs_follows_none_of_their_links(box: Box, shor
         assert not dest.exists() or not _files_holding(dest, marker, secret)
 
         # A --to that goes through alice's link never writes into root's directory.
-        real = _start(box, alice, "sh", "-c", 'cd "$OBD_RUN_DIR"; mkdir -p output; echo weights > output/model.bin')
+        real = box.start(alice, "sh", "-c", 'cd "$OBD_RUN_DIR"; mkdir -p output; echo weights > output/model.bin')
         box.daemon.wait_state(real, "succeeded", "failed")
         link = alice.home / f"to-{uuid.uuid4().hex[:6]}"
         os.symlink(secret, link)
@@ -275,7 +269,7 @@ def test_a_cwd_the_caller_cannot_open_is_refused_at_start_for_every_target(box: 
 
 
 def test_the_job_runs_as_its_user_while_the_wrapper_that_records_its_end_stays_root(box: Box) -> None:
-    rid = _start(box, box.alice, "sh", "-c", "kill -KILL $PPID; sleep 1; echo still-supervised; exit 7")
+    rid = box.start(box.alice, "sh", "-c", "kill -KILL $PPID; sleep 1; echo still-supervised; exit 7")
     final = box.daemon.wait_state(rid, "succeeded", "failed", timeout=60)
     assert final["state"] == "failed" and final["exit_code"] == 7, final[
         "message"
