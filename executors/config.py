@@ -178,6 +178,16 @@ SBATCH_OWN_OPTIONS = (
     "--signal", "--chdir", "-D", "--wrap", "--export", "--nodes", "-N", "--ntasks-per-node", "--requeue",
     "--no-requeue",
 )  # fmt: skip
+# Options that would submit a job as someone else. sbatch (getopt_long) also takes a long option
+# by any unambiguous prefix, so `--ui`/`--gi` are these too.
+SBATCH_IDENTITY_OPTIONS = ("--uid", "--gid")
+
+
+def sbatch_identity_option(name: str) -> str | None:
+    """The identity option (`--uid`, `--gid`) that `name` spells, in full or as sbatch's prefix of it."""
+    if len(name) < 4:
+        return None
+    return next((option for option in SBATCH_IDENTITY_OPTIONS if option.startswith(name)), None)
 
 
 def slurm_time_seconds(value: str) -> int | None:
@@ -264,6 +274,13 @@ class SlurmTarget(StrictModel):
             name = option.split("=", 1)[0]
             if not option.startswith("-") or "\n" in option or "\0" in option:
                 raise ValueError(f'sbatch_options: {option!r} is not an option (one word such as "--exclusive")')
+            identity = sbatch_identity_option(name)
+            if identity is not None:
+                raise ValueError(
+                    f"sbatch_options: {name} is not allowed: obd submits each user's job as that user (a root "
+                    f"daemon runs sbatch as the run's owner), so no job may be submitted as another with {identity}; "
+                    'remove it (docs/slurm.md, "Who submits")'
+                )
             if name in SBATCH_OWN_OPTIONS:
                 raise ValueError(
                     f"sbatch_options: {name} is set by obd for every job (job name, log, signals, nodes); "

@@ -97,6 +97,18 @@ def test_sbatch_options_obd_sets_itself_are_refused_naming_the_key_to_use() -> N
         target(time="two hours")
 
 
+@pytest.mark.parametrize("option", ["--uid", "--uid=0", "--gid", "--gid=1000", "--ui=0", "--gi"])
+def test_sbatch_options_that_submit_as_another_user_are_refused_saying_obd_submits_as_the_user(option: str) -> None:
+    with pytest.raises(ValidationError, match="obd submits each user's job as that user") as caught:
+        target(sbatch_options=["--exclusive", option])
+    assert "is not allowed" in str(caught.value) and "remove it" in str(caught.value)
+
+
+def test_sbatch_options_that_only_look_like_uid_or_gid_are_kept() -> None:
+    kept = ["--gres=gpu:1", "--gpus=2", "--usage", "--gpu-bind=closest"]
+    assert target(sbatch_options=kept).sbatch_options == kept
+
+
 FACTS = {"exit_code": None, "cancelled": False, "cancelling": False}
 
 
