@@ -1,7 +1,9 @@
 """`obd pods list | rm POD_ID | retrieve RUN_ID`: the pods this obd install created on Runpod.
 
 These talk to Runpod through the driver directly, not through the daemon, so they work when the
-daemon is down: the way to find and remove a pod left behind whatever happened to obd.
+daemon is down: the way to find and remove a pod left behind whatever happened to obd. So the
+API key they use is the one of the shell they run in (`RUNPOD_API_KEY`, or `runpod config`), not
+the daemon's, and a missing or refused key says so.
 Exit codes: 0 success, 1 an error (the message says what next), 2 bad usage.
 """
 
@@ -20,6 +22,7 @@ from daemon.config import Config, RunpodTarget
 from executors.base import ExecutorError
 from executors.factory import makes_pods
 from executors.runpod import PodBook, RunpodDriver
+from executors.runpod.api import CLIENT_KEY_HELP
 from trainer_plugin.rundir import is_run_id
 
 
@@ -63,7 +66,9 @@ def driver_for(config: Config, name: str | None, **kwargs: Any) -> RunpodDriver:
         name = next(iter(targets), "runpod")
     target = targets.get(name) or RunpodTarget(kind="runpod")
     assert config.daemon.state_dir is not None
-    return RunpodDriver(name, target, config.daemon.state_dir, **kwargs)
+    driver = RunpodDriver(name, target, config.daemon.state_dir, **kwargs)
+    driver.api.key_help = CLIENT_KEY_HELP  # this process calls the API: its own key, not the daemon's
+    return driver
 
 
 def format_pods(pods: list[dict[str, Any]], now: float) -> str:

@@ -32,10 +32,23 @@ SDK_MISSING = (
 )
 T = TypeVar("T")
 
-KEY_HELP = (
-    "set RUNPOD_API_KEY in the daemon's environment, or store the key with `runpod config` "
-    "(the SDK's ~/.runpod/config.toml); obd never reads it from its own config or a command line"
+# Which process needs the key, and how to give it to that process. The daemon's API calls (pods
+# of runs) use the daemon's environment; `obd pods` calls the API from the shell it runs in.
+DAEMON_KEY_HELP = (
+    "the daemon calls the Runpod API with the key in its own environment, not the one of the shell you "
+    "run obd from: under the systemd service put a line `RUNPOD_API_KEY=...` in /etc/obd/env (mode 0600) "
+    "and run `sudo systemctl restart obd`; for a daemon of your own, in ~/.config/obd/env (the user unit's) "
+    "or in the shell you start `obd daemon` from; or store it with `runpod config` as the daemon's user. "
+    "obd never reads it from its own config or a command line"
 )
+CLIENT_KEY_HELP = (
+    "`obd pods` calls the Runpod API itself, from this shell, not through the daemon, so the key must be "
+    "in this shell: `export RUNPOD_API_KEY=...` (or store it with `runpod config` as this user) and run it "
+    "again; where the service keeps the key in /etc/obd/env, as root: "
+    "`sudo sh -c 'set -a; . /etc/obd/env; exec obd pods list'` (or rm, retrieve). "
+    "obd never reads it from its own config or a command line"
+)
+KEY_HELP = DAEMON_KEY_HELP
 NO_CAPACITY_RE = re.compile(
     r"no longer any instances available|no instances? available|not enough capacity|not enough free gpus", re.I
 )
@@ -213,21 +226,22 @@ def resolve_api_key(environ: dict[str, str] | None = None) -> str | None:
 # --- classification -------------------------------------------------------------------------
 
 
-def classify(exc: BaseException, what: str) -> RunpodApiError:
-    """Turn whatever the SDK raised into one of our errors, with a message that says what next."""
+def classify(exc: BaseException, what: str, key_help: str = DAEMON_KEY_HELP) -> RunpodApiError:
+    """Turn whatever the SDK raised into one of our errors, with a message that says what next
+    (`key_help`: where the process that made the call gets its key)."""
     if isinstance(exc, RunpodApiError):
         return exc
     import requests
     from runpod import error as rp_error
 
     if isinstance(exc, rp_error.AuthenticationError):
-        return AuthError(f"the Runpod API refused the API key ({what}): {KEY_HELP}")
+        return AuthError(f"the Runpod API refused the API key ({what}): {key_help}")
     if isinstance(exc, rp_error.QueryError):
         message = str(exc.message or exc)
         if NO_CAPACITY_RE.search(message):
             return NoCapacity(f"no capacity ({what}): {message}")
         if AUTH_RE.search(message):
-            return AuthError(f"the Runpod API refused the API key ({what}): {message}; {KEY_HELP}")
+            return AuthError(f"the Runpod API refused the API key ({what}): {message}; {key_help}")
         if TRANSIENT_RE.search(message):
             return TransientError(f"the Runpod API failed ({what}): {message}")
         return RunpodApiError(f"the Runpod API refused {what}: {message}")
@@ -263,6 +277,8 @@ class RunpodApi:
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     ) -> None:
         self._api_key = api_key
+        # Said when the key is missing or refused: where this process gets it (the daemon's by default).
+        self.key_help = DAEMON_KEY_HELP
         self.call_timeout = call_timeout
         self.retries = retries
         self.backoff = backoff
@@ -276,7 +292,7 @@ class RunpodApi:
     def _key(self) -> str:
         key = self.account_key()
         if not key:
-            raise AuthError(f"no Runpod API key: {KEY_HELP}")
+            raise AuthError(f"no Runpod API key: {self.key_help}")
         return key
 
     async def _once(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -296,7 +312,7 @@ class RunpodApi:
         except TimeoutError as exc:
             raise TransientError(f"the Runpod API did not answer {what} within {self.call_timeout:g}s") from exc
         except Exception as exc:
-            err = classify(exc, what)
+            err = classify(exc, what, self.key_help)
             err.args = tuple(redact(str(a), key) for a in err.args)  # whatever the SDK put in, never the key
             raise err from exc
 
@@ -417,6 +433,8 @@ def redact(text: str, key: str | None) -> str:
 
 
 __all__ = [
+    "CLIENT_KEY_HELP",
+    "DAEMON_KEY_HELP",
     "AuthError",
     "NoCapacity",
     "Pod",

@@ -410,3 +410,22 @@ def test_a_run_whose_pod_was_stopped_comes_back_on_a_new_pod_with_the_retrieved_
         assert fake.live_pods() == []
     finally:
         kill_jobs(short_tmp / "pod")
+
+
+def test_a_pod_run_on_a_daemon_without_the_key_fails_saying_the_daemon_needs_it_and_how(
+    make_daemon, fake: FakeRunpod, pod_sshd: SshServer, short_tmp: Path
+) -> None:
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
+    d.stop()
+    del d.env["RUNPOD_API_KEY"]
+    d.env["HOME"] = str(short_tmp)  # no ~/.runpod/config.toml for the daemon either
+    d.start()
+    out = d.cli("train", "start", "--target", "pods", "--", "true", env={"RUNPOD_API_KEY": KEY})
+    assert out.returncode == 0, out.stderr
+    record = d.wait_state(out.stdout.strip(), "failed", "succeeded", timeout=60)
+    message = record["message"]
+    # The client's shell had the key: the message names the daemon's environment and how to fill it.
+    assert record["state"] == "failed" and "no Runpod API key" in message, message
+    assert "the daemon calls the Runpod API with the key in its own environment" in message
+    assert "/etc/obd/env" in message and "systemctl restart obd" in message
+    assert fake.live_pods() == [] and KEY not in message

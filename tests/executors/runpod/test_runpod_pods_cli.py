@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import anyio
+import pytest
 
 from daemon.config import Config
 from daemon.pods_cli import format_pods, pods_main
@@ -93,3 +94,33 @@ def test_pods_usage_errors_exit_2_and_api_errors_exit_1(
 
 def test_the_pods_table_says_so_when_there_are_none() -> None:
     assert format_pods([], 0) == "no pods created by this obd install"
+
+
+def test_pods_list_without_a_key_in_its_shell_says_it_needs_the_key_there_not_in_the_daemons(
+    make_driver, fake: FakeRunpod, tmp_path: Path, monkeypatch
+) -> None:
+    driver = make_driver()
+    config = config_for(driver, tmp_path / "state")
+    monkeypatch.delenv("RUNPOD_API_KEY")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.runpod/config.toml either
+    code, out, err = cli(config, driver, "list")
+    assert code == 1 and out == ""
+    assert err.startswith("obd pods: no Runpod API key: ")
+    # It names this process, how to give it the key, and how to use the service's key as root.
+    assert "`obd pods` calls the Runpod API itself, from this shell, not through the daemon" in err
+    assert "export RUNPOD_API_KEY=" in err and "runpod config" in err
+    assert "sudo sh -c 'set -a; . /etc/obd/env; exec obd pods list'" in err
+    assert "in the daemon's environment" not in err and "systemctl restart" not in err
+
+
+def test_a_key_the_api_refuses_in_obd_pods_is_said_to_be_this_shells(fake: FakeRunpod) -> None:
+    from executors.runpod.api import CLIENT_KEY_HELP, DAEMON_KEY_HELP, AuthError, RunpodApi
+
+    api = fast_api(api_key="not-the-key")
+    api.key_help = CLIENT_KEY_HELP
+    with pytest.raises(AuthError) as caught:
+        anyio.run(api.list_pods)
+    message = str(caught.value)
+    assert "refused the API key" in message and "from this shell, not through the daemon" in message
+    assert "not-the-key" not in message
+    assert RunpodApi().key_help == DAEMON_KEY_HELP  # the daemon's calls name the daemon's environment
