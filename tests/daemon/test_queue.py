@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 
 TWO_GPUS = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\n'
 
@@ -194,3 +196,31 @@ def test_a_retry_waiting_out_its_backoff_says_so_once_in_its_history_and_queue(m
     assert text.count("attempt 2 of 2") == 2, text  # the message and the one history line
     d.call("cancel", id=retry)
     d.wait_state(retry, "cancelled")
+
+
+def test_the_readmes_gpu_queue_lines_run_as_written(make_daemon, short_tmp: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### The GPUs and the queue", 1)[1].split("\n## ", 1)[0]
+    toml = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    d = make_daemon(FAST_CONFIG + "\n" + toml)
+    d.start()
+    for script in ("train.py", "tokenize.py", "eval.py"):
+        (short_tmp / script).write_text("import time; time.sleep(60)\n")
+    ids = []
+    for line in block.splitlines():
+        words = line.split("#")[0].split()
+        argv = [sys.executable, "-m", "daemon.cli", *(sys.executable if w == "python" else w for w in words[1:])]
+        out = subprocess.run(argv, env=d.env, cwd=short_tmp, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, f"{line}: exit {out.returncode}: {out.stderr}"
+        if "train start" in line:
+            ids.append(out.stdout.strip())
+    any_two, these_two, cpu_only, urgent = ids
+    assert len(d.wait_state(any_two, "running")["gpus"]) == 2
+    assert d.wait_state(cpu_only, "running")["gpus"] == []  # no GPU, no wait
+    assert len(d.wait_state(urgent, "running")["gpus"]) == 1  # ahead of the run queued before it
+    waiting = d.record(these_two)
+    assert waiting["state"] == "queued" and "waiting for GPUs 0,2" in waiting["message"]
+    assert "1 queued" in out.stdout  # the last line: `obd targets list`
+    for rid in ids:
+        d.call("cancel", id=rid)
