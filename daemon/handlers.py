@@ -37,7 +37,7 @@ from daemon.api import (
 from daemon.follow import job_handle
 from daemon.models import RunRecord, RunState, normalise_reason
 from daemon.queue import uses_caller_environment
-from daemon.recovery import chain_of
+from daemon.recovery import chain_of, latest_attempt
 from daemon.stop import ASKED_VIA, request_snapshot
 from executors.base import Executor, ExecutorError
 from executors.local import hand_over
@@ -267,7 +267,7 @@ class Handlers:
         return await self.start(start, peer)
 
     async def stop(self, req: StopRequest, peer: Peer) -> dict[str, Any]:
-        record = self.daemon.find(req.id, peer)
+        record = latest_attempt(self.daemon, self.daemon.find(req.id, peer))
         reason = normalise_reason(req.reason) or rundir.DEFAULT_REASON
         if record.state.final:
             raise ApiError(f"run {record.id} already ended ({record.state.value}): {record.message}", "state")
@@ -306,8 +306,11 @@ class Handlers:
 
     async def cancel(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         daemon = self.daemon
-        record = daemon.find(req.id, peer)
+        # Any attempt's id reaches the chain: the id `start` printed cancels the attempt now
+        # queued or running, or, when the newest attempt has ended, the retry still to come.
+        record = latest_attempt(daemon, daemon.find(req.id, peer))
         if record.state.final:
+            await daemon.recovery.end_chain(record, "cancelled by the user")
             return record.public()  # idempotent: a run that ended is never signalled
         async with daemon.editing(record):
             if record.stop.cancel_by is None:

@@ -171,10 +171,6 @@ def test_an_attempt_that_died_before_saving_does_not_send_the_chain_back_to_step
     assert [a["id"] for a in rd.record(first_id)["chain_runs"]] == [first_id, second_id, third_id]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs handlers.cancel to act on recovery.latest_attempt and call Recovery.end_chain (see the report)",
-)
 def test_cancelling_the_printed_id_while_a_retry_waits_out_its_backoff_ends_the_chain(
     make_daemon, tmp_path: Path
 ) -> None:
