@@ -204,7 +204,8 @@ class Handlers:
         """Where the run's outputs are on this machine, for the caller to copy (as themself).
 
         A local run's are in its run directory, which is its owner's; a remote run's are
-        brought into a directory of the owner's under the state directory first."""
+        brought into a directory of the owner's under the state directory first (an ended pod
+        run's from what obd retrieved, its pod never asked again)."""
         record = self.daemon.find(req.id, peer)
         if not record.remote_dir:
             raise ApiError(f"run {record.id} has no run directory yet ({record.state.value})", "state")
@@ -349,18 +350,57 @@ def gpus_text(wanted: int | list[str] | None) -> str | None:
     return ",".join(wanted) + ("," if len(wanted) == 1 else "") if isinstance(wanted, list) else str(wanted)
 
 
+RETRIEVED_MANIFEST = "retrieved.json"  # written into retrieved/ once a pod's retrieval verified every file
+
+
+def retrieved_copy(daemon: Daemon, record: RunRecord) -> Path | None:
+    """The copy of an ended run's directory that obd brought home from its machine (a pod's:
+    verified, with its manifest), when there is one: then it is all there is to read, and the
+    machine, which may be gone, is not asked again."""
+    local = daemon.store.run_dir(record.id) / "retrieved"
+    if record.state.final and ((local / rundir.OUTPUT).is_dir() or (local / RETRIEVED_MANIFEST).is_file()):
+        return local
+    return None
+
+
+def no_output(record: RunRecord, target: str) -> str:
+    """Why an ended run brought home without an output/ has nothing to copy, and where to look."""
+    return (
+        f"run {record.id} ({record.state.value}) wrote no output/: obd brought its run directory home from "
+        f"target {target} when it ended, and there is no output/ in it, so there is nothing to copy. A job's "
+        "outputs are what it writes in $OBD_OUTPUT_DIR (the run's output/; a transformers Trainer's output_dir "
+        f"under obd); `obd train logs {record.id}` shows what it did"
+    )
+
+
+def outputs_lost(daemon: Daemon, record: RunRecord) -> str | None:
+    """Why an ended run's outputs are nowhere any more (its pod ended before they were retrieved), as
+    its target tells; None where the target may still have them."""
+    lost = getattr(daemon.targets.of(record), "outputs_lost", None)
+    return lost(record) if lost is not None else None
+
+
 async def mirror_outputs(daemon: Daemon, record: RunRecord) -> Path:
     """Bring a remote run's outputs into `STATE_DIR/jobs/<id>`, owned by the run's owner.
+
+    An ended run whose directory obd brought home is served from that copy, never from its
+    machine: a job that wrote no output/ is said to have written none, and a pod that ended before
+    its outputs came home is said to have taken them with it, without reaching for it.
 
     They are gathered in a directory only the daemon can enter, handed over to the owner, then
     renamed into place, so nothing the owner can touch is ever written with the daemon's rights.
     """
+    home = retrieved_copy(daemon, record)
+    if home is None and record.state.final and (lost := outputs_lost(daemon, record)):
+        raise ApiError(lost, "state")
+    if home is not None and not (home / rundir.OUTPUT).is_dir():
+        raise ApiError(no_output(record, record.target), "state")
     jobs = daemon.state_dir / "jobs"
     stage = jobs / f".stage-{record.id}-{os.urandom(4).hex()}"
     stage.mkdir(mode=0o700)
     try:
-        retrieved = daemon.store.run_dir(record.id) / "retrieved" / rundir.OUTPUT
-        if retrieved.is_dir() and record.state.final:
+        if home is not None:
+            retrieved = home / rundir.OUTPUT
             await anyio.to_thread.run_sync(lambda: shutil.copytree(retrieved, stage / rundir.OUTPUT, symlinks=True))
         else:
             executor = daemon.targets.executor(record)

@@ -29,7 +29,7 @@ from daemon.models import RunRecord, RunState
 from daemon.targets import Supervision
 from executors.base import Executor, ExecutorError, RunProbe
 from executors.factory import make_pod_driver, makes_pods
-from executors.runpod import Finding, PodInfo, PodObservation, PodPhase
+from executors.runpod import Finding, PodEnd, PodInfo, PodObservation, PodPhase
 from trainer_plugin import jobctl
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("obd.pods")
 POD_RECONCILE_INTERVAL = 300.0  # how often pods are matched with runs while the daemon runs
 STATUS_CACHE_TTL = 60.0  # `status` shows the pod as the follow last saw it, if no older than this
+GONE_WHY = "terminated outside obd, or reclaimed by Runpod; the outputs on it were lost"
 
 
 class PodEnded(ExecutorError):
@@ -73,6 +74,30 @@ class PodSupervision(Supervision):
     def keep(record: RunRecord, info: PodInfo) -> None:
         """Put the run's pod into its record (saved by the caller)."""
         record.target_info = info.to_record()
+
+    def mark_end(self, record: RunRecord, end: PodEnd, why: str, at: float | None = None) -> None:
+        """Keep in the record what became of the run's pod, when and why (saved by the caller):
+        `status` of a run that ended shows it from the record, asking the API no more."""
+        update = {"ended": True, "end": end, "ended_at": at or time.time(), "end_reason": why}
+        self.keep(record, self.info(record).model_copy(update=update))
+
+    def _end_from_book(self, record: RunRecord, pod_id: str, message: str) -> tuple[PodEnd, str, float]:
+        """What `finish` (or the end of a run's pod) did with it, from the driver's book: terminated,
+        gone, kept (keep_pod) or left up; why; and when."""
+        entry = self.driver.book.get(record.id)
+        now = time.time()
+        if entry is not None and entry.terminated:
+            why = "after the run ended, its outputs retrieved and verified first" if entry.retrieved else message
+            return PodEnd.terminated, why, entry.finished or now
+        if entry is not None and entry.pod_gone:
+            return PodEnd.gone, message, entry.finished or now
+        if entry is not None and entry.retrieved and self.config.keep_pod:
+            return (
+                PodEnd.kept,
+                f"keep_pod; its outputs are home: remove it with `obd pods rm {pod_id}`",
+                entry.retrieved,
+            )
+        return PodEnd.left_up, message, now
 
     def _saver(self, record: RunRecord) -> Callable[[PodInfo], Awaitable[None]]:
         async def save(info: PodInfo) -> None:
@@ -161,7 +186,8 @@ class PodSupervision(Supervision):
             log.error("pod_terminate_failed", run_id=record.id, pod_id=pod_id, error=str(exc))
             return f"terminating pod {pod_id} failed too ({exc}): remove it with `obd pods rm {pod_id}`"
         async with self.daemon.editing(record):
-            self.keep(record, info.model_copy(update={"phase": PodPhase.terminated, "error": why, "ended": True}))
+            self.keep(record, info.model_copy(update={"phase": PodPhase.terminated, "error": why}))
+            self.mark_end(record, PodEnd.terminated, f"its job never started: {why}")
         return f"pod {pod_id} was terminated"
 
     async def on_launch_failed(self, record: RunRecord) -> None:
@@ -237,7 +263,7 @@ class PodSupervision(Supervision):
         if why is None:
             return False  # the API did not answer: the next poll tries again
         async with self.daemon.editing(record):
-            self.keep(record, self.info(record).model_copy(update={"ended": True}))
+            self.mark_end(record, PodEnd.terminated, why)
         await self.daemon.fail(record, why)
         return True
 
@@ -292,6 +318,7 @@ class PodSupervision(Supervision):
         record = self.daemon.records.get(run_id)
         if why is not None and record is not None:
             async with self.daemon.editing(record):
+                self.mark_end(record, PodEnd.terminated, why)
                 record.note(why)
 
     def _due_for_check(self, record: RunRecord) -> bool:
@@ -336,12 +363,13 @@ class PodSupervision(Supervision):
         except Exception as exc:
             log.error("pod_cap_terminate_failed", run_id=record.id, error=str(exc))
             return False
-        self.keep(record, info.model_copy(update={"ended": True}))
-        await self.daemon.fail(
-            record,
+        why = (
             f"the {reason} cap of pod {info.pod_id} passed while the pod could not be reached; "
-            "the pod was terminated and the outputs on it are lost",
+            "the pod was terminated and the outputs on it are lost"
         )
+        async with self.daemon.editing(record):
+            self.mark_end(record, PodEnd.terminated, why)
+        await self.daemon.fail(record, why)
         log.error("pod_cap_terminated_unreachable", run_id=record.id, reason=reason)
         return True
 
@@ -367,6 +395,9 @@ class PodSupervision(Supervision):
         if seen.state != "gone":
             return False
         why = f"pod {self.info(record).pod_id} no longer exists (terminated outside obd, or reclaimed)"
+        async with self.daemon.editing(record):
+            if not record.state.final:
+                self.mark_end(record, PodEnd.gone, GONE_WHY, seen.at)
         if await self.daemon.fail(record, why):
             log.error("pod_gone", run_id=record.id, reason=why)
         return True
@@ -413,8 +444,8 @@ class PodSupervision(Supervision):
         """The pod for `status`: as the follow last saw it (no API call), or as the API says now if
         that is older than STATUS_CACHE_TTL; its spend is counted up to now either way."""
         info = self.info(record)
-        if not info.pod_id:
-            return {}
+        if not info.pod_id or info.end is not None:
+            return {}  # none, or obd is done with it: the record says what became of it
         now = time.time()
         seen = self._seen.get(record.id)
         if seen is None or now - seen.at > STATUS_CACHE_TTL:
@@ -441,9 +472,7 @@ class PodSupervision(Supervision):
         local = self.daemon.store.run_dir(record.id) / "retrieved"
         try:
             if self._retrieved_at(record):
-                with contextlib.suppress(Exception):
-                    await self.driver.terminate(info.pod_id, record.id)
-                message = f"outputs retrieved and verified into {local}; pod {info.pod_id} ended"
+                message = await self._end_retrieved(record, info.pod_id, local)
             else:
                 ok, message = await self._finish_in_time(
                     record.id, record.remote_dir, info, local, lease_ttl=self.lease_ttl()
@@ -451,10 +480,33 @@ class PodSupervision(Supervision):
                 log.info("pod_finished", run_id=record.id, outputs_safe=ok, message=message)
         except Exception as exc:  # the record's final state must not wait on the pod
             message = f"the pod could not be emptied and ended: {exc} (see `obd pods list`)"
-        self.keep(record, self.info(record).model_copy(update={"ended": True}))
+        self.mark_end(record, *self._end_from_book(record, info.pod_id, message))
         self._seen.pop(record.id, None)
         await self.forget(record)
         return message
+
+    async def _end_retrieved(self, record: RunRecord, pod_id: str, local: Path) -> str:
+        """Terminate the pod of a run whose outputs are already home; what became of it."""
+        try:
+            await self.driver.terminate(pod_id, record.id)
+        except Exception as exc:
+            return f"outputs retrieved and verified into {local}; terminating pod {pod_id} failed ({exc}): `obd pods rm {pod_id}`"
+        self.driver.book.put(record.id, finished=time.time(), terminated=True)
+        return f"outputs retrieved and verified into {local}; pod {pod_id} ended"
+
+    def outputs_lost(self, record: RunRecord) -> str | None:
+        """Why an ended run's outputs can be read neither here nor on its pod (the pod ended before
+        they were retrieved), or None: `obd train outputs` says so rather than reach for a dead pod."""
+        info = self.info(record)
+        if not record.state.final or not info.pod_id or not info.gone or self._retrieved_at(record):
+            return None
+        when = f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.ended_at))}" if info.ended_at else ""
+        was = "was found gone" if info.end == PodEnd.gone else "was terminated"
+        return (
+            f"run {record.id} has no outputs to copy: its pod {info.pod_id} {was}{when} before they were "
+            f"retrieved ({info.end_reason or info.error or 'no detail'}), and the outputs on it went with it "
+            f"(`obd train status {record.id}` says how the run ended)"
+        )
 
     # --- reconcile -----------------------------------------------------------------------
 
@@ -527,6 +579,12 @@ class PodSupervision(Supervision):
             and record.state == RunState.running
             and self._retrieved_at(record)
         ):
+            async with daemon.editing(record):
+                self.mark_end(
+                    record,
+                    PodEnd.gone,
+                    "terminated outside obd, or reclaimed by Runpod, after its outputs were retrieved and verified",
+                )
             await self._finish_without_pod(record)  # its outputs came before the pod went
             return
         if item.kind == "orphan":
@@ -539,6 +597,9 @@ class PodSupervision(Supervision):
         if record is None:
             return
         if item.kind in ("gone", "not_created"):
+            if item.kind == "gone" and not record.state.final and self.info(record).pod_id:
+                async with daemon.editing(record):
+                    self.mark_end(record, PodEnd.gone, GONE_WHY)
             await daemon.fail(record, item.reason or "its pod is gone")
         elif item.kind == "adopted" and item.target_info is not None:
             async with daemon.editing(record):
@@ -582,4 +643,6 @@ class PodSupervision(Supervision):
         )
         if record is not None:
             async with daemon.editing(record):
+                if self.info(record).pod_id == item.pod_id:
+                    self.mark_end(record, *self._end_from_book(record, item.pod_id, message))
                 record.note(f"after the run ended, its pod {item.pod_id}: {message}")

@@ -246,7 +246,12 @@ def wait_stage(record: dict[str, Any], now: float, size: str | None = None) -> t
 
 
 def pod_text(info: dict[str, Any], live: dict[str, Any]) -> str:
-    """The pod line: id, state (Runpod's, while the daemon could ask; else obd's phase), rate, spend."""
+    """The pod line: id, state (Runpod's, while the daemon could ask; else obd's phase), rate, spend.
+
+    Once obd is done with the pod the record says what became of it (terminated or found gone,
+    when and why; kept; left up), never the phase it had while it ran."""
+    if info.get("end") or info.get("ended"):
+        return pod_end_text(info)
     state = live.get("state") or info.get("phase") or "unknown"
     rate = live.get("cost_per_hr", info.get("cost_per_hr"))
     spend = live.get("spend_usd")
@@ -260,6 +265,28 @@ def pod_text(info: dict[str, Any], live: dict[str, Any]) -> str:
     if live.get("error"):
         parts.append(f"(API: {live['error']})")
     return ", ".join(parts)
+
+
+def pod_end_text(info: dict[str, Any]) -> str:
+    """The pod line of a pod obd is done with: what became of it, when and why; its GPU, rate and
+    total spend (up to its end, when it no longer exists)."""
+    end, at = info.get("end"), info.get("ended_at")
+    when = f" at {_clock(at)}" if at else ""
+    state = {
+        "terminated": f"terminated{when}",
+        "gone": f"gone (found{when})",
+        "kept": f"kept up{when}",
+        "left up": f"left up{when}",
+    }.get(str(end), "ended: obd is done with it (`obd pods list` shows whether it still exists)")
+    parts = [f"{info['pod_id']}  {state}" + (f": {info['end_reason']}" if info.get("end_reason") else "")]
+    if info.get("gpu_type"):
+        parts.append(str(info["gpu_type"]))
+    rate, started = info.get("cost_per_hr"), info.get("started_at")
+    if isinstance(rate, (int, float)):
+        parts.append(f"${rate:.2f}/h")
+        if end in ("terminated", "gone") and isinstance(started, (int, float)) and isinstance(at, (int, float)):
+            parts.append(f"${rate * max(0.0, at - started) / 3600:.2f} spent in all")
+    return "; ".join(parts)
 
 
 def slurm_text(job: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from executors.runpod.api import (
 from executors.runpod.book import BookEntry, PodBook, owner_id
 from executors.runpod.context import POD_PREFIX, PodContext
 from executors.runpod.driver import RunpodDriver
-from executors.runpod.info import PodInfo, PodObservation, PodPhase
+from executors.runpod.info import PodEnd, PodInfo, PodObservation, PodPhase
 from executors.runpod.lifecycle import PodGone
 from executors.runpod.reconcile import Finding
 from executors.runpod.retrieve import safe_relpath, sha256_local
@@ -29,6 +29,7 @@ __all__ = [
     "Pod",
     "PodBook",
     "PodContext",
+    "PodEnd",
     "PodGone",
     "PodInfo",
     "PodObservation",

@@ -25,6 +25,16 @@ class PodPhase(str, Enum):
     terminate_failed = "terminate_failed"  # it never became ready, and ending it failed too
 
 
+class PodEnd(str, Enum):
+    """What became of a run's pod once obd was done with it (kept in the record for `status`, which
+    then no longer asks the API)."""
+
+    terminated = "terminated"  # obd terminated it (after retrieving the outputs, or past its cap)
+    gone = "gone"  # it no longer existed when obd looked (terminated outside obd, or reclaimed)
+    kept = "kept"  # left up on purpose (keep_pod), its outputs home
+    left_up = "left up"  # left up because its outputs could not be retrieved (or it could not be terminated)
+
+
 # Phases after which the pod will never run the job.
 SETTLED_PHASES = frozenset({PodPhase.terminated, PodPhase.terminate_failed, PodPhase.create_failed})
 
@@ -59,6 +69,9 @@ class PodInfo(BaseModel):
     # Kept by the daemon:
     ended: bool = False  # the run is over and its pod was emptied and ended (or is gone)
     stopped_outside: float | None = None  # when the daemon saw the pod stopped outside obd
+    end: PodEnd | None = None  # what became of it once obd was done with it (None: not yet, or an older record)
+    ended_at: float | None = None  # when: terminated, found gone, kept or left up
+    end_reason: str | None = None  # why, in words
 
     @classmethod
     def from_record(cls, raw: dict[str, Any] | None) -> PodInfo:
@@ -92,6 +105,14 @@ class PodInfo(BaseModel):
             return None
         sent = self.create_sent_at or self.requested_at
         return None if sent is None else sent + window
+
+    @property
+    def gone(self) -> bool:
+        """Whether the pod no longer exists: obd terminated it, found it gone, or never made it."""
+        return self.end in (PodEnd.terminated, PodEnd.gone) or self.phase in (
+            PodPhase.terminated,
+            PodPhase.create_failed,
+        )
 
     def spend(self, now: float, rate: float | None = None) -> float | None:
         """Dollars spent on the pod so far: hourly rate × hours since it was created."""

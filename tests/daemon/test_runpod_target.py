@@ -429,3 +429,56 @@ def test_a_pod_run_on_a_daemon_without_the_key_fails_saying_the_daemon_needs_it_
     assert "the daemon calls the Runpod API with the key in its own environment" in message
     assert "/etc/obd/env" in message and "systemctl restart obd" in message
     assert fake.live_pods() == [] and KEY not in message
+
+
+def pod_line(d: DaemonProc, rid: str) -> str:
+    text = d.cli("train", "status", rid).stdout
+    return next(line for line in text.splitlines() if line.startswith("pod "))
+
+
+def test_an_ended_pod_runs_status_says_its_pod_was_terminated_when_and_why_and_outputs_work_from_home(
+    make_daemon, fake: FakeRunpod, pod_sshd: SshServer, short_tmp: Path
+) -> None:
+    fake.relay_ssh = True  # a terminated pod's SSH port closes, as on Runpod: nothing can reach it after
+    d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp)
+    try:
+        saved = start(d, "sh", "-c", "mkdir -p $OBD_OUTPUT_DIR && echo weights > $OBD_OUTPUT_DIR/adapter.bin")
+        bare = start(d, "sh", "-c", "echo trained, saved nothing")
+        for rid in (saved, bare):
+            record = d.wait_state(rid, "succeeded", "failed", timeout=90)
+            assert record["state"] == "succeeded", record["message"]
+            info = record["target_info"]
+            assert info["end"] == "terminated" and info["ended_at"] >= info["started_at"]
+            line = pod_line(d, rid)
+            assert line.startswith(f"pod       {info['pod_id']}  terminated at 20"), line
+            assert "after the run ended, its outputs retrieved and verified first" in line
+            assert "ready" not in line and "spent in all" in line
+        assert fake.live_pods() == []
+        # Outputs come from what the daemon retrieved: the pods' ports are closed.
+        out = d.cli("train", "outputs", saved, "--to", str(short_tmp / "got"), timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert (short_tmp / "got" / "adapter.bin").read_text() == "weights\n"
+        out = d.cli("train", "outputs", bare, "--to", str(short_tmp / "none"), timeout=30)
+        assert out.returncode == 1
+        assert f"run {bare} (succeeded) wrote no output/" in out.stderr and "$OBD_OUTPUT_DIR" in out.stderr
+        assert f"obd train logs {bare}" in out.stderr and "could not bring" not in out.stderr
+        assert not (short_tmp / "none").exists()
+    finally:
+        kill_jobs(short_tmp / "pod")
+
+
+def test_a_pod_run_whose_pod_went_says_gone_when_and_why_and_its_outputs_went_with_it(
+    pods: DaemonProc, fake: FakeRunpod, short_tmp: Path
+) -> None:
+    rid = start(pods, "sleep", "60")
+    pod_id = pods.wait_state(rid, "running", timeout=60)["target_info"]["pod_id"]
+    fake.terminate_from_outside(pod_id)
+    record = pods.wait_state(rid, "failed", timeout=30)
+    assert record["target_info"]["end"] == "gone"
+    line = pod_line(pods, rid)
+    assert line.startswith(f"pod       {pod_id}  gone (found at 20"), line
+    assert "terminated outside obd, or reclaimed by Runpod" in line and "ready" not in line
+    out = pods.cli("train", "outputs", rid, "--to", str(short_tmp / "got"), timeout=30)
+    assert out.returncode == 1
+    assert f"its pod {pod_id} was found gone at 20" in out.stderr and "went with it" in out.stderr
+    assert not (short_tmp / "got").exists()
