@@ -33,6 +33,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from executors import python_shim
 from executors.base import (
     CommandResult,
     ExecutorError,
@@ -204,6 +205,7 @@ class LocalExecutor:
         self.name = name
         self.workdir = str(workdir)
         self.interpreter = python or sys.executable
+        self.configured_python = python  # also the `python` of its jobs' PATH (executors/python_shim.py)
         self.venv = venv  # its bin/ leads the job's PATH
         # Where each run's wrapper records its handle and end (None: in the run directory, as
         # for a host that is not the daemon's: only for a workdir used without a state directory).
@@ -298,6 +300,10 @@ class LocalExecutor:
         }
         if self.venv:
             spec["path_prepend"] = [str(Path(self.venv) / "bin")]
+        elif self.configured_python and (found := shutil.which(self.configured_python)):
+            bin_dir = str(run_dir / python_shim.BIN)  # as the wrapper finds it: through the daemon's PATH
+            await self._as_owner(bin_dir, python_shim.write_local, bin_dir, os.path.abspath(found))
+            spec["path_prepend"] = [bin_dir]
         if job.run_as is not None:
             spec["run_as"] = job.run_as.model_dump()
         # -S -E: the wrapper needs only the standard library, and starts faster without site-packages

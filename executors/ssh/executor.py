@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import asyncssh
 import structlog
 
-from executors import remote
+from executors import python_shim, remote
 from executors.base import (
     CommandResult,
     ExecutorError,
@@ -206,6 +207,8 @@ class SshExecutor:
         }
         if self.target.venv:
             spec["path_prepend"] = [str(PurePosixPath(session.python).parent)]
+        elif "python" in self.target.model_fields_set:  # the configured python is the job's too
+            spec["path_prepend"] = [await self._python_shims(job, run_dir, session.python)]
         await self.put_file(f"{run_dir}/{rundir.JOB_SPEC}", json.dumps(spec).encode())
         values = {**job.env, **job.secrets}
         what = f"the start of run {job.run_id}"
@@ -236,6 +239,34 @@ class SshExecutor:
         handle.host = self.address
         log.info("ssh.spawned", target=self.name, run_id=job.run_id, pid=handle.pid, remote_dir=run_dir)
         return handle
+
+    async def _python_shims(self, job: JobSpec, run_dir: str, python: str) -> str:
+        """Write the run's `plugin/bin/python` and `python3` for the target's `python` (the path the
+        connection's setup resolved it to, or a name the scripts look up), executable; their
+        directory. Over SFTP, each made executable before it is renamed into place: no shell."""
+        bin_dir = f"{run_dir}/{python_shim.BIN}"
+        script = python_shim.shim(python) if python.startswith("/") else python_shim.looking_up(python, bin_dir)
+
+        async def write(s: Session) -> None:
+            sftp = await self.connection.sftp(s)
+            self.connection.round_trips += 1
+            await sftp.makedirs(bin_dir, exist_ok=True)
+            for name in python_shim.NAMES:
+                tmp = f"{bin_dir}/.{name}.tmp.{os.urandom(4).hex()}"
+                self.connection.round_trips += 5  # open, write, close, chmod, rename
+                async with sftp.open(tmp, "wb") as f:
+                    await f.write(script)
+                await sftp.chmod(tmp, python_shim.MODE)
+                await sftp.posix_rename(tmp, f"{bin_dir}/{name}")
+
+        try:
+            await self.connection.remote(f"the python of run {job.run_id}", write, channel=False)
+        except asyncssh.SFTPError as exc:
+            raise ExecutorError(
+                f"could not write {bin_dir}/python on {self.address}: {exc.reason}; "
+                f"`obd targets check {self.name}` checks the workdir"
+            ) from exc
+        return bin_dir
 
     def _started(self, job: JobSpec, run_dir: str, started: dict[str, Any]) -> bytes:
         """The wrapper's stdout from the helper's answer to a start, or why it failed."""
