@@ -208,10 +208,13 @@ class Launcher:
         record.gpus_wanted = wanted
         record.retries = req.retry if req.retry is not None else getattr(supervision.config, "retry", 0)
         if supervision.shares_filesystem(record):
+            # Where the job runs: --cwd, else where `obd train start` ran (a local run's, and a Slurm
+            # run's where sbatch is on this machine: its submit directory), used in place.
             record.cwd = req.cwd or req.client_cwd
-            record.env_from_caller = not req.env_clear
+            # Only a local target's jobs start from the caller's environment (none is kept for others).
+            record.env_from_caller = not req.env_clear and req.environ is not None
         else:
-            record.cwd = req.cwd
+            record.cwd = req.cwd  # uploaded into the run directory (src/); a target may require it
         if source is not None and point is not None:
             record.resumed_from, record.resume_checkpoint, record.resume_reason = source.id, point.name, point.reason
         return self._admit(record, req, run_as, source)

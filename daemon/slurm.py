@@ -90,11 +90,35 @@ class SlurmSupervision(Supervision):
         return self._executors[cache]
 
     def workdir(self, record: RunRecord) -> str:
-        """The workdir; a run that cannot be submitted as its user is refused here, before it is saved."""
+        """The workdir; a run that cannot be submitted as its user, or that has no working directory
+        the cluster can see, is refused here, before it is saved."""
         refusal = self.submitter(record).refusal
         if refusal is not None:
             raise ApiError(refusal, "denied")
+        self._check_cwd(record)
         return super().workdir(record)
+
+    def _check_cwd(self, record: RunRecord) -> None:
+        """A new run through a login node needs --cwd: the directory `obd train start` ran in is on
+        the daemon's machine, which the login node and the compute nodes are not assumed to share,
+        so it cannot be the job's working directory as sbatch's submit directory would be; --cwd
+        uploads it. (Without `login` the cluster shares the daemon's files and that directory is
+        the default.) A retry's attempt or a resume keeps what its run had."""
+        login = self.config.login
+        if login is None or record.cwd or record.attempt > 1 or record.resumed_from:
+            return
+        raise ApiError(
+            f"target {self.name} submits through its login node {login.host}, which does not see this machine's "
+            "files, so the job cannot start in the directory you ran `obd train start` in, as sbatch would: "
+            "give --cwd DIR to upload DIR into the run's directory on the cluster (src/) and run there "
+            f"(`obd train start --target {self.name} --cwd . -- COMMAND` for this one); nothing was started",
+            "usage",
+        )
+
+    def poll_interval(self, record: RunRecord) -> float:
+        """The remote interval even where the cluster shares the daemon's files: every poll asks squeue."""
+        d = self.daemon.config.daemon
+        return min(d.remote_poll_interval, self.daemon.config.stop.request_poll)
 
     async def prepare(self, record: RunRecord) -> Executor:
         """The run's executor; a queued run whose user can no longer be acted as fails its launch saying why."""

@@ -381,6 +381,22 @@ def _launch_argv(run_dir: str, spec: dict, plan: dict, env: dict[str, str]) -> l
     ]
 
 
+def cwd_problem(cwd: str) -> str | None:
+    """Why the job cannot work in `cwd` on this node (missing, not a directory, not enterable by the
+    job's user), in words that say what to do; None when it can."""
+    if not os.path.isdir(cwd):
+        why = "it does not exist here"
+    elif not os.access(cwd, os.X_OK):
+        why = "the job's user may not enter it"
+    else:
+        return None
+    return (
+        f"obd: the job's working directory {cwd} cannot be used on node {socket.gethostname()} ({why}): a Slurm "
+        "run works in the directory `obd train start` ran in, or in --cwd, which must be on the filesystem the "
+        "compute nodes share and open to the job's user; start the run from such a directory (or give --cwd one)"
+    )
+
+
 def batch(run_dir: str) -> int:
     """The job wrapper of a Slurm job: job.pid, the command (on every node), exit_code; signals become requests."""
     spec = json.loads(rundir.read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
@@ -423,6 +439,11 @@ def batch(run_dir: str) -> int:
         print("obd: the run was cancelled before its command started", file=sys.stderr, flush=True)
         jobctl.write_exit_code(run_dir, 143)
         return 143
+    problem = cwd_problem(cwd)
+    if problem is not None:
+        print(problem, file=sys.stderr, flush=True)
+        jobctl.write_exit_code(run_dir, 1)
+        return 1
     argv = _launch_argv(run_dir, spec, plan, env)
     try:
         # Left in the batch's process group (no new session): Slurm's process tracking must find
@@ -449,7 +470,12 @@ def node(run_dir: str) -> int:
     plan = json.loads(rundir.read_regular(os.path.join(run_dir, LAUNCH), 65536) or b"{}")
     env = dict(os.environ)
     argv = node_command(spec, plan, env)
-    os.chdir(spec.get("cwd") or run_dir)
+    cwd = spec.get("cwd") or run_dir
+    problem = cwd_problem(cwd)
+    if problem is not None:
+        print(problem, file=sys.stderr, flush=True)
+        return 1
+    os.chdir(cwd)
     try:
         os.execvpe(argv[0], argv, env)
     except OSError as exc:

@@ -79,7 +79,6 @@ def host_executor(name: str, target: SlurmTarget) -> Executor:
 class SlurmExecutor:
     """Runs jobs on a Slurm cluster; see the module docstring for how."""
 
-    shares_filesystem = False  # a --cwd is uploaded into the run directory, on the shared workdir
     events: RunEvents | None = None
 
     def __init__(
@@ -108,6 +107,14 @@ class SlurmExecutor:
         self.last_seen: dict[str, SlurmJob] = {}  # run directory -> its job as the last probe saw it
         self.last_status: dict[str, JobStatus] = {}  # run directory -> its status in the last probe
         self.compute_nodes = ComputeNodes(self)
+
+    @property
+    def shares_filesystem(self) -> bool:
+        """Whether the cluster sees the daemon's files: with sbatch on this machine (no `login`), the
+        daemon's filesystem is the cluster's, so a run's working directory (the one `obd train start`
+        ran in, or --cwd) is used where it is, as sbatch's submit directory would be, not uploaded.
+        Through a login node it is not: a --cwd is uploaded into the run directory (src/)."""
+        return self.target.login is None
 
     # --- whose commands -------------------------------------------------------------------------
 

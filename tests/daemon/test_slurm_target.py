@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -338,3 +339,77 @@ def test_a_job_slurm_refuses_fails_its_run_with_sbatchs_reason_and_the_check_to_
     assert "sbatch refused the job" in record["message"] and "nowhere" in record["message"]
     assert "obd targets check nowhere" in record["message"]
     assert jobs_named(hpc.cluster, rid) == []  # type: ignore[attr-defined]
+
+
+# --- the working directory ------------------------------------------------------------------------
+
+
+def start_in(d: DaemonProc, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`obd train start ARGS` run from `cwd`, as a user in their project directory would."""
+    return subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "train", "start", *args],
+        env=d.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+MAKES_A_FILE_HERE = 'echo "node ${SLURM_NODEID:-0} in $(pwd)"; echo made > "made-on-${SLURM_NODEID:-0}"\n'
+
+
+def test_a_slurm_run_without_cwd_runs_where_obd_train_start_ran_as_sbatch_would_on_every_node(
+    hpc: DaemonProc, short_tmp: Path
+) -> None:
+    project = short_tmp / "project"  # on this one-machine cluster, every directory is shared
+    project.mkdir()
+    (project / "job.sh").write_text(MAKES_A_FILE_HERE)
+    one = start_in(hpc, project, "--target", "hpc", "--", "sh", "job.sh")
+    two = start_in(hpc, project, "--target", "both", "--", "sh", "job.sh")
+    for out in (one, two):
+        assert out.returncode == 0, out.stderr
+    for rid, nodes in ((one.stdout.strip(), ["0"]), (two.stdout.strip(), ["0", "1"])):
+        record = hpc.wait_state(rid, "succeeded", "failed", "cancelled", timeout=90)
+        assert record["state"] == "succeeded", record["message"]
+        log = hpc.cli("train", "logs", rid).stdout
+        for node in nodes:
+            assert f"node {node} in {project}" in log, log
+        assert not (Path(record["remote_dir"]) / "src").exists()  # used in place, not uploaded
+    assert sorted(p.name for p in project.glob("made-on-*")) == ["made-on-0", "made-on-1"]
+
+
+def test_a_slurm_run_with_cwd_on_a_target_without_login_runs_in_that_directory_in_place(
+    hpc: DaemonProc, short_tmp: Path
+) -> None:
+    there = short_tmp / "elsewhere"
+    there.mkdir()
+    (there / "job.sh").write_text(MAKES_A_FILE_HERE)
+    out = start_in(hpc, short_tmp, "--target", "hpc", "--cwd", str(there), "--", "sh", "job.sh")
+    assert out.returncode == 0, out.stderr
+    record = hpc.wait_state(out.stdout.strip(), "succeeded", "failed", "cancelled", timeout=90)
+    assert record["state"] == "succeeded", record["message"]
+    assert (there / "made-on-0").read_text() == "made\n"
+    assert not (Path(record["remote_dir"]) / "src").exists()
+
+
+def test_a_slurm_target_through_a_login_node_refuses_a_start_without_cwd_naming_cwd_and_saves_nothing(
+    make_daemon, short_tmp: Path
+) -> None:
+    d = make_daemon(
+        FAST_CONFIG
+        + f'\n[targets.cluster]\nkind = "slurm"\nworkdir = "/scratch/obd"\nvenv = "{VENV}"\n'
+        + '\n[targets.cluster.login]\nhost = "login.invalid"\nuser = "me"\n'
+    )
+    d.start()
+    project = short_tmp / "project"
+    project.mkdir()
+    out = start_in(d, project, "--target", "cluster", "--", "sh", "job.sh")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "submits through its login node login.invalid" in out.stderr
+    assert "give --cwd DIR to upload DIR" in out.stderr and "`obd train start --target cluster --cwd . --" in out.stderr
+    assert json.loads(d.cli("train", "list", "--all", "--json").stdout) == []
+    # With --cwd the run is taken (its sources go up through the login node; this one is unreachable).
+    out = start_in(d, project, "--target", "cluster", "--cwd", ".", "--", "sh", "job.sh")
+    assert out.returncode == 0, out.stderr
+    assert d.record(out.stdout.strip())["cwd"] == str(project)

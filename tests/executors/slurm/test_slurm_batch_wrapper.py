@@ -140,3 +140,18 @@ def test_a_command_that_cannot_start_is_exit_127_with_a_line_in_the_log(batches:
     assert batch.wait() == 127
     assert batch.read("exit_code") == "127"
     assert "could not start" in (batch.read("job.log") or "")
+
+
+def test_a_working_directory_missing_on_the_node_fails_the_job_saying_where_it_must_be(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    missing = tmp_path / "not-on-this-node"
+    (run_dir / "job.json").write_text(json.dumps({"command": ["true"], "cwd": str(missing)}))
+    (run_dir / "slurm_launch.json").write_text(json.dumps({"nodes": 1, "launcher": "srun"}))
+    out = subprocess.run(
+        [sys.executable, str(WRAPPER), "batch", str(run_dir)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 1
+    assert (run_dir / "exit_code").read_text().strip() == "1"
+    assert f"the job's working directory {missing} cannot be used on node" in out.stderr
+    assert "it does not exist here" in out.stderr and "filesystem the compute nodes share" in out.stderr
