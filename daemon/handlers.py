@@ -376,8 +376,7 @@ def no_output(record: RunRecord, target: str) -> str:
 def outputs_lost(daemon: Daemon, record: RunRecord) -> str | None:
     """Why an ended run's outputs are nowhere any more (its pod ended before they were retrieved), as
     its target tells; None where the target may still have them."""
-    lost = getattr(daemon.targets.of(record), "outputs_lost", None)
-    return lost(record) if lost is not None else None
+    return daemon.targets.of(record).outputs_lost(record)
 
 
 async def mirror_outputs(daemon: Daemon, record: RunRecord) -> Path:

@@ -96,6 +96,11 @@ class Supervision:
         """The target did not answer a probe: True when this hook settled the run's fate."""
         return False
 
+    def outputs_lost(self, record: RunRecord) -> str | None:
+        """Why an ended run's outputs are nowhere any more (a pod that ended before they were
+        retrieved), or None where the target may still have them (a machine target always may)."""
+        return None
+
     def explain_lost(self, record: RunRecord, message: str) -> str:
         """The message of a run whose job was lost, with what the target knows of why."""
         return message
