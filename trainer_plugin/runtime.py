@@ -16,6 +16,7 @@ import stat
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
@@ -296,6 +297,13 @@ def encode_line(record: dict[str, Any]) -> bytes:
 # a write() per line was most of the plugin's share of a short step, and a write every 0.25 s
 # still about a tenth of it (a cache-cold append of ~40 us, and the batch's first cold lines).
 LOG_BATCH_SECONDS = 1.0
+# Step logs that no step end wrote (a Trainer that hangs, a long evaluation or save, the last
+# steps before a crash) are written by a thread this long after they were due, so every logged
+# step is in the file within LOG_BATCH_SECONDS + LOG_LATE_SECONDS whether or not another step
+# comes. Longer than a typical short step, so that the step end, where the writing costs least
+# (no thread to wake, no switch of the GIL), is almost always the one that writes them.
+LOG_LATE_SECONDS = 0.1
+_monotonic = time.monotonic
 
 
 def step_log_lines(waiting: list[tuple[float, int, int, dict[str, Any]]], offset: float) -> bytes:
@@ -349,8 +357,11 @@ class MetricsWriter:
     The file is opened with O_APPEND and lines go to it whole, each `write()` holding whole
     lines, so a reader never sees part of a line (short of a full disk). Every line is in the
     file (the kernel's page cache) when `write_record` returns, except the Trainer's step logs
-    (`write_soon`): those wait at most LOG_BATCH_SECONDS for the next write, so a job killed
-    outright loses at most that much of its loss curve, and never its order.
+    (`write_soon`): those wait for the next write, a step end past LOG_BATCH_SECONDS, or at the
+    latest for a thread that writes them LOG_LATE_SECONDS after that, whether or not another
+    step comes. So a line is in the file at most LOG_BATCH_SECONDS + LOG_LATE_SECONDS after it
+    was logged, a job that hangs shows its last logged step, and a job killed outright loses at
+    most that much of its loss curve, never its order.
     """
 
     def __init__(self, path: str | None) -> None:
@@ -361,19 +372,30 @@ class MetricsWriter:
         # Step logs not yet written, oldest first, as (time.monotonic(), step, tokens, logs): the
         # lines are made when written, several together, where formatting them one a step was
         # cache-cold; their wall time is taken from the clocks' offset then (one clock read a log).
+        # The list object is never replaced: write_soon appends to it without a lock while the
+        # late writer's thread may be taking lines from its front (write_line).
         self._waiting: list[tuple[float, int, int, dict[str, Any]]] = []
         # time.monotonic() from which step logs that wait are written (by write_soon or flush).
         self._due = 0.0
+        # The late writer: a thread started when the first batch of step logs waits. `_late_idle`
+        # is True until then and while the thread sleeps with nothing waiting (write_soon then
+        # wakes it); otherwise it sleeps until LOG_LATE_SECONDS past `_due` on its own.
+        self._late: threading.Condition | None = None
+        self._late_idle = True
+        self._closed = False
         if path is not None:  # a script that ends without the Trainer's train end (a crash) keeps its step logs
             atexit.register(self.close)
+            _writers.add(self)
 
     def write_soon(self, mono: float, step: int, tokens: int, logs: dict[str, Any]) -> float:
         """A Trainer step log, logged at `mono` (time.monotonic()): written at once if none was in the
-        last LOG_BATCH_SECONDS, else with the next write. Returns `write_due()` after it."""
+        last LOG_BATCH_SECONDS, else with the next write or by the late writer. Returns `write_due()` after it."""
         self._waiting.append((mono, step, tokens, logs))  # one append: atomic, no lock needed
         if mono >= self._due:
             self.flush(mono)
             return math.inf
+        if self._late_idle:  # a batch starts waiting and no thread is timing one: about once a second at most
+            self._wake_late_writer()
         return self._due
 
     def write_due(self) -> float:
@@ -381,10 +403,49 @@ class MetricsWriter:
         return self._due if self._waiting else math.inf
 
     def flush(self, mono: float) -> None:
-        """Write the step logs that wait (a step end past `due`, a snapshot, the end of training)."""
+        """Write the step logs that wait (a step end past `due`, a snapshot, the end of training, the late writer)."""
         if self._waiting:
             self.write_line(b"")
         self._due = mono + LOG_BATCH_SECONDS
+
+    def _wake_late_writer(self) -> None:
+        """Start the late writer's thread, or wake it from its idle wait."""
+        late = self._late
+        if late is None:
+            self._late = late = threading.Condition(threading.Lock())
+            self._late_idle = False
+            threading.Thread(target=self._write_late, args=(late,), name="obd-metrics-late", daemon=True).start()
+            return
+        with late:
+            late.notify()
+
+    def _write_late(self, late: threading.Condition) -> None:
+        """The late writer's thread: write step logs still waiting LOG_LATE_SECONDS after they were due.
+
+        It sleeps (the GIL released) until then, and while nothing waits. A step end usually
+        writes them first (steps are shorter than LOG_LATE_SECONDS), and then the thread only
+        wakes to find the next batch's time: about once a second while step logs come.
+        """
+        with late:
+            while self._late_turn(late):
+                pass
+
+    def _late_turn(self, late: threading.Condition) -> bool:
+        """One turn of the late writer, which holds `late`: a wait, or a write of what is overdue; False once closed."""
+        if self._closed:
+            return False
+        self._late_idle = True  # before looking: a line appended after the look wakes the thread
+        if not self._waiting:
+            late.wait()
+            return True
+        self._late_idle = False
+        now = _monotonic()
+        delay = self._due + LOG_LATE_SECONDS - now
+        if delay > 0:
+            late.wait(delay)
+        else:
+            self.flush(now)
+        return True
 
     def write(self, event: str, **fields: Any) -> None:
         self.write_record(event, fields)
@@ -409,11 +470,16 @@ class MetricsWriter:
     def write_line(self, line: bytes) -> bool:
         """Append encoded lines (`encode_line`, `step_log_lines`); False if they were not written."""
         with self._lock:
+            waiting = self._waiting
             if self.path is None:
+                waiting.clear()  # nowhere to go: the late writer must not keep finding them
                 return False
-            if self._waiting:  # step logs that waited go first, in the same write
-                waiting, self._waiting = self._waiting, []
-                line = step_log_lines(waiting, time.time() - time.monotonic()) + line
+            if waiting:  # step logs that waited go first, in the same write
+                # Taken from the front, the list kept: a line write_soon appends meanwhile stays.
+                count = len(waiting)
+                taken = waiting[:count]
+                del waiting[:count]
+                line = step_log_lines(taken, time.time() - time.monotonic()) + line
             try:
                 if self._fd is None:
                     self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -432,10 +498,42 @@ class MetricsWriter:
         if self._waiting:
             self.write_line(b"")
         atexit.unregister(self.close)  # closed: nothing is left for the end of the process
+        self._closed = True
+        late = self._late
+        if late is not None:
+            with late:
+                late.notify()  # the thread sees `_closed` and ends
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+    def _forget_in_child(self) -> None:
+        """In a child forked from the job (a DataLoader worker, a script's own fork): write nothing.
+
+        The parent writes this job's metrics; a child's copy would write its lines again at its
+        exit. Its locks may have been held by a thread that does not exist in the child, and it
+        has no late writer: all made anew, inert.
+        """
+        self.path = None
+        self._waiting = []
+        self._lock = threading.Lock()
+        self._late, self._late_idle, self._closed = None, True, True
+        atexit.unregister(self.close)
+
+
+# The writers with a path in this process, for the fork hook; weak, so a writer dropped is gone.
+_writers: weakref.WeakSet[MetricsWriter] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for writer in list(_writers):
+        writer._forget_in_child()
+    _writers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # --- SIGTERM ----------------------------------------------------------------------------

@@ -7,7 +7,8 @@ The share of a step: the workload runs under obd's plugin with every hook of Sna
 (its `on_*` methods, inherited no-ops included, and its token count: the Trainer's own call per
 micro-batch, or a forward pre-hook where the Trainer has none) wrapped in `time.perf_counter_ns`. Two figures per run:
 - `share_pct`: all time inside the hooks during `train()`, plus the CPU time of the plugin's
-  request-watch thread's wake-ups in that time, over the wall time of `train()` (from the end
+  threads in that time (the request watch's wake-ups, and the turns of the metrics late
+  writer, which writes step logs no step end wrote), over the wall time of `train()` (from the end
   of `on_train_begin` to the start of `on_train_end`). On a loaded machine a hook
   that gets preempted is charged the other process's time slice, so this one reads high there.
 - `median_share_pct`: each hook's median call times its number of calls, over the median step
@@ -159,13 +160,14 @@ def in_job(out: Path, argv: list[str]) -> None:
     # (thread_time) of each of its wake-ups that ends while training runs (the one that ends it
     # comes at on_train_end, outside, like the thread's start in on_train_begin).
     wakes: list[tuple[int, int]] = []  # (perf_counter_ns at its end, CPU ns)
+    watch_class: Any
     try:
-        from trainer_plugin.request_watch import RequestWatch
+        from trainer_plugin.request_watch import RequestWatch as watch_class
     except ImportError:  # a plugin from before the watch (--compare)
-        RequestWatch = None
+        watch_class = None
 
-    if RequestWatch is not None:
-        watch_wake = RequestWatch._wake
+    if watch_class is not None:
+        watch_wake = watch_class._wake
 
         def timed_wake(self: Any) -> bool:
             cpu = time.thread_time_ns()  # asleep in read() costs no CPU time
@@ -174,7 +176,24 @@ def in_job(out: Path, argv: list[str]) -> None:
             finally:
                 wakes.append((time.perf_counter_ns(), time.thread_time_ns() - cpu))
 
-        RequestWatch._wake = timed_wake  # type: ignore[method-assign]
+        watch_class._wake = timed_wake
+
+    # The metrics late writer's thread, the same way: the CPU time of each of its turns (a
+    # sleep in a wait costs none; a turn that writes overdue step logs costs the write).
+    late: list[tuple[int, int]] = []
+    from trainer_plugin.runtime import MetricsWriter
+
+    late_turn = getattr(MetricsWriter, "_late_turn", None)  # a plugin from before it (--compare) has none
+    if late_turn is not None:
+
+        def timed_turn(self: Any, condition: Any) -> bool:
+            cpu = time.thread_time_ns()
+            try:
+                return bool(late_turn(self, condition))
+            finally:
+                late.append((time.perf_counter_ns(), time.thread_time_ns() - cpu))
+
+        setattr(MetricsWriter, "_late_turn", timed_turn)  # noqa: B010 (mypy would refuse the assignment)
     sys.argv = argv
     sys.path[0] = str(Path(argv[0]).resolve().parent)  # as if the workload had been run as a script
     try:
@@ -184,13 +203,17 @@ def in_job(out: Path, argv: list[str]) -> None:
         path = out if rank == 0 else out.with_name(f"{out.name}.rank{rank}")
         begin, end = loop.get("begin", 0), loop.get("end", 0)
         inside = [cpu for at, cpu in wakes if begin <= at <= end]
-        path.write_text(json.dumps(share_of_a_step(calls, step_ends, end - begin, sum(inside), len(inside))))
+        late_inside = [cpu for at, cpu in late if begin <= at <= end]
+        share = share_of_a_step(calls, step_ends, end - begin, sum(inside) + sum(late_inside), len(inside))
+        share.update(watch_thread_us=sum(inside) / 1e3, late_writer_us=sum(late_inside) / 1e3)
+        share["late_turns"] = len(late_inside)
+        path.write_text(json.dumps(share))
 
 
 def share_of_a_step(
     calls: dict[str, list[int]], step_ends: list[int], wall_ns: int, thread_ns: int = 0, wakeups: int = 0
 ) -> dict[str, Any]:
-    """The plugin's share of a step from the durations of its hook calls and the CPU time of its watch thread (see the module's docstring)."""
+    """The plugin's share of a step from the durations of its hook calls and the CPU time of its threads (see the module's docstring)."""
     per_step = {name: d for name, d in calls.items() if name not in ONCE_HOOKS and d}
     steps = len(calls.get("on_step_end", []))
     in_hooks = sum(sum(d) for d in per_step.values()) + thread_ns
@@ -212,8 +235,10 @@ def share_of_a_step(
         "median_us_per_call": {name: statistics.median(d) / 1e3 for name, d in per_step.items()},
         "calls": {name: len(d) for name, d in per_step.items()},
         "floor_us": min(floor) / 1e3 if floor else None,
-        "watch_thread_us": thread_ns / 1e3,
+        "watch_thread_us": thread_ns / 1e3,  # all the plugin's threads; in_job splits it
         "watch_wakeups": wakeups,
+        "late_writer_us": 0.0,
+        "late_turns": 0,
     }
 
 
@@ -413,7 +438,8 @@ def print_report(result: dict[str, Any], opts: argparse.Namespace) -> None:
             )
             print(
                 f"      median us per call: {hooks}; no-op floor {run['floor_us']:.1f}; request watch thread "
-                f"{run['watch_thread_us']:.0f} us CPU in {run['watch_wakeups']} wake-up(s) while training"
+                f"{run['watch_thread_us']:.0f} us CPU in {run['watch_wakeups']} wake-up(s) while training; "
+                f"metrics late writer {run.get('late_writer_us', 0.0):.0f} us CPU in {run.get('late_turns', 0)} turn(s)"
             )
             for rank, other in enumerate(run["other_ranks"], start=1):
                 print(

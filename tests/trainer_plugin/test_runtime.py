@@ -176,3 +176,71 @@ def test_a_metrics_file_that_cannot_be_written_never_raises_into_training(
     writer.write("log", step=1)
     assert writer.path is None
     assert capsys.readouterr().err.count("cannot write") == 1
+
+
+USUAL = {"loss": 1.0, "learning_rate": 0.1, "grad_norm": 1.0, "epoch": 0.5}
+
+
+def logged_steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_step_log_that_waits_is_in_the_file_within_2_s_with_no_later_write(tmp_path: Path) -> None:
+    import time
+
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(str(path))
+    try:
+        now = time.monotonic()
+        writer.write_soon(now, 1, 10, dict(USUAL))  # the first: written at once
+        writer.write_soon(now + 0.001, 2, 20, dict(USUAL))  # waits for a batch, then nothing comes
+        assert logged_steps(path) == [1]
+        deadline = time.monotonic() + 2.0
+        while logged_steps(path) != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert logged_steps(path) == [1, 2]
+    finally:
+        writer.close()
+
+
+def test_step_logs_appended_while_the_late_writer_writes_are_neither_lost_nor_doubled(tmp_path: Path) -> None:
+    import time
+
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(str(path))
+    steps = 3000
+    try:
+        # Logged as fast as a loop can: the late writer's thread takes batches from the list's
+        # front while this thread appends to its end.
+        for step in range(1, steps + 1):
+            writer.write_soon(time.monotonic(), step, step, dict(USUAL))
+            if step % 300 == 0:
+                time.sleep(0.3)  # some batches are the thread's to write
+    finally:
+        writer.close()
+    assert logged_steps(path) == list(range(1, steps + 1))
+
+
+def test_a_child_forked_while_step_logs_wait_never_writes_them_a_second_time(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    # A DataLoader worker, or a script's own fork, that ends by the interpreter's usual exit
+    # (atexit handlers included): only the parent writes the job's metrics.
+    code = f"""
+import os, sys, time
+from trainer_plugin.runtime import MetricsWriter
+writer = MetricsWriter({str(path)!r})
+usual = {USUAL!r}
+now = time.monotonic()
+writer.write_soon(now, 1, 10, dict(usual))
+writer.write_soon(now, 2, 20, dict(usual))
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)
+os.waitpid(pid, 0)
+writer.close()
+print("done")
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
+    assert logged_steps(path) == [1, 2]
