@@ -2,7 +2,9 @@
 
 `SnapshotCallback` is the transformers.Trainer callback (imported lazily, so `import
 trainer_plugin` never pulls in transformers or torch); the other names are the helpers for
-custom training loops (see `trainer_plugin.loop`). Outside obd (no OBD_RUN_DIR) all of it is a no-op.
+custom training loops (see `trainer_plugin.loop`), and `stopped_for_snapshot(trainer=None)`, which
+says whether a training stopped mid-way for a snapshot (a Trainer's, or any of this process's).
+Outside obd (no OBD_RUN_DIR) all of it is a no-op.
 """
 
 from __future__ import annotations
@@ -18,19 +20,21 @@ from .loop import (
     snapshot_requested,
     write_proof,
 )
-from .runtime import REASONS, VERSION, IncompleteCheckpoint
+from .runtime import REASONS, VERSION, IncompleteCheckpoint, StoppedForSnapshot, stopped_for_snapshot
 
 __version__ = VERSION
 __all__ = [
     "REASONS",
     "IncompleteCheckpoint",
     "SnapshotCallback",
+    "StoppedForSnapshot",
     "begin",
     "checkpoint_dir",
     "end",
     "log_metrics",
     "resume_from",
     "snapshot_requested",
+    "stopped_for_snapshot",
     "write_proof",
 ]
 

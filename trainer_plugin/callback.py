@@ -19,14 +19,17 @@ from transformers import TrainerCallback
 from . import inject
 from .dist import Ranks, tear_down_at_exit
 from .request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
-from .rundir import PREEMPTED, checkpoint_relpath
+from .rundir import PREEMPTED, checkpoint_name, checkpoint_relpath
 from .runtime import (
+    SNAPSHOT_ATTRIBUTE,
     VERSION,
     IncompleteCheckpoint,
     MetricsWriter,
     RunEnv,
     SigtermFlag,
+    StoppedForSnapshot,
     log_error,
+    note_snapshot,
     read_request,
     reason_code,
     reason_from_code,
@@ -42,7 +45,9 @@ REQUIRED_FILES = ("trainer_state.json",)
 # stage, a second Trainer) must not overwrite that proof with another checkpoint: the
 # request still stands, so every later training stops after its first step, unsaved. A
 # resumed run re-runs the script from the proven checkpoint and reaches the later stages.
-_process_snapshot: str | None = None
+# (By default the job ends when the training that wrote the proof returns, see inject.py; a
+# later training happens only in a script that opted out, or that caught the SystemExit.)
+_process_snapshot: StoppedForSnapshot | None = None
 
 # Bound once: the step end with no request is at most these two calls and nothing else.
 _access = os.access
@@ -84,6 +89,9 @@ class SnapshotCallback(TrainerCallback):
         self._recheck_due = math.inf  # when a step end with a watch next looks the name up
         self._pending: tuple[int, str] | None = None  # (step, reason) of a snapshot under way
         self._proven = False
+        # This training began after the process's snapshot: it stops after one step, and its
+        # state gets that snapshot's marker.
+        self._after_snapshot = False
         self._profiler: Any = None
         self._progress_interval = self.env.progress_interval
         # time.monotonic() from which a heartbeat is due: progress_interval after the last `log` line.
@@ -106,11 +114,15 @@ class SnapshotCallback(TrainerCallback):
         self._metrics.close()
         self._metrics = MetricsWriter(self.env.metrics_path if self._ranks.is_zero else None)
         self._pending, self._proven, self._local_tokens = None, False, 0
+        self._after_snapshot = _process_snapshot is not None
         self._progress_interval = self.env.progress_interval
         self._heartbeat_due, self._heartbeats = time.monotonic() + self._progress_interval, True
         self._due = self._heartbeat_due
         if _process_snapshot is not None:
-            log_error(f"obd: this job already saved its snapshot ({_process_snapshot}); training stops after one step")
+            log_error(
+                f"obd: this job already saved its snapshot ({checkpoint_relpath(_process_snapshot.step)}); "
+                "training stops after one step"
+            )
         self._start_token_count(args, model)
         # One process: the pre-hook counts straight into the state (no collective to sum ranks).
         self._token_state = state if self._count_tokens and not self._ranks.distributed else None
@@ -165,6 +177,11 @@ class SnapshotCallback(TrainerCallback):
             raise RuntimeError(
                 f"obd: training stopped for a snapshot at step {self._pending[0]} but no checkpoint was saved"
             )
+        # The marker obd's patched train() reads to end the job (or that the script reads, when
+        # it opted out): this training's own snapshot, or the one that cut a later training short.
+        marker = _process_snapshot if self._proven or self._after_snapshot else None
+        if marker is not None:
+            setattr(state, SNAPSHOT_ATTRIBUTE, marker)
         tear_down_at_exit(self._ranks)
 
     # --- the request --------------------------------------------------------------------
@@ -285,15 +302,25 @@ class SnapshotCallback(TrainerCallback):
         if state.global_step != step:
             return
         self._ranks.barrier()  # every rank has written its share of the checkpoint (rng state, shards)
-        if self._ranks.is_zero:
-            self._check_output_dir(args)
-            self._metrics.flush(_monotonic())  # the snapshot step's log line is in the file before its proof
-            proof = write_proof(self.env, step, reason, required=REQUIRED_FILES)
-            log_error(f"obd: snapshot at step {step} ({reason}): {proof['checkpoint']}")
+        written = False
+        try:
+            if self._ranks.is_zero:
+                self._check_output_dir(args)
+                self._metrics.flush(_monotonic())  # the snapshot step's log line is in the file before its proof
+                proof = write_proof(self.env, step, reason, required=REQUIRED_FILES)
+                log_error(f"obd: snapshot at step {step} ({reason}): {proof['checkpoint']}")
+            written = True
+        finally:
+            # Every rank waits for rank 0's word (also when it failed), so "proven" means the
+            # same on all of them: no rank ends the job at its train() end without a proof on disk.
+            written = self._ranks.zero_says(written)
+        if not written:  # a rank > 0 whose rank 0 failed: the job fails on every rank
+            raise IncompleteCheckpoint(f"obd: rank 0 wrote no snapshot proof for step {step} (see its log)")
         self._proven = True
         self._leave_quick_path()
         global _process_snapshot
-        _process_snapshot = checkpoint_relpath(step)
+        checkpoint = os.path.join(str(self.env.output_dir), checkpoint_name(step))
+        _process_snapshot = note_snapshot(StoppedForSnapshot(step, state.max_steps, reason, checkpoint))
 
     def _check_output_dir(self, args: Any) -> None:
         actual = os.path.realpath(str(args.output_dir))

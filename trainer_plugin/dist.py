@@ -83,6 +83,16 @@ class Ranks:
         if self.distributed:
             self._sum([0])
 
+    def zero_says(self, yes: bool) -> bool:
+        """Every rank learns rank 0's `yes` (the others' is not counted); a barrier too, once per snapshot.
+
+        After the proof: rank 0 says whether it wrote it, so every rank agrees on "proven", and
+        none takes it for granted while rank 0 failed.
+        """
+        if not self.distributed:
+            return yes
+        return self._sum([1 if yes and self.is_zero else 0])[0] > 0
+
 
 _teardown_registered = False
 

@@ -17,7 +17,8 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-from .runtime import RunEnv, log_error
+from .dist import Ranks
+from .runtime import SNAPSHOT_RETURNS, RunEnv, log_error, stopped_for_snapshot
 
 TARGET = "transformers.trainer"
 MARKER = "_obd_patched"  # set on the patched functions, so patching twice is a no-op
@@ -95,7 +96,7 @@ def patch_module(module: ModuleType) -> None:
 
 
 def patch_trainer_class(cls: Any) -> None:
-    """Wrap `cls.__init__` (output_dir, callback) and `cls.train` (resume, one callback); idempotent."""
+    """Wrap `cls.__init__` (output_dir, callback) and `cls.train` (resume, one callback, the job's end after a snapshot); idempotent."""
     if not getattr(cls.__init__, MARKER, False):
         cls.__init__ = _wrap_init(cls.__init__)
     if not getattr(cls.train, MARKER, False):
@@ -127,10 +128,40 @@ def _wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
             for callback in _snapshot_callbacks(self):
                 callback.trainer = weakref.ref(self)  # it counts tokens in this Trainer's loop
             args, kwargs = _with_resume(args, kwargs, env)
-        return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
+        if env.active:
+            _end_job_if_stopped(self)
+        return result
 
     setattr(train, MARKER, True)
     return train
+
+
+def _end_job_if_stopped(trainer: Any) -> None:
+    """After a train() that stopped for a snapshot (its proof on disk), end the job: exit 0, here.
+
+    The script's code after train() would otherwise treat a half-trained model as the result:
+    save it as final (`save_model()`), push it, evaluate it, report "done". SystemExit rather
+    than os._exit: the interpreter ends as usual, so `finally` clauses and `with` blocks around
+    train() close what they opened, atexit handlers run (the gloo teardown in dist.py, a
+    tracker's own), and buffered output reaches the job log. Every rank gets here (each saw
+    the same decision, and the proof's barrier), so a torchrun job exits 0 on all of them. With
+    OBD_SNAPSHOT_RETURNS=1 train() returns instead, its `state.obd_snapshot` saying why.
+    """
+    marker = stopped_for_snapshot(trainer)
+    if marker is None:
+        return
+    env = RunEnv.from_environ()
+    if env.snapshot_returns:
+        log_error(f"obd: {marker}; train() returns to the script ({SNAPSHOT_RETURNS}=1)")
+        return
+    if Ranks().is_zero:
+        log_error(
+            f"obd: {marker}; the job ends here with exit 0, without the script's code after train(). "
+            f"`obd train resume {env.run_id or 'RUN'}` finishes the training (a script that handles a stop "
+            f"itself sets {SNAPSHOT_RETURNS}=1)"
+        )
+    raise SystemExit(0)
 
 
 def redirect_output_dir(training_args: Any, env: RunEnv) -> None:

@@ -14,10 +14,17 @@ A loop under obd does, in order::
             loop.write_proof(step, path, reason=reason)
             break
     loop.end(step)
+    if loop.stopped_for_snapshot():                     # stopped mid-run: no final save, push or report
+        return 0
+    ...save the final model...
 
 Resume from `loop.resume_from()` (OBD_RESUME_FROM) when it is set. Outside obd every helper is
 a no-op (`snapshot_requested()` is None, `write_proof()` returns None). Standard library only;
 torch is used only if the job already initialised torch.distributed.
+
+Unlike a Trainer's train(), nothing here ends the job after a snapshot: the loop's own code
+decides what follows its proof (under DDP, the tidy teardown of dist.py's notes comes after
+`end()`), and `stopped_for_snapshot()` tells it that the run stopped mid-way, on every rank.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from typing import Any
 
 from . import rundir, runtime
 from .dist import Ranks, tear_down_at_exit
-from .runtime import RunEnv, SigtermFlag
+from .runtime import RunEnv, SigtermFlag, StoppedForSnapshot, note_snapshot
+from .runtime import stopped_for_snapshot as _process_snapshot
 
 _sigterm = SigtermFlag()
+_max_steps: int | None = None  # what begin() was told, for the snapshot's marker
 _metrics: runtime.MetricsWriter | None = None
 _metrics_key: tuple[str | None, int] | None = None
 
@@ -103,9 +112,29 @@ def write_proof(step: int, checkpoint_dir: str | None = None, reason: str = rund
         raise ValueError(f"obd: a proof for step {step} can only name {expected}, not {checkpoint_dir}")
     ranks = Ranks()
     ranks.barrier()
-    if not ranks.is_zero:
-        return None
-    return runtime.write_proof(env, step, reason)
+    proof = None
+    written = False
+    try:
+        if ranks.is_zero:
+            proof = runtime.write_proof(env, step, reason)
+        written = True
+    finally:
+        # Every rank waits for rank 0's word (also when it failed): then stopped_for_snapshot()
+        # says the same on all of them, and only once the proof is on disk.
+        written = ranks.zero_says(written)
+    if not written:  # a rank > 0 whose rank 0 failed
+        raise runtime.IncompleteCheckpoint(f"obd: rank 0 wrote no snapshot proof for step {step} (see its log)")
+    note_snapshot(StoppedForSnapshot(step, _max_steps, reason, expected))
+    return proof
+
+
+def stopped_for_snapshot() -> StoppedForSnapshot | None:
+    """This process's snapshot once `write_proof` wrote it (every rank), else None: the run stopped mid-way.
+
+    Code after the loop that would save, push or report the model as final should skip that
+    when this is set; a resumed run (`obd train resume`) finishes the training.
+    """
+    return _process_snapshot()
 
 
 def begin(max_steps: int | None, start_step: int = 0, snapshots: bool = True, **fields: Any) -> None:
@@ -114,9 +143,12 @@ def begin(max_steps: int | None, start_step: int = 0, snapshots: bool = True, **
     `snapshots=True` tells the daemon this loop polls snapshot_requested() and writes proofs.
     Extra keyword fields are recorded as they are.
     """
+    global _max_steps
     env = _env()
     if not env.active:
         return
+    if max_steps is not None:  # log_metrics' own begin (every log on a rank > 0, which writes none) says None
+        _max_steps = max_steps
     if env.snapshot_on_sigterm and snapshots:
         _sigterm.install()
     _writer().write(

@@ -26,6 +26,9 @@ from . import rundir
 from .rundir import DEFAULT_REASON, REASONS, REQUEST_LIMIT, atomic_write, fsync_dir, parse_request
 
 VERSION = "0.1.0"
+# Set to 1 (or true, yes) in the job's environment, by the script itself or its command line
+# (`env OBD_SNAPSHOT_RETURNS=1 python train.py`), to get train()'s return after a snapshot.
+SNAPSHOT_RETURNS = "OBD_SNAPSHOT_RETURNS"
 # At most one heartbeat `log` line (step, time, tokens; no loss) this often between Trainer logs.
 DEFAULT_PROGRESS_INTERVAL = 10.0
 
@@ -45,6 +48,9 @@ class RunEnv:
     profile_dir: str | None = None  # OBD_PROFILE_DIR, when the run is profiled
     torch_profile: bool = False  # OBD_TORCH_PROFILE=1: the callback drives torch_profile.StepProfiler
     progress_interval: float = DEFAULT_PROGRESS_INTERVAL  # OBD_PROGRESS_INTERVAL: seconds between heartbeat lines
+    # OBD_SNAPSHOT_RETURNS=1: a Trainer stopped for a snapshot returns from train() (with a
+    # marker, see StoppedForSnapshot) instead of ending the job there.
+    snapshot_returns: bool = False
 
     @property
     def active(self) -> bool:
@@ -74,6 +80,7 @@ class RunEnv:
             profile_dir=env.get("OBD_PROFILE_DIR") or None,
             torch_profile=_flag(env.get("OBD_TORCH_PROFILE")),
             progress_interval=progress_interval(env.get("OBD_PROGRESS_INTERVAL")),
+            snapshot_returns=_flag(env.get(SNAPSHOT_RETURNS)),
         )
 
 
@@ -214,6 +221,56 @@ def write_proof(env: RunEnv, step: int, reason: str, required: tuple[str, ...] =
     data = rundir.proof_bytes(step, reason, time.time())
     atomic_write(env.proof_path, data)
     return dict(json.loads(data))
+
+
+@dataclass(frozen=True)
+class StoppedForSnapshot:
+    """What a training that stopped for a snapshot left: the step it stopped at, why, and its checkpoint.
+
+    `trainer.state.obd_snapshot` after a Trainer's train() (set on every rank once the proof is
+    written), and `stopped_for_snapshot()` for the process. The training did not finish: its
+    model is the checkpoint's, `step` of `max_steps` (None when the loop did not say).
+    """
+
+    step: int
+    max_steps: int | None
+    reason: str
+    checkpoint: str  # the checkpoint directory the proof names, as an absolute path
+
+    def __str__(self) -> str:
+        of = f" of {self.max_steps}" if self.max_steps else ""
+        return f"stopped for a snapshot at step {self.step}{of} ({self.reason}): {self.checkpoint}"
+
+
+# This process's snapshot, once its proof is written: the first one (a later training in the
+# same process never replaces it, see callback.py).
+_stopped: StoppedForSnapshot | None = None
+
+
+def note_snapshot(marker: StoppedForSnapshot) -> StoppedForSnapshot:
+    """Record this process's snapshot (the first one wins); returns the one recorded."""
+    global _stopped
+    if _stopped is None:
+        _stopped = marker
+    return _stopped
+
+
+def stopped_for_snapshot(trainer: Any = None) -> StoppedForSnapshot | None:
+    """Whether training stopped for a snapshot, and where: None when it did not (or outside obd).
+
+    With a Trainer: that Trainer's last train() (`trainer.state.obd_snapshot`). Without: any
+    training of this process (a Trainer's or a custom loop's `write_proof`). A script gets to
+    ask only when it opted out of the job ending at the snapshot (OBD_SNAPSHOT_RETURNS=1) or
+    in a custom loop, which never ends the job itself.
+    """
+    if trainer is None:
+        return _stopped
+    marker = getattr(getattr(trainer, "state", None), SNAPSHOT_ATTRIBUTE, None)
+    return marker if isinstance(marker, StoppedForSnapshot) else None
+
+
+# The attribute of a Trainer's state that holds its StoppedForSnapshot.
+SNAPSHOT_ATTRIBUTE = "obd_snapshot"
 
 
 def write_request(env: RunEnv, reason: str) -> None:

@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         data_collator=PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
     )
+    # Under obd, a stop for a snapshot ends the job inside train() (exit 0, the checkpoint proven):
+    # the lines below run only when training reached max_steps, so the adapter saved here is
+    # always the trained one, never a half-trained "final" one.
     result = trainer.train()
     trainer.save_model()  # the adapter, in output_dir
     print("train_metrics " + json.dumps(result.metrics), flush=True)

@@ -96,6 +96,8 @@ def test_a_custom_loop_snapshots_on_request_and_resumes_to_the_end(run_dir: RunD
     )
     assert_exit_zero(job, job.wait())
     assert stopped_at(job.log_text()) == [(0, 3, "deadline")]
+    checkpoint = run_dir.output / "checkpoint-3"
+    assert f"rank 0 marker: stopped for a snapshot at step 3 of 10 (deadline): {checkpoint}" in job.log_text()
     proof = run_dir.proof()
     assert proof is not None and (proof["checkpoint"], proof["reason"]) == ("output/checkpoint-3", "deadline")
     assert [m["event"] for m in run_dir.metrics()] == ["begin", "log", "log", "log", "end"]
@@ -104,6 +106,7 @@ def test_a_custom_loop_snapshots_on_request_and_resumes_to_the_end(run_dir: RunD
     job = start_job(resumed, [PY, str(SCRIPT)], resumed.env(resume_from=run_dir.output / "checkpoint-3"))
     assert_exit_zero(job, job.wait())
     assert stopped_at(job.log_text()) == [(0, 10, "None")]
+    assert "rank 0 marker: None" in job.log_text()  # it trained to the end
     assert [m["step"] for m in resumed.logs()] == list(range(4, 11))
     assert resumed.proof() is None
 
@@ -121,6 +124,8 @@ def test_under_torchrun_a_request_stops_both_ranks_at_the_same_step_with_one_pro
     # Rank 0 saw the file after step 4; rank 1 never looks at it and still stops at 4.
     assert stopped_at(job.log_text()) == [(0, 4, "disk"), (1, 4, "disk")]
     assert run_dir.proof()["step"] == 4  # type: ignore[index]
+    # Every rank knows the run stopped mid-way, once rank 0's proof is on disk.
+    assert len(re.findall(r"rank [01] marker: stopped for a snapshot at step 4 of 10 \(disk\)", job.log_text())) == 2
     metrics = run_dir.metrics()
     assert sum(m["event"] == "begin" for m in metrics) == 1  # rank 0 alone writes metrics
     assert metrics[0]["world_size"] == 2

@@ -15,13 +15,15 @@ def torchrun(*argv: str) -> list[str]:
 
 
 def final_steps(log: str) -> list[tuple[int, int]]:
-    """(rank, step) each rank reports once its train() returned."""
-    return sorted((int(r), int(s)) for s, r in re.findall(r"trained to step (\d+) of \d+ \(rank (\d+)\)", log))
+    """(rank, step) each rank reports at its train end (inside train(): a snapshot ends the job there)."""
+    return sorted((int(r), int(s)) for s, r in re.findall(r"train ended at step (\d+) of \d+ \(rank (\d+)\)", log))
 
 
 def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(
     run_dir: RunDir, start_job, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
+    after_train = tmp_path / "after_train"
+    after_train.mkdir()
     argv = torchrun(
         str(SCRIPTS / "plain_trainer.py"),
         "--output_dir",
@@ -31,10 +33,17 @@ def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(
         "--write-file",
         f"{run_dir.request}=cost",
         "--report-exit",
+        "--finish",
+        str(after_train),
     )
     job = start_job(run_dir, argv, run_dir.env())
+    # torchrun exits 0 only when every rank did: the snapshot ended the job on both.
     assert_exit_zero(job, job.wait())
     assert final_steps(job.log_text()) == [(0, 3), (1, 3)]
+    # Neither rank ran the script's code after train(): no final save, no "finished", no push.
+    assert "trained to step" not in job.log_text()
+    assert list(after_train.iterdir()) == []
+    assert sorted(p.name for p in run_dir.output.iterdir()) == ["checkpoint-3"]
     proof = run_dir.proof()
     assert proof is not None and (proof["step"], proof["reason"]) == (3, "cost")
     checkpoint = run_dir.output / "checkpoint-3"

@@ -48,8 +48,14 @@ class Points(torch.utils.data.Dataset):
 
 
 class Slow(TrainerCallback):
+    trainer = None
+
     def on_step_end(self, args, state, control, **kwargs):
         time.sleep(0.3)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        callbacks = [type(cb).__name__ for cb in self.trainer.callback_handler.callbacks]
+        print("train() ends; callbacks:", *callbacks, flush=True)
 
 
 args = TrainingArguments(
@@ -63,9 +69,11 @@ args = TrainingArguments(
     use_cpu=True,
     enable_jit_checkpoint=True,
 )
-trainer = Trainer(model=Regression(), args=args, train_dataset=Points(), callbacks=[Slow()])
+slow = Slow()
+trainer = Trainer(model=Regression(), args=args, train_dataset=Points(), callbacks=[slow])
+slow.trainer = trainer
 trainer.train()
-print("train() returned; callbacks:", *[type(cb).__name__ for cb in trainer.callback_handler.callbacks], flush=True)
+print("train() returned", flush=True)
 """
 
 
@@ -92,8 +100,9 @@ def test_with_jit_checkpoint_and_snapshot_on_sigterm_a_sigterm_gives_one_checkpo
     log = d.cli("train", "logs", rid).stdout
     assert record["state"] == "stopped", f"{record['message']}\n{log[-3000:]}"
     assert record["snapshot"]["reason"] == "preempted" and record["exit_code"] == 0
-    callbacks = log.split("train() returned; callbacks:", 1)[1].split("\n", 1)[0].split()
+    callbacks = log.split("train() ends; callbacks:", 1)[1].split("\n", 1)[0].split()
     assert "JITCheckpointCallback" in callbacks and "SnapshotCallback" in callbacks  # both were on
+    assert "train() returned" not in log  # the job ended at the snapshot, in train()
 
     run_dir = Path(record["remote_dir"])
     time.sleep(4)  # longer than transformers' own 3 s wait before it would checkpoint

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from runner.assemble import parse_run
-from tests.trainer_plugin.conftest import PY, REPO, SCRIPTS, Job, RunDir, assert_exit_zero
+from tests.trainer_plugin.conftest import PY, REPO, SCRIPTS, Job, RunDir, assert_exit_zero, wait_until
 
 SCRIPT = SCRIPTS / "plain_trainer.py"
 MODEL_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
@@ -62,7 +63,7 @@ def test_a_request_that_is_not_a_reason_word_snapshots_with_reason_requested(gar
     checkpoint = garbage_request.run.output / "checkpoint-3"
     for name in MODEL_FILES:
         assert (checkpoint / name).is_file(), name
-    assert "trained to step 3 of 8" in garbage_request.job.log_text()
+    assert "train ended at step 3 of 8" in garbage_request.job.log_text()
 
 
 def test_a_callback_added_by_hand_is_not_doubled_by_the_injected_one(garbage_request: Done) -> None:
@@ -168,11 +169,12 @@ def test_an_existing_request_reason_wins_over_a_sigterm_in_the_same_step(
 @pytest.mark.slow  # ~10 s of imports; a multi-stage script: an edge
 def test_a_later_training_in_the_same_job_never_replaces_the_proof(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     # Two stages, a new Trainer each, same output_dir; the request (still there) came in stage 1.
+    # A second stage runs only in a script that opted out of the job ending at the snapshot.
     argv = plain(tmp_path / "mine", "--stages", "2", "--write-at", "3", "--write-file", f"{run_dir.request}=requested")
-    job = start_job(run_dir, argv, run_dir.env())
+    job = start_job(run_dir, argv, {**run_dir.env(), "OBD_SNAPSHOT_RETURNS": "1"})
     assert_exit_zero(job, job.wait())
     log = job.log_text()
-    assert "trained to step 3 of 8" in log and "trained to step 1 of 8" in log
+    assert "train ended at step 3 of 8" in log and "train ended at step 1 of 8" in log
     assert run_dir.proof()["checkpoint"] == "output/checkpoint-3"  # type: ignore[index]
     assert sorted(p.name for p in run_dir.output.glob("checkpoint-*")) == ["checkpoint-3"]
     assert log.count("obd: snapshot at step") == 1
@@ -226,3 +228,65 @@ def test_a_profiled_trainer_run_reports_mfu_from_the_models_own_parameter_count(
     assert metrics.mfu_pct == pytest.approx(100 * metrics.tokens_per_sec * flops / (metrics.peak_tflops * 1e12))
     assert metrics.peak_tflops == pytest.approx(1307.4, abs=0.1)
     assert not [w for w in metrics.warnings if "MFU unknown" in w]
+
+
+# --- stop means stop: the script's code after train() -------------------------------------
+
+
+def finishing(run: RunDir, tmp_path: Path) -> tuple[list[str], Path]:
+    """The plain script stopped at step 3, with code after train() that saves, says "finished" and pushes (to files)."""
+    folder = tmp_path / "after_train"
+    folder.mkdir()
+    argv = plain(
+        tmp_path / "mine", "--write-at", "3", "--write-file", f"{run.request}=requested", "--finish", str(folder)
+    )
+    return argv, folder
+
+
+def test_a_snapshot_ends_the_job_with_exit_0_before_the_scripts_save_push_and_finished_marker(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    argv, folder = finishing(run_dir, tmp_path)
+    job = start_job(run_dir, argv, run_dir.env())
+    assert_exit_zero(job, job.wait())
+    proof = run_dir.proof()
+    assert proof is not None and proof["step"] == 3
+    log = job.log_text()
+    assert "train ended at step 3 of 8" in log  # train() itself ran to its end...
+    assert "trained to step" not in log  # ...and not a line of the script after it
+    assert sorted(p.name for p in folder.iterdir()) == []  # no "finished" marker, no push
+    # No save_model(): the run's output/ holds the snapshot and nothing posing as a final model.
+    assert sorted(p.name for p in run_dir.output.iterdir()) == ["checkpoint-3"]
+    assert run_dir.metrics()[-1] == {**run_dir.metrics()[-1], "event": "end", "snapshot": "output/checkpoint-3"}
+    assert "the job ends here with exit 0" in log and "obd train resume run-test" in log
+
+
+def test_with_obd_snapshot_returns_the_script_sees_the_marker_and_its_code_after_train_runs(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    argv, folder = finishing(run_dir, tmp_path)
+    job = start_job(run_dir, argv, {**run_dir.env(), "OBD_SNAPSHOT_RETURNS": "1"})
+    assert_exit_zero(job, job.wait())
+    log = job.log_text()
+    checkpoint = run_dir.output / "checkpoint-3"
+    marker = f"StoppedForSnapshot(step=3, max_steps=8, reason='requested', checkpoint={str(checkpoint)!r})"
+    # On the Trainer's state and from the helper alike.
+    assert f"after train: marker {marker}; helper {marker}" in log
+    assert "trained to step 3 of 8" in log
+    assert sorted(p.name for p in folder.iterdir()) == ["finished", "pushed"]
+    assert run_dir.proof()["step"] == 3  # type: ignore[index]
+
+
+def test_a_trainer_that_hangs_after_a_logged_step_has_that_step_in_metrics_within_2_s(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    # Steps of a few ms: step 20 is logged well within the 1 s that step logs may wait, and
+    # no step end, heartbeat or other line ever comes after it.
+    argv = plain(tmp_path / "mine", "--max_steps", "100", "--hang-after", "20")
+    job = start_job(run_dir, argv, run_dir.env())
+    wait_until(lambda: "hanging after step 20" in job.log_text(), job, what="the hang after step 20")
+    deadline = time.monotonic() + 2.0
+    while run_dir.last_step() < 20 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert run_dir.last_step() == 20, f"metrics.jsonl still ends at step {run_dir.last_step()}"
+    job.proc.kill()

@@ -123,7 +123,15 @@ def test_metrics_start_with_begin_log_every_step_with_tokens_and_end(snapshot: S
 
 def test_everything_the_trainer_saves_lands_in_the_runs_output_not_the_scripts(snapshot: Snapshot) -> None:
     assert not snapshot.script_output.exists()
-    assert (snapshot.run.output / "adapter_model.safetensors").is_file()  # the script's final save_model()
+    proof = snapshot.run.proof()
+    assert proof is not None
+    assert (snapshot.run.root / proof["checkpoint"] / "adapter_model.safetensors").is_file()
+
+
+def test_a_stopped_run_never_saves_its_half_trained_adapter_as_the_final_model(snapshot: Snapshot) -> None:
+    # The workload's save_model() after train() never ran: the job ended at the snapshot.
+    assert sorted(p.name for p in snapshot.run.output.iterdir()) == [f"checkpoint-{snapshot.run.proof()['step']}"]  # type: ignore[index]
+    assert "train_metrics" not in snapshot.job.log_text()
 
 
 def test_a_resumed_run_continues_from_the_checkpoint_step_to_max_steps(snapshot: Snapshot, tmp_path: Path) -> None:
@@ -148,4 +156,5 @@ def test_a_resumed_run_continues_from_the_checkpoint_step_to_max_steps(snapshot:
     assert 0 < logs[0]["learning_rate"] < lr_at_snapshot < 2e-4
     assert metrics[-1]["event"] == "end" and metrics[-1]["step"] == max_steps
     assert run.proof() is None  # it ended as usual
+    assert (run.output / "adapter_model.safetensors").is_file()  # and the script's final save_model() ran, into output/
     assert "obd: resuming from" in job.log_text()

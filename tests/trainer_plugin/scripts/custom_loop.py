@@ -18,6 +18,12 @@ import torch.distributed as dist
 from trainer_plugin import loop
 
 
+def say(line: str) -> None:
+    """One line to stdout in one write(): the ranks share the job log and leave their loops together."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--max_steps", type=int, default=10)
@@ -74,7 +80,9 @@ def main() -> int:
             stopped = reason
             break
     loop.end(step)
-    print(f"rank {rank} stopped at step {step} reason {stopped}", flush=True)
+    say(f"rank {rank} stopped at step {step} reason {stopped}")
+    # What the code after a loop asks before a final save: did the run stop mid-way?
+    say(f"rank {rank} marker: {loop.stopped_for_snapshot()}")
     if distributed:
         # DDP keeps its own reference to the gloo group: freed during interpreter finalisation,
         # after a peer has gone, gloo can abort the process (torch's, not obd's). A tidy loop

@@ -42,15 +42,36 @@ class Points(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.y[i]}
 
 
+def say(line: str) -> None:
+    """One line to stdout in one write(): the ranks share the job log and end their training together."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 class Outside(TrainerCallback):
     """test: at the start of a given step, write a file or send ourselves SIGTERM, as the outside world would."""
 
     def __init__(self, opts: argparse.Namespace) -> None:
         self.opts = opts
+        self.trainer: Trainer | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.trainer is not None:  # after obd's patched train() kept one SnapshotCallback
+            print(f"callbacks: {[type(cb).__name__ for cb in self.trainer.callback_handler.callbacks]}", flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        # Inside train(): printed whether or not the script's code after train() runs.
+        rank = os.environ.get("RANK", "0")
+        say(f"train ended at step {state.global_step} of {state.max_steps} (rank {rank})")
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         step = state.global_step + 1  # the step about to run
         rank = int(os.environ.get("RANK", "0"))
+        if self.opts.hang_after and step == self.opts.hang_after + 1:
+            # A Trainer that hangs after a logged step (a stuck collective, a data loader that
+            # never yields): no later step end, no later write, ever.
+            print(f"hanging after step {self.opts.hang_after}", flush=True)
+            time.sleep(3600)
         if self.opts.write_at == step and rank == 0:
             path, _, text = self.opts.write_file.partition("=")
             with open(path, "w") as f:
@@ -84,14 +105,33 @@ class OwnTracker(MyTrainer):
         return super()._track_num_input_tokens(inputs)
 
 
+def finish(trainer: Trainer, folder: str) -> None:
+    """test: what scripts do after train(): save the final model, say it finished, push it (a stub that writes a file)."""
+    try:
+        from trainer_plugin import stopped_for_snapshot  # on the path under obd
+    except ImportError:  # a plugin without the helper
+        helper = None
+    else:
+        helper = stopped_for_snapshot(trainer)
+    marker = getattr(trainer.state, "obd_snapshot", None)
+    print(f"after train: marker {marker!r}; helper {helper!r}", flush=True)
+    trainer.save_model()
+    with open(os.path.join(folder, "finished"), "w") as f:
+        f.write(f"training finished at step {trainer.state.global_step}\n")
+
+    def push_to_hub(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with open(os.path.join(folder, "pushed"), "w") as f:
+            f.write("pushed\n")
+
+    trainer.push_to_hub = push_to_hub  # type: ignore[method-assign]
+    trainer.push_to_hub()
+
+
 def report_process_group() -> None:
     import torch.distributed as dist
 
     up = dist.is_available() and dist.is_initialized()
-    print(
-        f"process group at exit: {'initialised' if up else 'destroyed'} (rank {os.environ.get('RANK', '0')})",
-        flush=True,
-    )
+    say(f"process group at exit: {'initialised' if up else 'destroyed'} (rank {os.environ.get('RANK', '0')})")
 
 
 def main() -> int:
@@ -117,12 +157,17 @@ def main() -> int:
         "--report-exit", action="store_true", help="test: print at exit whether the process group is still up"
     )
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer, as LoRA freezes the base model")
+    p.add_argument("--hang-after", type=int, default=0, help="test: hang (sleep an hour) after this step is logged")
+    p.add_argument(
+        "--finish", default="", help="test: after train(), save_model(), write DIR/finished, push (to DIR/pushed)"
+    )
     opts = p.parse_args()
     if opts.report_exit:
         atexit.register(report_process_group)  # registered first, so it runs after any handler added later
 
     torch.manual_seed(0)
-    callbacks: list[TrainerCallback] = [Outside(opts)]
+    outside = Outside(opts)
+    callbacks: list[TrainerCallback] = [outside]
     if opts.callback_by_hand:
         from trainer_plugin import SnapshotCallback
 
@@ -146,17 +191,21 @@ def main() -> int:
         model.net[0].requires_grad_(False)
     for stage in range(opts.stages):
         trainer = cls(model=model, args=args, train_dataset=Points(), callbacks=list(callbacks))
+        outside.trainer = trainer
         if opts.callback_by_hand:
             from trainer_plugin import SnapshotCallback
 
             trainer.add_callback(SnapshotCallback())
         resume = True if opts.resume == "true" and stage == 0 else None
         result = trainer.train(resume_from_checkpoint=resume)
-        print(
+        # The script's code after train(): under obd it runs only when training finished, or
+        # when the script opted out of the job ending at a snapshot (OBD_SNAPSHOT_RETURNS=1).
+        say(
             f"trained to step {trainer.state.global_step} of {trainer.state.max_steps} (rank {os.environ.get('RANK', '0')})"
         )
-        print(f"callbacks: {[type(cb).__name__ for cb in trainer.callback_handler.callbacks]}")
         print(f"train_loss {result.training_loss}", flush=True)
+        if opts.finish:
+            finish(trainer, opts.finish)
     return 0
 
 
