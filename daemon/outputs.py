@@ -11,11 +11,15 @@ import json
 import os
 import pwd
 import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Any
 
 CHECKPOINT_PREFIX = "checkpoint-"
+# A checkpoint's trainer_state.json is read for its max_steps only up to this size (its log
+# history grows with the run); past it the total is left unsaid.
+STATE_READ_LIMIT = 8 * 1024 * 1024
 
 
 class OutputsError(Exception):
@@ -29,6 +33,18 @@ def pick_source(reply: dict[str, Any], which: str | None) -> tuple[Path, set[str
     if which is None:
         return output, set()
     if which == "final":
+        stopped = stopped_text(reply)
+        if stopped:
+            # Whatever the script saved after its train() (nothing, under obd's plugin) is a
+            # half-trained model: never handed over as the run's final output.
+            rid = reply["id"]
+            step = (reply.get("snapshot") or {}).get("step")
+            snapshot = f"`obd train outputs {rid} --checkpoint {step}`" if step is not None else "`--checkpoint latest`"
+            raise OutputsError(
+                f"run {rid} {stopped}: `obd train resume {rid}` trains it to the end, then `obd train outputs "
+                f"<that run> --checkpoint final` copies its final model. This run has no final model, only its "
+                f"snapshot: {snapshot} copies that"
+            )
         return output, {n for n in _names(output) if n.startswith(CHECKPOINT_PREFIX)}
     if which == "latest":
         if not checkpoints:
@@ -42,6 +58,43 @@ def pick_source(reply: dict[str, Any], which: str | None) -> tuple[Path, set[str
             raise OutputsError(f"run {reply['id']} has no {name} (it has: {have})")
         return output / name, set()
     raise OutputsError(f"--checkpoint {which!r}: use latest, a step number, or final")
+
+
+def stopped_text(reply: dict[str, Any]) -> str | None:
+    """The words "stopped at step N of M; resume to finish" for a run that stopped for a snapshot, else None.
+
+    Such a run (state `stopped`, or any run with a proven snapshot) ended before its last step:
+    its outputs are a partial run's. M comes from the reply's progress when it carries one,
+    else from the snapshot's own `trainer_state.json`; left out when neither says.
+    """
+    snapshot = reply.get("snapshot") or {}
+    if reply.get("state") != "stopped" and not snapshot:
+        return None
+    step = snapshot.get("step")
+    if not isinstance(step, int):
+        return "stopped before its last step; resume to finish"
+    total = (reply.get("progress") or {}).get("max_steps")
+    if not isinstance(total, int):
+        total = _max_steps(Path(reply["output"]) / f"{CHECKPOINT_PREFIX}{step}")
+    of = f" of {total}" if total else ""
+    return f"stopped at step {step}{of}; resume to finish"
+
+
+def _max_steps(checkpoint: Path) -> int | None:
+    """`max_steps` of a Trainer checkpoint's trainer_state.json (a custom loop's has none): None when unknown."""
+    try:
+        # Never through a link, never blocked by a FIFO planted there: only a regular file is read.
+        fd = os.open(checkpoint / "trainer_state.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = f.read(STATE_READ_LIMIT + 1)
+        if len(data) > STATE_READ_LIMIT:
+            return None
+        value = json.loads(data).get("max_steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _names(path: Path) -> list[str]:
@@ -147,4 +200,10 @@ def _copy_outputs(reply: dict[str, Any], to: str | None, which: str | None, as_j
         print(f"{files} files ({size / 1e6:.1f} MB) of run {reply['id']} in {dest}")
         for link in skipped:
             print(f"  skipped (a symbolic link): {link}")
+        stopped = stopped_text(reply)
+        if stopped:
+            print(
+                f"  run {reply['id']} {stopped} (`obd train resume {reply['id']}`): "
+                "these are its checkpoints, not a final model"
+            )
     return 0

@@ -301,6 +301,23 @@ def slurm_text(job: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def finish_text(r: dict[str, Any]) -> str | None:
+    """For a run that ended stopped for a snapshot: "stopped at step N of M; resume to finish" and how.
+
+    Such a run did not train to its end; its outputs are the snapshot's, not a final model
+    (`obd train outputs --checkpoint final` refuses them). None for any other run.
+    """
+    snap = r.get("snapshot")
+    if str(r.get("state")) not in FINAL or not snap:
+        return None
+    total = (r.get("progress") or {}).get("max_steps")
+    of = f" of {total}" if total else ""
+    text = f"stopped at step {snap['step']}{of}; resume to finish"
+    if r.get("retried_by"):
+        return f"{text}: resumed as {r['retried_by']}"
+    return f"{text}: `obd train resume {r['id']}`"
+
+
 def status(r: dict[str, Any]) -> str:
     """The text of `obd train status`: the run's fields, its pod if it has one, and its history."""
     lines = [
@@ -340,6 +357,9 @@ def status(r: dict[str, Any]) -> str:
     snap = r.get("snapshot")
     if snap:
         lines.append(f"snapshot  {snap['checkpoint']} at step {snap['step']} ({snap['reason']})")
+    finish = finish_text(r)
+    if finish:
+        lines.append(f"finish    {finish}")
     stop = r.get("stop") or {}
     if stop.get("requested_at") and not snap and r["state"] == "running":
         lines.append(

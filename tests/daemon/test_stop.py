@@ -191,6 +191,11 @@ def test_the_tiny_lora_run_stops_at_a_step_boundary_with_a_proof_and_resumes_to_
     for name in ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"):
         assert (ckpt / name).exists(), name
     assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == snap["step"]
+    # The job ended at its snapshot: the workload's save_model() after train() never wrote a
+    # half-trained adapter beside the checkpoint, and the run's final output is refused.
+    assert record["exit_code"] == 0 and not (ckpt.parent / "adapter_model.safetensors").exists()
+    refused = sd.cli("train", "outputs", rid, "--checkpoint", "final", "--to", str(sd.root / "final"))
+    assert refused.returncode == 1 and f"stopped at step {snap['step']} of 400; resume to finish" in refused.stderr
 
     resumed = start(sd, PY, WORKLOAD, "--tiny", "--max_steps", str(snap["step"] + 3), opts=("--resume-from", rid))
     final = sd.wait_state(resumed, "succeeded", "failed", "stopped", timeout=180)

@@ -143,3 +143,37 @@ def test_a_trl_sft_script_with_lora_stops_with_a_snapshot_and_resumes_unchanged(
     log = (Path(final["remote_dir"]) / "job.log").read_text()
     assert "SnapshotCallback" in log.split("callbacks:")[-1]  # injected into SFTTrainer, not written by the user
     assert f"trained to step {stopped['snapshot']['step'] + 3} of" in log
+
+
+def test_a_stopped_trainer_script_ends_at_its_snapshot_and_its_outputs_are_never_offered_as_final(
+    sd: DaemonProc, short_tmp: Path
+) -> None:
+    cwd = short_tmp / "work"
+    after_train = short_tmp / "after_train"
+    cwd.mkdir()
+    after_train.mkdir()
+    # After train() the script saves its model, writes "finished" and pushes (to a file).
+    command = [PY, PLAIN, "--output_dir", "mine", "--max_steps", "100000", "--step-sleep", "0.02"]
+    rid = start(sd, cwd, *command, "--finish", str(after_train))
+    announced(sd, rid, step=2)
+    out = sd.cli("train", "stop", rid, "--wait", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    stopped = json.loads(out.stdout)
+    step = stopped["snapshot"]["step"]
+    assert stopped["state"] == "stopped" and stopped["exit_code"] == 0
+    assert list(after_train.iterdir()) == []  # none of the script's code after train() ran
+    assert sorted(p.name for p in (Path(stopped["remote_dir"]) / "output").iterdir()) == [f"checkpoint-{step}"]
+
+    status = sd.cli("train", "status", rid).stdout
+    assert f"finish    stopped at step {step} of 100000; resume to finish: `obd train resume {rid}`" in status
+
+    refused = sd.cli("train", "outputs", rid, "--checkpoint", "final", "--to", str(short_tmp / "final"))
+    assert refused.returncode == 1
+    assert f"run {rid} stopped at step {step} of 100000; resume to finish: `obd train resume {rid}`" in refused.stderr
+    assert f"`obd train outputs {rid} --checkpoint {step}` copies that" in refused.stderr
+    assert not (short_tmp / "final").exists()
+
+    taken = sd.cli("train", "outputs", rid, "--checkpoint", str(step), "--to", str(short_tmp / "snapshot"))
+    assert taken.returncode == 0, taken.stderr
+    assert (short_tmp / "snapshot" / "model.safetensors").is_file()
+    assert f"stopped at step {step} of 100000; resume to finish" in taken.stdout
