@@ -1,8 +1,14 @@
 """The GPUs of this machine: found with the vendors' tools, or given by the config.
 
-NVIDIA's are listed with `nvidia-smi`, AMD's with `amd-smi` (or `rocm-smi`); a machine without
-them has none. The config may name them instead (`gpus = ["0", "1"]`, or `gpus = 0` for none),
-which is also how a machine without GPUs tests the queue.
+NVIDIA's are listed with `nvidia-smi` (NVML's own tool: index, name, memory and UUID of each),
+AMD's with `amd-smi` (or `rocm-smi`); a machine without them has none. The config may name them
+instead (`gpus = ["0", "1"]`, or `gpus = 0` for none), which is also how a machine without GPUs
+tests the queue.
+
+An NVIDIA device's id is its `nvidia-smi` index, which numbers the GPUs in PCI bus order. CUDA
+numbers them fastest first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so on a machine with GPUs of
+different kinds `CUDA_VISIBLE_DEVICES=1` alone could give a job another card than the one obd
+handed it: `visible_devices` sets the order with the ids.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ class Gpu:
     id: str
     vendor: str | None = None  # None: given by the config without a vendor
     name: str = ""
+    memory_mib: int | None = None  # total device memory as the vendor's tool reports it; None: not reported
+    uuid: str | None = None  # NVIDIA's GPU-... identifier, stable across reboots and renumbering
 
 
 def _run(argv: list[str], timeout: float = 10.0) -> str | None:
@@ -34,14 +42,37 @@ def _run(argv: list[str], timeout: float = 10.0) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def nvidia_gpus() -> list[Gpu]:
-    text = _run(["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"])
+NVIDIA_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,uuid", "--format=csv,noheader,nounits"]
+
+
+def parse_nvidia_query(text: str) -> list[Gpu]:
+    """The GPUs in `nvidia-smi --query-gpu=index,name,memory.total,uuid --format=csv,noheader,nounits` output.
+
+    The index comes first and the memory (MiB) and UUID last, so a name holding a comma stays
+    whole; a memory of `[N/A]` (some MIG and vGPU setups) is None. Lines that do not start with
+    an index (a warning nvidia-smi printed) are skipped.
+    """
     gpus = []
-    for line in (text or "").splitlines():
-        index, _, name = line.partition(",")
-        if index.strip().isdigit():
-            gpus.append(Gpu(index.strip(), "nvidia", name.strip()))
+    for line in text.splitlines():
+        index, _, rest = line.partition(",")
+        fields = rest.rsplit(",", 2)
+        if not index.strip().isdigit() or len(fields) != 3:
+            continue
+        name, memory, uuid = (field.strip() for field in fields)
+        gpus.append(
+            Gpu(
+                index.strip(),
+                "nvidia",
+                name,
+                int(memory) if memory.isdigit() else None,
+                uuid if uuid.startswith(("GPU-", "MIG-")) else None,
+            )
+        )
     return gpus
+
+
+def nvidia_gpus() -> list[Gpu]:
+    return parse_nvidia_query(_run(NVIDIA_QUERY) or "")
 
 
 def amd_gpus() -> list[Gpu]:
@@ -87,6 +118,9 @@ def visible_devices(gpus: list[Gpu]) -> dict[str, str]:
     ids = ",".join(g.id for g in gpus)
     vendors = {g.vendor for g in gpus}
     env = {"CUDA_VISIBLE_DEVICES": ids}
+    if "nvidia" in vendors:
+        # The ids are nvidia-smi's indices (PCI bus order); CUDA must count the same way.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     if "amd" in vendors or None in vendors or not gpus:
         # ROCm reads HIP_VISIBLE_DEVICES (and ROCR_VISIBLE_DEVICES below the runtime); PyTorch on
         # ROCm also honours CUDA_VISIBLE_DEVICES. An empty list hides every device.

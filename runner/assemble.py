@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from runner import amdsmi, hardware, kernels, rocprof, steps, torchprof
+from runner import amdsmi, hardware, kernels, nvsmi, rocprof, steps, torchprof
 from runner.discover import ProfileFiles, find_profile_files
 from runner.metrics import RunMetrics
 from runner.waste import BudgetInputs, waste_budget
@@ -225,6 +225,8 @@ def _agents(metrics: RunMetrics, files: ProfileFiles | None) -> list[rocprof.Gpu
 
 
 def _telemetry(metrics: RunMetrics, files: ProfileFiles | None, runner_info: dict) -> amdsmi.TelemetrySummary | None:
+    if files is not None and files.nvidia_smi and not (files.amdsmi_csv or files.amdsmi_json):
+        return _nvidia_telemetry(metrics, files)
     if files is None or not (files.amdsmi_csv or files.amdsmi_json):
         return None
     telemetry = amdsmi.Telemetry()
@@ -248,6 +250,60 @@ def _telemetry(metrics: RunMetrics, files: ProfileFiles | None, runner_info: dic
         f"amd-smi ({', '.join(telemetry.files)}): {telemetry.samples} samples of GPU(s) "
         f"{', '.join(summary.active_gpus)}"
     )
+    _apply_telemetry(
+        metrics,
+        summary,
+        memory=f"{where}; max vram_used (read in {units}, shown in GB of 1024 MB)",
+        memory_avg=f"{where}; mean vram_used",
+        util=f"{where}; mean graphics activity (the gfx column, not power)",
+        power=f"{where}; mean power_usage",
+        tool="amd-smi",
+    )
+    if metrics.device_kind is None:
+        metrics.device_kind = "amd"
+    return summary
+
+
+def _nvidia_telemetry(metrics: RunMetrics, files: ProfileFiles) -> amdsmi.TelemetrySummary | None:
+    """NVML's samples (the wrapper's nvidia-smi loop) as HBM, utilisation and power."""
+    telemetry = amdsmi.Telemetry()
+    for path in files.nvidia_smi:
+        nvsmi.read_query_csv(path, telemetry, files.label(path))
+    for warning in telemetry.warnings:
+        metrics.warn(warning)
+    metrics.files.extend(telemetry.files)
+    if not telemetry.samples:
+        metrics.warn("nvidia-smi output holds no samples: HBM and utilisation unknown")
+        return None
+    summary = amdsmi.summarise(telemetry)
+    where = (
+        f"nvidia-smi, NVML ({', '.join(telemetry.files)}): {telemetry.samples} samples of GPU(s) "
+        f"{', '.join(summary.active_gpus)}"
+    )
+    _apply_telemetry(
+        metrics,
+        summary,
+        memory=f"{where}; max memory.used of the GPU, every process on it (MiB, shown in GB of 1024 MiB)",
+        memory_avg=f"{where}; mean memory.used",
+        util=f"{where}; mean utilization.gpu (the share of each sample period in which a kernel ran) "
+        "from the job's start to its end, start-up included",
+        power=f"{where}; mean power.draw",
+        tool="nvidia-smi",
+    )
+    return summary
+
+
+def _apply_telemetry(
+    metrics: RunMetrics,
+    summary: amdsmi.TelemetrySummary,
+    memory: str,
+    memory_avg: str,
+    util: str,
+    power: str,
+    tool: str,
+) -> None:
+    """Put a vendor tool's summary into the metrics, each number with its source."""
+    memory_word = "VRAM" if tool == "amd-smi" else "memory"  # each tool's own word
     metrics.hbm_peak_gb, metrics.hbm_avg_gb = summary.hbm_peak_gb, summary.hbm_avg_gb
     metrics.hbm_total_gb, metrics.gpu_util_pct, metrics.power_avg_w = (
         summary.hbm_total_gb,
@@ -255,20 +311,17 @@ def _telemetry(metrics: RunMetrics, files: ProfileFiles | None, runner_info: dic
         summary.power_avg_w,
     )
     if summary.hbm_peak_gb is not None:
-        metrics.sources["hbm_peak_gb"] = f"{where}; max vram_used (read in {units}, shown in GB of 1024 MB)"
-        metrics.sources["hbm_avg_gb"] = f"{where}; mean vram_used"
+        metrics.sources["hbm_peak_gb"] = memory
+        metrics.sources["hbm_avg_gb"] = memory_avg
     else:
-        metrics.warn("amd-smi samples carry no VRAM figures: HBM unknown")
+        metrics.warn(f"{tool} samples carry no {memory_word} figures: HBM unknown")
     if summary.gpu_util_pct is not None:
-        metrics.sources["gpu_util_pct"] = f"{where}; mean graphics activity (the gfx column, not power)"
+        metrics.sources["gpu_util_pct"] = util
     if summary.power_avg_w is not None:
-        metrics.sources["power_avg_w"] = f"{where}; mean power_usage"
-    if metrics.device_kind is None:
-        metrics.device_kind = "amd"
+        metrics.sources["power_avg_w"] = power
     if metrics.gpu_count is None and summary.active_gpus:
         metrics.gpu_count = len(summary.active_gpus)
-        metrics.sources["gpu_count"] = "amd-smi: GPUs whose VRAM or activity moved during the run"
-    return summary
+        metrics.sources["gpu_count"] = f"{tool}: GPUs whose {memory_word} or activity moved during the run"
 
 
 def _torch_fields(
@@ -297,7 +350,7 @@ def _torch_fields(
         )
         if summary.total_memory_bytes:
             metrics.hbm_total_gb = summary.total_memory_bytes / 1024**3
-        metrics.warn("HBM average and GPU utilisation unknown: no amd-smi samples on this path")
+        metrics.warn("HBM average and GPU utilisation unknown: no amd-smi or nvidia-smi samples on this path")
 
 
 def _versions(metrics: RunMetrics, runner_info: dict, summary: torchprof.TorchSummary | None) -> None:

@@ -23,6 +23,7 @@ class ProfileFiles:
     agent_infos: list[Path] = field(default_factory=list)
     amdsmi_csv: list[Path] = field(default_factory=list)
     amdsmi_json: list[Path] = field(default_factory=list)
+    nvidia_smi: list[Path] = field(default_factory=list)  # the wrapper's NVML samples (runner/nvsmi.py)
     torch_kernels: Path | None = None
     torch_summary: Path | None = None
     runner_json: Path | None = None
@@ -42,6 +43,7 @@ class ProfileFiles:
             or self.torch_summary
             or self.amdsmi_csv
             or self.amdsmi_json
+            or self.nvidia_smi
         )
 
 
@@ -77,6 +79,8 @@ def find_profile_files(root: Path) -> ProfileFiles:
             out.agent_infos.append(path)
         elif name.endswith(".csv") and ("amdsmi" in name or "amd_smi" in name or "amd-smi" in name):
             out.amdsmi_csv.append(path)
+        elif name.endswith(".csv") and ("nvidia_smi" in name or "nvidia-smi" in name):
+            out.nvidia_smi.append(path)
         elif (name.endswith(".json") or name.endswith(".jsonl")) and (
             "amdsmi" in name or "amd_smi" in name or "amd-smi" in name
         ):

@@ -16,12 +16,14 @@ the target need not have obd installed.
   the first that works; `amd-smi metric --json` polled into `profile/amdsmi_metric.jsonl` is the
   last resort.
 - Without them: the command runs as it is, with `OBD_TORCH_PROFILE=1` in its environment, so
-  the in-job torch.profiler path profiles a window of steps instead.
+  the in-job torch.profiler path profiles a window of steps instead; where `nvidia-smi` is
+  found, NVML's utilisation, memory and power of the job's GPUs (`CUDA_VISIBLE_DEVICES`, else
+  all) are sampled beside it into `profile/nvidia_smi.csv` (`nvidia-smi --query-gpu=... -lms N`).
 
 Whatever is missing, the job runs. `profile/runner.json` records what was found, what was
 missing, what ran and how it ended. The wrapper exits with the command's exit status.
-Test hooks: OBD_ROCPROFV3 / OBD_AMD_SMI (tool paths, empty to disable), OBD_KFD_TOPOLOGY and
-OBD_KFD_DEVICE (where to look for AMD GPUs).
+Test hooks: OBD_ROCPROFV3 / OBD_AMD_SMI / OBD_NVIDIA_SMI (tool paths, empty to disable),
+OBD_KFD_TOPOLOGY and OBD_KFD_DEVICE (where to look for AMD GPUs).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ MONITOR_FORMS = (
     ("monitor --csv -w N (ROCm 6)", ["monitor", "--csv"], ["-w"], "GB"),
     ("monitor --csv --watch N (early ROCm 6)", ["monitor", "--csv"], ["--watch"], "GB"),
 )
+# NVML's figures through nvidia-smi, in the columns runner/nvsmi.py reads (units in the header and cells).
+NVIDIA_QUERY = "--query-gpu=index,timestamp,utilization.gpu,memory.used,memory.total,power.draw"
+NVIDIA_OUTPUT = "nvidia_smi.csv"
 METRIC_FORMS = (
     ("metric -u -p -m --json", ["metric", "-u", "-p", "-m", "--json"]),
     ("metric --json", ["metric", "--json"]),
@@ -213,6 +218,50 @@ class Sampler(threading.Thread):
         self._stop_process()
 
 
+def nvidia_ids(env: dict) -> str | None:
+    """The job's GPUs for `nvidia-smi -i`: CUDA_VISIBLE_DEVICES when it lists indices or UUIDs, else None (all)."""
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if not value:
+        return None
+    ids = [part.strip() for part in value.split(",")]
+    if all(part.isdigit() or part.startswith(("GPU-", "MIG-")) for part in ids):
+        return ",".join(ids)
+    return None
+
+
+class NvidiaSampler:
+    """`nvidia-smi --query-gpu ... -lms N` writing NVML samples to profile/nvidia_smi.csv while the job runs."""
+
+    def __init__(self, nvidia_smi: str, profile_dir: str, interval: float, ids: str | None) -> None:
+        self.once = [nvidia_smi, NVIDIA_QUERY, "--format=csv", *(["-i", ids] if ids else [])]
+        self.argv = [*self.once, "-lms", str(max(100, int(interval * 1000)))]
+        self.path = os.path.join(profile_dir, NVIDIA_OUTPUT)
+        self.record: dict = {"path": nvidia_smi, "command": self.argv, "output": None}
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> bool:
+        """Start sampling once a one-shot query answers; False (said in `record`) when it does not."""
+        code, output = probe(self.once)
+        if code != 0 or "utilization.gpu" not in output:
+            self.record["error"] = f"exit {code}: {output.strip()[-300:]}"
+            return False
+        with open(self.path, "wb") as out, open(self.path + ".err", "wb") as err:
+            self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        self.record["output"] = NVIDIA_OUTPUT
+        return True
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def _json_in(output: str) -> object | None:
     """The JSON document in amd-smi's output, after any warning lines."""
     starts = [i for i in (output.find("["), output.find("{")) if i >= 0]
@@ -298,6 +347,7 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     env["OBD_PROFILE_DIR"] = profile_dir
     sampler: Sampler | None = None
+    nvidia: NvidiaSampler | None = None
     version_thread: threading.Thread | None = None
     argv_run = list(command)
     try:
@@ -336,6 +386,12 @@ def main(argv: list[str]) -> int:
             )
             env["OBD_TORCH_PROFILE"] = "1"
             report["mode"] = "torch.profiler"
+            nvidia_smi = None if gpu["present"] else find_tool("nvidia-smi", "OBD_NVIDIA_SMI")
+            if nvidia_smi:
+                nvidia = NvidiaSampler(nvidia_smi, profile_dir, interval, nvidia_ids(env))
+                if not nvidia.start():
+                    report["notes"].append(f"nvidia-smi did not answer ({nvidia.record.get('error')}): no NVML samples")
+                report["nvidia_smi"] = nvidia.record
         report["env"] = {"OBD_PROFILE_DIR": profile_dir, "OBD_TORCH_PROFILE": env.get("OBD_TORCH_PROFILE")}
     except Exception as exc:  # a wrapper bug must not keep the job from running
         report["notes"].append(f"wrapper setup failed ({type(exc).__name__}: {exc}); the job runs unprofiled")
@@ -364,6 +420,8 @@ def main(argv: list[str]) -> int:
                 continue
     if code < 0:
         code = 128 - code
+    if nvidia is not None:
+        nvidia.stop()
     if sampler is not None:
         sampler.stop()
         report["amd_smi"].update(sampler.record)
