@@ -186,6 +186,21 @@ def training_arguments(args: argparse.Namespace) -> Any:
     )
 
 
+def train_end_reporter() -> Any:
+    """A callback that prints, on every rank, the step and epoch its training ended at
+    (`train_end {...}`): inside train(), so it is said for a run stopped for a snapshot too."""
+    from transformers import TrainerCallback
+
+    class TrainEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            rank = int(os.environ.get("RANK", "0"))
+            print(
+                "train_end " + json.dumps({"rank": rank, "step": state.global_step, "epoch": state.epoch}), flush=True
+            )
+
+    return TrainEnd()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import Trainer, set_seed
@@ -200,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=PairDataset(pairs, tokenizer, args.seq_len),
         data_collator=PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
+        callbacks=[train_end_reporter()],
     )
     # Under obd, a stop for a snapshot ends the job inside train() (exit 0, the checkpoint proven):
     # the lines below run only when training reached max_steps, so the adapter saved here is
