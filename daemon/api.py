@@ -8,10 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from daemon.client import MAX_TAIL_LINES, READ_LIMIT
-
-# The largest file offset a read may ask for (off_t is signed 64 bits): larger is a bad request.
-MAX_OFFSET = (1 << 63) - 1
+from daemon.wire import MAX_OFFSET, MAX_TAIL_LINES, READ_LIMIT
 
 
 class RawJSON(bytes):

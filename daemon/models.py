@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from daemon.wire import FINAL_STATES, RunState
 
 # The reason words and the run-id rule are the run directory's contract (trainer_plugin/rundir.py);
 # normalise_reason stays importable from here for the daemon's modules.
@@ -16,23 +17,7 @@ from trainer_plugin.rundir import (
 )
 
 HISTORY_NOTES_LIMIT = 500
-
-
-class RunState(str, Enum):
-    queued = "queued"  # waiting for GPUs on its target, or for a scheduler (Slurm) to start it
-    preparing = "preparing"
-    running = "running"
-    stopped = "stopped"
-    succeeded = "succeeded"
-    failed = "failed"
-    cancelled = "cancelled"
-
-    @property
-    def final(self) -> bool:
-        return self in FINAL_STATES
-
-
-FINAL_STATES = frozenset({RunState.stopped, RunState.succeeded, RunState.failed, RunState.cancelled})
+__all__ = ["FINAL_STATES", "RunState"]  # the states are the wire's (daemon/wire.py), kept importable here
 
 
 class InvalidRunId(ValueError):

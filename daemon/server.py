@@ -33,8 +33,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ValidationError
 
 from daemon.api import ApiError, Peer, RawJSON
-from daemon.client import MAX_MESSAGE
 from daemon.config import DaemonSection
+from daemon.wire import MAX_MESSAGE
 
 log = structlog.get_logger("obd.server")
 IDLE_TIMEOUT = 60.0

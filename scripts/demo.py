@@ -39,7 +39,7 @@ def obd(*args: str, check: bool = True, show: bool = True) -> subprocess.Complet
 
 def wait_ready(daemon: subprocess.Popen[bytes], timeout: float = 30) -> None:
     """Wait quietly until the daemon answers on its socket (it is still starting meanwhile)."""
-    from daemon.client import Client, DaemonUnreachable
+    from daemon.cli.client import Client, DaemonUnreachable
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

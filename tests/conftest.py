@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 import contextlib
 
-from daemon.client import Client, DaemonUnreachable
+from daemon.cli.client import Client, DaemonUnreachable
 
 FAST_CONFIG = """
 [daemon]

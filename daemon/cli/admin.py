@@ -25,7 +25,7 @@ def admin_main(args: argparse.Namespace) -> int:
         return 2
     if args.cmd == "targets":
         return anyio.run(_check, config, args.name, args.json)
-    from daemon.pods_cli import pods_main
+    from daemon.cli.pods import pods_main
 
     return pods_main(list(getattr(args, "unknown", [])) + args.rest, config)
 

@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.wire import MAX_MESSAGE
+
 MAX_REPLY = 64 << 20
-MAX_MESSAGE = 1 << 20  # the daemon's limit on one request (daemon/api.py takes its limits from here)
-READ_LIMIT = 1 << 20  # the most bytes one `read` answers
-MAX_TAIL_LINES = 100_000  # the most lines one `read` may ask to start from the end
 BUSY_RETRY_FOR = 3.0  # seconds a busy daemon is retried before the client gives up
 # Requests that can be sent again on a fresh connection without doing anything twice.
 OK_PREFIX = b'{"ok": true, "result": '  # how the daemon begins every answer that succeeded

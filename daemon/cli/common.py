@@ -14,10 +14,6 @@ EXIT_CANCELLED, EXIT_NO_SNAPSHOT, EXIT_STOPPED, EXIT_FAILED = 3, 4, 5, 6
 EXIT_UNREACHABLE, EXIT_BUSY, EXIT_DENIED, EXIT_INTERRUPTED, EXIT_PIPE = 69, 75, 77, 130, 141
 
 
-FINAL = {"stopped", "succeeded", "failed", "cancelled"}
-
-STATES = ("queued", "preparing", "running", "stopped", "succeeded", "failed", "cancelled")
-
 # The code of each final state, for the commands that wait for a run to end.
 STATE_EXIT = {"succeeded": EXIT_OK, "stopped": EXIT_STOPPED, "cancelled": EXIT_CANCELLED, "failed": EXIT_FAILED}
 

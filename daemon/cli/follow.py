@@ -12,14 +12,14 @@ import sys
 import time
 from typing import Any
 
-from daemon import render
-from daemon.cli_common import (
+from daemon.cli import render
+from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+from daemon.cli.common import (
     EXIT_ERROR,
-    FINAL,
     RECONNECT_FOR,
     STATE_EXIT,
 )
-from daemon.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+from daemon.wire import FINAL
 
 
 def _width() -> int | None:

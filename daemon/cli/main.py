@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon import render
-from daemon.cli_common import (
+from daemon.cli import render
+from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+from daemon.cli.common import (
     EXIT_BUSY,
     EXIT_CANCELLED,
     EXIT_DENIED,
@@ -30,7 +31,7 @@ from daemon.cli_common import (
     STATE_EXIT,
     UsageError,
 )
-from daemon.cli_follow import (
+from daemon.cli.follow import (
     Patient,
     _Feedback,
     _logs,
@@ -39,10 +40,9 @@ from daemon.cli_follow import (
     _watch_list,
     _width,
 )
-from daemon.cli_parser import (
+from daemon.cli.parser import (
     _parser,
 )
-from daemon.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
 from daemon.paths import client_socket
 
 # Fields of the control API, as the flags that set them: a daemon's usage error names the flag.
@@ -114,7 +114,7 @@ def _main(argv: list[str]) -> int:
     if args.cmd == "targets" and args.action == "list":
         return _targets_list(args)
     if args.cmd in ("targets", "pods"):
-        from daemon.admin import admin_main
+        from daemon.cli.admin import admin_main
 
         args.unknown = unknown
         return admin_main(args)
@@ -348,7 +348,7 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
         _print_record(record, args.json, record["id"])
         return 0
     if action == "outputs":
-        from daemon.outputs import copy_outputs
+        from daemon.cli.outputs import copy_outputs
 
         return copy_outputs(client.call("outputs", id=args.id), args.to, args.checkpoint, args.json)
     if action == "list":
@@ -357,7 +357,7 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
         record = client.call("status", id=args.id)
         _print_record(record, args.json, render.status(record))
         if not args.json and sys.stdout.isatty():  # a person is looking: the recent loss at a glance
-            from daemon.view_cli import status_sparkline
+            from daemon.cli.view import status_sparkline
 
             line = status_sparkline(client, record)
             if line:

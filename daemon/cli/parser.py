@@ -12,12 +12,13 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from daemon.cli_common import (
+from daemon.cli import view
+from daemon.cli.common import (
     DIST,
     EXIT_CODES,
     SHELLS,
-    STATES,
 )
+from daemon.wire import STATES
 
 START_EXAMPLES = """\
 examples:
@@ -201,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     tc.add_argument("name", metavar="NAME", help="the target's name in the config")
     tc.add_argument("--json", action="store_true", help="print the checks as a JSON list")
 
-    # `obd pods` has its own parser (daemon/pods_cli.py): list, rm, retrieve and their options.
+    # `obd pods` has its own parser (daemon/cli/pods.py): list, rm, retrieve and their options.
     pods = sub.add_parser(
         "pods",
         add_help=False,
@@ -218,17 +219,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     comp.add_argument("shell", choices=SHELLS, metavar="SHELL", help="bash, zsh or fish")
 
-    # Commands that look at runs (plot, the web view): daemon/view_cli.py adds them. Each sets
+    # Commands that look at runs (plot, the web view): daemon/cli/view.py adds them. Each sets
     # `view` to a function (args, client) -> exit code.
-    from daemon import view_cli
 
-    view_cli.add_commands(train, sub)
+    view.add_commands(train, sub)
     _format_all(p)
     return p
 
 
 def _format_all(parser: argparse.ArgumentParser) -> None:
-    """Every command's help laid out alike (`_Formatter`), those of daemon/view_cli.py included."""
+    """Every command's help laid out alike (`_Formatter`), those of daemon/cli/view.py included."""
     parser.formatter_class = _Formatter
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from xml.sax.saxutils import escape, quoteattr
 
-from daemon.client import MAX_TAIL_LINES, READ_LIMIT
-from daemon.render import printable
+from daemon.cli.render import printable
+from daemon.wire import MAX_TAIL_LINES, READ_LIMIT
 
 MAX_CHAIN = 100  # runs followed back through resumed_from; more means a loop or a mistake
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -30,7 +30,7 @@ Point = tuple[int, float]
 
 
 class Caller(Protocol):
-    """What plotting needs of `daemon.client.Client`: one call to the daemon."""
+    """What plotting needs of `daemon.cli.client.Client`: one call to the daemon."""
 
     def call(self, op: str, **params: Any) -> Any: ...
 
@@ -145,7 +145,7 @@ def run_label(record: dict[str, Any]) -> str:
 
 def load_chain(client: Caller, ref: str) -> tuple[list[dict[str, Any]], str]:
     """The run `ref` names and the runs it was resumed from, oldest first, and why the chain stops short."""
-    from daemon.client import RequestFailed
+    from daemon.cli.client import RequestFailed
 
     chain = [client.call("status", id=ref)]
     seen = {chain[0]["id"]}

@@ -11,7 +11,7 @@ import time
 import unicodedata
 from typing import Any
 
-from daemon.cli_common import FINAL
+from daemon.wire import FINAL
 
 # Characters that change how the text around them is laid out or read: C0/C1 controls
 # (escape, newline, backspace...), line and paragraph separators, lone surrogates (which cannot

@@ -14,8 +14,8 @@ import shutil
 import sys
 from typing import Any
 
-from daemon.cli_common import EXIT_ERROR, EXIT_USAGE
-from daemon.ui import DEFAULT_PORT as DEFAULT_UI_PORT
+from daemon.cli.common import EXIT_ERROR, EXIT_USAGE
+from daemon.cli.ui import DEFAULT_PORT as DEFAULT_UI_PORT
 
 
 def add_commands(train: Any, top: Any) -> None:
@@ -53,7 +53,7 @@ def add_commands(train: Any, top: Any) -> None:
 
 def plot_command(args: argparse.Namespace, client: Any) -> int:
     """`obd train plot`: one curve per RUN, in the terminal or into a file."""
-    from daemon import plot
+    from daemon.cli import plot
 
     try:
         metric = plot.safe_metric(args.metric)
@@ -109,8 +109,8 @@ def _write(path: str, text: str) -> None:
 
 def status_sparkline(client: Any, record: dict[str, Any], width: int = 40) -> str | None:
     """The line `obd train status` adds on a terminal: the recent loss as a sparkline, or None."""
-    from daemon import plot
-    from daemon.client import RequestFailed
+    from daemon.cli import plot
+    from daemon.cli.client import RequestFailed
 
     try:
         values = plot.recent_values(client, record["id"], "loss", width)
@@ -123,7 +123,7 @@ def status_sparkline(client: Any, record: dict[str, Any], width: int = 40) -> st
 
 def ui_command(args: argparse.Namespace, client: Any) -> int:
     """`obd ui`: serve the web view until Ctrl-C."""
-    from daemon.ui.server import serve
+    from daemon.cli.ui.server import serve
 
     return serve(client.path, args.port)
 

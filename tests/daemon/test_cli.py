@@ -234,14 +234,14 @@ def _walk(parser: Any, path: str = "obd") -> Iterator[tuple[str, Any]]:
 
 
 def test_every_command_and_every_flag_has_a_one_line_help() -> None:
-    from daemon.cli import _parser
-    from daemon.pods_cli import build_parser
+    from daemon.cli.main import _parser
+    from daemon.cli.pods import build_parser
 
     found = list(_walk(_parser()))
     assert len(found) > 100
     missing = [where for where, text in found if not text or text == "==SUPPRESS=="]
     assert missing == []
-    # `obd pods` parses its own options (daemon/pods_cli.py): its commands have help too.
+    # `obd pods` parses its own options (daemon/cli/pods.py): its commands have help too.
     assert all(text for where, text in _walk(build_parser(), "obd pods") if where.count(" ") == 2 and "-" not in where)
 
 
@@ -278,7 +278,7 @@ def test_the_completion_scripts_are_generated_from_the_parsers_and_printed_by_ob
     assert check.returncode == 0, check.stderr
     for shell, name in (("bash", "obd.bash"), ("zsh", "_obd"), ("fish", "obd.fish")):
         out = obd(fast, "completion", shell)
-        assert out.returncode == 0 and out.stdout == (REPO / "daemon" / "completions" / name).read_text()
+        assert out.returncode == 0 and out.stdout == (REPO / "daemon" / "cli" / "completions" / name).read_text()
     assert obd(fast, "completion", "tcsh").returncode == 2
 
 
@@ -289,7 +289,7 @@ def _shell_env(d: DaemonProc) -> dict[str, str]:
 def test_bash_completes_commands_flags_choices_and_run_names(fast: DaemonProc) -> None:
     rid = start(fast, "true", opts=("--name", "sft-base"))
     fast.wait_state(rid, "succeeded")
-    script = REPO / "daemon" / "completions" / "obd.bash"
+    script = REPO / "daemon" / "cli" / "completions" / "obd.bash"
     probe = (
         f"source {script}\n"
         'c() { COMP_WORDS=("$@"); COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); COMPREPLY=(); _obd; '
@@ -311,7 +311,7 @@ def test_bash_completes_commands_flags_choices_and_run_names(fast: DaemonProc) -
 def test_fish_completes_commands_with_their_help_and_a_jobs_own_command_after_the_double_dash(fast: DaemonProc) -> None:
     rid = start(fast, "true", opts=("--name", "sft-base"))
     fast.wait_state(rid, "succeeded")
-    script = REPO / "daemon" / "completions" / "obd.fish"
+    script = REPO / "daemon" / "cli" / "completions" / "obd.fish"
 
     def complete(line: str) -> list[str]:
         out = subprocess.run(
@@ -342,7 +342,7 @@ def test_zsh_completes_commands_with_their_help_and_hands_the_jobs_command_to_zs
         '_files() { print -- "_files $*" }\n'
         '_normal() { print -- "_normal ${words[*]} $CURRENT" }\n'
         "compdef() { }\n"
-        f"source {REPO / 'daemon' / 'completions' / '_obd'}\n"
+        f"source {REPO / 'daemon' / 'cli' / 'completions' / '_obd'}\n"
         't() { words=("$@"); CURRENT=$#; PREFIX=${words[-1]}; _obd; print -- "--" }\n'
         "t obd train st\nt obd train logs ''\nt obd train start --cwd /tm\nt obd train start -- git chec\n"
     )

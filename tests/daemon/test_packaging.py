@@ -34,8 +34,8 @@ def test_the_distribution_is_obd_train_its_command_obd_and_runpod_an_extra() -> 
     assert [d for d in project["optional-dependencies"]["runpod"] if d.startswith("runpod")]
     # The test environment still gets the SDK: the Runpod target's tests run it against a fake API.
     assert [d for d in project["optional-dependencies"]["test"] if d.startswith("runpod")]
-    data = PYPROJECT["tool"]["setuptools"]["package-data"]["daemon"]
-    assert {Path(p).name for p in data} == {p.name for p in (REPO / "daemon" / "completions").iterdir()}
+    data = PYPROJECT["tool"]["setuptools"]["package-data"]["daemon.cli"]
+    assert {Path(p).name for p in data} == {p.name for p in (REPO / "daemon" / "cli" / "completions").iterdir()}
 
 
 # --- a fresh venv, no extras -------------------------------------------------------------------
@@ -263,8 +263,9 @@ def test_the_readme_stands_alone_and_every_file_it_and_the_docs_name_exists() ->
         named.add(folder)
         for name in re.findall(r"`([\w./-]+)`", rest):
             if name.endswith((".py", "/", ".service", ".sh")):
-                # `ssh/` is the folder's own; `scripts/make_completions.py` is the repository's.
-                named.add(name if "/" in name.rstrip("/") else folder + name)
+                # `ssh/` and `cli/main.py` are the folder's own; `scripts/make_completions.py` is the repository's.
+                top = (REPO / name.split("/")[0]).is_dir() and "/" in name.rstrip("/")
+                named.add(name if top else folder + name)
     missing = sorted(p for p in named if not (REPO / p).exists())
     assert len(named) > 20 and missing == [], missing
     for doc in ("docs/runpod.md", "README.md"):

@@ -408,6 +408,8 @@ def test_a_daemon_with_runpod_and_ssh_targets_logs_only_json_and_no_remote_scrip
         d.start(log_level="info")
         rid = d.call("start", command=["sh", "-c", "echo hello"], target="box")["id"]
         d.wait_state(rid, "succeeded")
+        # The pod target is reconciled in the background (a remote never holds up the socket).
+        wait_for(lambda d=d: "pod_reconcile" in d.log_path.read_text(), 60, what="the pod target's reconcile")
         d.stop()
     text = d.log_path.read_text()
     assert "pod_reconcile" in text  # the pod target was looked at (its SDK imported)

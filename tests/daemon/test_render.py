@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon import render
+from daemon.cli import render
 from daemon.models import RunRecord, RunState, Snapshot
 
 CLEAR_SCREEN = "\x1b[2J\x1b[H"

@@ -211,7 +211,7 @@ def test_a_malformed_run_record_is_reported_by_position_and_the_others_are_serve
 
 def test_the_client_does_not_import_torch_or_pydantic(daemon: DaemonProc) -> None:
     code = (
-        "import sys; from daemon.cli import main; rc = main(['train', 'list', '--json']); "
+        "import sys; from daemon.cli.main import main; rc = main(['train', 'list', '--json']); "
         "bad = [m for m in ('torch', 'transformers', 'pydantic', 'anyio') if m in sys.modules]; "
         "sys.exit(10 if bad else rc)"
     )

@@ -92,7 +92,7 @@ def test_many_clients_at_once_each_get_their_own_answer(daemon: DaemonProc) -> N
 
     def work(i: int) -> None:
         try:
-            c = daemon.client()
+            c = daemon.cli.client()
             rid = c.call("start", command=["sh", "-c", f"echo client {i}"], name=f"c{i}")["id"]
             for _ in range(5):
                 c.call("list")
@@ -234,7 +234,7 @@ def test_callers_that_never_read_their_replies_do_not_lock_a_new_caller_out(daem
 
 
 def test_a_busy_answer_is_not_reported_as_an_unreachable_daemon(daemon: DaemonProc) -> None:
-    from daemon.client import Client, DaemonBusy
+    from daemon.cli.client import Client, DaemonBusy
 
     # Every connection of this uid busy with a request (a long `wait`), none stalled: no room.
     rid = daemon.call("start", command=["sleep", "30"])["id"]

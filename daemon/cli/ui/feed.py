@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from daemon import plot
-from daemon.cli_common import FINAL
-from daemon.client import Client, RequestFailed
-from daemon.ui.hub import Hub
+from daemon.cli import plot
+from daemon.cli.client import Client, RequestFailed
+from daemon.cli.ui.hub import Hub
+from daemon.wire import FINAL
 
 LOG_TAIL_LINES = 300  # lines of the log a page opens with
 ACTIVE_TICK = 1.0  # seconds between two reads of an active run's files

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon.cli_common import FINAL
-from daemon.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+from daemon.wire import FINAL
 
 WATCH_TIMEOUT = 25.0  # seconds the daemon holds a watch before it answers "nothing changed"
 POD_REFRESH = 60.0  # seconds between two reads of a pod run's spend when nothing else changed

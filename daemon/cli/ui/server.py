@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from daemon.cli_common import EXIT_UNREACHABLE, EXIT_USAGE
-from daemon.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
-from daemon.ui import DEFAULT_PORT
-from daemon.ui.feed import RunFeed
-from daemon.ui.hub import Hub
+from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+from daemon.cli.common import EXIT_UNREACHABLE, EXIT_USAGE
+from daemon.cli.ui import DEFAULT_PORT
+from daemon.cli.ui.feed import RunFeed
+from daemon.cli.ui.hub import Hub
 
 STATIC = Path(__file__).with_name("static")
 CONTENT_TYPES = {

@@ -1,7 +1,7 @@
 // The obd web view: the run list and a run's page, kept current by server-sent events.
 // Everything from the daemon is shown with textContent, never as HTML.
 // Every URL here is relative: the page lives under its view's secret prefix (/<prefix>/), the only
-// path its cookie is sent to (see daemon/ui/server.py).
+// path its cookie is sent to (see daemon/cli/ui/server.py).
 "use strict";
 
 const FINAL = new Set(["stopped", "succeeded", "failed", "cancelled"]);

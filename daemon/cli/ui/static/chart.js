@@ -11,7 +11,7 @@ function svgEl(name, attrs, text) {
   return el;
 }
 
-// Round tick values (1, 2, 2.5 or 5 times a power of ten) covering low..high, as daemon/plot.py does.
+// Round tick values (1, 2, 2.5 or 5 times a power of ten) covering low..high, as daemon/cli/plot.py does.
 function niceTicks(low, high, count) {
   if (!(high > low)) return [low];
   const raw = (high - low) / Math.max(1, count);

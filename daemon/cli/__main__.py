@@ -1,0 +1,7 @@
+"""`python -m daemon.cli`: the `obd` command."""
+
+import sys
+
+from daemon.cli.main import main
+
+sys.exit(main())
