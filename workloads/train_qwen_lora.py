@@ -192,7 +192,7 @@ def train_end_reporter() -> Any:
     from transformers import TrainerCallback
 
     class TrainEnd(TrainerCallback):
-        def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        def on_train_end(self, args, state, control, **kwargs):
             rank = int(os.environ.get("RANK", "0"))
             print(
                 "train_end " + json.dumps({"rank": rank, "step": state.global_step, "epoch": state.epoch}), flush=True
