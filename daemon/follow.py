@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 import structlog
@@ -19,16 +19,29 @@ import structlog
 from daemon.api import ApiError
 from daemon.hints import hint, last_lines
 from daemon.models import RunRecord, RunState
+from daemon.ports import Launching, Runs
 from daemon.stop_rules import apply_probe, final_state
 from daemon.store import StoreError
+from daemon.targets import Supervision, Targets
 from executors.base import Executor, ExecutorError, JobHandle, JobState, JobStatus, RunEvents, RunProbe
 from trainer_plugin import jobctl, rundir
 
-if TYPE_CHECKING:
-    from daemon.service import Daemon
-    from daemon.targets import Supervision
-
 log = structlog.get_logger("obd")
+
+
+class FollowHost(Runs, Protocol):
+    """What the follow uses of the daemon beyond the records: the targets, the runs being
+    launched (a run still launching is not reconciled), and the saves to try again."""
+
+    @property
+    def targets(self) -> Targets: ...
+
+    @property
+    def launcher(self) -> Launching: ...
+
+    def retry_failed_saves(self) -> None: ...
+
+
 # Files in rundir.URGENT_FILES wake a run's follow at once; metrics.jsonl growing marks the run
 # for the next tick (progress can wait a poll interval; an exit or a proof cannot).
 PROGRESS_FILES = frozenset({rundir.METRICS})
@@ -42,7 +55,7 @@ def job_handle(record: RunRecord) -> JobHandle | None:
 class Follower:
     """The follow loops of every target, the stop fallback, cancels and the end of runs."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: FollowHost) -> None:
         self.daemon = daemon
         self._wake: dict[str, anyio.Event] = {}
         self._loops: set[str] = set()
@@ -79,7 +92,7 @@ class Follower:
         targets = self.daemon.targets
         key = targets.key(record)
         self.mark(key, record.remote_dir if record.has_job else "")  # without a job: read the whole target
-        if key in self._loops or self.daemon._tg is None:
+        if key in self._loops or not self.daemon.started:
             return
         self._loops.add(key)
         self.daemon.start_soon(self._loop, key, targets.of(record).poll_interval(record))
@@ -308,7 +321,7 @@ class Follower:
         tail = b""
         with contextlib.suppress(*_TARGET_FAULTS), anyio.fail_after(10):
             size = probe.log_size
-            tail = await executor.read_from(f"{record.remote_dir}/{rundir.JOB_LOG}", max(0, size - 8192), 8192)
+            tail = await executor.read_from(rundir.RunPaths(record.remote_dir).job_log, max(0, size - 8192), 8192)
         text = tail.decode(errors="replace")
         left = [line for line in text.splitlines() if line.startswith(jobctl.LEFT_BEHIND)]
         detail = f"; {left[-1][len('obd: ') :]}" if left else ""
@@ -336,7 +349,7 @@ class Follower:
     # --- cancel --------------------------------------------------------------------------
 
     def start_cancel(self, record: RunRecord) -> None:
-        if record.id in self.cancelling or self.daemon._tg is None:
+        if record.id in self.cancelling or not self.daemon.started:
             return
         self.cancelling.add(record.id)
         self.daemon.start_soon(self._cancel_job, record)

@@ -11,14 +11,20 @@ jobs see what their machine gives them.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from daemon.api import ApiError
 from daemon.models import RunRecord, RunState
+from daemon.ports import Runs
+from daemon.targets import Targets
 from executors.gpus import Gpu, configured, discover
 
-if TYPE_CHECKING:
-    from daemon.service import Daemon
+
+class InventoryHost(Runs, Protocol):
+    """What the GPU inventory uses of the daemon beyond the records: the targets' GPUs."""
+
+    @property
+    def targets(self) -> Targets: ...
 
 
 def parse_wanted(text: str | None) -> int | list[str] | None:
@@ -41,7 +47,7 @@ def parse_wanted(text: str | None) -> int | list[str] | None:
 class Inventory:
     """The GPUs of each target, looked up once (discovery runs the vendors' tools)."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: InventoryHost) -> None:
         self.daemon = daemon
         self._by_target: dict[str, list[Gpu]] = {}
 
@@ -120,3 +126,12 @@ class Inventory:
         holders = sorted(set(held.values()))
         by = f" (held by {', '.join(holders)})" if holders else ""
         return f"waiting for {what}: {free} of {total} free{by}"
+
+
+def queue_message(inventory: Inventory, record: RunRecord, why: str | None = None) -> str:
+    """A queued run's message: why it is queued, when that is more than waiting (`why`, else a
+    retry's "attempt 3 of 4"), then what it waits for now."""
+    waiting = inventory.waiting_for(record)
+    if why is None and record.attempt > 1:
+        why = f"attempt {record.attempt} of {record.retries + 1}"
+    return f"{why}: {waiting}" if why else waiting

@@ -14,7 +14,7 @@ import os
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import structlog
@@ -34,26 +34,65 @@ from daemon.api import (
     WaitRequest,
     WatchRequest,
 )
-from daemon.follow import job_handle
+from daemon.checkpoints import chain_of, latest_attempt
+from daemon.follow import Follower, job_handle
+from daemon.gpus import Inventory
+from daemon.launch import Launcher
 from daemon.models import RunRecord, RunState, normalise_reason
-from daemon.queue import uses_caller_environment
-from daemon.recovery import chain_of, latest_attempt
+from daemon.ports import Runs
+from daemon.queue import Scheduler
+from daemon.recovery import Recovery
+from daemon.specs import uses_caller_environment
 from daemon.stop import ASKED_VIA, request_snapshot
+from daemon.targets import Targets
 from executors.base import Executor, ExecutorError
 from executors.local import hand_over
 from trainer_plugin import rundir
-
-if TYPE_CHECKING:
-    from daemon.service import Daemon
 
 log = structlog.get_logger("obd")
 Handler = Callable[[Any, Peer], Awaitable[Any]]
 
 
+class ServiceHost(Runs, Protocol):
+    """The daemon as the control API sees it: every part, since each op is a way into one of
+    them, and the records as callers name and watch them."""
+
+    bad_records: dict[str, str]
+    changed_at: dict[str, int]
+
+    @property
+    def targets(self) -> Targets: ...
+
+    @property
+    def follow(self) -> Follower: ...
+
+    @property
+    def launcher(self) -> Launcher: ...
+
+    @property
+    def inventory(self) -> Inventory: ...
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def recovery(self) -> Recovery: ...
+
+    def find(self, ref: str, peer: Peer) -> RunRecord: ...
+
+    def visible(self, peer: Peer) -> list[RunRecord]: ...
+
+    def summary_json(self, record: RunRecord) -> bytes: ...
+
+    def final_event(self, run_id: str) -> anyio.Event: ...
+
+    async def wait_change(self, since: int, timeout: float) -> int: ...
+
+
 class Handlers:
     """The operations of the control socket; `table` maps each op to its model and handler."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: ServiceHost) -> None:
         self.daemon = daemon
         self.table: dict[str, tuple[type[BaseModel], Handler]] = {
             "ping": (ListRequest, self.ping),
@@ -183,7 +222,7 @@ class Handlers:
                 "progress": record.progress.model_dump(),
             }
         executor = self.daemon.targets.executor(record)
-        path = f"{record.remote_dir}/{name}"
+        path = rundir.RunPaths(record.remote_dir).file(name)
         offset = req.offset
         try:
             with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
@@ -227,7 +266,7 @@ class Handlers:
             "owner_uid": record.owner_uid,
             "state": record.state.value,
             "run_dir": str(where),
-            "output": str(where / rundir.OUTPUT),
+            "output": rundir.RunPaths(where).output,
             "checkpoints": rundir.real_checkpoints(str(where)),
             "snapshot": record.snapshot.model_dump() if record.snapshot else None,
         }
@@ -329,7 +368,7 @@ class Handlers:
         return record.public()
 
 
-def resumed_name(daemon: Daemon, name: str | None) -> str | None:
+def resumed_name(daemon: ServiceHost, name: str | None) -> str | None:
     """`sft` resumed is `sft-r2`, then `sft-r3`: each name stays a run's own."""
     if not name:
         return None
@@ -353,12 +392,12 @@ def gpus_text(wanted: int | list[str] | None) -> str | None:
 RETRIEVED_MANIFEST = "retrieved.json"  # written into retrieved/ once a pod's retrieval verified every file
 
 
-def retrieved_copy(daemon: Daemon, record: RunRecord) -> Path | None:
+def retrieved_copy(daemon: ServiceHost, record: RunRecord) -> Path | None:
     """The copy of an ended run's directory that obd brought home from its machine (a pod's:
     verified, with its manifest), when there is one: then it is all there is to read, and the
     machine, which may be gone, is not asked again."""
     local = daemon.store.run_dir(record.id) / "retrieved"
-    if record.state.final and ((local / rundir.OUTPUT).is_dir() or (local / RETRIEVED_MANIFEST).is_file()):
+    if record.state.final and (Path(rundir.RunPaths(local).output).is_dir() or (local / RETRIEVED_MANIFEST).is_file()):
         return local
     return None
 
@@ -373,13 +412,13 @@ def no_output(record: RunRecord, target: str) -> str:
     )
 
 
-def outputs_lost(daemon: Daemon, record: RunRecord) -> str | None:
+def outputs_lost(daemon: ServiceHost, record: RunRecord) -> str | None:
     """Why an ended run's outputs are nowhere any more (its pod ended before they were retrieved), as
     its target tells; None where the target may still have them."""
     return daemon.targets.of(record).outputs_lost(record)
 
 
-async def mirror_outputs(daemon: Daemon, record: RunRecord) -> Path:
+async def mirror_outputs(daemon: ServiceHost, record: RunRecord) -> Path:
     """Bring a remote run's outputs into `STATE_DIR/jobs/<id>`, owned by the run's owner.
 
     An ended run whose directory obd brought home is served from that copy, never from its
@@ -392,19 +431,19 @@ async def mirror_outputs(daemon: Daemon, record: RunRecord) -> Path:
     home = retrieved_copy(daemon, record)
     if home is None and record.state.final and (lost := outputs_lost(daemon, record)):
         raise ApiError(lost, "state")
-    if home is not None and not (home / rundir.OUTPUT).is_dir():
+    if home is not None and not Path(rundir.RunPaths(home).output).is_dir():
         raise ApiError(no_output(record, record.target), "state")
     jobs = daemon.state_dir / "jobs"
     stage = jobs / f".stage-{record.id}-{os.urandom(4).hex()}"
     stage.mkdir(mode=0o700)
     try:
         if home is not None:
-            retrieved = home / rundir.OUTPUT
-            await anyio.to_thread.run_sync(lambda: shutil.copytree(retrieved, stage / rundir.OUTPUT, symlinks=True))
+            retrieved, staged = rundir.RunPaths(home).output, rundir.RunPaths(stage).output
+            await anyio.to_thread.run_sync(lambda: shutil.copytree(retrieved, staged, symlinks=True))
         else:
             executor = daemon.targets.executor(record)
             with anyio.fail_after(3600):
-                await executor.download(f"{record.remote_dir}/{rundir.OUTPUT}", stage / rundir.OUTPUT)
+                await executor.download(rundir.RunPaths(record.remote_dir).output, Path(rundir.RunPaths(stage).output))
         owner = record.owner_uid if record.owner_uid is not None else os.geteuid()
         if owner != os.geteuid():
             await anyio.to_thread.run_sync(hand_over, stage, owner, pwd_gid(owner))

@@ -19,26 +19,44 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 import structlog
 
 from daemon.api import ApiError, Peer, StartRequest
-from daemon.gpus import parse_wanted
+from daemon.checkpoints import Checkpoint, resume_point
+from daemon.follow import Follower
+from daemon.gpus import Inventory, parse_wanted, queue_message
 from daemon.models import RunRecord, RunState
-from daemon.queue import load_spec, queue_message, save_spec
-from daemon.recovery import Checkpoint, resume_point
+from daemon.ports import Runs
+from daemon.specs import load_spec, save_spec
 from daemon.stop import write_pending_request
 from daemon.store import StoreError
+from daemon.targets import Targets
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
 from executors.gpus import visible_devices
 from trainer_plugin import creds, rundir
 
-if TYPE_CHECKING:
-    from daemon.service import Daemon
-
 log = structlog.get_logger("obd")
+
+
+class LaunchHost(Runs, Protocol):
+    """What the launcher uses of the daemon beyond the records: the targets, the follow (a run
+    that started is followed), the GPU inventory, and a caller's run by reference (a resume)."""
+
+    @property
+    def targets(self) -> Targets: ...
+
+    @property
+    def follow(self) -> Follower: ...
+
+    @property
+    def inventory(self) -> Inventory: ...
+
+    def find(self, ref: str, peer: Peer) -> RunRecord: ...
+
+
 PLUGIN_SRC = Path(__file__).resolve().parent.parent / "trainer_plugin"
 
 
@@ -168,7 +186,7 @@ def check_cwd(cwd: str, run_as: RunAs | None) -> None:
 class Launcher:
     """Makes run records and launches their jobs."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: LaunchHost) -> None:
         self.daemon = daemon
         self.launching: set[str] = set()  # runs this daemon is launching right now
         # A cancel while a run prepares (a pod booting, an upload) ends the preparation at once.
@@ -252,7 +270,7 @@ class Launcher:
         supervision = daemon.targets.of(record)
         waits = bool(daemon.inventory.wanted(record)) or record.not_before is not None
         if waits:
-            record.transition(RunState.queued, queue_message(daemon, record, why))
+            record.transition(RunState.queued, queue_message(daemon.inventory, record, why))
         else:
             record.transition(RunState.preparing, "created")
         workdir = supervision.workdir(record)
@@ -409,12 +427,12 @@ class Launcher:
                 record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
         rd = record.remote_dir
         await executor.make_run_dir(rd, run_as)
-        await executor.upload(self._plugin_stage(), f"{rd}/{rundir.PLUGIN}")
+        await executor.upload(self._plugin_stage(), rundir.RunPaths(rd).plugin)
         cwd = record.cwd
         if cwd and not Path(cwd).is_dir():
             cwd = None  # the client's directory went away before the launch: the run directory instead
         if cwd and not executor.shares_filesystem:
-            cwd_there = f"{rd}/{rundir.SOURCES}"
+            cwd_there = rundir.RunPaths(rd).sources
             await self._upload_sources(record, Path(cwd), cwd_there, executor, run_as)
             cwd = cwd_there
         env = {**req.env, **job_env(record, rd)}
@@ -430,8 +448,8 @@ class Launcher:
         if req.profile:
             from runner import wrap_command
 
-            command = wrap_command(command, f"{rd}/{rundir.PLUGIN}", rd, await executor.python())
-            env["OBD_PROFILE_DIR"] = f"{rd}/{rundir.PROFILE}"
+            command = wrap_command(command, rundir.RunPaths(rd).plugin, rd, await executor.python())
+            env["OBD_PROFILE_DIR"] = rundir.RunPaths(rd).profile
         spec = JobSpec(
             run_id=record.id,
             remote_dir=rd,
@@ -475,11 +493,11 @@ class Launcher:
         name = checkpoint.rsplit("/", 1)[-1]
         targets = self.daemon.targets
         if targets.key(source) == targets.key(record):
-            return f"{source.remote_dir}/{rundir.OUTPUT}/{name}"
-        local = self.daemon.store.run_dir(source.id) / "retrieved" / rundir.OUTPUT / name
+            return rundir.RunPaths(source.remote_dir).in_output(name)
+        local = Path(rundir.RunPaths(self.daemon.store.run_dir(source.id) / "retrieved").in_output(name))
         if not local.exists():
-            await targets.executor(source).download(f"{source.remote_dir}/{rundir.OUTPUT}/{name}", local)
-        dest = f"{record.remote_dir}/{rundir.RESUME}/{name}"
+            await targets.executor(source).download(rundir.RunPaths(source.remote_dir).in_output(name), local)
+        dest = rundir.RunPaths(record.remote_dir).in_resume(name)
         await executor.upload(local, dest)
         return dest
 
@@ -509,13 +527,14 @@ class Launcher:
 def job_env(record: RunRecord, rd: str) -> dict[str, str]:
     """The variables obd gives every job: where its run's files are."""
     env: dict[str, str] = {}
+    paths = rundir.RunPaths(rd)
     env.update(
         OBD_RUN_ID=record.id,
         OBD_RUN_DIR=rd,
-        OBD_OUTPUT_DIR=f"{rd}/{rundir.OUTPUT}",
-        OBD_SNAPSHOT_REQUEST=f"{rd}/{rundir.SNAPSHOT_REQUEST}",
-        OBD_SNAPSHOT_FILE=f"{rd}/{rundir.SNAPSHOT_PROOF}",
-        OBD_METRICS_FILE=f"{rd}/{rundir.METRICS}",
+        OBD_OUTPUT_DIR=paths.output,
+        OBD_SNAPSHOT_REQUEST=paths.request,
+        OBD_SNAPSHOT_FILE=paths.proof,
+        OBD_METRICS_FILE=paths.metrics,
     )
     if record.snapshot_on_sigterm:
         env["OBD_SNAPSHOT_ON_SIGTERM"] = "1"

@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 import anyio
@@ -39,15 +39,24 @@ import structlog
 
 from daemon.config import NotifyEntry
 from daemon.models import RunRecord, RunState, Transition
+from daemon.ports import Runs
 from executors.runpod.info import PodInfo
 from trainer_plugin.rundir import atomic_write
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from daemon.service import Daemon
 
 log = structlog.get_logger("obd.notify")
+
+
+class NotifyHost(Runs, Protocol):
+    """What notifications use of the daemon beyond the records: which records are not saved yet
+    (their events wait, so a delivery is never marked ahead of its record)."""
+
+    @property
+    def unsaved(self) -> set[str]: ...
+
 
 MARKS_FILE = "notify.json"  # per run, beside run.json: the next history index per notify entry
 ENTRIES_FILE = "notify.json"  # in the state directory: when each notify entry was first seen
@@ -387,7 +396,7 @@ class DeliveryMarks:
 class Notifications:
     """The daemon's listener for run changes, and the tasks that deliver each entry's events."""
 
-    def __init__(self, daemon: Daemon, entries: list[NotifyEntry]) -> None:
+    def __init__(self, daemon: NotifyHost, entries: list[NotifyEntry]) -> None:
         self.daemon = daemon
         self.entries = list(entries)
         self.marks = DeliveryMarks(daemon.state_dir, daemon.store.runs_dir, [e.key for e in entries], time.time())
@@ -472,7 +481,7 @@ class Notifications:
             async with self.daemon.lock(run_id):
                 # A record whose last save failed (a full disk) holds changes a restart would not
                 # find: its events wait until it is saved, so a mark never runs ahead of the record.
-                if run_id not in self.daemon._dirty:
+                if run_id not in self.daemon.unsaved:
                     start = self.marks.next_index(record, entry.key)
                     for event in events(record, start):
                         if event.kind in entry.on:

@@ -19,14 +19,16 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
 import structlog
 
+from daemon.follow import Follower
 from daemon.models import RunRecord, RunState
-from daemon.targets import Supervision
+from daemon.ports import Launching, Runs
+from daemon.targets import Supervision, Targets
 from executors.base import Executor, ExecutorError, RunProbe
 from executors.factory import make_pod_driver, makes_pods
 from executors.runpod import Finding, PodEnd, PodInfo, PodObservation, PodPhase
@@ -36,7 +38,6 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
     from pathlib import Path
 
-    from daemon.service import Daemon
     from executors.config import RunpodTarget
 
 log = structlog.get_logger("obd.pods")
@@ -49,13 +50,29 @@ class PodEnded(ExecutorError):
     """The run's pod is being emptied and ended, or was: it is not probed any more."""
 
 
+class PodHost(Runs, Protocol):
+    """What a pod target uses of the daemon beyond the records: the follow (a pod's caps cancel
+    its job, its reconcile finishes runs), the runs being launched (never reconciled away), and
+    the targets (a cap's snapshot request goes through them)."""
+
+    @property
+    def follow(self) -> Follower: ...
+
+    @property
+    def launcher(self) -> Launching: ...
+
+    @property
+    def targets(self) -> Targets: ...
+
+
 class PodSupervision(Supervision):
     """A Runpod target: each run gets a pod of its own, followed on its own."""
 
     config: RunpodTarget
+    daemon: PodHost
     reads_every_poll = True  # the lease and the caps ride on every read
 
-    def __init__(self, daemon: Daemon, name: str, config: RunpodTarget) -> None:
+    def __init__(self, daemon: PodHost, name: str, config: RunpodTarget) -> None:
         super().__init__(daemon, name, config)
         self.driver = make_pod_driver(name, config, daemon.state_dir)
         self._executors: dict[str, Executor] = {}
@@ -227,7 +244,7 @@ class PodSupervision(Supervision):
         A pod whose end is under way is not probed again (its retrieval keeps the lease itself),
         so a terminated pod is never reported unreachable.
         """
-        from daemon.handlers import request_snapshot
+        from daemon.stop import request_snapshot
 
         if self._ending(record):
             raise PodEnded(f"the pod of run {record.id} is being emptied and ended")

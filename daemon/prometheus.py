@@ -17,22 +17,38 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import structlog
 from anyio.abc import SocketStream
 
 from daemon.config import parse_listen
+from daemon.follow import Follower
 from daemon.models import FINAL_STATES, RunRecord, RunState
+from daemon.ports import Runs
+from daemon.targets import Targets
 from executors.factory import makes_pods
 from executors.runpod.info import PodInfo
 
 if TYPE_CHECKING:
     from daemon.notify import Notifications
-    from daemon.service import Daemon
 
 log = structlog.get_logger("obd.metrics")
+
+
+class MetricsHost(Runs, Protocol):
+    """What the exporter reads of the daemon beyond the records: the unreadable records, the
+    follow's last reads and the targets."""
+
+    bad_records: dict[str, str]
+
+    @property
+    def follow(self) -> Follower: ...
+
+    @property
+    def targets(self) -> Targets: ...
+
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Request to proof: a step boundary comes within seconds for most jobs, minutes for big ones.
@@ -175,7 +191,7 @@ def snapshot_latency(record: RunRecord) -> float | None:
 class MetricsExporter:
     """Renders the metrics from the daemon's state, and serves them over HTTP."""
 
-    def __init__(self, daemon: Daemon, notifications: Notifications | None = None) -> None:
+    def __init__(self, daemon: MetricsHost, notifications: Notifications | None = None) -> None:
         self.daemon = daemon
         self.notifications = notifications
         self.started = time.time()

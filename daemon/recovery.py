@@ -1,9 +1,5 @@
-"""Recovery: which checkpoint a run can resume from, and the automatic retries of `--retry N`.
-
-A run resumes from its proven snapshot when it has one; otherwise from its newest *complete*
-checkpoint: `output/checkpoint-<step>` (a real directory) whose `trainer_state.json` reads as
-the Trainer wrote it, at that step, beside the model's weights. A half-written checkpoint (a
-job killed while saving) fails that test and is skipped for the one before it.
+"""Recovery: the automatic retries of `--retry N` (which checkpoint each resumes from is
+`daemon/checkpoints.py`).
 
 A run started with `--retry N` that ends for a reason a retry can help with (`[retry] on`: a
 non-zero exit, a lost job, a failed launch, a preemption, a `deadline` snapshot; never a cancel
@@ -22,216 +18,30 @@ not help with, a cancel). A daemon that starts deletes those an earlier one left
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import anyio
 import structlog
 
-from daemon.api import ApiError
+from daemon.checkpoints import chain_resume_point
+from daemon.launch import Launcher
 from daemon.models import RunRecord, RunState
-from daemon.queue import drop_orphan_specs, drop_spec, load_spec
-from executors.base import ExecutorError
-from trainer_plugin import rundir
-
-if TYPE_CHECKING:
-    from daemon.service import Daemon
+from daemon.ports import Runs
+from daemon.specs import drop_orphan_specs, drop_spec, load_spec
+from daemon.targets import Targets
 
 log = structlog.get_logger("obd.recovery")
-WEIGHTS = (
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """A checkpoint a run can resume from, on its source run's target (or a path given)."""
-
-    name: str  # checkpoint-<step>, or the path given
-    step: int | None
-    reason: str  # why it is trusted, for the new run's record
-    # The run whose directory holds it, when that is not the run being resumed (an earlier
-    # attempt of a chain); None: the run being resumed.
-    source: str | None = None
-
-
-class Checkpoints:
-    """Reads a run's checkpoints where they are: its target, or the copy obd retrieved."""
-
-    def __init__(self, daemon: Daemon, record: RunRecord) -> None:
-        self.daemon = daemon
-        self.record = record
-        retrieved = daemon.store.run_dir(record.id) / "retrieved"
-        self.local = retrieved if record.state.final and (retrieved / rundir.OUTPUT).is_dir() else None
-
-    async def names(self) -> list[str]:
-        if self.local is not None:
-            return rundir.real_checkpoints(str(self.local))
-        executor = self.daemon.targets.executor(self.record)
-        with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
-            [probe] = await executor.probe([(None, self.record.remote_dir)])
-        return probe.checkpoints
-
-    async def read(self, rel: str, limit: int) -> bytes:
-        if self.local is not None:
-            return rundir.read_regular(str(self.local / rel), limit) or b""
-        executor = self.daemon.targets.executor(self.record)
-        with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
-            return await executor.read_from(f"{self.record.remote_dir}/{rel}", 0, limit)
-
-    async def complete(self, name: str) -> str | None:
-        """Why the checkpoint is trusted, or None when it is not complete."""
-        step = rundir.checkpoint_step(name)
-        state_raw = await self.read(f"{rundir.OUTPUT}/{name}/trainer_state.json", 16 << 20)
-        try:
-            state = json.loads(state_raw)
-        except ValueError:
-            return None
-        if not isinstance(state, dict) or state.get("global_step") != step:
-            return None
-        for weights in WEIGHTS:
-            if await self.read(f"{rundir.OUTPUT}/{name}/{weights}", 1):
-                return f"its trainer_state.json is complete at step {step} and its weights ({weights}) are there"
-        return None
-
-    async def newest_complete(self) -> Checkpoint | None:
-        names = sorted(await self.names(), key=lambda n: rundir.checkpoint_step(n) or -1, reverse=True)
-        for name in names:
-            why = await self.complete(name)
-            if why:
-                return Checkpoint(name, rundir.checkpoint_step(name), f"the newest complete checkpoint: {why}")
-        return None
-
-
-async def resume_point(daemon: Daemon, source: RunRecord, which: str | None) -> Checkpoint | None:
-    """The checkpoint a new run resumes `source` from (None: there is none)."""
-    if source.state in (RunState.queued, RunState.preparing):
-        raise ApiError(f"run {source.id} has not run yet ({source.state.value}): nothing to resume from", "state")
-    if not source.state.final and which is None:
-        raise ApiError(
-            f"run {source.id} is still {source.state.value}: stop it first (`obd train stop {source.id}`), "
-            "or name a checkpoint with --checkpoint",
-            "state",
-        )
-    if which and "/" in which:
-        return Checkpoint(which, None, "the path given with --checkpoint")
-    found = Checkpoints(daemon, source)
-    try:
-        if which is None and source.snapshot is not None:
-            name = rundir.checkpoint_name(source.snapshot.step)
-            return Checkpoint(name, source.snapshot.step, f"the proof of its snapshot at step {source.snapshot.step}")
-        if which is None or which == "latest":
-            return await found.newest_complete()
-        if which.isdigit():
-            name = rundir.checkpoint_name(int(which))
-            if name not in await found.names():
-                raise ApiError(f"run {source.id} has no {rundir.OUTPUT}/{name}", "usage")
-            why = await found.complete(name)
-            if why is None:
-                raise ApiError(
-                    f"{rundir.OUTPUT}/{name} of run {source.id} is not complete (a save cut short?)", "usage"
-                )
-            return Checkpoint(name, int(which), f"asked for: {why}")
-    except (ExecutorError, TimeoutError, OSError) as exc:
-        raise ApiError(
-            f"could not read the checkpoints of run {source.id} on target {source.target}: {exc}; retry once it answers",
-            "unavailable",
-        ) from exc
-    raise ApiError(f"--checkpoint {which!r}: use latest, a step number, or a path", "usage")
-
-
-def chain_attempts(daemon: Daemon, record: RunRecord) -> list[RunRecord]:
-    """Every attempt of `record`'s chain, oldest first (a run with no retries: itself alone)."""
-    chain = record.chain or record.id
-    runs = [r for r in daemon.records.values() if (r.chain or r.id) == chain]
-    return sorted(runs, key=lambda r: (r.attempt, r.created, r.id))
-
-
-def latest_attempt(daemon: Daemon, record: RunRecord) -> RunRecord:
-    """The attempt a stop, a cancel or a wait given any attempt's id acts on: the chain's newest,
-    followed through `retried_by` (the id `start` printed names the first attempt, which has
-    ended once a retry waits in the queue)."""
-    seen = {record.id}
-    while record.retried_by and record.retried_by in daemon.records and record.retried_by not in seen:
-        record = daemon.records[record.retried_by]
-        seen.add(record.id)
-    return record
-
-
-@dataclass(frozen=True)
-class _Candidate:
-    """A checkpoint of one attempt that the next attempt may resume from, not yet judged."""
-
-    step: int
-    proven: bool  # the attempt's snapshot proof names it: trusted as the proof rule judged it
-    attempt: RunRecord
-    checkpoints: Checkpoints  # where it is read, to judge it complete
+class RecoveryHost(Runs, Protocol):
+    """What recovery uses of the daemon beyond the records: the launcher (the next attempt) and
+    the targets (the chain's checkpoints)."""
 
     @property
-    def order(self) -> tuple[int, bool, int]:
-        """Newest first: the highest step; at the same step a proof, then the later attempt."""
-        return self.step, self.proven, self.attempt.attempt
+    def launcher(self) -> Launcher: ...
 
-
-async def _candidates(daemon: Daemon, attempt: RunRecord) -> list[_Candidate]:
-    """What one ended attempt offers: its proven snapshot, and its real `output/checkpoint-<step>`
-    directories (none of an attempt whose proof was invalid: nothing of such a job is trusted).
-    Raises what reading its directory raises; the proof is kept even when it cannot be read."""
-    found = Checkpoints(daemon, attempt)
-    out = []
-    if attempt.snapshot is not None:
-        out.append(_Candidate(attempt.snapshot.step, True, attempt, found))
-    if attempt.stop.invalid_proof:
-        return out
-    try:
-        names = await found.names()
-    except (ApiError, ExecutorError, TimeoutError, OSError) as exc:
-        log.warning("retry_attempt_unreadable", attempt_id=attempt.id, error=str(exc))
-        return out
-    steps = (rundir.checkpoint_step(name) for name in names)
-    return out + [_Candidate(step, False, attempt, found) for step in steps if step is not None]
-
-
-async def chain_resume_point(daemon: Daemon, record: RunRecord) -> Checkpoint | None:
-    """Where the next attempt after `record` resumes: the newest trusted checkpoint of any attempt
-    of its chain up to `record` (None: none has one, start from the beginning).
-
-    Trusted: an attempt's proven snapshot, or an `output/checkpoint-<step>` that `complete` finds
-    whole; never a checkpoint of an attempt whose proof was invalid. Newest: the highest step;
-    at the same step a proof first, then the later attempt. An attempt whose directory cannot
-    be read now (a pod that is gone with nothing retrieved, a target that does not answer) is
-    passed over and logged, so one unreachable attempt does not send the chain back to step 0."""
-    candidates: list[_Candidate] = []
-    for attempt in chain_attempts(daemon, record):
-        if attempt.attempt <= record.attempt and attempt.state.final:
-            candidates += await _candidates(daemon, attempt)
-    for candidate in sorted(candidates, key=lambda c: c.order, reverse=True):
-        name, step = rundir.checkpoint_name(candidate.step), candidate.step
-        if candidate.proven:
-            why = f"the proof of its snapshot at step {step}"
-        else:
-            try:
-                complete = await candidate.checkpoints.complete(name)
-            except (ApiError, ExecutorError, TimeoutError, OSError) as exc:
-                log.warning(
-                    "retry_checkpoint_unreadable", attempt_id=candidate.attempt.id, checkpoint=name, error=str(exc)
-                )
-                continue
-            if complete is None:
-                continue  # a save cut short: the one before it
-            why = f"the newest complete checkpoint: {complete}"
-        if candidate.attempt.id == record.id:
-            return Checkpoint(name, step, why)
-        source = candidate.attempt
-        return Checkpoint(name, step, f"{why}, of attempt {source.attempt} ({source.id})", source.id)
-    return None
+    @property
+    def targets(self) -> Targets: ...
 
 
 def retry_cause(record: RunRecord) -> str | None:
@@ -254,7 +64,7 @@ def retry_cause(record: RunRecord) -> str | None:
 class Recovery:
     """Starts the next attempt of a chain when an attempt ends for a reason a retry can help with."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: RecoveryHost) -> None:
         self.daemon = daemon
         self._pending: set[str] = set()
         # Ended runs nothing starts from again, their launch settings deleted: later edits
@@ -369,21 +179,4 @@ class Recovery:
         log.info("run_retried", run_id=record.id, next_run=new.id, cause=cause, attempt=new.attempt, delay_s=delay)
 
 
-def chain_of(daemon: Daemon, record: RunRecord) -> list[dict[str, object]]:
-    """The attempts of a run's chain, oldest first, for `status`."""
-    return [
-        {"id": r.id, "attempt": r.attempt, "state": r.state.value, "message": r.message}
-        for r in chain_attempts(daemon, record)
-    ]
-
-
-__all__ = [
-    "Checkpoint",
-    "Recovery",
-    "chain_attempts",
-    "chain_of",
-    "chain_resume_point",
-    "latest_attempt",
-    "resume_point",
-    "retry_cause",
-]
+__all__ = ["Recovery", "retry_cause"]

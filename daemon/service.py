@@ -33,7 +33,8 @@ from daemon.queue import Scheduler
 from daemon.recovery import Recovery
 from daemon.store import RunStore, StoreError
 from daemon.systemd import Notifier
-from daemon.targets import Targets
+from daemon.targets import Supervision, Targets
+from executors.factory import makes_pods, schedules_jobs
 
 log = structlog.get_logger("obd")
 
@@ -54,7 +55,7 @@ class Daemon:
         self.records: dict[str, RunRecord] = {}
         self.bad_records: dict[str, str] = {}
         self.notifier = Notifier()
-        self.targets = Targets(self)
+        self.targets = Targets(self, kinds=((makes_pods, self._pod_target), (schedules_jobs, self._slurm_target)))
         self.follow = Follower(self)
         self.launcher = Launcher(self)
         self.inventory = Inventory(self)
@@ -72,6 +73,18 @@ class Daemon:
         self._summaries: dict[str, bytes] = {}  # each run's `list` entry, encoded once per change
         self._tg: TaskGroup | None = None
         self._lock_fd: int | None = None
+
+    # The kinds of target beyond a machine, made on first use (their modules, and the runpod
+    # SDK, are imported only when the config has such a target).
+    def _pod_target(self, name: str, config: Any) -> Supervision:
+        from daemon.pods import PodSupervision
+
+        return PodSupervision(self, name, config)
+
+    def _slurm_target(self, name: str, config: Any) -> Supervision:
+        from daemon.slurm import SlurmSupervision
+
+        return SlurmSupervision(self, name, config)
 
     # --- records -----------------------------------------------------------------------
 
@@ -138,6 +151,11 @@ class Daemon:
     def save_quietly(self, record: RunRecord) -> None:
         with contextlib.suppress(StoreError):
             self.save(record)
+
+    @property
+    def unsaved(self) -> set[str]:
+        """Records whose last save failed (a full disk): kept in memory, saved again later."""
+        return self._dirty
 
     def retry_failed_saves(self) -> None:
         for rid in list(self._dirty):
@@ -209,6 +227,11 @@ class Daemon:
             record.transition(RunState.failed, why)
         await self.targets.of(record).forget(record)
         return True
+
+    @property
+    def started(self) -> bool:
+        """Whether the daemon's task group runs (`start_soon` starts nothing before)."""
+        return self._tg is not None
 
     def start_soon(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
         """Run a task for the daemon's lifetime (never a stray one: the daemon's task group owns it)."""

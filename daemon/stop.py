@@ -10,24 +10,36 @@ plugin announced itself (the plugin takes a request it finds at its first step b
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 import structlog
 
+from daemon.follow import Follower
 from daemon.models import RunRecord
+from daemon.ports import Runs
+from daemon.targets import Targets
 from trainer_plugin import rundir
 
-if TYPE_CHECKING:
-    from daemon.service import Daemon
-
 log = structlog.get_logger("obd")
+
+
+class StopHost(Runs, Protocol):
+    """What a stop request uses of the daemon beyond the records: the run's target (to write the
+    request) and the follow (woken to read the run at once)."""
+
+    @property
+    def targets(self) -> Targets: ...
+
+    @property
+    def follow(self) -> Follower: ...
+
 
 # Who asked, as the run's history says it, by the way the request came (`StopRequest.via`).
 ASKED_VIA = {"cli": "`obd train stop`", "ui": "the web view", "api": "obd's Python API"}
 
 
-async def request_snapshot(daemon: Daemon, record: RunRecord, reason: str, by: str) -> None:
+async def request_snapshot(daemon: StopHost, record: RunRecord, reason: str, by: str) -> None:
     """Record a snapshot request, then write `snapshot.request` in the run directory.
 
     Recorded before the file is written, so a daemon killed in between still counts the
@@ -60,7 +72,7 @@ async def request_snapshot(daemon: Daemon, record: RunRecord, reason: str, by: s
     daemon.follow.wake_run(record)
 
 
-async def write_pending_request(daemon: Daemon, record: RunRecord) -> None:
+async def write_pending_request(daemon: StopHost, record: RunRecord) -> None:
     """A request made before the run's job started, written now that it has (the launch's call)."""
     reason = record.stop.reason
     if record.stop.requested_at is None or reason is None or not record.has_job:
@@ -73,6 +85,6 @@ async def write_pending_request(daemon: Daemon, record: RunRecord) -> None:
             record.note(f"the snapshot request could not be written in the run directory: {exc}")
 
 
-async def _write(daemon: Daemon, record: RunRecord, reason: str) -> None:
+async def _write(daemon: StopHost, record: RunRecord, reason: str) -> None:
     executor = daemon.targets.executor(record)
-    await executor.put_file(f"{record.remote_dir}/{rundir.SNAPSHOT_REQUEST}", rundir.request_bytes(reason))
+    await executor.put_file(rundir.RunPaths(record.remote_dir).request, rundir.request_bytes(reason))

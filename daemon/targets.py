@@ -10,16 +10,20 @@ the executor factory whether the target makes pods.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from daemon.api import ApiError
 from daemon.config import ConfigError
 from daemon.models import RunRecord
+from daemon.ports import Runs
 from executors.base import Executor, ExecutorError
-from executors.factory import is_this_machine, make_executor, makes_pods, schedules_jobs
+from executors.factory import is_this_machine, make_executor
 
-if TYPE_CHECKING:
-    from daemon.service import Daemon
+# A kind of target that needs more than a machine target's supervision (pods, a scheduler): the
+# factory's test of a target's config, and what makes its supervision. The service hands them
+# in, so this module never imports the kinds built on it.
+Kind = tuple[Callable[[Any], bool], Callable[[str, Any], "Supervision"]]
 
 
 class Supervision:
@@ -29,7 +33,7 @@ class Supervision:
     # lease is renewed and its caps checked with each read).
     reads_every_poll = False
 
-    def __init__(self, daemon: Daemon, name: str, config: Any) -> None:
+    def __init__(self, daemon: Runs, name: str, config: Any) -> None:
         self.daemon = daemon
         self.name = name
         self.config = config
@@ -128,8 +132,9 @@ class Supervision:
 class Targets:
     """The supervision of every target, made on first use from the config."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Runs, kinds: Sequence[Kind] = ()) -> None:
         self.daemon = daemon
+        self.kinds = kinds
         self._by_name: dict[str, Supervision] = {}
 
     def get(self, name: str) -> Supervision:
@@ -142,14 +147,9 @@ class Targets:
         return self._by_name[name]
 
     def _make(self, name: str, config: Any) -> Supervision:
-        if makes_pods(config):
-            from daemon.pods import PodSupervision
-
-            return PodSupervision(self.daemon, name, config)
-        if schedules_jobs(config):
-            from daemon.slurm import SlurmSupervision
-
-            return SlurmSupervision(self.daemon, name, config)
+        for serves, make in self.kinds:
+            if serves(config):
+                return make(name, config)
         return Supervision(self.daemon, name, config)
 
     def of(self, record: RunRecord) -> Supervision:

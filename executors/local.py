@@ -98,14 +98,14 @@ class DirWatch:
             self._watch_metrics(directory)
 
     def _watch_metrics(self, directory: str) -> None:
-        path = os.path.join(directory, rundir.METRICS)
+        path = rundir.RunPaths(directory).metrics
         if path not in self._files and rundir.non_regular(path) is None and os.path.lexists(path):
             wd = self._add(path, self.IN_MODIFY | self.IN_DONT_FOLLOW)
             if wd is not None:
                 self._files[path] = wd
 
     def remove(self, directory: str) -> None:
-        for table, key in ((self._wds, directory), (self._files, os.path.join(directory, rundir.METRICS))):
+        for table, key in ((self._wds, directory), (self._files, rundir.RunPaths(directory).metrics)):
             wd = table.pop(key, None)
             if wd is not None and self.available:
                 self._paths.pop(wd, None)
@@ -290,18 +290,19 @@ class LocalExecutor:
 
     async def spawn(self, job: JobSpec) -> JobHandle:
         run_dir = Path(job.remote_dir)
+        paths = rundir.RunPaths(run_dir)
         await self.make_run_dir(job.remote_dir, job.run_as)
         spec: dict[str, Any] = {
             "command": job.command,
             "cwd": job.cwd,
-            "pythonpath": [str(run_dir / rundir.PLUGIN)],
+            "pythonpath": [paths.plugin],
             "umask": job.umask,
             "output_to": job.output_to,
         }
         if self.venv:
             spec["path_prepend"] = [str(Path(self.venv) / "bin")]
         elif self.configured_python and (found := shutil.which(self.configured_python)):
-            bin_dir = str(run_dir / python_shim.BIN)  # as the wrapper finds it: through the daemon's PATH
+            bin_dir = python_shim.bin_dir(paths.run_dir)  # as the wrapper finds it: through the daemon's PATH
             await self._as_owner(bin_dir, python_shim.write_local, bin_dir, os.path.abspath(found))
             spec["path_prepend"] = [bin_dir]
         if job.run_as is not None:
@@ -328,12 +329,12 @@ class LocalExecutor:
             result = await self._run_wrapper(wrapper, payload)
         if result.returncode != 0:
             raise ExecutorError(
-                f"the job wrapper failed (exit {result.returncode}): {_text(result.stderr)}; see {run_dir}/job.log"
+                f"the job wrapper failed (exit {result.returncode}): {_text(result.stderr)}; see {paths.job_log}"
             )
         try:
             return JobHandle.model_validate_json(result.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
-            raise ExecutorError(f"the job wrapper printed no handle; see {run_dir}/job.log") from exc
+            raise ExecutorError(f"the job wrapper printed no handle; see {paths.job_log}") from exc
 
     def _wrapper_ran(self, remote_dir: str) -> bool:
         facts = self.facts(remote_dir)
@@ -384,22 +385,24 @@ class LocalExecutor:
             facts, who = self.facts(remote_dir), self.owner(remote_dir)
             if facts is None:
                 return creds.call_as(who, jobctl.cancel, remote_dir, grace, handle.model_dump())
+            marks, paths = rundir.FactPaths(facts), rundir.RunPaths(remote_dir)
             if jobctl.job_status(remote_dir, handle.model_dump(), facts)["state"] == "running":
-                self._copy_mark(facts, rundir.CANCELLING, remote_dir, who, f"{time.time()}\n".encode())
+                self._copy_mark(marks.cancelling, paths.cancelling, who, f"{time.time()}\n".encode())
             result = jobctl.cancel(remote_dir, grace, handle.model_dump(), facts)
-            self._copy_mark(facts, rundir.CANCELLED, remote_dir, who)
+            self._copy_mark(marks.cancelled, paths.cancelled, who)
             return result
 
         # jobctl.cancel sleeps through the grace; in a worker thread it holds up nothing else.
         return JobStatus.model_validate(await anyio.to_thread.run_sync(cancel))
 
     @staticmethod
-    def _copy_mark(facts: str, name: str, remote_dir: str, who: creds.Account | None, data: bytes = b"") -> None:
-        """The run directory's copy of a cancel mark, for people (the contract's `cancelling`,
-        `cancelled`), written with its owner's rights; the facts directory's is the one obd reads."""
-        data = data or jobctl.read_regular(os.path.join(facts, name), rundir.JOB_PID_LIMIT) or b""
+    def _copy_mark(fact: str, copy: str, who: creds.Account | None, data: bytes = b"") -> None:
+        """The run directory's copy (`copy`) of a cancel mark of the facts directory (`fact`), for
+        people (the contract's `cancelling`, `cancelled`), written with its owner's rights; the
+        facts directory's is the one obd reads."""
+        data = data or jobctl.read_regular(fact, rundir.JOB_PID_LIMIT) or b""
         with creds.acting_as(who), contextlib.suppress(OSError):
-            jobctl.atomic_write(os.path.join(remote_dir, name), data)
+            jobctl.atomic_write(copy, data)
 
     def _probe(self, handle: dict | None, remote_dir: str) -> dict:
         facts = self.facts(remote_dir)
@@ -410,7 +413,8 @@ class LocalExecutor:
         with creds.acting_as(who):
             result = jobctl.probe_dir(remote_dir, handle, with_job=False)
             found = jobctl.planted(remote_dir)
-        result["planted"] = [n for n in found if not os.path.lexists(os.path.join(facts, n))]
+        marks = rundir.FactPaths(facts)
+        result["planted"] = [n for n in found if not os.path.lexists(marks.file(n))]
         result["status"] = status
         result["handle"] = jobctl.read_handle(remote_dir, facts)
         return result

@@ -18,14 +18,20 @@ connection (the helper's writes and one SFTP request: no shell).
 from __future__ import annotations
 
 import os
+import posixpath
 import shlex
 
 from trainer_plugin import rundir
 
-BIN = f"{rundir.PLUGIN}/bin"  # in the run directory; first on the job's PATH
+BIN = f"{rundir.PLUGIN}/bin"  # in the run directory (`bin_dir`); first on the job's PATH
 NAMES = ("python", "python3")
 MODE = 0o755
 _HEAD = "#!/bin/sh\n# obd: the python of this target, first on the PATH of its jobs\n"
+
+
+def bin_dir(run_dir: str) -> str:
+    """Where a run's shims are: `<run dir>/plugin/bin`, first on its job's PATH."""
+    return posixpath.join(rundir.RunPaths(run_dir).plugin, "bin")
 
 
 def shim(interpreter: str) -> bytes:

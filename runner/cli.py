@@ -14,17 +14,19 @@ from pathlib import Path
 from runner.assemble import parse_run
 from runner.discover import find_profile_files
 from runner.format import format_metrics
+from trainer_plugin import rundir
 
 USAGE = "usage: obd profile parse DIR [--json]"
 
 
 def _locate(directory: Path) -> tuple[Path, Path | None]:
     """(profile directory, metrics.jsonl or None) for a run, profile or rocprofv3 output directory."""
-    if (directory / "profile").is_dir():
-        metrics = directory / "metrics.jsonl"
-        return directory / "profile", metrics if metrics.is_file() else None
-    for candidate in (directory / "metrics.jsonl", directory.parent / "metrics.jsonl"):
-        if candidate.is_file() and (candidate.parent == directory or directory.name == "profile"):
+    paths = rundir.RunPaths(directory)
+    if Path(paths.profile).is_dir():
+        metrics = Path(paths.metrics)
+        return Path(paths.profile), metrics if metrics.is_file() else None
+    for candidate in (Path(paths.metrics), Path(rundir.RunPaths(directory.parent).metrics)):
+        if candidate.is_file() and (candidate.parent == directory or directory.name == rundir.PROFILE):
             return directory, candidate
     return directory, None
 

@@ -8,7 +8,6 @@ returned metrics, and the run's record keeps whatever was measured.
 from __future__ import annotations
 
 import logging
-import posixpath
 import shutil
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import anyio
 
 from runner.assemble import parse_run
 from runner.metrics import RunMetrics
+from trainer_plugin.rundir import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +29,11 @@ async def collect_metrics(executor, remote_dir: str, local_dir: Path) -> dict:
     try:
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
-        profile_local = local_dir / "profile"
-        metrics_local = local_dir / "metrics.jsonl"
-        await _fetch_profile(executor, posixpath.join(remote_dir, "profile"), profile_local, warnings)
-        await _fetch_metrics(executor, posixpath.join(remote_dir, "metrics.jsonl"), metrics_local, warnings)
+        local, there = RunPaths(local_dir), RunPaths(remote_dir)
+        profile_local = Path(local.profile)
+        metrics_local = Path(local.metrics)
+        await _fetch_profile(executor, there.profile, profile_local, warnings)
+        await _fetch_metrics(executor, there.metrics, metrics_local, warnings)
         # Parsing a large trace takes seconds of CPU: keep it off the daemon's event loop.
         metrics = await anyio.to_thread.run_sync(
             parse_run,

@@ -29,6 +29,7 @@ from runner.assemble import parse_run
 from runner.cache import BenchmarkCache, cache_key
 from runner.metrics import RunMetrics
 from runner.workload import WorkloadConfig
+from trainer_plugin import rundir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WRAP_SCRIPT = Path(__file__).resolve().parent / "wrap.py"
@@ -98,7 +99,7 @@ def default_command(config: WorkloadConfig, steps: int, python: str) -> list[str
         "--precision",
         config.precision,
         "--output_dir",
-        "output",
+        rundir.OUTPUT,  # relative: the workload runs in its run directory
     ]
     if config.lora_r is not None:
         argv += ["--lora_rank", str(config.lora_r)]
@@ -136,18 +137,19 @@ class LiveRunner:
             return hit
         command = self.command_builder(config, steps, self.python)
         run_dir = Path(self.work_dir) / f"{key.digest[:12]}-{int(time.time())}"
-        (run_dir / "output").mkdir(parents=True, exist_ok=True)
+        paths = rundir.RunPaths(run_dir)
+        Path(paths.output).mkdir(parents=True, exist_ok=True)
         # The run's plugin/, as obd gives a job on a target: the wrapper runs from there too.
-        plugin_dir = stage_plugin(run_dir / "plugin")
+        plugin_dir = stage_plugin(Path(paths.plugin))
         wrapped = wrap_command(command, str(plugin_dir), str(run_dir), python=self.python)
         env = dict(os.environ)
         env.update(
             OBD_RUN_DIR=str(run_dir),
-            OBD_OUTPUT_DIR=str(run_dir / "output"),
-            OBD_METRICS_FILE=str(run_dir / "metrics.jsonl"),
+            OBD_OUTPUT_DIR=paths.output,
+            OBD_METRICS_FILE=paths.metrics,
             PYTHONPATH=os.pathsep.join(p for p in (str(plugin_dir), env.get("PYTHONPATH", "")) if p),
         )
-        log_path = run_dir / "job.log"
+        log_path = Path(paths.job_log)
         try:
             with open(log_path, "wb") as log:
                 returncode = self._run_in_own_group(wrapped, run_dir, env, log)
@@ -157,7 +159,7 @@ class LiveRunner:
             raise RunnerFailed(f"the workload could not start ({exc}); logs kept in {log_path}") from exc
         if returncode != 0:
             raise RunnerFailed(f"the workload exited with status {returncode}; logs kept in {log_path}")
-        metrics = parse_run(run_dir / "profile", run_dir / "metrics.jsonl", workload=config)
+        metrics = parse_run(Path(paths.profile), Path(paths.metrics), workload=config)
         metrics.sources["run_dir"] = str(run_dir)
         if self.cache is not None:
             self.cache.put(key, metrics)

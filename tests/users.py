@@ -29,8 +29,9 @@ needs_root_and_users = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("useradd") or not Path("/usr/bin/python3").exists(),
     reason="needs root, useradd and /usr/bin/python3 (it creates throwaway users)",
 )
-# A user's `obd` is the whole `daemon` package, as an install gives it; their venv has none of
-# the daemon's dependencies, so a client module that imported one would fail here.
+# A user's `obd` is the whole `daemon` package (and the trainer_plugin contract it reads), as an
+# install gives it; their venv has none of the daemon's dependencies, so a client module that
+# imported one would fail here.
 
 
 @dataclass
@@ -148,8 +149,11 @@ def _add_user(name: str, group: str, base: Path) -> User:
 
 
 def _copy_client(client: Path) -> None:
+    """What an install gives the `obd` command: the daemon package and the run directory's
+    contract it reads (trainer_plugin, standard library only)."""
     client.mkdir(parents=True)
-    shutil.copytree(REPO / "daemon", client / "daemon", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("daemon", "trainer_plugin"):
+        shutil.copytree(REPO / package, client / package, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 @pytest.fixture(scope="module")

@@ -159,7 +159,7 @@ def group_alive(handle: dict | None) -> bool:
 
 def read_handle(run_dir: str, facts: str | None = None) -> dict | None:
     """The wrapper's handle: from the facts directory where there is one, else from job.pid."""
-    path = os.path.join(facts, rundir.FACT_HANDLE) if facts else os.path.join(run_dir, rundir.JOB_PID)
+    path = rundir.FactPaths(facts).handle if facts else rundir.RunPaths(run_dir).job_pid
     data = read_regular(path, rundir.JOB_PID_LIMIT)
     if not data:
         return None
@@ -186,17 +186,17 @@ def job_status(run_dir: str, handle: dict | None = None, facts: str | None = Non
     With a facts directory, the end and the cancel marks are read there only: nothing in the
     run directory is looked at. The wrapper outlives every process of its job, so the job runs
     while it lives."""
-    marks = facts or run_dir
-    code = read_int(os.path.join(marks, rundir.FACT_EXIT if facts else rundir.EXIT_CODE))
-    if os.path.lexists(os.path.join(marks, rundir.CANCELLED)):
+    marks = end_marks(run_dir, facts)
+    code = read_int(marks.exit_code)
+    if os.path.lexists(marks.cancelled):
         return {"state": "cancelled", "exit_code": code}
     handle = handle or read_handle(run_dir, facts)
     # A job whose wrapper died but whose processes live on is still running (and cancellable).
     if code is None and (handle_alive(handle) or group_alive(handle)):
         return {"state": "running", "exit_code": None}
     # The wrapper may have just written exit_code and exited: read once more.
-    code = read_int(os.path.join(marks, rundir.FACT_EXIT if facts else rundir.EXIT_CODE))
-    if os.path.lexists(os.path.join(marks, rundir.CANCELLING)):
+    code = read_int(marks.exit_code)
+    if os.path.lexists(marks.cancelling):
         # A cancel was under way (its canceller may have died before writing `cancelled`).
         return {"state": "cancelled", "exit_code": code}
     if code is not None:
@@ -207,7 +207,14 @@ def job_status(run_dir: str, handle: dict | None = None, facts: str | None = Non
 def planted(run_dir: str) -> list[str]:
     """The end marks found in a run directory whose job's end is recorded elsewhere (a facts
     directory): nobody but the job's user can have put them there, and they change nothing."""
-    return [n for n in (rundir.CANCELLING, rundir.CANCELLED) if os.path.lexists(os.path.join(run_dir, n))]
+    paths = rundir.RunPaths(run_dir)
+    return [n for n in (rundir.CANCELLING, rundir.CANCELLED) if os.path.lexists(paths.file(n))]
+
+
+def end_marks(run_dir: str, facts: str | None) -> rundir.RunPaths | rundir.FactPaths:
+    """Where the job's end and the cancel marks are (`exit_code`, `cancelling`, `cancelled`): the
+    facts directory where there is one, else the run directory."""
+    return rundir.FactPaths(facts) if facts else rundir.RunPaths(run_dir)
 
 
 # --- the job's processes ------------------------------------------------------------------
@@ -354,7 +361,7 @@ def shell_exit_code(code: int) -> int:
 
 def asked_output_dir(run_dir: str) -> str | None:
     """The output_dir the script asked for, as the plugin's `begin` line recorded it."""
-    head = read_regular(os.path.join(run_dir, rundir.METRICS), rundir.METRICS_HEAD) or b""
+    head = read_regular(rundir.RunPaths(run_dir).metrics, rundir.METRICS_HEAD) or b""
     begin = _parse_json_line(head.split(b"\n", 1)[0]) or {}
     asked = begin.get("output_dir_requested")
     return asked if isinstance(asked, str) and asked else None
@@ -365,7 +372,7 @@ def place_outputs(run_dir: str, output_to: str, cwd: str, log_fd: int) -> None:
     links where the filesystem allows, else copies. An existing directory that is not empty is
     never written into; the log says so and the outputs stay in the run directory."""
     dest = asked_output_dir(run_dir) if output_to == "asked" else output_to
-    source = os.path.join(run_dir, rundir.OUTPUT)
+    source = rundir.RunPaths(run_dir).output
     if not dest:
         os.write(log_fd, b"obd: --output-to asked: the script's output_dir is unknown; outputs stay in the run\n")
         return
@@ -400,7 +407,7 @@ LEFT_BEHIND = "obd: the job left"
 
 def write_exit_code(run_dir: str, code: int) -> None:
     """The job wrapper's last word: the job's exit status, in `exit_code`."""
-    atomic_write(os.path.join(run_dir, rundir.EXIT_CODE), f"{code}\n".encode())
+    atomic_write(rundir.RunPaths(run_dir).exit_code, f"{code}\n".encode())
 
 
 # --- cancel -----------------------------------------------------------------------------
@@ -416,9 +423,9 @@ def cancel(run_dir: str, grace: float, handle: dict | None = None, facts: str | 
     status = job_status(run_dir, handle, facts)
     if status["state"] in ("exited", "cancelled"):
         return status
-    marks = facts or run_dir
+    marks = end_marks(run_dir, facts)
     handle = handle or read_handle(run_dir, facts)
-    atomic_write(os.path.join(marks, rundir.CANCELLING), f"{time.time()}\n".encode(), 0o600)
+    atomic_write(marks.cancelling, f"{time.time()}\n".encode(), 0o600)
     killed = False
     if handle is not None and (handle_alive(handle) or group_alive(handle)):
         root = int(handle["pid"])
@@ -434,9 +441,8 @@ def cancel(run_dir: str, grace: float, handle: dict | None = None, facts: str | 
         while handle_alive(handle) and time.monotonic() < deadline + 5:
             time.sleep(0.02)  # the wrapper records the end, then exits
     record = {"time": time.time(), "killed": killed}
-    atomic_write(os.path.join(marks, rundir.CANCELLED), json.dumps(record).encode(), 0o600)
-    exit_path = os.path.join(marks, rundir.FACT_EXIT if facts else rundir.EXIT_CODE)
-    return {"state": "cancelled", "exit_code": read_int(exit_path)}
+    atomic_write(marks.cancelled, json.dumps(record).encode(), 0o600)
+    return {"state": "cancelled", "exit_code": read_int(marks.exit_code)}
 
 
 # --- probe ------------------------------------------------------------------------------
@@ -483,7 +489,7 @@ def _proof_text(data: bytes) -> str:
 
 
 def _read_proof(run_dir: str, result: dict) -> None:
-    path = os.path.join(run_dir, rundir.SNAPSHOT_PROOF)
+    path = rundir.RunPaths(run_dir).proof
     kind = rundir.non_regular(path)
     if kind is not None:  # never opened: a FIFO or device would block, a link leads out
         result["proof_not_regular"] = kind
@@ -504,14 +510,15 @@ def probe_dir(run_dir: str, handle: dict | None = None, with_job: bool = True) -
     `with_job=False` leaves the job's status and handle to the caller (a scheduler knows them).
     """
     result: dict = {"remote_dir": run_dir}
+    paths = rundir.RunPaths(run_dir)
     try:
         if with_job:
             result["status"] = job_status(run_dir, handle)
-        request = read_regular(os.path.join(run_dir, rundir.SNAPSHOT_REQUEST), REQUEST_LIMIT)
+        request = read_regular(paths.request, REQUEST_LIMIT)
         result["request"] = request.decode("utf-8", "replace") if request is not None else None
         _read_proof(run_dir, result)
-        result.update(_metrics_summary(os.path.join(run_dir, rundir.METRICS)))
-        result["log_size"] = file_size(os.path.join(run_dir, rundir.JOB_LOG))
+        result.update(_metrics_summary(paths.metrics))
+        result["log_size"] = file_size(paths.job_log)
         if with_job:
             result["handle"] = read_handle(run_dir)
         result["checkpoints"] = rundir.real_checkpoints(run_dir)

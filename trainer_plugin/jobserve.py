@@ -146,7 +146,8 @@ class _Watcher:
     def present(self, run_dir: str) -> list[str]:
         """The urgent files that exist already (pushed when a watch starts, so nothing written
         while no helper watched is missed)."""
-        return [n for n in rundir.URGENT_FILES if os.path.lexists(os.path.join(run_dir, n))]
+        paths = rundir.RunPaths(run_dir)
+        return [n for n in rundir.URGENT_FILES if os.path.lexists(paths.file(n))]
 
     # -- inside the lock --
 
@@ -159,16 +160,16 @@ class _Watcher:
         return wd
 
     def _watch_metrics(self, run_dir: str) -> None:
-        if run_dir not in self._metrics and os.path.isfile(os.path.join(run_dir, rundir.METRICS)):
-            wd = self._add_watch(
-                os.path.join(run_dir, rundir.METRICS), self.IN_MODIFY | self.IN_DONT_FOLLOW, (run_dir, True)
-            )
+        metrics = rundir.RunPaths(run_dir).metrics
+        if run_dir not in self._metrics and os.path.isfile(metrics):
+            wd = self._add_watch(metrics, self.IN_MODIFY | self.IN_DONT_FOLLOW, (run_dir, True))
             if wd >= 0:
                 self._metrics[run_dir] = wd
 
     @staticmethod
     def _signature(run_dir: str) -> dict[str, tuple[int, int, int] | None]:
-        return {n: _stat_signature(os.path.join(run_dir, n)) for n in (*rundir.URGENT_FILES, rundir.METRICS)}
+        paths = rundir.RunPaths(run_dir)
+        return {n: _stat_signature(paths.file(n)) for n in (*rundir.URGENT_FILES, rundir.METRICS)}
 
     # -- the watcher's thread --
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import posixpath
 import re
 import stat
 from dataclasses import dataclass
@@ -50,8 +51,210 @@ WATCHDOG_JOB = "watchdog"  # obd: the run directory of the watchdog's own proces
 LEASE = "lease"  # the daemon: unix time until which it is in charge of the caps
 RETRIEVED = "retrieved"  # the daemon, once the outputs are safe: the watchdog's work is over
 
+# The Slurm job's files (Slurm targets only).
+SLURM_SUBMIT = "slurm.json"  # the submit's intent, then the job id: {"job_name", "submitting", "job_id"}
+SLURM_LAUNCH = "slurm_launch.json"  # obd: how the batch wrapper launches the command (nodes, launcher, python)
+SLURM_SCRIPT = "slurm_batch.sh"  # obd: the batch script sbatch is given
+
 # What obd retrieves from a pod before it ends it (sizes and sha256 checked).
 OUTPUTS = (OUTPUT, JOB_LOG, METRICS, SNAPSHOT_PROOF, PROFILE, EXIT_CODE, WATCHDOG_LOG)
+
+
+class RunPaths:
+    """The path of each file of one run directory, named once (cf. submitit's `JobPaths`).
+
+    `RunPaths(run_dir).job_log` instead of `f"{run_dir}/job.log"`: whoever reads or writes a run
+    directory (the daemon, an executor, the profiler, the job wrapper, the watchdog) asks this
+    object, so a file's name is written in one place, above. Paths are joined with `posixpath`:
+    a run directory is a path on its target, and every target is POSIX, whatever the caller runs
+    on. The paths are plain strings (wrap them in `Path` for local use); nothing is checked or
+    touched here.
+    """
+
+    __slots__ = ("run_dir",)
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.run_dir = os.fspath(run_dir)
+
+    def __repr__(self) -> str:
+        return f"RunPaths({self.run_dir!r})"
+
+    def file(self, name: str) -> str:
+        """`<run dir>/<name>`, for a name of the contract held in a variable (a loop over `URGENT_FILES`)."""
+        return posixpath.join(self.run_dir, name)
+
+    @property
+    def job_spec(self) -> str:
+        """`job.json`: the job's argv, cwd, env and PYTHONPATH, written by obd before the start."""
+        return self.file(JOB_SPEC)
+
+    @property
+    def job_log(self) -> str:
+        """`job.log`: the job's stdout and stderr."""
+        return self.file(JOB_LOG)
+
+    @property
+    def job_pid(self) -> str:
+        """`job.pid`: the job wrapper's handle (pid, start time, boot id)."""
+        return self.file(JOB_PID)
+
+    @property
+    def exit_code(self) -> str:
+        """`exit_code`: the job's exit status, once it ended."""
+        return self.file(EXIT_CODE)
+
+    @property
+    def cancelling(self) -> str:
+        """`cancelling`: a cancel is under way."""
+        return self.file(CANCELLING)
+
+    @property
+    def cancelled(self) -> str:
+        """`cancelled`: the cancel is done."""
+        return self.file(CANCELLED)
+
+    @property
+    def output(self) -> str:
+        """`output`: the trainer's output_dir."""
+        return self.file(OUTPUT)
+
+    def checkpoint(self, step: int) -> str:
+        """`output/checkpoint-<step>`: where the Trainer saves step `step`."""
+        return posixpath.join(self.run_dir, checkpoint_relpath(step))
+
+    def in_output(self, name: str) -> str:
+        """`output/<name>`: an entry of the output directory (a checkpoint known by its name)."""
+        return posixpath.join(self.run_dir, OUTPUT, name)
+
+    @property
+    def request(self) -> str:
+        """`snapshot.request`: a snapshot request, one reason word."""
+        return self.file(SNAPSHOT_REQUEST)
+
+    @property
+    def proof(self) -> str:
+        """`snapshot.json`: the proof of a snapshot."""
+        return self.file(SNAPSHOT_PROOF)
+
+    @property
+    def metrics(self) -> str:
+        """`metrics.jsonl`: the plugin's `begin`, `log` and `end` lines."""
+        return self.file(METRICS)
+
+    @property
+    def profile(self) -> str:
+        """`profile`: the profiler's artefacts of a run started with --profile."""
+        return self.file(PROFILE)
+
+    @property
+    def plugin(self) -> str:
+        """`plugin`: obd's trainer_plugin files for this run, first on the job's PYTHONPATH."""
+        return self.file(PLUGIN)
+
+    def plugin_module(self, name: str) -> str:
+        """`plugin/trainer_plugin/<name>`: one file of the plugin package (a tool run by path)."""
+        return posixpath.join(self.run_dir, PLUGIN, "trainer_plugin", name)
+
+    @property
+    def sources(self) -> str:
+        """`src`: the job's --cwd, uploaded where the target does not share the daemon's files."""
+        return self.file(SOURCES)
+
+    @property
+    def resume(self) -> str:
+        """`resume`: checkpoints brought from another target for OBD_RESUME_FROM."""
+        return self.file(RESUME)
+
+    def in_resume(self, name: str) -> str:
+        """`resume/<name>`: a checkpoint brought from another target, by its name."""
+        return posixpath.join(self.run_dir, RESUME, name)
+
+    @property
+    def watchdog_config(self) -> str:
+        """`watchdog.json`: the pod watchdog's caps and settings."""
+        return self.file(WATCHDOG_CONFIG)
+
+    @property
+    def watchdog_log(self) -> str:
+        """`watchdog.log`: the pod watchdog's decisions."""
+        return self.file(WATCHDOG_LOG)
+
+    @property
+    def watchdog_lock(self) -> str:
+        """`watchdog.lock`: flock'd by the one watchdog of the run directory."""
+        return self.file(WATCHDOG_LOCK)
+
+    @property
+    def watchdog_job(self) -> str:
+        """`watchdog`: the run directory of the watchdog's own process."""
+        return self.file(WATCHDOG_JOB)
+
+    @property
+    def lease(self) -> str:
+        """`lease`: until when the daemon is in charge of the caps."""
+        return self.file(LEASE)
+
+    @property
+    def retrieved(self) -> str:
+        """`retrieved`: the daemon's mark that the outputs are safe."""
+        return self.file(RETRIEVED)
+
+    @property
+    def slurm_submit(self) -> str:
+        """`slurm.json`: the Slurm submit's intent, then its job id."""
+        return self.file(SLURM_SUBMIT)
+
+    @property
+    def slurm_launch(self) -> str:
+        """`slurm_launch.json`: how the Slurm batch wrapper launches the command."""
+        return self.file(SLURM_LAUNCH)
+
+    @property
+    def slurm_script(self) -> str:
+        """`slurm_batch.sh`: the batch script sbatch is given."""
+        return self.file(SLURM_SCRIPT)
+
+
+class FactPaths:
+    """The path of each file of a facts directory (`STATE_DIR/facts/<run id>/`, the daemon's own).
+
+    It has the run directory's end marks under the same names (`exit_code`, `cancelling`,
+    `cancelled`), so the job wrapper reads and writes `marks.exit_code` with `marks` a
+    `FactPaths` or a `RunPaths`, whichever holds the job's end.
+    """
+
+    __slots__ = ("facts_dir",)
+
+    def __init__(self, facts_dir: str | os.PathLike[str]) -> None:
+        self.facts_dir = os.fspath(facts_dir)
+
+    def __repr__(self) -> str:
+        return f"FactPaths({self.facts_dir!r})"
+
+    def file(self, name: str) -> str:
+        """`<facts dir>/<name>`, for a name held in a variable (a cancel mark found in the run directory)."""
+        return posixpath.join(self.facts_dir, name)
+
+    @property
+    def handle(self) -> str:
+        """`handle.json`: the wrapper's handle, written before the job starts."""
+        return self.file(FACT_HANDLE)
+
+    @property
+    def exit_code(self) -> str:
+        """`exit_code`: the job's exit status, once every process of it is gone."""
+        return self.file(FACT_EXIT)
+
+    @property
+    def cancelling(self) -> str:
+        """`cancelling`: a cancel is under way."""
+        return self.file(CANCELLING)
+
+    @property
+    def cancelled(self) -> str:
+        """`cancelled`: the cancel is done."""
+        return self.file(CANCELLED)
+
 
 # --- limits: what a reader takes of files that anyone on the target may write ------------------
 

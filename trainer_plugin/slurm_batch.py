@@ -40,9 +40,6 @@ except ImportError:  # run as a script beside jobctl.py and rundir.py
     import jobctl  # type: ignore[no-redef, import-not-found]
     import rundir  # type: ignore[no-redef, import-not-found]
 
-SUBMIT = "slurm.json"  # the submit's intent, then the job id: {"job_name", "submitting", "job_id"}
-LAUNCH = "slurm_launch.json"  # how the batch wrapper launches the command: nodes, launcher, python
-BATCH_SCRIPT = "slurm_batch.sh"  # the batch script sbatch was given
 SUBMIT_GRACE = 120.0  # a submit whose intent is younger than this may still be under way
 
 # Slurm job states (squeue %T), by what they mean for obd.
@@ -115,7 +112,7 @@ def job_name(run_dir: str) -> str:
 
 
 def read_submit(run_dir: str) -> dict:
-    data = rundir.read_regular(os.path.join(run_dir, SUBMIT), 4096)
+    data = rundir.read_regular(rundir.RunPaths(run_dir).slurm_submit, 4096)
     try:
         value = json.loads(data) if data else {}
     except ValueError:
@@ -124,7 +121,7 @@ def read_submit(run_dir: str) -> dict:
 
 
 def _write_submit(run_dir: str, record: dict) -> None:
-    rundir.atomic_write(os.path.join(run_dir, SUBMIT), json.dumps(record).encode())
+    rundir.atomic_write(rundir.RunPaths(run_dir).slurm_submit, json.dumps(record).encode())
 
 
 def submit_env(values: dict[str, str]) -> dict[str, str]:
@@ -174,10 +171,11 @@ def submit(run_dir: str, request: dict) -> dict:
 
 def file_facts(run_dir: str) -> dict:
     """What the run directory says of the job's end: its exit code and obd's cancel files."""
+    paths = rundir.RunPaths(run_dir)
     return {
-        "exit_code": jobctl.read_int(os.path.join(run_dir, rundir.EXIT_CODE)),
-        "cancelled": os.path.lexists(os.path.join(run_dir, rundir.CANCELLED)),
-        "cancelling": os.path.lexists(os.path.join(run_dir, rundir.CANCELLING)),
+        "exit_code": jobctl.read_int(paths.exit_code),
+        "cancelled": os.path.lexists(paths.cancelled),
+        "cancelling": os.path.lexists(paths.cancelling),
     }
 
 
@@ -282,7 +280,8 @@ def cancel(run_dir: str, grace: float, job_id: str | None) -> dict:
     if facts["cancelled"] or (facts["exit_code"] is not None and not facts["cancelling"]):
         return {"state": "cancelled" if facts["cancelled"] else "exited", "exit_code": facts["exit_code"]}
     # Written first: the batch wrapper then takes Slurm's TERM for the cancel it is, not a preemption.
-    rundir.atomic_write(os.path.join(run_dir, rundir.CANCELLING), f"{time.time()}\n".encode())
+    paths = rundir.RunPaths(run_dir)
+    rundir.atomic_write(paths.cancelling, f"{time.time()}\n".encode())
     job_id = find_job_id(run_dir, job_name(run_dir), job_id, wait=min(30.0, SUBMIT_GRACE))
     killed = False
     if job_id is not None:
@@ -294,8 +293,8 @@ def cancel(run_dir: str, grace: float, job_id: str | None) -> dict:
             killed = True
             _wait_job(job_id, 60)
     record = {"time": time.time(), "killed": killed, "job_id": job_id}
-    rundir.atomic_write(os.path.join(run_dir, rundir.CANCELLED), json.dumps(record).encode())
-    return {"state": "cancelled", "exit_code": jobctl.read_int(os.path.join(run_dir, rundir.EXIT_CODE))}
+    rundir.atomic_write(paths.cancelled, json.dumps(record).encode())
+    return {"state": "cancelled", "exit_code": jobctl.read_int(paths.exit_code)}
 
 
 # --- put ------------------------------------------------------------------------------------------
@@ -314,7 +313,7 @@ def put(path: str, data: bytes) -> dict:
 
 def request_snapshot(run_dir: str, reason: str) -> None:
     """Write `snapshot.request` unless there is one already (a request's reason is the first asker's)."""
-    path = os.path.join(run_dir, rundir.SNAPSHOT_REQUEST)
+    path = rundir.RunPaths(run_dir).request
     if rundir.read_regular(path, rundir.REQUEST_LIMIT):
         return
     with contextlib.suppress(OSError):
@@ -399,8 +398,9 @@ def cwd_problem(cwd: str) -> str | None:
 
 def batch(run_dir: str) -> int:
     """The job wrapper of a Slurm job: job.pid, the command (on every node), exit_code; signals become requests."""
-    spec = json.loads(rundir.read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
-    plan = json.loads(rundir.read_regular(os.path.join(run_dir, LAUNCH), 65536) or b"{}")
+    paths = rundir.RunPaths(run_dir)
+    spec = json.loads(rundir.read_regular(paths.job_spec, rundir.JOB_SPEC_LIMIT) or b"{}")
+    plan = json.loads(rundir.read_regular(paths.slurm_launch, 65536) or b"{}")
     if spec.get("umask") is not None:
         os.umask(int(spec["umask"]) & 0o777)
     env = jobctl.job_environment(spec, {}, False)
@@ -414,7 +414,7 @@ def batch(run_dir: str) -> int:
         request_snapshot(run_dir, rundir.DEADLINE)
 
     def on_term(signum: int, frame: object) -> None:
-        if os.path.lexists(os.path.join(run_dir, rundir.CANCELLING)):
+        if os.path.lexists(paths.cancelling):
             cancel_seen.append(True)
             for proc in child:  # obd's cancel: the job ends (Slurm signals its steps too)
                 with contextlib.suppress(OSError):
@@ -433,8 +433,8 @@ def batch(run_dir: str) -> int:
         "node": os.environ.get("SLURMD_NODENAME"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
     }
-    rundir.atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(handle).encode())
-    if cancel_seen or os.path.lexists(os.path.join(run_dir, rundir.CANCELLING)):
+    rundir.atomic_write(paths.job_pid, json.dumps(handle).encode())
+    if cancel_seen or os.path.lexists(paths.cancelling):
         # obd cancelled the run before its command started (scancel met the job as it began).
         print("obd: the run was cancelled before its command started", file=sys.stderr, flush=True)
         jobctl.write_exit_code(run_dir, 143)
@@ -457,7 +457,7 @@ def batch(run_dir: str) -> int:
         with contextlib.suppress(OSError):
             child[0].send_signal(signal.SIGTERM)
     code = jobctl.shell_exit_code(child[0].wait())
-    proof = os.path.lexists(os.path.join(run_dir, rundir.SNAPSHOT_PROOF))
+    proof = os.path.lexists(paths.proof)
     if code == 0 and spec.get("output_to") and not proof:
         jobctl.place_outputs(run_dir, spec["output_to"], cwd, sys.stderr.fileno())
     jobctl.write_exit_code(run_dir, code)
@@ -466,8 +466,9 @@ def batch(run_dir: str) -> int:
 
 def node(run_dir: str) -> int:
     """On each node of a multi-node job (under srun): run the node's command in the job's directory."""
-    spec = json.loads(rundir.read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
-    plan = json.loads(rundir.read_regular(os.path.join(run_dir, LAUNCH), 65536) or b"{}")
+    paths = rundir.RunPaths(run_dir)
+    spec = json.loads(rundir.read_regular(paths.job_spec, rundir.JOB_SPEC_LIMIT) or b"{}")
+    plan = json.loads(rundir.read_regular(paths.slurm_launch, 65536) or b"{}")
     env = dict(os.environ)
     argv = node_command(spec, plan, env)
     cwd = spec.get("cwd") or run_dir

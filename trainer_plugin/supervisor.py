@@ -65,7 +65,7 @@ def start(run_dir: str, spec: dict, values: dict[str, str], clean_env: bool = Fa
     except ValueError:
         handle = None
     if not isinstance(handle, dict):
-        raise SystemExit(f"obd: the job wrapper did not start; see {run_dir}/{rundir.JOB_LOG}")
+        raise SystemExit(f"obd: the job wrapper did not start; see {rundir.RunPaths(run_dir).job_log}")
     return handle
 
 
@@ -88,11 +88,13 @@ def _supervise(
     me = os.getpid()
     handle: dict = {"pid": me, "start_time": jobctl.process_start_time(me), "boot_id": jobctl.boot_id()}
     handle["uid"] = int(spec["run_as"]["uid"]) if spec.get("run_as") else os.getuid()
-    if facts:  # written before anything starts: a daemon restarted meanwhile finds the wrapper here
-        rundir.atomic_write(os.path.join(facts, rundir.FACT_HANDLE), json.dumps(handle).encode(), 0o600)
+    paths = rundir.RunPaths(run_dir)
+    fact_paths = rundir.FactPaths(facts) if facts else None
+    if fact_paths:  # written before anything starts: a daemon restarted meanwhile finds the wrapper here
+        rundir.atomic_write(fact_paths.handle, json.dumps(handle).encode(), 0o600)
     with creds.acting_as(owner):
         log = os.open(
-            os.path.join(run_dir, rundir.JOB_LOG),
+            paths.job_log,
             os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
             0o600,
         )
@@ -114,18 +116,18 @@ def _supervise(
     with os.fdopen(info_read, "rb") as pipe:
         info = _json_object(pipe.read())
     handle.update(cwd=cwd, executable=info.get("executable"), python=info.get("python"))
-    if facts:
-        rundir.atomic_write(os.path.join(facts, rundir.FACT_HANDLE), json.dumps(handle).encode(), 0o600)
+    if fact_paths:
+        rundir.atomic_write(fact_paths.handle, json.dumps(handle).encode(), 0o600)
     with creds.acting_as(owner), contextlib.suppress(OSError):  # for people to read; never trusted
-        rundir.atomic_write(os.path.join(run_dir, rundir.JOB_PID), json.dumps(handle).encode())
+        rundir.atomic_write(paths.job_pid, json.dumps(handle).encode())
     os.write(ready_fd, json.dumps(handle).encode())
     os.close(ready_fd)
     code = jobctl.shell_exit_code(_exit_code(os.waitpid(child, 0)[1]))
     if code == 0 and spec.get("output_to"):
         _place_outputs(run_dir, spec, cwd, log)
     _end_leftovers(me, log)
-    if facts:
-        rundir.atomic_write(os.path.join(facts, rundir.FACT_EXIT), f"{code}\n".encode(), 0o600)
+    if fact_paths:
+        rundir.atomic_write(fact_paths.exit_code, f"{code}\n".encode(), 0o600)
     with creds.acting_as(owner), contextlib.suppress(OSError):
         jobctl.write_exit_code(run_dir, code)
     return 0
@@ -160,7 +162,7 @@ def _exec_job(spec: dict, command: list[str], env: dict[str, str], cwd: str, log
 
 def _place_outputs(run_dir: str, spec: dict, cwd: str, log: int) -> None:
     """`--output-to`, done in a child that is the job's user (the wrapper may be root)."""
-    if os.path.lexists(os.path.join(run_dir, rundir.SNAPSHOT_PROOF)):
+    if os.path.lexists(rundir.RunPaths(run_dir).proof):
         return  # a stopped run's partial save is never placed as its final output
     pid = os.fork()
     if pid == 0:
@@ -234,6 +236,6 @@ def read_start_input(run_dir: str, argv: list[str]) -> tuple[dict, dict[str, str
             # Cut short (the daemon went away while it was sending): nothing is started.
             raise SystemExit("obd: the job wrapper got no job on its stdin; nothing was started")
         return spec, payload.get("values") or {}
-    spec = _json_object(rundir.read_regular(os.path.join(run_dir, rundir.JOB_SPEC), rundir.JOB_SPEC_LIMIT) or b"{}")
+    spec = _json_object(rundir.read_regular(rundir.RunPaths(run_dir).job_spec, rundir.JOB_SPEC_LIMIT) or b"{}")
     values = _json_object(sys.stdin.buffer.read()) if "--secrets-stdin" in argv else {}
     return spec, values

@@ -97,7 +97,7 @@ def load_config(path: str) -> dict[str, Any]:
 
 def read_lease(run_dir: str) -> tuple[float | None, float | None]:
     """(expiry written by the daemon, file mtime), or (None, None) when there is no lease."""
-    path = os.path.join(run_dir, rundir.LEASE)
+    path = rundir.RunPaths(run_dir).lease
     data = rundir.read_regular(path, 64)
     if not data:
         return None, None
@@ -210,6 +210,7 @@ class Watchdog:
     ) -> None:
         self.cfg = {**DEFAULTS, **cfg}
         self.run_dir: str = self.cfg["run_dir"]
+        self.paths = rundir.RunPaths(self.run_dir)
         self.clock = clock
         self.statvfs = statvfs
         self.environ = dict(os.environ if environ is None else environ)
@@ -242,17 +243,14 @@ class Watchdog:
 
     # --- observations -------------------------------------------------------------------------
 
-    def path(self, name: str) -> str:
-        return os.path.join(self.run_dir, name)
-
     def job_phase(self, now: float) -> tuple[str, float | None]:
         """('waiting' | 'running' | 'ended', when it ended) from the files the job wrapper writes."""
-        for name in (rundir.CANCELLED, rundir.EXIT_CODE):
+        for path in (self.paths.cancelled, self.paths.exit_code):
             try:
-                return "ended", os.stat(self.path(name)).st_mtime
+                return "ended", os.stat(path).st_mtime
             except OSError:
                 pass
-        if not os.path.exists(self.path(rundir.JOB_PID)):
+        if not os.path.exists(self.paths.job_pid):
             return "waiting", None
         status = jobctl.job_status(self.run_dir)
         if status["state"] == "running":
@@ -300,7 +298,7 @@ class Watchdog:
         self.said.add((event, reason))
         line = {"time": self.clock(), "event": event, "reason": reason, **fields}
         try:
-            fd = os.open(self.path(rundir.WATCHDOG_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(self.paths.watchdog_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
                 os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode())
             finally:
@@ -310,11 +308,11 @@ class Watchdog:
 
     def request(self, reason: str, **fields: Any) -> None:
         """Write `snapshot.request` with `reason`, atomically, unless a request is already there."""
-        existing = rundir.read_regular(self.path(rundir.SNAPSHOT_REQUEST), rundir.REQUEST_LIMIT)
+        existing = rundir.read_regular(self.paths.request, rundir.REQUEST_LIMIT)
         if existing and existing.strip():
             self.say("request_exists", reason, existing=existing.decode("utf-8", "replace").strip(), **fields)
             return
-        rundir.atomic_write(self.path(rundir.SNAPSHOT_REQUEST), rundir.request_bytes(reason))
+        rundir.atomic_write(self.paths.request, rundir.request_bytes(reason))
         self.say("snapshot_requested", reason, **fields)
 
     def hard_stop(self, reason: str, **fields: Any) -> None:
@@ -352,7 +350,7 @@ class Watchdog:
     def step(self) -> bool:
         """Look once and act; True when the watchdog's work is over (retrieved, or pod deleted)."""
         now = self.clock()
-        if os.path.exists(self.path(rundir.RETRIEVED)):
+        if os.path.exists(self.paths.retrieved):
             self.say("retrieved", "", detail="obd retrieved the outputs; the watchdog stops")
             return True
         fresh = self.lease_fresh(now)
@@ -414,7 +412,7 @@ class Watchdog:
 
     def run(self, sleep: Callable[[float], None] = time.sleep, max_steps: int | None = None) -> int:
         """Step every `interval` seconds until done; at most one watchdog per run directory."""
-        lock = _lock(self.path(rundir.WATCHDOG_LOCK))
+        lock = _lock(self.paths.watchdog_lock)
         if lock is None:
             self.say("already_running", "")
             return 0

@@ -1,6 +1,7 @@
 """The `obd` command's parsers: every command and flag, with its help and examples.
 
-Standard library only, like every module the client imports.
+Standard library only, like every module the client imports; the reason words of a stop come
+from the run directory's contract (`trainer_plugin/rundir.py`, standard library only too).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from daemon.cli.common import (
     SHELLS,
 )
 from daemon.wire import STATES
+from trainer_plugin.rundir import DEFAULT_REASON, REASONS
 
 START_EXAMPLES = """\
 examples:
@@ -339,9 +341,9 @@ def _add_stop_and_cancel(train: Any) -> None:
     _run_arg(st)
     st.add_argument(
         "--reason",
-        default="requested",
-        choices=("requested", "deadline", "cost", "disk", "preempted"),
-        help="the reason word written in the request (default: requested)",
+        default=DEFAULT_REASON,
+        choices=REASONS,
+        help=f"the reason word written in the request (default: {DEFAULT_REASON})",
     )
     st.add_argument("--wait", action="store_true", help="wait until the run ended; exit 0 only with a snapshot")
     st.add_argument("--json", action="store_true", help="print the run's record")

@@ -103,7 +103,7 @@ class PodCaps:
 
     async def renew_lease(self, executor: Executor, remote_dir: str, ttl: float) -> None:
         """Tell the watchdog the daemon is in charge for the next `ttl` seconds."""
-        await executor.put_file(f"{remote_dir}/{rundir.LEASE}", lease_bytes(self.ctx.clock(), ttl))
+        await executor.put_file(rundir.RunPaths(remote_dir).lease, lease_bytes(self.ctx.clock(), ttl))
 
     def watchdog_config(self, remote_dir: str, info: PodInfo) -> dict[str, Any]:
         """The settings written to `<remote_dir>/watchdog.json`: no secret in it, nor anywhere else
@@ -129,30 +129,26 @@ class PodCaps:
 
     def watchdog_command(self, remote_dir: str) -> list[str]:
         """argv of the watchdog on the pod (no secret: it is given none)."""
-        return [
-            self.ctx.target.python,
-            f"{remote_dir}/{rundir.PLUGIN}/trainer_plugin/watchdog.py",
-            "run",
-            "--config",
-            f"{remote_dir}/{rundir.WATCHDOG_CONFIG}",
-        ]
+        paths = rundir.RunPaths(remote_dir)
+        return [self.ctx.target.python, paths.plugin_module("watchdog.py"), "run", "--config", paths.watchdog_config]
 
     async def install_tools(self, executor: Executor, remote_dir: str) -> None:
         """Put the watchdog (and what it imports) into the run's plugin dir, idempotently."""
         for name in WATCHDOG_FILES:
             data = (PLUGIN_DIR / name).read_bytes()
-            await executor.put_file(f"{remote_dir}/{rundir.PLUGIN}/trainer_plugin/{name}", data)
+            await executor.put_file(rundir.RunPaths(remote_dir).plugin_module(name), data)
 
     async def start_watchdog(self, executor: Executor, remote_dir: str, info: PodInfo) -> JobHandle:
         """Write the watchdog's config and start it detached (jobctl: setsid), with no secret: the
         account's key stays with the daemon (see the module's docstring)."""
         await self.install_tools(executor, remote_dir)
         config = self.watchdog_config(remote_dir, info)
-        await executor.put_file(f"{remote_dir}/{rundir.WATCHDOG_CONFIG}", json.dumps(config, indent=1).encode())
+        paths = rundir.RunPaths(remote_dir)
+        await executor.put_file(paths.watchdog_config, json.dumps(config, indent=1).encode())
         env = {"RUNPOD_API_BASE_URL": config["api_base_url"]} if config["api_base_url"] else {}
         job = JobSpec(
             run_id=f"{info.run_id or 'run'}-watchdog",
-            remote_dir=f"{remote_dir}/{rundir.WATCHDOG_JOB}",
+            remote_dir=paths.watchdog_job,
             command=self.watchdog_command(remote_dir),
             cwd=remote_dir,
             env=env,

@@ -124,7 +124,7 @@ class Retrieval:
         """Tell the pod's watchdog that the outputs are safe (a kept pod is then the user's)."""
         ex = self.ctx.executor(info)
         try:
-            await ex.put_file(f"{remote_dir}/{rundir.RETRIEVED}", f"{self.ctx.clock():.3f}\n".encode())
+            await ex.put_file(rundir.RunPaths(remote_dir).retrieved, f"{self.ctx.clock():.3f}\n".encode())
         except ExecutorError as exc:
             log.warning("runpod.retrieved_marker_failed", run_id=info.run_id, remote_dir=remote_dir, error=str(exc))
         finally:
@@ -143,7 +143,7 @@ class Retrieval:
         async def keep_lease() -> None:
             nonlocal renewed
             if lease_ttl is not None and self.ctx.clock() - renewed > lease_ttl / 3:
-                await ex.put_file(f"{remote_dir}/{rundir.LEASE}", lease_bytes(self.ctx.clock(), lease_ttl))
+                await ex.put_file(rundir.RunPaths(remote_dir).lease, lease_bytes(self.ctx.clock(), lease_ttl))
                 renewed = self.ctx.clock()
 
         try:

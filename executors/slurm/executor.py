@@ -204,26 +204,27 @@ class SlurmExecutor:
         self._refuse()
         self._check_run_as(job)
         rd = job.remote_dir.rstrip("/")
+        paths = rundir.RunPaths(rd)
         python = await self.python()
         spec: dict[str, Any] = {
             "command": job.command,
             "cwd": job.cwd,
-            "pythonpath": [f"{rd}/{rundir.PLUGIN}"],
+            "pythonpath": [paths.plugin],
             "path_prepend": [str(Path(python).parent)] if self.target.venv else [],
             "umask": job.umask,
             "output_to": job.output_to,
         }
-        await self.host.put_file(f"{rd}/{rundir.JOB_SPEC}", json.dumps(spec).encode())
+        await self.host.put_file(paths.job_spec, json.dumps(spec).encode())
         plan = script.launch_plan(self.target, python)
-        await self.host.put_file(f"{rd}/{script.LAUNCH_PLAN}", json.dumps(plan).encode())
-        await self.host.put_file(f"{rd}/{script.BATCH_SCRIPT}", script.batch_script(python, rd, job.run_id).encode())
+        await self.host.put_file(paths.slurm_launch, json.dumps(plan).encode())
+        await self.host.put_file(paths.slurm_script, script.batch_script(python, rd, job.run_id).encode())
         if self.account is not None:
             # The job (on the nodes) and the helper (here) write in it as the user.
             await anyio.to_thread.run_sync(reachable_workdir, os.path.dirname(rd))
             await anyio.to_thread.run_sync(give_run_dir, rd, self.account)
         request = {
             "sbatch": script.sbatch_arguments(self.target, job.run_id, rd),
-            "script": f"{rd}/{script.BATCH_SCRIPT}",
+            "script": paths.slurm_script,
             # The job's values reach sbatch's environment on the helper's stdin, never a command line.
             "env": {**job.env, **job.secrets},
         }

@@ -11,10 +11,7 @@ from typing import Any
 
 from executors import remote
 from executors.config import SlurmTarget
-from trainer_plugin import rundir, slurm_batch
-
-BATCH_SCRIPT = slurm_batch.BATCH_SCRIPT
-LAUNCH_PLAN = slurm_batch.LAUNCH
+from trainer_plugin import rundir
 
 
 def job_name(run_id: str) -> str:
@@ -28,7 +25,7 @@ def sbatch_arguments(target: SlurmTarget, run_id: str, remote_dir: str) -> list[
     args = [
         f"--job-name={job_name(run_id)}",
         f"--comment={run_id}",
-        f"--output={rd}/{rundir.JOB_LOG}",
+        f"--output={rundir.RunPaths(rd).job_log}",
         "--open-mode=append",
         f"--chdir={rd}",
         f"--nodes={target.nodes}",
@@ -59,7 +56,7 @@ def sbatch_arguments(target: SlurmTarget, run_id: str, remote_dir: str) -> list[
 def batch_script(python: str, remote_dir: str, run_id: str) -> str:
     """The batch script: exec the job wrapper from the run's plugin/, so it gets Slurm's signals itself."""
     rd = remote_dir.rstrip("/")
-    wrapper = f"{rd}/{rundir.PLUGIN}/trainer_plugin/slurm_batch.py"
+    wrapper = rundir.RunPaths(rd).plugin_module("slurm_batch.py")
     return (
         "#!/bin/sh\n"
         f"# obd run {run_id}: obd's job wrapper writes job.pid and exit_code, turns Slurm's signals\n"

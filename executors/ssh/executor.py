@@ -197,11 +197,12 @@ class SshExecutor:
         """Write job.json, then start the job detached with its environment sent apart; return its handle."""
         session = await self.connection.ensure()
         run_dir = job.remote_dir.rstrip("/") or "/"
+        paths = rundir.RunPaths(run_dir)
         # The environment's values go to the wrapper on its stdin with the secrets, never into job.json.
         spec: dict[str, Any] = {
             "command": job.command,
             "cwd": job.cwd,
-            "pythonpath": [f"{run_dir}/{rundir.PLUGIN}"],
+            "pythonpath": [paths.plugin],
             "path_prepend": [],
             "umask": job.umask,
         }
@@ -209,7 +210,7 @@ class SshExecutor:
             spec["path_prepend"] = [str(PurePosixPath(session.python).parent)]
         elif "python" in self.target.model_fields_set:  # the configured python is the job's too
             spec["path_prepend"] = [await self._python_shims(job, run_dir, session.python)]
-        await self.put_file(f"{run_dir}/{rundir.JOB_SPEC}", json.dumps(spec).encode())
+        await self.put_file(paths.job_spec, json.dumps(spec).encode())
         values = {**job.env, **job.secrets}
         what = f"the start of run {job.run_id}"
         # Never retried: had the job started before the connection broke, a retry would start it twice.
@@ -222,7 +223,7 @@ class SshExecutor:
             except HelperFailed as exc:
                 raise ExecutorError(
                     f"starting run {job.run_id} on {self.address} failed: {exc.error}; "
-                    f"see {run_dir}/job.log there (`obd train logs {job.run_id}`)"
+                    f"see {paths.job_log} there (`obd train logs {job.run_id}`)"
                 ) from exc
             else:
                 out = self._started(job, run_dir, started)
@@ -234,7 +235,7 @@ class SshExecutor:
             handle = JobHandle.model_validate_json(out.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
             raise ExecutorError(
-                f"the job wrapper on {self.address} printed no handle; see {run_dir}/job.log there"
+                f"the job wrapper on {self.address} printed no handle; see {paths.job_log} there"
             ) from exc
         handle.host = self.address
         log.info("ssh.spawned", target=self.name, run_id=job.run_id, pid=handle.pid, remote_dir=run_dir)
@@ -244,7 +245,7 @@ class SshExecutor:
         """Write the run's `plugin/bin/python` and `python3` for the target's `python` (the path the
         connection's setup resolved it to, or a name the scripts look up), executable; their
         directory. Over SFTP, each made executable before it is renamed into place: no shell."""
-        bin_dir = f"{run_dir}/{python_shim.BIN}"
+        bin_dir = python_shim.bin_dir(run_dir)
         script = python_shim.shim(python) if python.startswith("/") else python_shim.looking_up(python, bin_dir)
 
         async def write(s: Session) -> None:
@@ -274,7 +275,7 @@ class SshExecutor:
         if code != 0:
             raise ExecutorError(
                 f"starting run {job.run_id} on {self.address} failed (exit {code}): "
-                f"{tail(started.get('stderr')) or 'no message'}; see {run_dir}/job.log there "
+                f"{tail(started.get('stderr')) or 'no message'}; see {rundir.RunPaths(run_dir).job_log} there "
                 f"(`obd train logs {job.run_id}`)"
             )
         return as_bytes(started.get("stdout"))
@@ -294,7 +295,8 @@ class SshExecutor:
             if returncode(r) != 0:
                 raise ExecutorError(
                     f"starting run {job.run_id} on {self.address} failed (exit {returncode(r)}): "
-                    f"{tail(r.stderr) or 'no message'}; see {run_dir}/job.log there (`obd train logs {job.run_id}`)"
+                    f"{tail(r.stderr) or 'no message'}; see {rundir.RunPaths(run_dir).job_log} there "
+                    f"(`obd train logs {job.run_id}`)"
                 )
             return as_bytes(r.stdout)
 

@@ -22,7 +22,7 @@ def _all_records_parse(d: DaemonProc) -> dict[str, dict]:
 
 @pytest.mark.parametrize("delay", [0.0, 0.03, 0.1, 0.3])
 def test_a_sigkill_during_a_start_loses_nothing(daemon: DaemonProc, delay: float) -> None:
-    c = daemon.cli.client()
+    c = daemon.client()
     rid = c.call("start", command=["sh", "-c", "sleep 1; echo done"])["id"]
     time.sleep(delay)
     daemon.kill()
@@ -79,7 +79,7 @@ def test_sigterm_stops_the_daemon_cleanly_and_leaves_every_job_running(daemon: D
 def test_sigkill_during_record_saves_never_leaves_a_half_written_record(daemon: DaemonProc) -> None:
     ids: list[str] = []
     for round_ in range(4):
-        c = daemon.cli.client()
+        c = daemon.client()
         for _ in range(12):
             ids.append(c.call("start", command=["sh", "-c", "echo x"])["id"])
         time.sleep(0.05 * round_)

@@ -92,7 +92,7 @@ def test_many_clients_at_once_each_get_their_own_answer(daemon: DaemonProc) -> N
 
     def work(i: int) -> None:
         try:
-            c = daemon.cli.client()
+            c = daemon.client()
             rid = c.call("start", command=["sh", "-c", f"echo client {i}"], name=f"c{i}")["id"]
             for _ in range(5):
                 c.call("list")
