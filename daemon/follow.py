@@ -1,7 +1,7 @@
 """The follow: every running run is read, the stop fallback applied, and its end recorded.
 
 Runs that share an executor share one loop, which reads all of them in one probe per poll
-(daemon/stop_rules.py decides what a probe means). A target with the events capability (the
+(daemon/stop.py decides what a probe means). A target with the events capability (the
 local one) wakes its loop the moment a job exits or anyone writes a request or a proof. A
 read that hangs or fails never holds up the follow: it is abandoned after `probe_timeout`,
 noted, and tried again on the next poll.
@@ -20,7 +20,7 @@ from daemon.api import ApiError
 from daemon.hints import hint, last_lines
 from daemon.models import RunRecord, RunState
 from daemon.ports import Launching, Runs
-from daemon.stop_rules import apply_probe, final_state
+from daemon.stop import apply_probe, final_state
 from daemon.store import StoreError
 from daemon.targets import Supervision, Targets
 from executors.base import Executor, ExecutorError, JobHandle, JobState, JobStatus, RunEvents, RunProbe

@@ -71,7 +71,7 @@ STATE_EVENTS = {
     RunState.failed.value: "failed",
     RunState.cancelled.value: "cancelled",
 }
-# The notes daemon/stop_rules.py and daemon/handlers.py write in a run's history.
+# The notes daemon/stop.py and daemon/handlers.py write in a run's history.
 PROOF_NOTE = "snapshot proof: "
 COST_NOTES = ("snapshot requested (cost)", "snapshot request reason changed to cost")
 # What a command gets of the daemon's environment, besides the names its entry lists.

@@ -57,6 +57,12 @@ class Launching(Protocol):
     launching: set[str]
 
 
+class Wakes(Protocol):
+    """The follow as a stop request sees it: woken to read a run at once."""
+
+    def wake_run(self, record: RunRecord) -> None: ...
+
+
 class FollowActions(Protocol):
     """The follow as a kind of target sees it (a pod's caps, its reconcile)."""
 

@@ -1,27 +1,39 @@
-"""A snapshot request, whoever asks for it: the record first, then the file in the run directory.
+"""A stop, in one place: the request (whoever asks), what a read of the run means for it (the
+proof judged, the stop fallback), and how the run ends. Cf. overbrainer's runs/snapshot.rs.
 
-`obd train stop` (the CLI, the web view, the Python API), a pod's cap and the daemon's own
-limits all ask through `request_snapshot`; the rules that judge what follows (the proof, the
-stop fallback, the final state) are in `daemon/stop_rules.py`. A stop may come at any moment:
-before the job started (kept in the record, written once the job exists) and before its
-plugin announced itself (the plugin takes a request it finds at its first step boundary).
+`obd train stop` (the CLI, the web view, the Python API), a pod's cap and the daemon's own limits
+ask through `request_snapshot`: the record first, then the file in the run directory. A stop
+may come at any moment: before the job started (kept in the record, written once the job exists)
+and before its plugin announced itself (the plugin takes a request it finds at its first step
+boundary). The follow reads a run directory (a `RunProbe`) and the rules below, pure functions
+with no I/O (their table tests are tests/daemon/test_stop_rules.py), decide what that means: a
+request seen, a proof taken or refused, the stop fallback's cancel, the final state; the follow
+acts on the decision. The proof's content rule is `trainer_plugin.rundir.parse_proof`, shared
+with the plugin that writes proofs; the facts only a reader of the target has (whether the
+checkpoint is a real directory, whether snapshot.json is a regular file) come in the probe. The
+contract these follow is docs/contract.md ("Snapshot and stop", "Run states").
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
 import structlog
 
-from daemon.follow import Follower
-from daemon.models import RunRecord
-from daemon.ports import Runs
+from daemon.models import RunRecord, RunState, Snapshot, normalise_reason
+from daemon.ports import Runs, Wakes
+from daemon.progress import update_progress
 from daemon.targets import Targets
+from executors.base import JobState, JobStatus, RunProbe
 from trainer_plugin import rundir
 
 log = structlog.get_logger("obd")
+
+
+# --- the request ---------------------------------------------------------------------------------
 
 
 class StopHost(Runs, Protocol):
@@ -32,7 +44,7 @@ class StopHost(Runs, Protocol):
     def targets(self) -> Targets: ...
 
     @property
-    def follow(self) -> Follower: ...
+    def follow(self) -> Wakes: ...
 
 
 # Who asked, as the run's history says it, by the way the request came (`StopRequest.via`).
@@ -88,3 +100,251 @@ async def write_pending_request(daemon: StopHost, record: RunRecord) -> None:
 async def _write(daemon: StopHost, record: RunRecord, reason: str) -> None:
     executor = daemon.targets.executor(record)
     await executor.put_file(rundir.RunPaths(record.remote_dir).request, rundir.request_bytes(reason))
+
+
+# --- what a read of the run means -----------------------------------------------------------------
+
+
+class StopTimes(Protocol):
+    """The stop fallback's two timeouts, in seconds (the `[stop]` section of the config)."""
+
+    @property
+    def proof_timeout(self) -> float: ...
+
+    @property
+    def end_timeout(self) -> float: ...
+
+
+def format_duration(seconds: float) -> str:
+    """`30 min`, `2 h`, `90 s`: a timeout as the fallback's messages say it."""
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{int(seconds // 3600)} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{int(seconds // 60)} min"
+    return f"{seconds:g} s"
+
+
+# --- the proof -----------------------------------------------------------------------------------
+
+
+def validate_proof(raw: str, too_large: bool = False) -> Snapshot | str:
+    """The proof's text as a Snapshot, or why it is invalid: the content rule alone.
+
+    `too_large` is the reader's word that the file was cut at 64 KiB.
+    """
+    if too_large:
+        return f"{rundir.SNAPSHOT_PROOF} is larger than 64 KiB"
+    # surrogatepass: a lone surrogate becomes bytes that are not UTF-8, so such a text is refused.
+    result = rundir.parse_proof(raw.encode("utf-8", "surrogatepass"))
+    if isinstance(result, rundir.InvalidProof):
+        return result.why
+    return Snapshot(checkpoint=result.checkpoint, step=result.step, reason=result.reason, time=result.time)
+
+
+def checkpoint_of(snapshot: Snapshot) -> str:
+    """The checkpoint's name in output/ (`checkpoint-<step>`) of a validated snapshot."""
+    return rundir.checkpoint_name(snapshot.step)
+
+
+def judge_proof(probe: RunProbe) -> Snapshot | str | None:
+    """What the probe's snapshot.json proves: a Snapshot, why it is invalid, or None when there is nothing to judge.
+
+    A proof is valid only if its content is (`validate_proof`) and its checkpoint is one of the
+    probe's real checkpoint directories. A partial probe (`error`) judges nothing: its checkpoint
+    list may be short, and the next probe reads the directory again.
+    """
+    if probe.proof_not_regular:
+        return f"{rundir.SNAPSHOT_PROOF} is {probe.proof_not_regular}, not a regular file"
+    if probe.proof is None or not probe.proof.strip() or probe.error:
+        return None
+    result = validate_proof(probe.proof, probe.proof_too_large)
+    if isinstance(result, str):
+        return result
+    if checkpoint_of(result) not in probe.checkpoints:
+        return (
+            f"{rundir.SNAPSHOT_PROOF} names {result.checkpoint}, which is not a real directory in the run's "
+            f"{rundir.OUTPUT}/ (missing, or a symbolic link on its path)"
+        )
+    return result
+
+
+# --- what a probe means for a running run ---------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """What the follow must do after a probe: save, cancel the job, or finish the record."""
+
+    changed: bool = False
+    cancel: str | None = None  # the reason, when the stop fallback cancels the job
+    final: JobStatus | None = None
+
+
+def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes) -> Verdict:
+    """Fold one probe into the record (plugin, progress, request, proof) and apply the stop fallback."""
+    verdict = Verdict()
+    before = _fingerprint(record)
+    if record.unreachable_since is not None:
+        record.note("target reachable again", now)
+        record.unreachable_since = None
+    begin = probe.begin
+    if begin is not None and begin.snapshots is True and not record.snapshots:
+        record.snapshots = True
+        record.note(f"snapshot plugin {begin.version or '?'} active", now)
+    update_progress(record, probe, now)
+    see_request(record, probe.request, now)
+    see_proof(record, probe, now)
+    if probe.status.state == JobState.pending:
+        # Waiting for the target's scheduler: queued, and no fallback (nothing runs to snapshot).
+        why = (
+            f"waiting for the scheduler: {probe.status.detail}" if probe.status.detail else "waiting for the scheduler"
+        )
+        if record.state != RunState.queued or record.message != why:
+            record.transition(RunState.queued, why, now)
+    elif probe.status.state != JobState.running:
+        verdict.final = probe.status
+    else:
+        if record.state == RunState.queued:
+            record.transition(RunState.running, "started by the target's scheduler", now)
+        verdict.cancel = fallback_reason(record, now, stop)
+    verdict.changed = _fingerprint(record) != before
+    return verdict
+
+
+def _fingerprint(record: RunRecord) -> tuple[object, ...]:
+    """What a probe can change in a record, besides progress (which is not saved on its own)."""
+    st = record.stop
+    return (
+        record.state,
+        record.message,
+        len(record.history),
+        record.snapshots,
+        record.snapshot is not None,
+        record.unreachable_since,
+        st.requested_at,
+        st.reason,
+        st.proof_at,
+        st.invalid_proof,
+    )
+
+
+def see_request(record: RunRecord, raw: str | None, now: float) -> None:
+    """A request found in the run directory: the fallback counts from when it was first seen; asking again changes only the reason."""
+    reason = normalise_reason(raw)
+    if reason is None:
+        return
+    if record.stop.requested_at is None:
+        record.stop.requested_at = now
+        record.stop.reason = reason
+        who = "" if record.snapshots else " (the job has not announced the snapshot plugin: it cannot snapshot)"
+        record.note(f"snapshot requested ({reason}){who}", now)
+    elif record.stop.reason != reason:
+        record.stop.reason = reason
+        record.note(f"snapshot request reason changed to {reason}", now)
+
+
+def see_proof(record: RunRecord, probe: RunProbe, now: float) -> None:
+    """The first proof decides: a valid one becomes the run's snapshot, an invalid one is kept as why the run fails."""
+    if record.snapshot is not None or record.stop.invalid_proof:
+        return
+    result = judge_proof(probe)
+    if result is None:
+        return
+    if isinstance(result, str):
+        record.stop.invalid_proof = result
+        record.note(f"invalid snapshot proof: {result}", now)
+        return
+    record.snapshot = result
+    record.stop.proof_at = now
+    record.note(f"snapshot proof: {result.checkpoint} at step {result.step} ({result.reason})", now)
+
+
+def fallback_reason(record: RunRecord, now: float, stop: StopTimes) -> str | None:
+    """Why the stop fallback must cancel the running job now, or None.
+
+    A proof and the job still running `end_timeout` later: cancel (the run is then `stopped`).
+    A request, no proof `proof_timeout` after it was seen, and a job that announced the plugin, or
+    a stop asked through obd (which may come before the job announced it): cancel (the run is then
+    `cancelled`). A job without the plugin is never cancelled for a request written by hand.
+    """
+    st = record.stop
+    if st.fallback:  # already cancelling
+        return None
+    if record.snapshot is not None and st.proof_at is not None:
+        if now - st.proof_at >= stop.end_timeout:
+            return f"the job still ran {format_duration(stop.end_timeout)} after its snapshot"
+        return None
+    if (
+        (record.snapshots or st.asked_by)
+        and st.requested_at is not None
+        and now - st.requested_at >= stop.proof_timeout
+    ):
+        never = "" if record.snapshots else " (the job never announced obd's snapshot plugin)"
+        return f"no snapshot within {format_duration(stop.proof_timeout)} of the request{never}"
+    return None
+
+
+# --- the end --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FinalDecision:
+    """How a run ends: its final state, the message that says why, and whether its snapshot stands.
+
+    When `snapshot_stands` is False the record must show no snapshot (there was none, or its
+    checkpoint is not in the run directory any more), so nothing resumes from it.
+    """
+
+    state: RunState
+    message: str
+    snapshot_stands: bool
+
+
+def state_from_exit(record: RunRecord, status: JobStatus) -> tuple[RunState, str]:
+    """The final state and message from how the job ended, what proof it left and who cancelled it."""
+    rid = record.id
+    snap = record.snapshot
+    if record.stop.invalid_proof and status.state in (JobState.cancelled, JobState.exited):
+        # An invalid proof fails the run however the job then ended, and no path of it is used.
+        return RunState.failed, f"invalid snapshot proof: {record.stop.invalid_proof}; see `obd train logs {rid}`"
+    if status.state == JobState.cancelled:
+        if snap is not None:
+            why = f"; then cancelled: {record.stop.fallback}" if record.stop.fallback else "; then cancelled"
+            return RunState.stopped, f"snapshot {snap.checkpoint} at step {snap.step} ({snap.reason}){why}"
+        if record.stop.cancel_by == "fallback" and record.stop.fallback:
+            return RunState.cancelled, f"cancelled by the stop fallback: {record.stop.fallback}"
+        if record.stop.cancel_by == "user":
+            return RunState.cancelled, "cancelled by the user"
+        return RunState.cancelled, "cancelled on the target (a `cancelled` file was written there)"
+    if status.state == JobState.lost:
+        return RunState.failed, (
+            f"lost: the job has no exit code and no process (killed with its wrapper, or the "
+            f"machine rebooted); see `obd train logs {rid}`"
+        )
+    code = status.exit_code
+    untaken = ""
+    if snap is None and record.stop.asked_by and not record.snapshots:
+        untaken = "; the stop asked for was never taken: the job never announced obd's snapshot plugin"
+    if code == 0:
+        if snap is not None:
+            return RunState.stopped, f"snapshot {snap.checkpoint} at step {snap.step} ({snap.reason})"
+        return RunState.succeeded, "exit 0" + untaken
+    return RunState.failed, f"exit {code}; see `obd train logs {rid}`{untaken}"
+
+
+def final_state(record: RunRecord, status: JobStatus, checkpoints: list[str]) -> FinalDecision:
+    """How the run ends, given the real checkpoint directories its run directory holds now.
+
+    A snapshot whose checkpoint is gone by the end (deleted, or replaced by a link) proves
+    nothing: a run that would be `stopped` fails, and no run keeps showing that snapshot.
+    """
+    state, message = state_from_exit(record, status)
+    snap = record.snapshot
+    if snap is None:
+        return FinalDecision(state, message, snapshot_stands=False)
+    if checkpoint_of(snap) in checkpoints:
+        return FinalDecision(state, message, snapshot_stands=True)
+    gone = f"the snapshot proof names {snap.checkpoint}, which is not in the run directory"
+    if state == RunState.stopped:
+        return FinalDecision(RunState.failed, f"{gone}; see `obd train logs {record.id}`", snapshot_stands=False)
+    return FinalDecision(state, f"{message}; {gone}", snapshot_stands=False)

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.models import RunRecord, Snapshot
-from daemon.stop_rules import apply_probe, final_state, judge_proof
+from daemon.stop import apply_probe, final_state, judge_proof
 from executors.base import JobState, JobStatus, RunProbe
 from tests.trainer_plugin.conftest import REPO
 from trainer_plugin import jobctl, rundir, runtime
