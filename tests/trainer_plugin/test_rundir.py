@@ -464,3 +464,97 @@ def test_a_finished_run_keeps_showing_a_snapshot_only_while_its_checkpoint_is_th
     exited = JobStatus(state=JobState.exited, exit_code=0)
     assert final_state(record, exited, ["checkpoint-4"]).snapshot_stands
     assert not final_state(record, exited, ["checkpoint-40"]).snapshot_stands
+
+
+# --- RunPaths and FactPaths: each file of the contract, at one path ---------------------------------
+
+RUN = "/work/runs/r1"
+RUN_FILES = [
+    ("job_spec", "job.json"),
+    ("job_log", "job.log"),
+    ("job_pid", "job.pid"),
+    ("exit_code", "exit_code"),
+    ("cancelling", "cancelling"),
+    ("cancelled", "cancelled"),
+    ("output", "output"),
+    ("request", "snapshot.request"),
+    ("proof", "snapshot.json"),
+    ("metrics", "metrics.jsonl"),
+    ("profile", "profile"),
+    ("plugin", "plugin"),
+    ("sources", "src"),
+    ("resume", "resume"),
+    ("watchdog_config", "watchdog.json"),
+    ("watchdog_log", "watchdog.log"),
+    ("watchdog_lock", "watchdog.lock"),
+    ("watchdog_job", "watchdog"),
+    ("lease", "lease"),
+    ("retrieved", "retrieved"),
+    ("slurm_submit", "slurm.json"),
+    ("slurm_launch", "slurm_launch.json"),
+    ("slurm_script", "slurm_batch.sh"),
+]
+
+
+@pytest.mark.parametrize(("attribute", "name"), RUN_FILES, ids=[a for a, _ in RUN_FILES])
+def test_each_file_of_a_run_directory_is_at_its_one_path(attribute: str, name: str) -> None:
+    assert getattr(rundir.RunPaths(RUN), attribute) == f"{RUN}/{name}"
+
+
+def test_every_path_a_run_paths_has_is_in_the_table() -> None:
+    properties = {n for n, v in vars(rundir.RunPaths).items() if isinstance(v, property)}
+    assert properties == {a for a, _ in RUN_FILES}
+
+
+RUN_ENTRIES = [
+    pytest.param(lambda p: p.checkpoint(5), "output/checkpoint-5", id="checkpoint"),
+    pytest.param(lambda p: p.checkpoint(0), "output/checkpoint-0", id="checkpoint-of-step-zero"),
+    pytest.param(lambda p: p.in_output("checkpoint-7"), "output/checkpoint-7", id="in-output"),
+    pytest.param(lambda p: p.in_resume("checkpoint-7"), "resume/checkpoint-7", id="in-resume"),
+    pytest.param(lambda p: p.plugin_module("watchdog.py"), "plugin/trainer_plugin/watchdog.py", id="plugin-module"),
+    pytest.param(lambda p: p.file(rundir.CANCELLED), "cancelled", id="file-by-name"),
+]
+
+
+@pytest.mark.parametrize(("path_of", "relpath"), RUN_ENTRIES)
+def test_each_entry_in_a_run_directory_is_at_its_one_path(path_of: Any, relpath: str) -> None:
+    assert path_of(rundir.RunPaths(RUN)) == f"{RUN}/{relpath}"
+
+
+def test_a_checkpoints_path_is_the_one_a_valid_proof_names() -> None:
+    paths = rundir.RunPaths(RUN)
+    assert paths.checkpoint(12) == f"{RUN}/{rundir.checkpoint_relpath(12)}" == paths.in_output("checkpoint-12")
+
+
+@pytest.mark.parametrize(
+    ("run_dir", "job_log"),
+    [
+        pytest.param(RUN, f"{RUN}/job.log", id="a-target-path"),
+        pytest.param(RUN + "/", f"{RUN}/job.log", id="a-trailing-slash-adds-no-empty-part"),
+        pytest.param(Path(RUN), f"{RUN}/job.log", id="a-local-Path"),
+        pytest.param("runs/r1", "runs/r1/job.log", id="a-relative-path-stays-relative"),
+        pytest.param("~/obd/r1", "~/obd/r1/job.log", id="nothing-is-expanded"),
+    ],
+)
+def test_run_paths_are_plain_posix_joins_of_the_run_directory(run_dir: str | Path, job_log: str) -> None:
+    paths = rundir.RunPaths(run_dir)
+    assert paths.job_log == job_log and isinstance(paths.job_log, str)
+
+
+FACT_FILES = [
+    ("handle", "handle.json"),
+    ("exit_code", "exit_code"),
+    ("cancelling", "cancelling"),
+    ("cancelled", "cancelled"),
+]
+
+
+@pytest.mark.parametrize(("attribute", "name"), FACT_FILES, ids=[a for a, _ in FACT_FILES])
+def test_each_file_of_a_facts_directory_is_at_its_one_path(attribute: str, name: str) -> None:
+    assert getattr(rundir.FactPaths("/var/lib/obd/facts/r1"), attribute) == f"/var/lib/obd/facts/r1/{name}"
+
+
+@pytest.mark.parametrize("mark", ["exit_code", "cancelling", "cancelled"])
+def test_the_job_wrappers_end_marks_are_in_the_facts_directory_where_there_is_one(mark: str) -> None:
+    assert getattr(jobctl.end_marks(RUN, "/facts/r1"), mark) == f"/facts/r1/{mark}"
+    assert getattr(jobctl.end_marks(RUN, None), mark) == f"{RUN}/{mark}"
