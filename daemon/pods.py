@@ -19,16 +19,15 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
 import structlog
 
-from daemon.follow import Follower
 from daemon.models import RunRecord, RunState
-from daemon.ports import Launching, Runs
-from daemon.targets import Supervision, Targets
+from daemon.pod_record import PodEnded, PodHost, end_from_book, keep_pod, mark_pod_end, outputs_lost, pod_info
+from daemon.targets import Supervision
 from executors.base import Executor, ExecutorError, RunProbe
 from executors.factory import make_pod_driver, makes_pods
 from executors.runpod import Finding, PodEnd, PodInfo, PodObservation, PodPhase
@@ -44,25 +43,6 @@ log = structlog.get_logger("obd.pods")
 POD_RECONCILE_INTERVAL = 300.0  # how often pods are matched with runs while the daemon runs
 STATUS_CACHE_TTL = 60.0  # `status` shows the pod as the follow last saw it, if no older than this
 GONE_WHY = "terminated outside obd, or reclaimed by Runpod; the outputs on it were lost"
-
-
-class PodEnded(ExecutorError):
-    """The run's pod is being emptied and ended, or was: it is not probed any more."""
-
-
-class PodHost(Runs, Protocol):
-    """What a pod target uses of the daemon beyond the records: the follow (a pod's caps cancel
-    its job, its reconcile finishes runs), the runs being launched (never reconciled away), and
-    the targets (a cap's snapshot request goes through them)."""
-
-    @property
-    def follow(self) -> Follower: ...
-
-    @property
-    def launcher(self) -> Launching: ...
-
-    @property
-    def targets(self) -> Targets: ...
 
 
 class PodSupervision(Supervision):
@@ -82,45 +62,11 @@ class PodSupervision(Supervision):
 
     # --- the record's pod ------------------------------------------------------------------
 
-    @staticmethod
-    def info(record: RunRecord) -> PodInfo:
-        """The run's pod, from its record."""
-        return PodInfo.from_record(record.target_info)
-
-    @staticmethod
-    def keep(record: RunRecord, info: PodInfo) -> None:
-        """Put the run's pod into its record (saved by the caller)."""
-        record.target_info = info.to_record()
-
-    def mark_end(self, record: RunRecord, end: PodEnd, why: str, at: float | None = None) -> None:
-        """Keep in the record what became of the run's pod, when and why (saved by the caller):
-        `status` of a run that ended shows it from the record, asking the API no more."""
-        update = {"ended": True, "end": end, "ended_at": at or time.time(), "end_reason": why}
-        self.keep(record, self.info(record).model_copy(update=update))
-
-    def _end_from_book(self, record: RunRecord, pod_id: str, message: str) -> tuple[PodEnd, str, float]:
-        """What `finish` (or the end of a run's pod) did with it, from the driver's book: terminated,
-        gone, kept (keep_pod) or left up; why; and when."""
-        entry = self.driver.book.get(record.id)
-        now = time.time()
-        if entry is not None and entry.terminated:
-            why = "after the run ended, its outputs retrieved and verified first" if entry.retrieved else message
-            return PodEnd.terminated, why, entry.finished or now
-        if entry is not None and entry.pod_gone:
-            return PodEnd.gone, message, entry.finished or now
-        if entry is not None and entry.retrieved and self.config.keep_pod:
-            return (
-                PodEnd.kept,
-                f"keep_pod; its outputs are home: remove it with `obd pods rm {pod_id}`",
-                entry.retrieved,
-            )
-        return PodEnd.left_up, message, now
-
     def _saver(self, record: RunRecord) -> Callable[[PodInfo], Awaitable[None]]:
         async def save(info: PodInfo) -> None:
             # Raises on a failed save: a pod is never created without a record of it on disk.
             async with self.daemon.lock(record.id):
-                self.keep(record, info)
+                keep_pod(record, info)
                 self.daemon.save(record)
 
         return save
@@ -132,7 +78,7 @@ class PodSupervision(Supervision):
 
     def executor(self, record: RunRecord) -> Executor:
         if record.id not in self._executors:
-            self._executors[record.id] = self.driver.executor(self.info(record))
+            self._executors[record.id] = self.driver.executor(pod_info(record))
         return self._executors[record.id]
 
     def workdir(self, record: RunRecord) -> str:
@@ -203,12 +149,12 @@ class PodSupervision(Supervision):
             log.error("pod_terminate_failed", run_id=record.id, pod_id=pod_id, error=str(exc))
             return f"terminating pod {pod_id} failed too ({exc}): remove it with `obd pods rm {pod_id}`"
         async with self.daemon.editing(record):
-            self.keep(record, info.model_copy(update={"phase": PodPhase.terminated, "error": why}))
-            self.mark_end(record, PodEnd.terminated, f"its job never started: {why}")
+            keep_pod(record, info.model_copy(update={"phase": PodPhase.terminated, "error": why}))
+            mark_pod_end(record, PodEnd.terminated, f"its job never started: {why}")
         return f"pod {pod_id} was terminated"
 
     async def on_launch_failed(self, record: RunRecord) -> None:
-        if not self.info(record).pod_id:
+        if not pod_info(record).pod_id:
             # The create may have made a pod after all (an ambiguous answer): look for it soon.
             self.daemon.start_soon(self._reconcile_soon)
 
@@ -216,7 +162,7 @@ class PodSupervision(Supervision):
 
     async def ready(self, record: RunRecord) -> bool:
         """Make sure a pod run left by an earlier daemon has a ready, pinned pod; fail it if it cannot."""
-        info = self.info(record)
+        info = pod_info(record)
         if info.settled:
             await self.daemon.fail(record, f"its pod was never ready ({info.phase.value}: {info.error or 'no detail'})")
             return False
@@ -225,10 +171,10 @@ class PodSupervision(Supervision):
         if not info.pod_id:
             return False  # reconcile adopts it by its tag, or fails it as never created
         try:
-            self.keep(record, await self.driver.resume(info, self._saver(record)))
+            keep_pod(record, await self.driver.resume(info, self._saver(record)))
             return True
         except Exception as exc:
-            if self.info(record).settled:  # `resume` ended the pod
+            if pod_info(record).settled:  # `resume` ended the pod
                 await self.daemon.fail(record, f"its pod never became ready: {exc}")
             else:
                 log.warning("pod_resume_deferred", run_id=record.id, error=str(exc))
@@ -236,7 +182,7 @@ class PodSupervision(Supervision):
 
     def _ending(self, record: RunRecord) -> bool:
         """Whether the run's pod is being emptied and ended (or was): no more probes for it."""
-        return self.info(record).ended or record.id in self.daemon.follow.finishing
+        return pod_info(record).ended or record.id in self.daemon.follow.finishing
 
     async def before_poll(self, record: RunRecord, executor: Executor) -> None:
         """Renew the pod's lease; enforce its caps from this side too (snapshot, then cancel).
@@ -263,7 +209,7 @@ class PodSupervision(Supervision):
         """Renew the lease and check the caps: (reason to request a snapshot, reason to cancel now)."""
         await self.driver.renew_lease(executor, record.remote_dir, self.lease_ttl())
         now = time.time()
-        info = self.info(record)
+        info = pod_info(record)
         reached = self.driver.cap_reached(info, now)
         if reached:
             return reached, f"the {reached} cap of pod {info.pod_id} was reached"
@@ -272,7 +218,7 @@ class PodSupervision(Supervision):
     async def _end_overdue(self, record: RunRecord) -> bool:
         """Terminate, through the API, the pod of a run whose job still runs `abandon_grace` after the
         pod's cap (the cancel at the cap did not end it, or the daemon was away); True when it did."""
-        info = self.info(record)
+        info = pod_info(record)
         end_by = self.driver.end_by(info)
         if end_by is None or not info.pod_id or time.time() < end_by or record.id in self.daemon.follow.cancelling:
             return False  # a cancel under way is given its time (TERM, grace, KILL)
@@ -280,7 +226,7 @@ class PodSupervision(Supervision):
         if why is None:
             return False  # the API did not answer: the next poll tries again
         async with self.daemon.editing(record):
-            self.mark_end(record, PodEnd.terminated, why)
+            mark_pod_end(record, PodEnd.terminated, why)
         await self.daemon.fail(record, why)
         return True
 
@@ -335,7 +281,7 @@ class PodSupervision(Supervision):
         record = self.daemon.records.get(run_id)
         if why is not None and record is not None:
             async with self.daemon.editing(record):
-                self.mark_end(record, PodEnd.terminated, why)
+                mark_pod_end(record, PodEnd.terminated, why)
                 record.note(why)
 
     def _due_for_check(self, record: RunRecord) -> bool:
@@ -349,7 +295,7 @@ class PodSupervision(Supervision):
     async def on_unreachable(self, record: RunRecord) -> bool:
         if record.id in self.daemon.follow.finishing:
             return True  # not probed on purpose (see before_poll): nothing to note
-        if self.info(record).ended:
+        if pod_info(record).ended:
             # Its pod was ended but the run's end was not recorded (the daemon stopped in between).
             await self._finish_without_pod(record)
             return True
@@ -363,13 +309,13 @@ class PodSupervision(Supervision):
             raw = await anyio.to_thread.run_sync(jobctl.probe_dir, str(local), None)
             await self.daemon.follow.apply(record, RunProbe.model_validate(raw))
             return
-        pod_id = self.info(record).pod_id
+        pod_id = pod_info(record).pod_id
         await self.daemon.fail(record, f"pod {pod_id} was ended before the run's outputs were retrieved; they are lost")
 
     async def _cap_on_unreachable(self, record: RunRecord) -> bool:
         """A pod past its cap that cannot be reached for a lease's time is terminated: the cap holds
         even with the pod's SSH and watchdog gone (its outputs are then lost, and the run says so)."""
-        info = self.info(record)
+        info = pod_info(record)
         reason = self.driver.cap_reached(info, time.time())
         since = record.unreachable_since
         if not reason or not info.pod_id or since is None or time.time() - since < self.lease_ttl():
@@ -385,7 +331,7 @@ class PodSupervision(Supervision):
             "the pod was terminated and the outputs on it are lost"
         )
         async with self.daemon.editing(record):
-            self.mark_end(record, PodEnd.terminated, why)
+            mark_pod_end(record, PodEnd.terminated, why)
         await self.daemon.fail(record, why)
         log.error("pod_cap_terminated_unreachable", run_id=record.id, reason=reason)
         return True
@@ -393,7 +339,7 @@ class PodSupervision(Supervision):
     async def _observe(self, record: RunRecord) -> PodObservation:
         """Ask the API for the run's pod now, and remember the answer for `status`."""
         with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
-            seen = await self.driver.observe(self.info(record))
+            seen = await self.driver.observe(pod_info(record))
         self._seen[record.id] = seen
         return seen
 
@@ -411,10 +357,10 @@ class PodSupervision(Supervision):
             return True
         if seen.state != "gone":
             return False
-        why = f"pod {self.info(record).pod_id} no longer exists (terminated outside obd, or reclaimed)"
+        why = f"pod {pod_info(record).pod_id} no longer exists (terminated outside obd, or reclaimed)"
         async with self.daemon.editing(record):
             if not record.state.final:
-                self.mark_end(record, PodEnd.gone, GONE_WHY, seen.at)
+                mark_pod_end(record, PodEnd.gone, GONE_WHY, seen.at)
         if await self.daemon.fail(record, why):
             log.error("pod_gone", run_id=record.id, reason=why)
         return True
@@ -422,13 +368,13 @@ class PodSupervision(Supervision):
     async def _restart_stopped(self, record: RunRecord) -> None:
         """A pod stopped outside obd ended its job, but its volume holds the run directory: start it
         again so the follow finds the job ended and retrieves the outputs, then ends the pod."""
-        pod_id = self.info(record).pod_id
+        pod_id = pod_info(record).pod_id
         async with self.daemon.editing(record):
             if record.state.final:
                 return
-            info = self.info(record)
+            info = pod_info(record)
             if not info.stopped_outside:
-                self.keep(record, info.model_copy(update={"stopped_outside": time.time()}))
+                keep_pod(record, info.model_copy(update={"stopped_outside": time.time()}))
                 record.note(
                     f"pod {pod_id} was stopped outside obd (EXITED), which ended its job; "
                     "starting it again to recover the outputs on its volume"
@@ -437,7 +383,7 @@ class PodSupervision(Supervision):
         grace = float(self.config.boot_grace)
         try:
             with anyio.fail_after(grace + 4 * self.daemon.config.daemon.probe_timeout):
-                await self.driver.restart_stopped(self.info(record), self._saver(record))
+                await self.driver.restart_stopped(pod_info(record), self._saver(record))
         except Exception as exc:
             log.error("pod_restart_failed", run_id=record.id, pod_id=pod_id, error=str(exc))
             await self.daemon.fail(
@@ -452,7 +398,7 @@ class PodSupervision(Supervision):
             record.note(f"pod {pod_id} started again; its job ended with the stop")
 
     def explain_lost(self, record: RunRecord, message: str) -> str:
-        info = self.info(record)
+        info = pod_info(record)
         if info.stopped_outside:
             return f"pod {info.pod_id} was stopped outside obd (EXITED), which killed the job; " + message
         return message
@@ -460,7 +406,7 @@ class PodSupervision(Supervision):
     async def describe(self, record: RunRecord) -> dict[str, Any]:
         """The pod for `status`: as the follow last saw it (no API call), or as the API says now if
         that is older than STATUS_CACHE_TTL; its spend is counted up to now either way."""
-        info = self.info(record)
+        info = pod_info(record)
         if not info.pod_id or info.end is not None:
             return {}  # none, or obd is done with it: the record says what became of it
         now = time.time()
@@ -483,7 +429,7 @@ class PodSupervision(Supervision):
 
     async def on_end(self, record: RunRecord) -> str:
         """Retrieve a pod run's outputs and terminate its pod, once; the message says how it went."""
-        info = self.info(record)
+        info = pod_info(record)
         if not info.pod_id or info.ended:
             return ""
         local = self.daemon.store.run_dir(record.id) / "retrieved"
@@ -497,7 +443,9 @@ class PodSupervision(Supervision):
                 log.info("pod_finished", run_id=record.id, outputs_safe=ok, message=message)
         except Exception as exc:  # the record's final state must not wait on the pod
             message = f"the pod could not be emptied and ended: {exc} (see `obd pods list`)"
-        self.mark_end(record, *self._end_from_book(record, info.pod_id, message))
+        mark_pod_end(
+            record, *end_from_book(self.driver.book.get(record.id), self.config.keep_pod, info.pod_id, message)
+        )
         self._seen.pop(record.id, None)
         await self.forget(record)
         return message
@@ -514,16 +462,7 @@ class PodSupervision(Supervision):
     def outputs_lost(self, record: RunRecord) -> str | None:
         """Why an ended run's outputs can be read neither here nor on its pod (the pod ended before
         they were retrieved), or None: `obd train outputs` says so rather than reach for a dead pod."""
-        info = self.info(record)
-        if not record.state.final or not info.pod_id or not info.gone or self._retrieved_at(record):
-            return None
-        when = f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.ended_at))}" if info.ended_at else ""
-        was = "was found gone" if info.end == PodEnd.gone else "was terminated"
-        return (
-            f"run {record.id} has no outputs to copy: its pod {info.pod_id} {was}{when} before they were "
-            f"retrieved ({info.end_reason or info.error or 'no detail'}), and the outputs on it went with it "
-            f"(`obd train status {record.id}` says how the run ended)"
-        )
+        return outputs_lost(record, self._retrieved_at(record))
 
     # --- reconcile -----------------------------------------------------------------------
 
@@ -536,7 +475,7 @@ class PodSupervision(Supervision):
         """Match this target's pods with its runs; fail runs whose pod is gone, empty orphan pods."""
         launching = self.daemon.launcher.launching
         live = {
-            r.id: self.info(r)
+            r.id: pod_info(r)
             for r in self.daemon.records.values()
             if r.target == self.name and (r.state == RunState.preparing or r.has_job) and r.id not in launching
         }
@@ -597,7 +536,7 @@ class PodSupervision(Supervision):
             and self._retrieved_at(record)
         ):
             async with daemon.editing(record):
-                self.mark_end(
+                mark_pod_end(
                     record,
                     PodEnd.gone,
                     "terminated outside obd, or reclaimed by Runpod, after its outputs were retrieved and verified",
@@ -614,13 +553,13 @@ class PodSupervision(Supervision):
         if record is None:
             return
         if item.kind in ("gone", "not_created"):
-            if item.kind == "gone" and not record.state.final and self.info(record).pod_id:
+            if item.kind == "gone" and not record.state.final and pod_info(record).pod_id:
                 async with daemon.editing(record):
-                    self.mark_end(record, PodEnd.gone, GONE_WHY)
+                    mark_pod_end(record, PodEnd.gone, GONE_WHY)
             await daemon.fail(record, item.reason or "its pod is gone")
         elif item.kind == "adopted" and item.target_info is not None:
             async with daemon.editing(record):
-                self.keep(record, item.target_info)
+                keep_pod(record, item.target_info)
                 record.note(f"pod {item.pod_id} found by its tag and adopted")
 
     async def _empty_orphan(self, item: Finding) -> None:
@@ -660,6 +599,9 @@ class PodSupervision(Supervision):
         )
         if record is not None:
             async with daemon.editing(record):
-                if self.info(record).pod_id == item.pod_id:
-                    self.mark_end(record, *self._end_from_book(record, item.pod_id, message))
+                if pod_info(record).pod_id == item.pod_id:
+                    mark_pod_end(
+                        record,
+                        *end_from_book(self.driver.book.get(record.id), self.config.keep_pod, item.pod_id, message),
+                    )
                 record.note(f"after the run ended, its pod {item.pod_id}: {message}")
