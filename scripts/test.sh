@@ -5,10 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-echo "test: ruff check, ruff format --check, mypy"
+echo "test: ruff check, ruff format --check, mypy, lint-imports (the layer contracts in pyproject.toml)"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+.venv/bin/lint-imports --no-cache
 # Three workers, each test file on one of them (its module fixtures, a Slurm cluster or an sshd,
 # stay in one process): most tests wait on real processes, so three keep two cores busy.
 # OBD_TEST_WORKERS=0 runs the suite in this process.

@@ -215,6 +215,9 @@ def ensure_callback(trainer: Any, env: RunEnv) -> None:
     """Add the SnapshotCallback unless the script already passed one."""
     if _snapshot_callbacks(trainer):
         return
+    # The one import back into callback.py (which imports transformers, and this module): made
+    # when a Trainer is made, so installing the patch imports nothing heavy. Named in
+    # pyproject.toml's no-circle contract.
     from .callback import SnapshotCallback
 
     trainer.add_callback(SnapshotCallback(env=env, auto=True))

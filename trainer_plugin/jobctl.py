@@ -12,7 +12,9 @@ and cancels jobs on this machine, over SSH and on a pod:
 
 Doing the pid checks on the target itself means a pid is never checked on one round trip
 and signalled on another, and a reused pid (start time differs) is never mistaken for the job.
-With a facts directory (`--facts DIR`: where the wrapper records the job's handle and end, a
+`main` hands `start` to the wrapper (supervisor.py) and `serve` to the helper (jobserve.py), which
+both use this module's functions: the one import circle of the job-side tools, lazy and in
+main only, named in pyproject.toml's no-circle contract. With a facts directory (`--facts DIR`: where the wrapper records the job's handle and end, a
 place of the daemon's own), how the job ends is read there and never from the run directory.
 """
 

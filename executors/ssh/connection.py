@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import asyncssh
@@ -28,9 +28,6 @@ from executors import remote
 from executors.base import AuthError, ExecutorError, HostKeyError, TargetUnreachable, WorkdirError
 from executors.config import SshTarget
 from executors.retry import Backoff, FailureGate
-
-if TYPE_CHECKING:
-    from executors.ssh.helper import HelperProcess
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -83,6 +80,13 @@ class _Client(asyncssh.SSHClient):
         self.lost = True
 
 
+class HelperMark(Protocol):
+    """The connection's helper as the connection sees it: marked closing with its session, so
+    its end is not taken for a failure (executors/ssh/helper.py's HelperProcess)."""
+
+    closing: bool
+
+
 @dataclass
 class Session:
     """One live connection and what was learnt when it opened."""
@@ -97,7 +101,7 @@ class Session:
     sftp: asyncssh.SFTPClient | None = None
     sftp_lock: anyio.Lock = field(default_factory=anyio.Lock)
     real_workdir: str | None = None  # the workdir with every link resolved, once asked for
-    helper: HelperProcess | None = None  # the connection's `jobctl serve` (executors/ssh/helper.py)
+    helper: HelperMark | None = None  # the connection's `jobctl serve` (executors/ssh/helper.py)
     helper_lock: anyio.Lock = field(default_factory=anyio.Lock)
     no_helper: str | None = None  # why this connection has none (it could not start)
 

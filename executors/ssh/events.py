@@ -10,14 +10,25 @@ followed as before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import anyio
 
 from executors.base import JobHandle
 
-if TYPE_CHECKING:
-    from executors.ssh.helper import HelperProcess
+
+class HelperChannel(Protocol):
+    """The connection's helper as the events see it (executors/ssh/helper.py's HelperChannel):
+    whether it lives, and a request sent without waiting."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    def notify(
+        self, op: str, fields: dict[str, Any], on_answer: Callable[[dict[str, Any]], None] | None = None
+    ) -> None: ...
+
 
 JobIds = tuple[int, int]  # (pid, start time) of a job's wrapper
 
@@ -28,7 +39,7 @@ class SshEvents:
     def __init__(self, poll_hint: float = 3.0) -> None:
         self.poll_hint = poll_hint
         self._dirs: dict[str, JobIds | None] = {}  # watched run dir -> its job, once the helper said
-        self._helper: HelperProcess | None = None
+        self._helper: HelperChannel | None = None
         self._changed: set[str] = set()
         self._wakeup: anyio.Event | None = None
         self._exited: set[JobIds] = set()
@@ -96,7 +107,7 @@ class SshEvents:
 
     # --- the helper's side -------------------------------------------------------------------
 
-    def attach(self, helper: HelperProcess) -> None:
+    def attach(self, helper: HelperChannel) -> None:
         """A new helper pushes from now on: tell it every directory."""
         self._helper = helper
         self._unavailable = False
@@ -104,7 +115,7 @@ class SshEvents:
             self._send_watch(helper, remote_dir)
         self._wake()
 
-    def detach(self, helper: HelperProcess) -> None:
+    def detach(self, helper: HelperChannel) -> None:
         """That helper ended (with its connection, or on its own)."""
         if self._helper is helper:
             self._helper = None
@@ -142,7 +153,7 @@ class SshEvents:
 
     # --- inside ------------------------------------------------------------------------------
 
-    def _send_watch(self, helper: HelperProcess, remote_dir: str) -> None:
+    def _send_watch(self, helper: HelperChannel, remote_dir: str) -> None:
         def answered(answer: dict[str, Any]) -> None:
             job = _job_ids((answer.get("result") or {}).get("job")) if answer.get("ok") else None
             if job is not None and remote_dir in self._dirs and self._dirs[remote_dir] is None:

@@ -319,12 +319,12 @@ class SshHelper:
             raise
 
     async def _for_session(self, session: Session) -> HelperProcess:
-        helper = session.helper
+        helper = process_of(session)
         if helper is not None and helper.alive:
             return helper
         self._refuse_early(session)
         async with session.helper_lock:
-            helper = session.helper
+            helper = process_of(session)
             if helper is not None and helper.alive:
                 return helper
             self._refuse_early(session)
@@ -425,12 +425,19 @@ class SshHelper:
                 "and exits are seen at the next poll"
             )
         session = self.connection.session
-        hello = (session.helper.hello if session is not None and session.helper is not None else None) or {}
+        helper = process_of(session) if session is not None else None
+        hello = (helper.hello if helper is not None else None) or {}
         watch = "inotify" if hello.get("inotify") else "a stat every 0.5 s (no inotify)"
         return True, (
             f"ok: jobctl serve (pid {hello.get('pid')}, Python {hello.get('python')}) answers probes, starts, "
             f"cancels, reads and writes on one channel; exits, requests and proofs are pushed ({watch})"
         )
+
+
+def process_of(session: Session) -> HelperProcess | None:
+    """The helper a session holds (the connection keeps it as a mark it can close, not by type)."""
+    helper = session.helper
+    return helper if isinstance(helper, HelperProcess) else None
 
 
 def _ignore(message: dict[str, Any]) -> None:
