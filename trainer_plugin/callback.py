@@ -18,13 +18,13 @@ from transformers import TrainerCallback
 
 from . import inject
 from .dist import Ranks, tear_down_at_exit
+from .metrics_file import MetricsWriter
 from .request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
 from .rundir import PREEMPTED, checkpoint_name, checkpoint_relpath
 from .runtime import (
     SNAPSHOT_ATTRIBUTE,
     VERSION,
     IncompleteCheckpoint,
-    MetricsWriter,
     RunEnv,
     SigtermFlag,
     StoppedForSnapshot,

@@ -34,12 +34,13 @@ from typing import Any
 
 from . import rundir, runtime
 from .dist import Ranks, tear_down_at_exit
+from .metrics_file import MetricsWriter
 from .runtime import RunEnv, SigtermFlag, StoppedForSnapshot, note_snapshot
 from .runtime import stopped_for_snapshot as _process_snapshot
 
 _sigterm = SigtermFlag()
 _max_steps: int | None = None  # what begin() was told, for the snapshot's marker
-_metrics: runtime.MetricsWriter | None = None
+_metrics: MetricsWriter | None = None
 _metrics_key: tuple[str | None, int] | None = None
 
 
@@ -47,7 +48,7 @@ def _env() -> RunEnv:
     return RunEnv.from_environ()
 
 
-def _writer() -> runtime.MetricsWriter:
+def _writer() -> MetricsWriter:
     """The process's metrics writer: the run's metrics.jsonl on rank 0 under obd, else a no-op."""
     global _metrics, _metrics_key
     env, ranks = _env(), Ranks()
@@ -56,7 +57,7 @@ def _writer() -> runtime.MetricsWriter:
     if _metrics is None or _metrics_key != key:
         if _metrics is not None:
             _metrics.close()
-        _metrics, _metrics_key = runtime.MetricsWriter(path), key
+        _metrics, _metrics_key = MetricsWriter(path), key
     return _metrics
 
 

@@ -181,7 +181,7 @@ def in_job(out: Path, argv: list[str]) -> None:
     # The metrics late writer's thread, the same way: the CPU time of each of its turns (a
     # sleep in a wait costs none; a turn that writes overdue step logs costs the write).
     late: list[tuple[int, int]] = []
-    from trainer_plugin.runtime import MetricsWriter
+    from trainer_plugin.metrics_file import MetricsWriter
 
     late_turn = getattr(MetricsWriter, "_late_turn", None)  # a plugin from before it (--compare) has none
     if late_turn is not None:

@@ -25,7 +25,7 @@ from daemon.models import RunRecord, Snapshot
 from daemon.stop import apply_probe, final_state, judge_proof
 from executors.base import JobState, JobStatus, RunProbe
 from tests.trainer_plugin.conftest import REPO
-from trainer_plugin import jobctl, rundir, runtime
+from trainer_plugin import jobctl, metrics_file, rundir, runtime
 from trainer_plugin.rundir import InvalidProof, Proof, parse_proof
 
 PY = sys.executable
@@ -405,7 +405,7 @@ def test_what_the_plugin_writes_is_what_the_daemons_probe_reads_and_a_valid_proo
     run = tmp_path / "run"
     run.mkdir()
     env = plugin_env(run)
-    writer = runtime.MetricsWriter(env.metrics_path)
+    writer = metrics_file.MetricsWriter(env.metrics_path)
     writer.write("begin", max_steps=10, snapshots=True, version=runtime.VERSION)
     writer.write("log", step=3, loss=0.5)
     writer.close()

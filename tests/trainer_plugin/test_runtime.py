@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from tests.trainer_plugin.conftest import REPO
 from trainer_plugin import runtime
-from trainer_plugin.runtime import REASONS, MetricsWriter, RunEnv
+from trainer_plugin.metrics_file import MetricsWriter
+from trainer_plugin.runtime import REASONS, RunEnv
 
 
 def env_for(root: Path) -> RunEnv:
@@ -227,7 +228,7 @@ def test_a_child_forked_while_step_logs_wait_never_writes_them_a_second_time(tmp
     # (atexit handlers included): only the parent writes the job's metrics.
     code = f"""
 import os, sys, time
-from trainer_plugin.runtime import MetricsWriter
+from trainer_plugin.metrics_file import MetricsWriter
 writer = MetricsWriter({str(path)!r})
 usual = {USUAL!r}
 now = time.monotonic()

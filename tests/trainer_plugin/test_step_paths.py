@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tests.trainer_plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero, read_jsonl, wait_until
 from tests.trainer_plugin.test_distributed_trainer import final_steps
-from trainer_plugin import runtime
+from trainer_plugin import metrics_file
 from trainer_plugin.request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
 
 # A SnapshotCallback driven by hand through step ends, as the Trainer drives it. Between two
@@ -308,8 +308,8 @@ def test_the_usual_log_line_is_byte_for_byte_what_the_general_encoder_writes(
     now: float, step: int, tokens: int, loss: float, rate: float, norm: float, epoch: float
 ) -> None:
     logs = {"loss": loss, "learning_rate": rate, "grad_norm": norm, "epoch": epoch}
-    general = runtime.encode_line({"event": "log", "time": now, "step": step, **logs, "tokens": tokens})
-    assert runtime.step_log_lines([(now, step, tokens, logs)], 0.0) == general
+    general = metrics_file.encode_line({"event": "log", "time": now, "step": step, **logs, "tokens": tokens})
+    assert metrics_file.step_log_lines([(now, step, tokens, logs)], 0.0) == general
 
 
 @pytest.mark.parametrize(
@@ -328,8 +328,8 @@ def test_the_usual_log_line_is_byte_for_byte_what_the_general_encoder_writes(
 def test_any_other_log_is_written_as_the_general_encoder_writes_it(logs: dict[str, Any]) -> None:
     slots = {"event": "log", "time": 1.5, "step": 1, "loss": None, "learning_rate": None, "grad_norm": None}
     record = {**slots, "epoch": None, "tokens": 1, **logs}
-    line = runtime.step_log_lines([(1.0, 1, 1, logs)], 0.5)
-    assert line == runtime.encode_line(record)
+    line = metrics_file.step_log_lines([(1.0, 1, 1, logs)], 0.5)
+    assert line == metrics_file.encode_line(record)
     assert json.loads(line, parse_constant=reject) == {
         **record,
         **{k: v if v is None or math.isfinite(v) else None for k, v in logs.items()},
@@ -343,14 +343,14 @@ def reject(constant: str) -> Any:
 def test_a_numpy_float_in_the_usual_slots_is_written_as_a_plain_number() -> None:
     np = pytest.importorskip("numpy")
     logs = {**USUAL, "loss": np.float64(1.5), "grad_norm": np.float32(0.5)}
-    line = json.loads(runtime.step_log_lines([(1.0, 1, 1, logs)], 0.0), parse_constant=reject)
+    line = json.loads(metrics_file.step_log_lines([(1.0, 1, 1, logs)], 0.0), parse_constant=reject)
     assert (line["loss"], line["grad_norm"]) == (1.5, 0.5)
 
 
 # A job that logs one line and is killed at once (SIGKILL: no handler, no exit code of its own).
 LOG_THEN_DIE = """
 import os, signal, sys
-from trainer_plugin.runtime import MetricsWriter, step_log_lines
+from trainer_plugin.metrics_file import MetricsWriter, step_log_lines
 writer = MetricsWriter(sys.argv[1])
 writer.write("begin", max_steps=10, snapshots=True)
 writer.write_line(step_log_lines([(1.0, 7, 70, {"loss": 0.5, "learning_rate": 0.1, "grad_norm": 1.0, "epoch": 1.0})], 0.0))
