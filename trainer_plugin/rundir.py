@@ -15,7 +15,7 @@ import os
 import posixpath
 import re
 import stat
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # --- the files of a run directory (`<target workdir>/<run id>/`) -----------------------------
 
@@ -377,8 +377,12 @@ def is_real_checkpoint(output_dir: str, name: str) -> bool:
 # --- the proof -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Proof:
+# Named tuples, not dataclasses: `dataclasses` imports `inspect` (and with it `tokenize`, `dis`,
+# `ast`), which this module, imported by every jobctl call on a target and by the `obd` command,
+# has no use for.
+
+
+class Proof(NamedTuple):
     """A valid `snapshot.json`: its checkpoint is exactly `output/checkpoint-<step>`."""
 
     checkpoint: str
@@ -387,8 +391,7 @@ class Proof:
     time: float | None
 
 
-@dataclass(frozen=True)
-class InvalidProof:
+class InvalidProof(NamedTuple):
     """A `snapshot.json` that proves nothing, and why; none of its paths is ever used."""
 
     why: str
