@@ -11,7 +11,7 @@ from enum import Enum
 
 
 class RunState(str, Enum):
-    """A run's state (SPEC: "Run states")."""
+    """A run's state (docs/contract.md: "Run states")."""
 
     queued = "queued"  # waiting for GPUs on its target, or for a scheduler (Slurm) to start it
     preparing = "preparing"

@@ -1,6 +1,6 @@
 """The run directory's contract as code: its file names, the reason words, the limits, the proof rule.
 
-SPEC.md ("The run directory on the target") spelled out once, so the daemon, the executors, the
+docs/contract.md ("The run directory on the target") spelled out once, so the daemon, the executors, the
 job wrapper (jobctl), the in-job plugin and the pod watchdog cannot disagree on it. Standard
 library only: it runs on targets that have nothing of obd installed, beside jobctl.py and
 watchdog.py as a plain sibling module, and inside the job as part of the `trainer_plugin` package.

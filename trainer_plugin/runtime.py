@@ -1,4 +1,4 @@
-"""The run-directory side of the in-job plugin: environment, request, proof, metrics, SIGTERM flag.
+"""The run-directory side of the in-job plugin: environment, request, proof, SIGTERM flag (metrics.jsonl is metrics_file.py).
 
 Standard library only, so the Trainer callback, the custom-loop helpers and `sitecustomize`
 share one implementation of the file contract (its names and rules are in `rundir`) without
