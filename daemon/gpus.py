@@ -1,9 +1,10 @@
 """Which GPUs a run asks for, which a target has, and which are free.
 
-A local target's GPUs are found with the vendors' tools or given by its config
-(`executors/gpus.py`). A run holds the devices it was given from the moment it leaves the queue
-until its record is final; no two runs ever hold the same device. A run without `--gpus` on a
-target that has GPUs asks for all of them (a fine-tune uses the box; two never fight over it).
+A local target's GPUs are found with the vendors' tools or given by its config (the factory's
+`gpu_inventory`, with `executors/gpus.py`). A run holds the devices it was given from the moment
+it leaves the queue until its record is final; no two runs ever hold the same device. A run
+without `--gpus` on a target that has GPUs asks for all of them (a fine-tune uses the box; two
+never fight over it).
 Targets that do not share the daemon's machine (SSH, pods, Slurm) have no inventory here: their
 jobs see what their machine gives them.
 """
@@ -17,7 +18,8 @@ from daemon.api import ApiError
 from daemon.models import RunRecord, RunState
 from daemon.ports import Runs
 from daemon.targets import Targets
-from executors.gpus import Gpu, configured, discover
+from executors.factory import gpu_inventory
+from executors.gpus import Gpu
 
 
 class InventoryHost(Runs, Protocol):
@@ -57,12 +59,7 @@ class Inventory:
         return self._by_target[target]
 
     def _find(self, target: str) -> list[Gpu]:
-        supervision = self.daemon.targets.get(target)
-        config = supervision.config
-        if getattr(config, "kind", None) != "local":
-            return []
-        given = configured(config.gpus, config.gpu_vendor)
-        return discover() if given is None else given
+        return gpu_inventory(self.daemon.targets.get(target).config)
 
     def wanted(self, record: RunRecord) -> list[str] | int:
         """What a run asks for on its target: device ids, or a count (0 on a target without GPUs)."""

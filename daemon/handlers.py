@@ -38,7 +38,7 @@ from daemon.checkpoints import chain_of, latest_attempt
 from daemon.follow import Follower, job_handle
 from daemon.gpus import Inventory
 from daemon.launch import Launcher
-from daemon.models import RunRecord, RunState, normalise_reason
+from daemon.models import RunRecord, RunState
 from daemon.ports import Runs
 from daemon.queue import Scheduler
 from daemon.recovery import Recovery
@@ -46,8 +46,10 @@ from daemon.specs import uses_caller_environment
 from daemon.stop import ASKED_VIA, request_snapshot
 from daemon.targets import Targets
 from executors.base import Executor, ExecutorError
-from executors.local import hand_over
+from executors.factory import is_this_machine, makes_pods
 from trainer_plugin import rundir
+from trainer_plugin.creds import hand_over
+from trainer_plugin.rundir import normalise_reason
 
 log = structlog.get_logger("obd")
 Handler = Callable[[Any, Peer], Awaitable[Any]]
@@ -166,7 +168,10 @@ class Handlers:
                 {"id": g.id, "vendor": g.vendor, "name": g.name, "held_by": held.get(g.id)} for g in inventory.of(name)
             ]
             queued = len(self.daemon.scheduler.queued(name))
-            out.append({"name": name, "kind": config.target(name).kind, "gpus": gpus, "queued": queued})
+            target = config.target(name)
+            # What the client may need to know of the kind, as the kind's capabilities say it.
+            capabilities = {"this_machine": is_this_machine(target), "pods": makes_pods(target)}
+            out.append({"name": name, "kind": target.kind, **capabilities, "gpus": gpus, "queued": queued})
         return out
 
     async def status(self, req: IdRequest, peer: Peer) -> dict[str, Any]:

@@ -40,7 +40,7 @@ import structlog
 from daemon.config import NotifyEntry
 from daemon.models import RunRecord, RunState, Transition
 from daemon.ports import Runs
-from executors.runpod.info import PodInfo
+from executors.factory import pod_cost
 from trainer_plugin.rundir import atomic_write
 
 if TYPE_CHECKING:
@@ -128,16 +128,14 @@ def events(record: RunRecord, start: int = 0) -> Iterator[Event]:
 
 def pod_spend(record: RunRecord, at: float) -> dict[str, Any] | None:
     """The run's pod, its rate and what it had cost at `at`; None for a run with no pod."""
-    if record.target_info.get("kind") != "runpod":
-        return None
-    info = PodInfo.from_record(record.target_info)
-    if not info.pod_id:
+    cost = pod_cost(record.target_info, at)
+    if cost is None:
         return None
     return {
-        "pod_id": info.pod_id,
-        "gpu_type": info.gpu_type,
-        "cost_per_hr": info.cost_per_hr,
-        "spend_usd": info.spend(at),
+        "pod_id": cost.pod_id,
+        "gpu_type": cost.gpu_type,
+        "cost_per_hr": cost.cost_per_hr,
+        "spend_usd": cost.spend_usd,
     }
 
 

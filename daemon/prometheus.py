@@ -28,8 +28,8 @@ from daemon.follow import Follower
 from daemon.models import FINAL_STATES, RunRecord, RunState
 from daemon.ports import Runs
 from daemon.targets import Targets
-from executors.factory import makes_pods
-from executors.runpod.info import PodInfo
+from executors.base import PodCost
+from executors.factory import makes_pods, pod_cost
 
 if TYPE_CHECKING:
     from daemon.notify import Notifications
@@ -170,14 +170,10 @@ def process_families() -> list[Family]:
 # --- the runs ----------------------------------------------------------------------------------
 
 
-def alive_pod(record: RunRecord) -> PodInfo | None:
-    """The run's pod while obd keeps it for the run (made, not ended); None otherwise."""
-    if record.target_info.get("kind") != "runpod":
-        return None
-    info = PodInfo.from_record(record.target_info)
-    if not info.pod_id or info.ended or info.settled:
-        return None
-    return info
+def alive_pod(record: RunRecord, now: float) -> PodCost | None:
+    """The run's pod and its cost at `now`, while obd keeps it for the run (made, not ended); None otherwise."""
+    cost = pod_cost(record.target_info, now)
+    return cost if cost is not None and cost.alive else None
 
 
 def snapshot_latency(record: RunRecord) -> float | None:
@@ -264,12 +260,12 @@ class MetricsExporter:
         rate = Family("obd_pod_cost_per_hour_dollars", "gauge", "Each live pod's hourly rate, in US dollars.")
         by_target: Counter[str] = Counter()
         for record in records:
-            info = alive_pod(record)
+            info = alive_pod(record, now)
             if info is None:
                 continue
             by_target[record.target] += 1
             labels = {"target": record.target, "run_id": record.id, "pod_id": str(info.pod_id)}
-            spent = info.spend(now)
+            spent = info.spend_usd
             if spent is not None:
                 spend.add(spent, **labels)
             if info.cost_per_hr is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import structlog
@@ -26,12 +26,13 @@ from daemon.api import ApiError
 from daemon.models import RunRecord
 from daemon.targets import Supervision
 from executors.base import Executor, ExecutorError, JobState, JobStatus
+from executors.factory import make_scheduler_executor
 from executors.slurm import as_user
-from executors.slurm.executor import SlurmExecutor
 from executors.slurm.states import SlurmJob, end_message, lost_message
 
 if TYPE_CHECKING:
     from executors.config import SlurmTarget
+    from executors.slurm.executor import SlurmExecutor
 
 log = structlog.get_logger("obd.slurm")
 ORPHAN_CHECK_INTERVAL = 300.0  # how often jobs of ended runs are looked for
@@ -83,10 +84,14 @@ class SlurmSupervision(Supervision):
         return f"{self.name}/{key}" if key else self.name
 
     def executor(self, record: RunRecord) -> Executor:
+        return self._account_executor(record)
+
+    def _account_executor(self, record: RunRecord) -> SlurmExecutor:
+        """The executor of the run's account, made by the factory once per account."""
         submitter = self.submitter(record)
         cache = (submitter.key, submitter.refusal)
         if cache not in self._executors:
-            self._executors[cache] = SlurmExecutor(self.name, self.config, submitter=submitter)
+            self._executors[cache] = make_scheduler_executor(self.name, self.config, submitter)
         return self._executors[cache]
 
     def workdir(self, record: RunRecord) -> str:
@@ -134,7 +139,8 @@ class SlurmSupervision(Supervision):
                 await executor.aclose()
 
     def slurm(self, record: RunRecord) -> SlurmJobs:
-        return cast("SlurmJobs", self.executor(record))
+        """The run's executor as what it tells of its Slurm jobs."""
+        return self._account_executor(record)
 
     def _job(self, record: RunRecord) -> SlurmJob | None:
         return self.slurm(record).last_seen.get(record.remote_dir)

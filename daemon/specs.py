@@ -18,6 +18,7 @@ from daemon.config import ConfigError
 from daemon.ports import Runs
 from daemon.store import LAUNCH_SETTINGS
 from executors.base import RunAs
+from executors.factory import is_this_machine
 from trainer_plugin.rundir import atomic_write, read_regular
 
 SPEC = LAUNCH_SETTINGS
@@ -28,7 +29,7 @@ def uses_caller_environment(daemon: Runs, target: str) -> bool:
     (this machine's). SSH, Slurm and pod jobs start from their machine's, so the caller's
     environment is neither kept nor used for them."""
     try:
-        return daemon.config.target(target).kind == "local"
+        return is_this_machine(daemon.config.target(target))
     except ConfigError:
         return False  # an unknown target: the start is refused, nothing is kept
 

@@ -7,6 +7,7 @@ Paths given to an executor are absolute paths on the target.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Protocol
@@ -172,6 +173,21 @@ class RunProbe(BaseModel):
     # on their path (output/ itself included): the only checkpoints a proof can name.
     checkpoints: list[str] = Field(default_factory=list)
     error: str | None = None  # why the directory could not be read (the probe is then partial)
+
+
+@dataclass(frozen=True)
+class PodCost:
+    """A run's own machine (a pod) and what it costs, as notifications and metrics tell it.
+
+    Kind-neutral on purpose: the daemon's notifications and its `/metrics` learn it from the
+    factory (`executors.factory.pod_cost`), never by reading a kind's record format themselves.
+    """
+
+    pod_id: str
+    gpu_type: str | None
+    cost_per_hr: float | None  # US dollars an hour
+    spend_usd: float | None  # what it had cost at the time asked; None where its rate or start is unknown
+    alive: bool  # obd keeps it for the run: made, not ended, and not one that never ran the job
 
 
 class ExecutorError(Exception):

@@ -1,20 +1,29 @@
 """The one place that knows the kinds of target: a target's config in, what serves it out.
 
 A machine target (this machine, an SSH host) is served by one `Executor` for all its runs; a
-pod target gives each run a machine of its own, made by its driver. Callers ask `makes_pods`
-instead of switching on the kind themselves.
+pod target gives each run a machine of its own, made by its driver. Callers ask a capability
+(`makes_pods`, `schedules_jobs`, `is_this_machine`, `gpu_inventory`, `pod_cost`) instead of
+switching on the kind themselves, and get executors and drivers from here, never by naming a
+concrete class.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
-from executors.base import Executor, ExecutorError
+from executors.base import Executor, ExecutorError, PodCost
 from executors.config import AnyTarget, LocalTarget, RunpodTarget, SlurmTarget, SshTarget
 
 if TYPE_CHECKING:
+    from executors.gpus import Gpu
     from executors.runpod import RunpodDriver
+    from executors.slurm.as_user import Submitter
+    from executors.slurm.executor import SlurmExecutor
+
+# What a pod's record (`target_info`, executors/runpod/info.py's PodInfo) says its kind is.
+POD_RECORD_KIND = "runpod"
 
 
 def makes_pods(target: AnyTarget) -> TypeGuard[RunpodTarget]:
@@ -29,8 +38,40 @@ def schedules_jobs(target: AnyTarget) -> TypeGuard[SlurmTarget]:
 
 
 def is_this_machine(target: AnyTarget) -> bool:
-    """Whether the target is the daemon's own machine (nothing remote to wait for)."""
+    """Whether the target is the daemon's own machine (nothing remote to wait for; its run
+    directories are files here, and its jobs start from their caller's environment)."""
     return isinstance(target, LocalTarget)
+
+
+def gpu_inventory(target: AnyTarget) -> list[Gpu]:
+    """The GPUs the daemon hands out to the target's runs: this machine's, as its config gives
+    them or as the vendors' tools find them (which runs them: call once and keep the answer).
+    Any other target has none here: its jobs see what their machine gives them."""
+    if not isinstance(target, LocalTarget):
+        return []
+    from executors.gpus import configured, discover
+
+    given = configured(target.gpus, target.gpu_vendor)
+    return discover() if given is None else given
+
+
+def pod_cost(target_info: Mapping[str, Any], at: float) -> PodCost | None:
+    """The pod a run's record keeps (its `target_info`) and what it had cost at `at`; None for a
+    run with no pod: on a target that makes none, or whose pod was not created (yet)."""
+    if target_info.get("kind") != POD_RECORD_KIND:
+        return None
+    from executors.runpod.info import PodInfo
+
+    info = PodInfo.from_record(dict(target_info))
+    if not info.pod_id:
+        return None
+    return PodCost(
+        pod_id=info.pod_id,
+        gpu_type=info.gpu_type,
+        cost_per_hr=info.cost_per_hr,
+        spend_usd=info.spend(at),
+        alive=not info.ended and not info.settled,
+    )
 
 
 def make_executor(name: str, target: AnyTarget, state_dir: Path, remote_poll: float = 3.0) -> Executor:
@@ -73,3 +114,11 @@ def make_pod_driver(name: str, target: RunpodTarget, state_dir: Path) -> RunpodD
         cap_margin=target.snapshot_margin,
         watchdog_interval=target.watchdog_interval,
     )
+
+
+def make_scheduler_executor(name: str, target: SlurmTarget, submitter: Submitter) -> SlurmExecutor:
+    """The executor of a scheduler target whose commands run as `submitter` (a user's own account
+    under a root daemon, so each user's runs have one of their own)."""
+    from executors.slurm import SlurmExecutor
+
+    return SlurmExecutor(name, target, submitter=submitter)

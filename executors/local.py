@@ -466,14 +466,6 @@ def private_dir(path: Path) -> None:
         path.mkdir(mode=0o700)
 
 
-def hand_over(run_dir: Path, uid: int, gid: int) -> None:
-    """Give a run directory the daemon made to the user its job runs as (links not followed)."""
-    for root, dirs, files in os.walk(run_dir):
-        for name in dirs + files:
-            os.lchown(os.path.join(root, name), uid, gid)
-    os.lchown(run_dir, uid, gid)
-
-
 def _skip(directory: str, name: str) -> bool:
     """Entries never copied: caches, version control, virtual environments."""
     if name in {".git", "__pycache__", ".pytest_cache", ".mypy_cache", "node_modules", ".venv", "venv"}:

@@ -9,8 +9,9 @@ the fsuid from 0 also drops the thread's filesystem capabilities (CAP_DAC_OVERRI
 it is set back. glibc's setfsuid/setfsgid act on the calling thread only; the groups are set
 with the raw system call, since glibc's setgroups() changes every thread of the process.
 
-Used by the local executor (in its worker threads, never the event loop's) and by the job
-wrapper, which stays root to supervise the job it starts as the user (cf. slurmstepd).
+Used by the local executor (in its worker threads, never the event loop's), by the job
+wrapper, which stays root to supervise the job it starts as the user (cf. slurmstepd), and by
+the daemon, which hands the outputs it gathered over to their owner (`hand_over`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,15 @@ class Copied:
     files: int = 0
     bytes: int = 0
     left_out: list[str] = field(default_factory=list)
+
+
+def hand_over(directory: str | os.PathLike[str], uid: int, gid: int) -> None:
+    """Give a directory the daemon made (and all in it) to a user, links not followed: the last
+    step before a tree gathered with the daemon's rights is renamed into the user's place."""
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            os.lchown(os.path.join(root, name), uid, gid)
+    os.lchown(directory, uid, gid)
 
 
 def copy_tree(

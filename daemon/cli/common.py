@@ -5,6 +5,9 @@ Standard library only, like every module the client imports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 DIST = "obd-train"  # the distribution's name on the package index; the command is `obd`
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
@@ -18,6 +21,21 @@ EXIT_UNREACHABLE, EXIT_BUSY, EXIT_DENIED, EXIT_INTERRUPTED, EXIT_PIPE = 69, 75, 
 STATE_EXIT = {"succeeded": EXIT_OK, "stopped": EXIT_STOPPED, "cancelled": EXIT_CANCELLED, "failed": EXIT_FAILED}
 
 RECONNECT_FOR = 600.0  # how long a follow or a wait waits out a daemon that went away (a restart)
+
+# The target that is always this machine, and the default of `--target`: the config gives the
+# name to no other kind, so a run on it needs no question to the daemon.
+LOCAL_TARGET = "local"
+
+
+def on_this_machine(target: str | None, targets: Callable[[], list[dict[str, Any]]]) -> bool:
+    """Whether `target` is the daemon's own machine, whose run directories are files here and whose
+    jobs start from their caller's environment. `local` always is; of another name the daemon's
+    list of targets says so (`targets()`, asked only then: its `this_machine`, which the service
+    fills from the kind's capability), since this client may not be able to read the config."""
+    if target == LOCAL_TARGET:
+        return True
+    return any(t.get("name") == target and t.get("this_machine") for t in targets())
+
 
 SHELLS = ("bash", "zsh", "fish")
 

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from daemon.cli import render
@@ -18,6 +19,7 @@ from daemon.cli.common import (
     EXIT_ERROR,
     RECONNECT_FOR,
     STATE_EXIT,
+    on_this_machine,
 )
 from daemon.wire import FINAL
 
@@ -100,15 +102,21 @@ class Patient:
 
 
 class _Feedback:
-    """What a `--wait` waits for, on a terminal: one line per stage, the current one kept up to date."""
+    """What a `--wait` waits for, on a terminal: one line per stage, the current one kept up to date.
 
-    def __init__(self) -> None:
+    `targets` asks the daemon for its list of targets: whether a run's target is this machine
+    (whose checkpoint's size can be read here) is asked once, and only of a target not `local`.
+    """
+
+    def __init__(self, targets: Callable[[], list[dict[str, Any]]] = list) -> None:
         self.stage = ""
         self.sizes: dict[str, str] = {}
+        self.targets = targets
+        self.here: dict[str, bool] = {}  # target -> whether it is this machine
 
     @classmethod
-    def for_terminal(cls) -> _Feedback | None:
-        return cls() if sys.stderr.isatty() else None
+    def for_terminal(cls, targets: Callable[[], list[dict[str, Any]]] = list) -> _Feedback | None:
+        return cls(targets) if sys.stderr.isatty() else None
 
     def show(self, record: dict[str, Any]) -> None:
         import shutil
@@ -129,14 +137,24 @@ class _Feedback:
             sys.stderr.flush()
 
     def _size(self, record: dict[str, Any]) -> str | None:
-        """The checkpoint's size on disk, for a local run whose directory this user can read."""
+        """The checkpoint's size on disk, for a run on this machine whose directory this user can read."""
         snapshot = record.get("snapshot") or {}
-        if not snapshot or record.get("target") != "local" or not record.get("remote_dir"):
+        if not snapshot or not record.get("remote_dir") or not self._here(record.get("target")):
             return None
         path = os.path.join(record["remote_dir"], snapshot["checkpoint"])
         if path not in self.sizes:
             self.sizes[path] = render.size_text(_disk_usage(path))
         return self.sizes[path] or None
+
+    def _here(self, target: str | None) -> bool:
+        """Whether the target is this machine; a daemon that does not answer leaves the size out."""
+        name = str(target)
+        if name not in self.here:
+            try:
+                self.here[name] = on_this_machine(target, self.targets)
+            except (DaemonUnreachable, DaemonBusy, RequestFailed, OSError):
+                return False  # asked again at the next show
+        return self.here[name]
 
 
 def _disk_usage(path: str, limit: int = 10000) -> int | None:

@@ -28,8 +28,10 @@ from daemon.cli.common import (
     EXIT_PIPE,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
+    LOCAL_TARGET,
     STATE_EXIT,
     UsageError,
+    on_this_machine,
 )
 from daemon.cli.follow import (
     Patient,
@@ -289,7 +291,7 @@ def _targets_from_config(config: str | None) -> list[dict[str, Any]]:
         raw = {}
     found = raw.get("targets")
     targets: dict[str, Any] = found if isinstance(found, dict) else {}
-    rows = [{"name": "local", "kind": "local"}] if "local" not in targets else []
+    rows = [{"name": LOCAL_TARGET, "kind": "local"}] if LOCAL_TARGET not in targets else []
     rows += [
         {"name": n, "kind": str(t.get("kind", "?")) if isinstance(t, dict) else "?"} for n, t in sorted(targets.items())
     ]
@@ -306,7 +308,7 @@ def _environ_for(client: Client, target: str, env_clear: bool) -> dict[str, str]
     read (one round trip on the same connection)."""
     if env_clear:
         return None  # the job starts from an empty environment: nothing of this one is needed
-    if target == "local" or any(t.get("name") == target and t.get("kind") == "local" for t in client.call("targets")):
+    if on_this_machine(target, lambda: client.call("targets")):
         return dict(os.environ)
     return None
 
@@ -413,7 +415,7 @@ def _stop(args: argparse.Namespace, client: Client) -> int:
             )
         _print_record(record, args.json, said)
         return 0
-    final = _wait(Patient(client), record, _Feedback.for_terminal())
+    final = _wait(Patient(client), record, _Feedback.for_terminal(lambda: client.call("targets")))
     _print_record(final, args.json, render.status(final))
     if final["state"] == "stopped" and final.get("snapshot"):
         return 0
@@ -425,7 +427,7 @@ def _cancel(args: argparse.Namespace, client: Client) -> int:
     if not args.wait:
         _print_record(record, args.json, render.outcome(record))
         return 0
-    record = _wait(Patient(client), record, _Feedback.for_terminal())
+    record = _wait(Patient(client), record, _Feedback.for_terminal(lambda: client.call("targets")))
     _print_record(record, args.json, render.outcome(record))
     return EXIT_OK if record["state"] == "cancelled" else STATE_EXIT.get(record["state"], EXIT_ERROR)
 

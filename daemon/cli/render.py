@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 from daemon.wire import FINAL
@@ -301,6 +302,26 @@ def slurm_text(job: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def _pod_line(r: dict[str, Any]) -> str | None:
+    """A pod target's line: the pod its record keeps, with what the daemon's `status` said of it live."""
+    info = r.get("target_info") or {}
+    return pod_text(info, r.get("pod") or {}) if info.get("pod_id") else None
+
+
+def _slurm_line(r: dict[str, Any]) -> str | None:
+    """A Slurm target's line: the job as the daemon's `status` said it."""
+    return slurm_text(r["slurm"]) if r.get("slurm") else None
+
+
+# What a kind of target adds to `obd train status`, under its label: each from what the target's
+# supervision put in the daemon's reply (the record's pod, a Slurm job), None where it put nothing.
+# The one place the client knows what only some kinds of target say.
+TARGET_LINES: tuple[tuple[str, Callable[[dict[str, Any]], str | None]], ...] = (
+    ("pod", _pod_line),
+    ("slurm", _slurm_line),
+)
+
+
 def finish_text(r: dict[str, Any]) -> str | None:
     """For a run that ended stopped for a snapshot: "stopped at step N of M; resume to finish" and how.
 
@@ -371,11 +392,10 @@ def status(r: dict[str, Any]) -> str:
         lines.append(f"exit      {r['exit_code']}")
     if r.get("unreachable_since"):
         lines.append(f"target    unreachable since {_clock(r['unreachable_since'])}; retrying")
-    info = r.get("target_info") or {}
-    if info.get("pod_id"):
-        lines.append(f"pod       {pod_text(info, r.get('pod') or {})}")
-    if r.get("slurm"):
-        lines.append(f"slurm     {slurm_text(r['slurm'])}")
+    for label, line in TARGET_LINES:
+        text = line(r)
+        if text is not None:
+            lines.append(f"{label:<9} {text}")
     lines.append("history")
     for h in r.get("history") or []:
         lines.append(f"  {_clock(h['time'])}  {h['state']:<10} {h['reason']}")

@@ -174,7 +174,12 @@ def test_a_resume_gets_the_resumers_environment_never_the_stored_one(daemon: Dae
 # --- the client: its environment only for a target that uses it ----------------------------------
 
 
-TARGETS = [{"name": "local", "kind": "local"}, {"name": "box", "kind": "ssh"}, {"name": "here", "kind": "local"}]
+# As the daemon answers `targets`: each kind's capabilities beside its label.
+TARGETS = [
+    {"name": "local", "kind": "local", "this_machine": True, "pods": False},
+    {"name": "box", "kind": "ssh", "this_machine": False, "pods": False},
+    {"name": "here", "kind": "local", "this_machine": True, "pods": False},
+]
 
 
 class FakeDaemon:

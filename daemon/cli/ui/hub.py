@@ -30,7 +30,7 @@ class Hub:
         self.error: str | None = None  # why the daemon cannot be followed now
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._pod_kinds: set[str] = set()
+        self._pod_targets: set[str] = set()
         self._pod_read: dict[str, float] = {}
         self._thread = threading.Thread(target=self._loop, name="obd-ui-watch", daemon=True)
 
@@ -88,7 +88,7 @@ class Hub:
                 if client is None:
                     client = Client(self.socket_path, timeout=WATCH_TIMEOUT + 30)
                     since = client.call("watch", since=0, timeout=0)["version"]
-                    self._pod_kinds = {t["name"] for t in client.call("targets") if t.get("kind") == "runpod"}
+                    self._pod_targets = {t["name"] for t in client.call("targets") if t.get("pods")}
                     self._publish(self._with_pods(client, client.call("list")), None, replace=True)
                     backoff = 0.5
                 reply = client.call("watch", since=since, timeout=WATCH_TIMEOUT)
@@ -115,7 +115,7 @@ class Hub:
     def _with_pods(self, client: Client, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Runs on Runpod targets get `pod` (id, state, rate, spend) from a `status` call."""
         return [
-            {**run, "pod": self._pod_of(client, run["id"])} if run.get("target") in self._pod_kinds else run
+            {**run, "pod": self._pod_of(client, run["id"])} if run.get("target") in self._pod_targets else run
             for run in runs
         ]
 
@@ -127,7 +127,7 @@ class Hub:
             due = [
                 r
                 for r in self.runs.values()
-                if r.get("target") in self._pod_kinds
+                if r.get("target") in self._pod_targets
                 and r.get("state") not in FINAL
                 and r["id"] not in done
                 and now - self._pod_read.get(r["id"], 0) > POD_REFRESH
