@@ -23,12 +23,13 @@ from typing import Protocol
 import anyio
 import structlog
 
-from daemon.models import RunRecord, RunState, Snapshot, normalise_reason
+from daemon.models import RunRecord, RunState, Snapshot
 from daemon.ports import Runs, Wakes
 from daemon.progress import update_progress
 from daemon.targets import Targets
 from executors.base import JobState, JobStatus, RunProbe
 from trainer_plugin import rundir
+from trainer_plugin.rundir import normalise_reason
 
 log = structlog.get_logger("obd")
 

@@ -28,6 +28,7 @@ import signal
 import stat
 import sys
 import time
+from typing import Any
 
 try:  # imported as trainer_plugin.jobctl
     from . import rundir
@@ -92,7 +93,7 @@ def process_start_time(pid: int) -> int | None:
     return info[1] if info else None
 
 
-def _handle_ids(handle: dict | None) -> tuple[int, int] | None:
+def _handle_ids(handle: dict[str, Any] | None) -> tuple[int, int] | None:
     """(pid, start time) of a handle from this boot, or None for a handle that names nothing here."""
     if not handle:
         return None
@@ -105,7 +106,7 @@ def _handle_ids(handle: dict | None) -> tuple[int, int] | None:
     return pid, start
 
 
-def handle_alive(handle: dict | None) -> bool:
+def handle_alive(handle: dict[str, Any] | None) -> bool:
     """True only if the very process that started the job is still alive (not a reused pid)."""
     ids = _handle_ids(handle)
     if ids is None:
@@ -143,7 +144,7 @@ def group_exists(pgid: int) -> bool:
     return True if members is None else bool(members)
 
 
-def group_alive(handle: dict | None) -> bool:
+def group_alive(handle: dict[str, Any] | None) -> bool:
     """True while any process of the job's process group lives, even if its wrapper died.
 
     The group is ours only if its leader is the job's wrapper or gone: a leader with another
@@ -159,7 +160,7 @@ def group_alive(handle: dict | None) -> bool:
     return group_exists(pgid)
 
 
-def read_handle(run_dir: str, facts: str | None = None) -> dict | None:
+def read_handle(run_dir: str, facts: str | None = None) -> dict[str, Any] | None:
     """The wrapper's handle: from the facts directory where there is one, else from job.pid."""
     path = rundir.FactPaths(facts).handle if facts else rundir.RunPaths(run_dir).job_pid
     data = read_regular(path, rundir.JOB_PID_LIMIT)
@@ -182,7 +183,7 @@ def read_int(path: str) -> int | None:
         return None
 
 
-def job_status(run_dir: str, handle: dict | None = None, facts: str | None = None) -> dict:
+def job_status(run_dir: str, handle: dict[str, Any] | None = None, facts: str | None = None) -> dict[str, Any]:
     """{state: running|exited|cancelled|lost, exit_code} from /proc and the end the wrapper recorded.
 
     With a facts directory, the end and the cancel marks are read there only: nothing in the
@@ -298,7 +299,7 @@ def signal_job(root: int, sig: int) -> None:
 # --- start ------------------------------------------------------------------------------
 
 
-def become(run_as: dict) -> None:
+def become(run_as: dict[str, Any]) -> None:
     """Drop to the run's user for good (groups, gid, then uid), as a login would.
 
     Done first thing in the wrapper, before it touches the run directory, so every file the
@@ -314,7 +315,7 @@ def become(run_as: dict) -> None:
     os.setresuid(uid, uid, uid)
 
 
-def job_environment(spec: dict, values: dict[str, str], clean_env: bool) -> dict[str, str]:
+def job_environment(spec: dict[str, Any], values: dict[str, str], clean_env: bool) -> dict[str, str]:
     """The job's environment: its base (the wrapper's own, or what came on stdin) and obd's additions."""
     base = {} if clean_env else dict(os.environ)
     env = {**base, **(spec.get("env") or {}), **values}
@@ -335,7 +336,7 @@ def job_environment(spec: dict, values: dict[str, str], clean_env: bool) -> dict
     return env
 
 
-def wrapper_handle(command: list[str], env: dict[str, str], cwd: str) -> dict:
+def wrapper_handle(command: list[str], env: dict[str, str], cwd: str) -> dict[str, Any]:
     """What a job wrapper writes to job.pid: itself (pid, start time, boot id: a reused pid is
     never taken for it), and what the job got, for `obd train status`: its program and the
     Python on its PATH."""
@@ -415,7 +416,9 @@ def write_exit_code(run_dir: str, code: int) -> None:
 # --- cancel -----------------------------------------------------------------------------
 
 
-def cancel(run_dir: str, grace: float, handle: dict | None = None, facts: str | None = None) -> dict:
+def cancel(
+    run_dir: str, grace: float, handle: dict[str, Any] | None = None, facts: str | None = None
+) -> dict[str, Any]:
     """TERM the job's processes, wait `grace` seconds, then KILL; idempotent.
 
     A job that already ended is never signalled; a second cancel only reports. The wrapper is
@@ -450,7 +453,7 @@ def cancel(run_dir: str, grace: float, handle: dict | None = None, facts: str | 
 # --- probe ------------------------------------------------------------------------------
 
 
-def _parse_json_line(line: bytes) -> dict | None:
+def _parse_json_line(line: bytes) -> dict[str, Any] | None:
     try:
         value = json.loads(line)
     except (ValueError, RecursionError):
@@ -458,9 +461,9 @@ def _parse_json_line(line: bytes) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _metrics_summary(path: str) -> dict:
+def _metrics_summary(path: str) -> dict[str, Any]:
     """The `begin` line, the last `log` line, whether `end` was written, and the file's size."""
-    out: dict = {"begin": None, "last_log": None, "ended": False, "metrics_size": 0}
+    out: dict[str, Any] = {"begin": None, "last_log": None, "ended": False, "metrics_size": 0}
     head = read_regular(path, METRICS_HEAD)
     if not head:
         return out
@@ -490,7 +493,7 @@ def _proof_text(data: bytes) -> str:
         return data.decode("utf-8", "backslashreplace")
 
 
-def _read_proof(run_dir: str, result: dict) -> None:
+def _read_proof(run_dir: str, result: dict[str, Any]) -> None:
     path = rundir.RunPaths(run_dir).proof
     kind = rundir.non_regular(path)
     if kind is not None:  # never opened: a FIFO or device would block, a link leads out
@@ -504,14 +507,14 @@ def _read_proof(run_dir: str, result: dict) -> None:
     result["proof"] = _proof_text(proof) if proof is not None else None
 
 
-def probe_dir(run_dir: str, handle: dict | None = None, with_job: bool = True) -> dict:
+def probe_dir(run_dir: str, handle: dict[str, Any] | None = None, with_job: bool = True) -> dict[str, Any]:
     """One read of a run directory: job status, request, proof, metrics summary, file sizes, checkpoints.
 
     Never raises: whatever a run directory holds, the probe of the others goes on. The proof
     is read before the checkpoints are listed, so a checkpoint written before its proof is listed.
     `with_job=False` leaves the job's status and handle to the caller (a scheduler knows them).
     """
-    result: dict = {"remote_dir": run_dir}
+    result: dict[str, Any] = {"remote_dir": run_dir}
     paths = rundir.RunPaths(run_dir)
     try:
         if with_job:

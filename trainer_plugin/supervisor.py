@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 try:  # imported as trainer_plugin.supervisor
     from . import creds, jobctl, rundir
@@ -40,7 +41,9 @@ LEFTOVER_GRACE = 5.0  # TERM to KILL for what the job left behind
 GONE_WAIT = 30.0  # after KILL, how long the wrapper waits for the last process before it records the end
 
 
-def start(run_dir: str, spec: dict, values: dict[str, str], clean_env: bool = False, facts: str | None = None) -> dict:
+def start(
+    run_dir: str, spec: dict[str, Any], values: dict[str, str], clean_env: bool = False, facts: str | None = None
+) -> dict[str, Any]:
     """Start the job of `spec` detached, in its own session; return the wrapper's handle.
 
     `spec` holds `command` (argv), `cwd`, `pythonpath`, `path_prepend`, `env`, `umask`,
@@ -69,7 +72,7 @@ def start(run_dir: str, spec: dict, values: dict[str, str], clean_env: bool = Fa
     return handle
 
 
-def _owner(spec: dict) -> creds.Account | None:
+def _owner(spec: dict[str, Any]) -> creds.Account | None:
     run_as = spec.get("run_as")
     if not run_as:
         return None
@@ -77,7 +80,7 @@ def _owner(spec: dict) -> creds.Account | None:
 
 
 def _supervise(
-    run_dir: str, spec: dict, values: dict[str, str], clean_env: bool, facts: str | None, ready_fd: int
+    run_dir: str, spec: dict[str, Any], values: dict[str, str], clean_env: bool, facts: str | None, ready_fd: int
 ) -> int:
     os.setsid()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -86,7 +89,7 @@ def _supervise(
     _become_subreaper()
     owner = _owner(spec)
     me = os.getpid()
-    handle: dict = {"pid": me, "start_time": jobctl.process_start_time(me), "boot_id": jobctl.boot_id()}
+    handle: dict[str, Any] = {"pid": me, "start_time": jobctl.process_start_time(me), "boot_id": jobctl.boot_id()}
     handle["uid"] = int(spec["run_as"]["uid"]) if spec.get("run_as") else os.getuid()
     paths = rundir.RunPaths(run_dir)
     fact_paths = rundir.FactPaths(facts) if facts else None
@@ -133,7 +136,7 @@ def _supervise(
     return 0
 
 
-def _exec_job(spec: dict, command: list[str], env: dict[str, str], cwd: str, log: int, info_fd: int) -> None:
+def _exec_job(spec: dict[str, Any], command: list[str], env: dict[str, str], cwd: str, log: int, info_fd: int) -> None:
     """In the forked child: become the job's user for good, then exec the command (never returns).
 
     Everything the job touches from here is done with its user's rights: its working directory,
@@ -160,7 +163,7 @@ def _exec_job(spec: dict, command: list[str], env: dict[str, str], cwd: str, log
     os._exit(127)
 
 
-def _place_outputs(run_dir: str, spec: dict, cwd: str, log: int) -> None:
+def _place_outputs(run_dir: str, spec: dict[str, Any], cwd: str, log: int) -> None:
     """`--output-to`, done in a child that is the job's user (the wrapper may be root)."""
     if os.path.lexists(rundir.RunPaths(run_dir).proof):
         return  # a stopped run's partial save is never placed as its final output
@@ -218,7 +221,7 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def _json_object(data: bytes) -> dict:
+def _json_object(data: bytes) -> dict[str, Any]:
     try:
         value = json.loads(data)
     except ValueError:
@@ -226,7 +229,7 @@ def _json_object(data: bytes) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def read_start_input(run_dir: str, argv: list[str]) -> tuple[dict, dict[str, str]]:
+def read_start_input(run_dir: str, argv: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """The job's spec and values, as `jobctl.py start` was given them: both on stdin
     (`--spec-stdin`, a root daemon's way), or job.json and the values on stdin (`--secrets-stdin`)."""
     if "--spec-stdin" in argv:
