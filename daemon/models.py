@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from daemon.wire import FINAL_STATES, RunState
+from daemon import wire
 
 # The reason words and the run-id rule are the run directory's contract (trainer_plugin/rundir.py);
 # normalise_reason stays importable from here for the daemon's modules.
@@ -17,7 +18,25 @@ from trainer_plugin.rundir import (
 )
 
 HISTORY_NOTES_LIMIT = 500
-__all__ = ["FINAL_STATES", "RunState"]  # the states are the wire's (daemon/wire.py), kept importable here
+
+
+class RunState(str, Enum):
+    """A run's state, as the service handles it: the wire's names (daemon/wire.py), defined there."""
+
+    queued = wire.QUEUED
+    preparing = wire.PREPARING
+    running = wire.RUNNING
+    stopped = wire.STOPPED
+    succeeded = wire.SUCCEEDED
+    failed = wire.FAILED
+    cancelled = wire.CANCELLED
+
+    @property
+    def final(self) -> bool:
+        return self.value in wire.FINAL
+
+
+FINAL_STATES = frozenset(s for s in RunState if s.final)
 
 
 class InvalidRunId(ValueError):

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from daemon.cli import view
 from daemon.cli.common import (
     DIST,
     EXIT_CODES,
@@ -223,6 +222,8 @@ def _parser() -> argparse.ArgumentParser:
 
     # Commands that look at runs (plot, the web view): daemon/cli/view.py adds them. Each sets
     # `view` to a function (args, client) -> exit code.
+
+    from daemon.cli import view  # its commands, and what they import, only when a parser is made
 
     view.add_commands(train, sub)
     _format_all(p)
