@@ -70,6 +70,7 @@ class StartRequest(_Req):
     retry: int | None = Field(default=None, ge=0, le=100)  # None: the target's default
     profile: bool = False
     snapshot_on_sigterm: bool = False
+    preemptible: bool | None = None  # None: the target's default (`preemptible` in its config)
 
     @field_validator("name")
     @classmethod
@@ -118,6 +119,14 @@ class WaitRequest(_Req):
     op: Literal["wait"]
     id: str
     timeout: float = Field(default=30.0, ge=0, le=300)
+
+
+class DrainRequest(_Req):
+    """Drain a target for maintenance (pause its runs, start nothing), or undrain it."""
+
+    op: Literal["drain", "undrain"]
+    target: str
+    cancel: bool = False  # drain: cancel the runs that cannot snapshot, instead of leaving them
 
 
 class ListRequest(_Req):

@@ -94,7 +94,9 @@ class RetrySection(StrictModel):
     on: list[RetryCause] = Field(default_factory=lambda: list(RETRY_CAUSES))
 
 
-NotifyEvent = Literal["failed", "stopped", "succeeded", "cancelled", "queued", "started", "snapshot", "cost_warning"]
+NotifyEvent = Literal[
+    "failed", "stopped", "succeeded", "cancelled", "queued", "started", "snapshot", "cost_warning", "preempted"
+]
 NOTIFY_EVENTS: tuple[str, ...] = get_args(NotifyEvent)
 FINAL_EVENTS: tuple[NotifyEvent, ...] = ("failed", "stopped", "succeeded", "cancelled")  # `on` by default
 _NOTIFY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,6 +23,7 @@ from pydantic import BaseModel
 
 from daemon.api import (
     ApiError,
+    DrainRequest,
     IdRequest,
     ListRequest,
     ListRunsRequest,
@@ -40,6 +42,7 @@ from daemon.gpus import Inventory
 from daemon.launch import Launcher
 from daemon.models import RunRecord, RunState
 from daemon.ports import Runs
+from daemon.preempt import Preemptor
 from daemon.queue import Scheduler
 from daemon.recovery import Recovery
 from daemon.specs import uses_caller_environment
@@ -80,6 +83,9 @@ class ServiceHost(Runs, Protocol):
     @property
     def recovery(self) -> Recovery: ...
 
+    @property
+    def preemptor(self) -> Preemptor: ...
+
     def find(self, ref: str, peer: Peer) -> RunRecord: ...
 
     def visible(self, peer: Peer) -> list[RunRecord]: ...
@@ -100,6 +106,8 @@ class Handlers:
             "ping": (ListRequest, self.ping),
             "list": (ListRunsRequest, self.list_runs),
             "targets": (ListRequest, self.targets),
+            "drain": (DrainRequest, self.drain),
+            "undrain": (DrainRequest, self.drain),
             "start": (StartRequest, self.start),
             "stop": (StopRequest, self.stop),
             "cancel": (IdRequest, self.cancel),
@@ -171,14 +179,31 @@ class Handlers:
             target = config.target(name)
             # What the client may need to know of the kind, as the kind's capabilities say it.
             capabilities = {"this_machine": is_this_machine(target), "pods": makes_pods(target)}
-            out.append({"name": name, "kind": target.kind, **capabilities, "gpus": gpus, "queued": queued})
+            drained = name in self.daemon.preemptor.drains.targets
+            out.append(
+                {"name": name, "kind": target.kind, **capabilities, "gpus": gpus, "queued": queued, "drained": drained}
+            )
         return out
+
+    async def drain(self, req: DrainRequest, peer: Peer) -> dict[str, Any]:
+        """`obd targets drain|undrain NAME`: root's or the daemon's user's only (it pauses everyone's runs)."""
+        if not (peer.is_root or peer.uid == os.geteuid()):
+            raise ApiError("only root (or the daemon's own user) may drain a target: run it with sudo", "denied")
+        self.daemon.targets.get(req.target)  # an unknown target is refused, naming the config
+        preemptor = self.daemon.preemptor
+        if req.op == "undrain":
+            preemptor.undrain(req.target)
+            self.daemon.scheduler.kick()
+            return {"target": req.target, "drained": False}
+        result = await preemptor.drain(req.target, req.cancel)
+        return {"target": req.target, "drained": True, **result}
 
     async def status(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         record = self.daemon.find(req.id, peer)
         out = record.public()
         if record.id in self.daemon.follow.reconciling:
             out["reconciling"] = True  # its target has not answered since the daemon started
+        out["pauses"] = pause_totals(latest_attempt(self.daemon, record))
         if record.in_queue:
             out["queue"] = {
                 "position": self.daemon.scheduler.position(record),
@@ -371,6 +396,15 @@ class Handlers:
         else:
             daemon.launcher.cancel_preparation(record)
         return record.public()
+
+
+def pause_totals(latest: RunRecord) -> dict[str, Any]:
+    """The chain's pauses, as its newest attempt carries them: how many, the time paused in all
+    (the one under way counted up to now), and the steps lost (0 when every snapshot was verified)."""
+    paused = latest.paused_seconds
+    if latest.paused is not None and latest.in_queue:
+        paused += max(0.0, time.time() - latest.paused.since)
+    return {"preemptions": latest.preemptions, "paused_seconds": round(paused, 1), "lost_steps": latest.lost_steps}
 
 
 def resumed_name(daemon: ServiceHost, name: str | None) -> str | None:

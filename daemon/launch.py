@@ -28,7 +28,7 @@ from daemon.api import ApiError, Peer, StartRequest
 from daemon.checkpoints import Checkpoint, resume_point
 from daemon.follow import Follower
 from daemon.gpus import Inventory, parse_wanted, queue_message
-from daemon.models import RunRecord, RunState
+from daemon.models import Paused, RunRecord, RunState
 from daemon.ports import Runs
 from daemon.specs import load_spec, save_spec
 from daemon.stop import write_pending_request
@@ -254,6 +254,7 @@ class Launcher:
             priority=req.priority,
             profile=req.profile,
             snapshot_on_sigterm=req.snapshot_on_sigterm,
+            preemptible=req.preemptible,
         )
 
     def _admit(
@@ -308,6 +309,8 @@ class Launcher:
             if leaving:
                 record.gpus = devices
                 record.not_before = None
+                if record.paused is not None:  # a paused run resumes: its pause is over
+                    record.paused_seconds += max(0.0, time.time() - record.paused.since)
                 gpus = f" with GPU{'s' if len(devices) != 1 else ''} {','.join(devices)}" if devices else ""
                 record.transition(RunState.preparing, f"leaving the queue{gpus}")
         if not leaving:
@@ -324,8 +327,12 @@ class Launcher:
         point: Checkpoint | None,
         not_before: float,
         cause: str,
+        paused: Paused | None = None,
+        lost_steps: int = 0,
     ) -> RunRecord:
-        """The next attempt of a chain: like `prev`, from `point` (or the start), after `not_before`."""
+        """The next attempt of a chain: like `prev`, from `point` (or the start), after `not_before`;
+        with `paused`, the attempt that resumes a run paused by a preemption or a drain (it uses no
+        retry, and keeps its place among runs of its priority)."""
         record = self._new_record(req, prev.owner_uid if prev.owner_uid is not None else os.geteuid())
         record.chain = prev.chain or prev.id
         record.attempt = prev.attempt + 1
@@ -335,10 +342,19 @@ class Launcher:
         record.cwd = prev.cwd
         record.env_from_caller = prev.env_from_caller
         record.not_before = not_before
+        record.preemptible = prev.preemptible
+        record.preemptions = prev.preemptions + (paused is not None)
+        record.paused_seconds, record.lost_steps = prev.paused_seconds, prev.lost_steps + lost_steps
+        record.queue_since = prev.queue_since or prev.created
+        record.paused = paused
         if point is not None:  # of `prev`, or of an earlier attempt of the chain (point.source)
             record.resumed_from, record.resume_checkpoint = point.source or prev.id, point.name
             record.resume_reason = point.reason
-        why = f"attempt {record.attempt} of {record.retries + 1} after {prev.id} ended ({cause})"
+        if paused is not None:
+            times = f"{record.preemptions} time{'s' if record.preemptions != 1 else ''}"
+            why = f"paused ({paused.why}) since {time.strftime('%H:%M:%S', time.localtime(paused.since))}, {times}"
+        else:
+            why = f"attempt {record.attempt} of {record.retries + 1} after {prev.id} ended ({cause})"
         return self._admit(record, req, run_as, prev, why)
 
     # --- the job -------------------------------------------------------------------------

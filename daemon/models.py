@@ -89,6 +89,24 @@ class StopState(BaseModel):
     asked_by: str | None = None
 
 
+class Preemption(BaseModel):
+    """On a run being paused for another (or for a drain): why, and when it was asked."""
+
+    for_run: str | None = None  # the run it makes way for; None: a drain of its target
+    for_priority: int | None = None
+    needed: int = 0  # the GPUs that run needed
+    asked_at: float = Field(default_factory=time.time)
+    why: str = ""  # as its history says it
+
+
+class Paused(BaseModel):
+    """On the attempt that resumes a paused run: what it was paused for, and since when."""
+
+    by: str | None = None  # the run it made way for; None: a drain
+    since: float = Field(default_factory=time.time)
+    why: str = ""
+
+
 class RunRecord(BaseModel):
     """Everything obd knows of one run. Saved atomically as `runs/<id>/run.json`."""
 
@@ -114,6 +132,16 @@ class RunRecord(BaseModel):
     gpus: list[str] = Field(default_factory=list)
     priority: int = 0
     not_before: float | None = None  # a retry waits in the queue until then (its backoff)
+    # Preemption: whether it may be paused for a run of higher priority (None: its target's
+    # default), the pause under way, and the one it resumes from; the chain's totals, carried
+    # from attempt to attempt; and when its chain first queued (its place among equal priority).
+    preemptible: bool | None = None
+    preempt: Preemption | None = None
+    paused: Paused | None = None
+    preemptions: int = 0
+    paused_seconds: float = 0.0
+    lost_steps: int = 0
+    queue_since: float | None = None
     # Recovery: the attempts of one logical run form a chain (its first run's id).
     chain: str | None = None
     attempt: int = 1
@@ -187,7 +215,9 @@ class RunRecord(BaseModel):
             "resumed_from": self.resumed_from,
             "gpus": self.gpus,
             "attempt": self.attempt,
-            "attempts": self.retries + 1,
+            "attempts": self.retries + 1 + self.preemptions,  # a pause's attempt uses no retry
+            "paused": self.paused.model_dump() if self.paused is not None and self.in_queue else None,
+            "preemptions": self.preemptions,
         }
 
     def public(self) -> dict[str, Any]:

@@ -74,6 +74,7 @@ STATE_EVENTS = {
 # The notes daemon/stop.py and daemon/handlers.py write in a run's history.
 PROOF_NOTE = "snapshot proof: "
 COST_NOTES = ("snapshot requested (cost)", "snapshot request reason changed to cost")
+PREEMPT_NOTES = ("preempted for run ", "target ")  # daemon/preempt.py's pause notes: for a run, or a drain
 # What a command gets of the daemon's environment, besides the names its entry lists.
 COMMAND_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ")
 USER_AGENT = "obd-notify/1"
@@ -112,6 +113,10 @@ def classify(previous: str | None, entry: Transition) -> str | None:
         return "snapshot"
     if entry.reason.startswith(COST_NOTES):
         return "cost_warning"
+    if entry.reason.startswith(PREEMPT_NOTES) and (
+        "preempted for run " in entry.reason or entry.reason.endswith(" drained")
+    ):
+        return "preempted"
     return None
 
 

@@ -218,7 +218,16 @@ class MetricsExporter:
         queue.add(sum(r.state == RunState.queued for r in records))
         bad = Family("obd_records_unreadable", "gauge", "Run records that could not be read (see the daemon's log).")
         bad.add(len(self.daemon.bad_records))
-        return [runs, queue, bad]
+        preempted = Family(
+            "obd_preemptions_total", "counter", "Runs obd paused through a snapshot, for a run of higher priority or a drain."
+        )
+        paused = Family("obd_runs_paused", "gauge", "Runs paused by obd, waiting in the queue to resume on their own.")
+        pauses = Counter(r.target for r in records if r.preempt is not None)
+        waiting = Counter(r.target for r in records if r.paused is not None and r.in_queue)
+        for target in targets:
+            preempted.add(pauses[target], target=target)
+            paused.add(waiting[target], target=target)
+        return [runs, queue, bad, preempted, paused]
 
     def _follow_lag(self, records: list[RunRecord], now: float) -> Family:
         """Per target (one follow loop each) with a job to follow: seconds since it was last read."""

@@ -31,6 +31,7 @@ from daemon.gpus import Inventory, queue_message
 from daemon.launch import Launcher
 from daemon.models import RunRecord, RunState
 from daemon.ports import Runs
+from daemon.preempt import Preemptor
 from daemon.store import LAUNCH_SETTINGS
 
 log = structlog.get_logger("obd.queue")
@@ -44,6 +45,9 @@ class QueueHost(Runs, Protocol):
 
     @property
     def launcher(self) -> Launcher: ...
+
+    @property
+    def preemptor(self) -> Preemptor: ...
 
 
 SPEC = LAUNCH_SETTINGS
@@ -108,10 +112,15 @@ class Scheduler:
         for rid in held.values():
             owner = self.daemon.records[rid].owner_uid if rid in self.daemon.records else None
             per_owner[owner] = per_owner.get(owner, 0) + 1
-        return sorted(runs, key=lambda r: (-r.priority, per_owner.get(r.owner_uid, 0), r.created, r.id))
+        # A run paused by a preemption keeps its place: its chain's first queueing, not its attempt's.
+        return sorted(
+            runs, key=lambda r: (-r.priority, per_owner.get(r.owner_uid, 0), r.queue_since or r.created, r.id)
+        )
 
     async def _schedule_target(self, target: str) -> None:
         inventory = self.daemon.inventory
+        if target in self.daemon.preemptor.drains.targets:
+            return  # drained for maintenance: nothing starts until `obd targets undrain`
         while True:
             now = time.time()
             ready = [r for r in self.queued(target) if (r.not_before or 0) <= now]
@@ -121,7 +130,10 @@ class Scheduler:
             head = self.order(target, ready, held)[0]
             devices = inventory.choose(head, held)
             if devices is None:
-                return  # the head waits for its GPUs; no backfill behind it
+                # The head waits for its GPUs (no backfill behind it); runs of lower priority may
+                # be paused for it, their GPUs handed over once their jobs exited.
+                await self.daemon.preemptor.consider(head, held)
+                return
             await self.daemon.launcher.launch_queued(head, devices)
 
     def position(self, record: RunRecord) -> int | None:

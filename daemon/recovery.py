@@ -25,7 +25,7 @@ import structlog
 
 from daemon.checkpoints import chain_resume_point
 from daemon.launch import Launcher
-from daemon.models import RunRecord, RunState
+from daemon.models import Paused, RunRecord, RunState
 from daemon.ports import Runs
 from daemon.specs import drop_orphan_specs, drop_spec, load_spec
 from daemon.targets import Targets
@@ -91,14 +91,27 @@ class Recovery:
         for record in list(daemon.records.values()):
             if not record.state.final:
                 continue
-            if record.retried_by is None and self.retry_due(record):
+            if record.retried_by is None and (self.retry_due(record) or self.resumes_paused(record)):
                 self.on_change(record)
             else:
                 self._settle(record)
         drop_orphan_specs(daemon, daemon.records.keys())
 
     def attempts_left(self, record: RunRecord) -> int:
-        return record.retries - (record.attempt - 1)
+        """Retries left to the chain (the attempts that resumed a paused run used none)."""
+        return record.retries - (record.attempt - 1 - record.preemptions)
+
+    @staticmethod
+    def resumes_paused(record: RunRecord) -> bool:
+        """Whether an ended attempt was paused by obd (a preemption, a drain) and comes back on its
+        own: stopped on its `preempted` proof, or cancelled by the stop fallback when none came (from
+        its chain's newest complete checkpoint then, its lost steps counted). Never a run a user
+        cancelled or one that failed, and no retry is used."""
+        if record.preempt is None:
+            return False
+        if record.state == RunState.stopped:
+            return record.snapshot is not None
+        return record.state == RunState.cancelled and record.stop.cancel_by == "fallback"
 
     def retry_due(self, record: RunRecord) -> str | None:
         """Why an ended attempt is started again (its cause), or None when its chain ends here."""
@@ -134,7 +147,9 @@ class Recovery:
     async def _after_end(self, record: RunRecord) -> None:
         try:
             cause = self.retry_due(record)
-            if cause and (record.chain or record.id) not in self._ended_chains:
+            if self.resumes_paused(record) and (record.chain or record.id) not in self._ended_chains:
+                await self._next_attempt(record, "paused", paused=True)
+            elif cause and (record.chain or record.id) not in self._ended_chains:
                 await self._next_attempt(record, cause)
             else:
                 self._settle(record)
@@ -143,7 +158,7 @@ class Recovery:
         finally:
             self._pending.discard(record.id)
 
-    async def _next_attempt(self, record: RunRecord, cause: str) -> None:
+    async def _next_attempt(self, record: RunRecord, cause: str, paused: bool = False) -> None:
         daemon = self.daemon
         chain = record.chain or record.id
         existing = [r for r in daemon.records.values() if r.chain == chain and r.attempt == record.attempt + 1]
@@ -163,8 +178,24 @@ class Recovery:
         if chain in self._ended_chains:  # cancelled while its checkpoint was looked for
             self._settle(record)
             return
+        if paused and record.preempt is not None:
+            lost = (
+                0
+                if record.snapshot is not None
+                else max(0, (record.progress.step or 0) - (point.step or 0 if point else 0))
+            )
+            pause = Paused(by=record.preempt.for_run, since=record.preempt.asked_at, why=record.preempt.why)
+            new = await daemon.launcher.next_attempt(record, req, run_as, point, time.time(), cause, pause, lost)
+            async with daemon.editing(record):
+                record.retried_by = new.id
+                from_what = f"from {point.name}" if point is not None else "from the start"
+                steps = f", {lost} steps lost (no snapshot came)" if lost else ""
+                record.note(f"paused: back in the queue as {new.id}, {from_what}{steps}")
+            self._settle(record)
+            log.info("run_paused", run_id=record.id, next_run=new.id, lost_steps=lost)
+            return
         cfg = daemon.config.retry
-        delay = min(cfg.backoff * 2 ** (record.attempt - 1), cfg.max_backoff)
+        delay = min(cfg.backoff * 2 ** (record.attempt - 1 - record.preemptions), cfg.max_backoff)
         new = await daemon.launcher.next_attempt(record, req, run_as, point, time.time() + delay, cause)
         async with daemon.editing(record):
             record.retried_by = new.id

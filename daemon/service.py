@@ -29,6 +29,7 @@ from daemon.follow import Follower
 from daemon.gpus import Inventory
 from daemon.launch import Launcher
 from daemon.models import InvalidRunId, RunRecord, RunState, check_run_id
+from daemon.preempt import Preemptor
 from daemon.queue import Scheduler
 from daemon.recovery import Recovery
 from daemon.store import RunStore, StoreError
@@ -61,6 +62,7 @@ class Daemon:
         self.inventory = Inventory(self)
         self.scheduler = Scheduler(self)
         self.recovery = Recovery(self)
+        self.preemptor = Preemptor(self)
         self._locks: dict[str, anyio.Lock] = {}
         self._final: dict[str, anyio.Event] = {}
         self._dirty: set[str] = set()  # records whose last save failed (a full disk): retried

@@ -87,6 +87,10 @@ class LocalTarget(StrictModel):
     gpus: list[str] | int | None = None
     gpu_vendor: Literal["nvidia", "amd"] | None = None
     retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
+    # Preemption (docs/preemption.md): a run is preemptible unless started with
+    # --no-preemptible (or this says False); none is preempted before it ran min_runtime.
+    preemptible: bool = True
+    min_runtime: Margin = 600.0
 
     @field_validator("gpus")
     @classmethod

@@ -115,6 +115,8 @@ def _main(argv: list[str]) -> int:
         return profile_parse_main([args.dir] + (["--json"] if args.json else []))
     if args.cmd == "targets" and args.action == "list":
         return _targets_list(args)
+    if args.cmd == "targets" and args.action in ("drain", "undrain"):
+        return _drain(args)
     if args.cmd in ("targets", "pods"):
         from daemon.cli.admin import admin_main
 
@@ -251,6 +253,37 @@ def _secrets(names: list[str]) -> dict[str, str]:
     return out
 
 
+def _drain(args: argparse.Namespace) -> int:
+    """`obd targets drain|undrain NAME`: through the daemon; `--wait` until every paused job ended."""
+    client = Client(client_socket(args.socket, args.config, args.state_dir))
+    try:
+        if args.action == "undrain":
+            answer = client.call("undrain", target=args.name)
+            print(json.dumps(answer) if args.json else f"target {args.name}: undrained; its queue starts runs again")
+            return EXIT_OK
+        answer = client.call("drain", target=args.name, cancel=args.cancel)
+        if args.wait:
+            for rid in answer.get("paused", []) + answer.get("cancelled", []):
+                _wait(Patient(client), client.call("status", id=rid), _Feedback.for_terminal())
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(answer))
+        return EXIT_OK
+    paused, left, cancelled = answer.get("paused", []), answer.get("left", []), answer.get("cancelled", [])
+    print(f"target {args.name}: drained; nothing starts on it until `obd targets undrain {args.name}`")
+    for rid in paused:
+        print(f"  paused through a snapshot, back in the queue: {rid}")
+    for rid in left:
+        said = (
+            "cancelled (it cannot snapshot)"
+            if rid in cancelled
+            else "left running (it cannot snapshot; --cancel ends it)"
+        )
+        print(f"  {said}: {rid}")
+    return EXIT_OK
+
+
 def _targets_list(args: argparse.Namespace) -> int:
     """The targets and their GPUs (with what holds each), from the daemon; from the config file
     alone when no daemon answers. Standard library only: this must stay fast."""
@@ -275,6 +308,7 @@ def _targets_list(args: argparse.Namespace) -> int:
         else:
             detail = "GPUs " + ", ".join(f"{g['id']}:{g.get('held_by') or 'free'}" for g in gpus)
         queued = f", {row['queued']} queued" if row.get("queued") else ""
+        queued += ", drained" if row.get("drained") else ""
         print(render.printable(f"{row['name']:20} {row['kind']:8} {detail}{queued}".rstrip()))
     return 0
 
@@ -400,6 +434,7 @@ def _start(args: argparse.Namespace, command: list[str], client: Client) -> int:
         retry=args.retry,
         profile=args.profile,
         snapshot_on_sigterm=args.snapshot_on_sigterm,
+        preemptible=args.preemptible,
     )
     _print_record(record, args.json, record["id"])
     return 0

@@ -195,6 +195,22 @@ def _parser() -> argparse.ArgumentParser:
         "list", help="the targets, with their GPUs and what holds each", description="The targets and their GPUs."
     )
     tl.add_argument("--json", action="store_true", help="print them as a JSON list")
+    td = tg.add_parser(
+        "drain",
+        help="pause every run of a target through a verified snapshot and start nothing (maintenance)",
+        description="Drain a target: nothing new starts on it, and every run of it that can snapshot is paused "
+        "through a verified snapshot and put back in the queue; `obd targets undrain NAME` lets them resume. "
+        "Root (or the daemon's own user) only.",
+    )
+    td.add_argument("name", metavar="NAME", help="the target's name in the config")
+    td.add_argument("--wait", action="store_true", help="wait until every paused run's job has ended")
+    td.add_argument(
+        "--cancel", action="store_true", help="cancel the runs that cannot snapshot, instead of leaving them"
+    )
+    td.add_argument("--json", action="store_true", help="print what was paused and left as JSON")
+    tu = tg.add_parser("undrain", help="let a drained target start runs again", description="Undrain a target.")
+    tu.add_argument("name", metavar="NAME", help="the target's name in the config")
+    tu.add_argument("--json", action="store_true", help="print the answer as JSON")
     tc = tg.add_parser(
         "check",
         help="check a target: reachable, workdir writable, Python, torch, disk",
@@ -295,7 +311,18 @@ def _add_start(train: Any) -> None:
         type=_count(-100, 100),
         default=0,
         metavar="P",
-        help="higher starts first from the queue (-100..100)",
+        help="higher starts first from the queue, and may pause runs of lower priority (-100..100)",
+    )
+    pre = s.add_mutually_exclusive_group()
+    pre.add_argument(
+        "--preemptible",
+        dest="preemptible",
+        action="store_true",
+        default=None,
+        help="it may be paused (through a verified snapshot) for a run of higher priority; the target's default",
+    )
+    pre.add_argument(
+        "--no-preemptible", dest="preemptible", action="store_false", help="it is never paused for another run"
     )
     s.add_argument(
         "--retry",

@@ -367,6 +367,19 @@ def status(r: dict[str, Any]) -> str:
         lines.append(
             "reconcile still being matched with its target after the daemon's start (the target has not answered yet)"
         )
+    paused = r.get("paused") if r.get("state") == "queued" else None
+    if paused:
+        for_what = f"run {paused['by']}" if paused.get("by") else "a drain of its target"
+        lines.append(
+            f"paused    for {for_what} since {_clock(paused['since'])}; it resumes on its own from its snapshot"
+        )
+    pauses = r.get("pauses") or {}
+    if pauses.get("preemptions"):
+        n = pauses["preemptions"]
+        lines.append(
+            f"pauses    {n} time{'s' if n != 1 else ''}, {duration(pauses.get('paused_seconds') or 0)} in all, "
+            f"{pauses.get('lost_steps') or 0} steps lost"
+        )
     queue = r.get("queue") or {}
     if queue:
         lines.append(f"queue     position {queue.get('position') or '-'}; {queue.get('waiting_for') or ''}")

@@ -7,6 +7,9 @@ proof=JSON  answers a request with this exact snapshot.json, then exits 0
 bad-proof-hang  answers a request with an invalid proof, then hangs
 nested-metrics  writes a metrics.jsonl first line nested 100,000 deep, then runs
 no-plugin   never announces snapshots; runs until killed
+snapshot    announces snapshots and logs a step every 0.05 s (from OBD_RESUME_FROM's step when resumed);
+            answers a request with a complete checkpoint and a proof of the request's reason, exits 0
+ignore-steps  as `snapshot`, but never answers a request (a hung save)
 """
 
 import json
@@ -37,9 +40,27 @@ if mode != "no-plugin":
         )
 print("fake job up", flush=True)
 step = 0
+if mode in ("snapshot", "ignore-steps") and os.environ.get("OBD_RESUME_FROM"):
+    step = int(os.environ["OBD_RESUME_FROM"].rstrip("/").rsplit("-", 1)[-1])
+    print(f"resumed from step {step}", flush=True)
 while True:
     step += 1
     time.sleep(0.05)
+    if mode in ("snapshot", "ignore-steps"):
+        with open(os.environ["OBD_METRICS_FILE"], "a") as f:
+            f.write(json.dumps({"event": "log", "time": time.time(), "step": step, "loss": 1.0 / step}) + "\n")
+        if mode == "snapshot" and os.path.exists(os.environ["OBD_SNAPSHOT_REQUEST"]):
+            with open(os.environ["OBD_SNAPSHOT_REQUEST"]) as f:
+                reason = f.read().strip() or "requested"
+            ckpt = f"{rd}/output/checkpoint-{step}"
+            os.makedirs(ckpt, exist_ok=True)
+            write(f"{ckpt}/trainer_state.json", json.dumps({"global_step": step, "log_history": []}))
+            write(f"{ckpt}/model.safetensors", "weights")
+            proof = {"checkpoint": f"output/checkpoint-{step}", "step": step, "time": time.time(), "reason": reason}
+            write(os.environ["OBD_SNAPSHOT_FILE"], json.dumps(proof))
+            print(f"snapshot at step {step} ({reason})", flush=True)
+            sys.exit(0)
+        continue
     if mode in ("ignore", "no-plugin") or not os.path.exists(os.environ["OBD_SNAPSHOT_REQUEST"]):
         continue
     if mode == "hang-after":

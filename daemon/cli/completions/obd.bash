@@ -6,7 +6,7 @@ _obd_subcommands() {
         "") echo "daemon train profile targets pods completion ui" ;;
         "train") echo "start resume stop cancel status metrics logs outputs list plot" ;;
         "profile") echo "parse" ;;
-        "targets") echo "list check" ;;
+        "targets") echo "list drain undrain check" ;;
         "pods") echo "list rm retrieve" ;;
     esac
 }
@@ -16,7 +16,7 @@ _obd_options() {
         "") echo "-h --help --version --socket --config --state-dir" ;;
         "daemon") echo "-h --help --config --socket --state-dir --log-level" ;;
         "train") echo "-h --help" ;;
-        "train start") echo "-h --help --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --retry --profile --snapshot-on-sigterm --json" ;;
+        "train start") echo "-h --help --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --profile --snapshot-on-sigterm --json" ;;
         "train resume") echo "-h --help --checkpoint --env --secret --env-clear --retry --json" ;;
         "train stop") echo "-h --help --reason --wait --json" ;;
         "train cancel") echo "-h --help --wait --json" ;;
@@ -30,6 +30,8 @@ _obd_options() {
         "profile parse") echo "-h --help --json" ;;
         "targets") echo "-h --help" ;;
         "targets list") echo "-h --help --json" ;;
+        "targets drain") echo "-h --help --wait --cancel --json" ;;
+        "targets undrain") echo "-h --help --json" ;;
         "targets check") echo "-h --help --json" ;;
         "pods") echo "-h --help --target" ;;
         "pods list") echo "-h --help --json" ;;
@@ -156,6 +158,8 @@ _obd() {
         "train outputs") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train plot") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "profile parse") compopt -o dirnames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")) ;;
+        "targets drain") COMPREPLY=() ;;
+        "targets undrain") COMPREPLY=() ;;
         "targets check") COMPREPLY=($(compgen -W "$(_obd_targets)" -- "$cur")) ;;
         "pods rm") COMPREPLY=() ;;
         "pods retrieve") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;

@@ -10,7 +10,7 @@ function __obd_subcommands
         case 'profile'
             printf '%s\n' parse
         case 'targets'
-            printf '%s\n' list check
+            printf '%s\n' list drain undrain check
         case 'pods'
             printf '%s\n' list rm retrieve
     end
@@ -193,7 +193,9 @@ complete -c obd -n '__obd_at \'train start\'' -l output-to -r -F -d 'when the jo
 complete -c obd -n '__obd_at \'train start\'' -l resume-from -x -a '(__obd_runs)' -d 'resume RUN\'s snapshot, or its newest complete checkpoint'
 complete -c obd -n '__obd_at \'train start\'' -l checkpoint -x -d 'with --resume-from: latest, a step number, or a path'
 complete -c obd -n '__obd_at \'train start\'' -l gpus -x -d 'how many GPUs (2), or which (0,2 or device=1); default: all of the target\'s'
-complete -c obd -n '__obd_at \'train start\'' -l priority -x -d 'higher starts first from the queue (-100..100)'
+complete -c obd -n '__obd_at \'train start\'' -l priority -x -d 'higher starts first from the queue, and may pause runs of lower priority (-100..100)'
+complete -c obd -n '__obd_at \'train start\'' -l preemptible -d 'it may be paused (through a verified snapshot) for a run of higher priority; the target\'s default'
+complete -c obd -n '__obd_at \'train start\'' -l no-preemptible -d 'it is never paused for another run'
 complete -c obd -n '__obd_at \'train start\'' -l retry -x -d 'start it again up to N times from its checkpoint if it fails or is preempted'
 complete -c obd -n '__obd_at \'train start\'' -l profile -d 'run it under the profiler; see obd train metrics'
 complete -c obd -n '__obd_at \'train start\'' -l snapshot-on-sigterm -d 'a SIGTERM to the job becomes a snapshot request (preempted)'
@@ -255,10 +257,18 @@ complete -c obd -n '__obd_at \'profile parse\'' -s h -l help -d 'show this help 
 complete -c obd -n '__obd_at \'profile parse\'' -l json -d 'print the RunMetrics as JSON'
 complete -c obd -n '__obd_at \'profile parse\'' -F
 complete -c obd -n '__obd_at \'targets\'' -a 'list' -d 'the targets, with their GPUs and what holds each'
+complete -c obd -n '__obd_at \'targets\'' -a 'drain' -d 'pause every run of a target through a verified snapshot and start nothing (maintenance)'
+complete -c obd -n '__obd_at \'targets\'' -a 'undrain' -d 'let a drained target start runs again'
 complete -c obd -n '__obd_at \'targets\'' -a 'check' -d 'check a target: reachable, workdir writable, Python, torch, disk'
 complete -c obd -n '__obd_at \'targets\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'targets list\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'targets list\'' -l json -d 'print them as a JSON list'
+complete -c obd -n '__obd_at \'targets drain\'' -s h -l help -d 'show this help message and exit'
+complete -c obd -n '__obd_at \'targets drain\'' -l wait -d 'wait until every paused run\'s job has ended'
+complete -c obd -n '__obd_at \'targets drain\'' -l cancel -d 'cancel the runs that cannot snapshot, instead of leaving them'
+complete -c obd -n '__obd_at \'targets drain\'' -l json -d 'print what was paused and left as JSON'
+complete -c obd -n '__obd_at \'targets undrain\'' -s h -l help -d 'show this help message and exit'
+complete -c obd -n '__obd_at \'targets undrain\'' -l json -d 'print the answer as JSON'
 complete -c obd -n '__obd_at \'targets check\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'targets check\'' -l json -d 'print the checks as a JSON list'
 complete -c obd -n '__obd_at \'targets check\'' -a '(__obd_targets)'

@@ -1,0 +1,234 @@
+"""Preemption that loses nothing, and drain (issue 25): a waiting run of higher priority takes GPUs
+from lower ones through a verified snapshot, and the paused runs come back on their own.
+
+The rule is table-tested (`choose_victims`); the rest runs real daemons and real processes with
+GPUs given by config (`tests/daemon/fake_plugin_job.py` speaks the snapshot protocol in 0.05 s
+steps; the bitwise resume with a real Trainer is in test_preemption_trainer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon.preempt import Candidate, choose_victims
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
+
+PY = sys.executable
+FAKE = str(REPO / "tests" / "daemon" / "fake_plugin_job.py")
+
+
+def config(gpus: int = 2, min_runtime: str = "1s", proof_timeout: str = "60s") -> str:
+    ids = ", ".join(f'"{i}"' for i in range(gpus))
+    return FAST_CONFIG.replace('proof_timeout = "60s"', f'proof_timeout = "{proof_timeout}"') + (
+        f'\n[targets.local]\nkind = "local"\ngpus = [{ids}]\nmin_runtime = "{min_runtime}"\n'
+    )
+
+
+def start(d: DaemonProc, *command: str, opts: tuple[str, ...] = ()) -> str:
+    out = d.cli("train", "start", *opts, "--", *command)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def snapshotting(d: DaemonProc, rid: str) -> dict:
+    """Wait until a run's job runs and announced the plugin, past a second (the tests' min_runtime)."""
+    record = wait_for(lambda: (r := d.record(rid))["state"] == "running" and r["snapshots"] and r, 30, 0.05, rid)
+    time.sleep(1.2)
+    return record
+
+
+def when(record: dict, state: str) -> float:
+    return next(h["time"] for h in record["history"] if h["state"] == state)
+
+
+# --- the rule ------------------------------------------------------------------------------------
+
+
+def c(run_id: str, gpus: int, priority: int = 0, lost: float = 0.0, started: float = 0.0) -> Candidate:
+    return Candidate(run_id, tuple(f"{run_id}{i}" for i in range(gpus)), priority, lost, started)
+
+
+@pytest.mark.parametrize(
+    ("candidates", "free", "wanted", "chosen"),
+    [
+        # The fewest GPUs that suffice: one run of 1 rather than one of 2.
+        ([c("big", 2), c("small", 1)], [], 1, ["small"]),
+        # Never more runs than needed: one run of 2 rather than two of 1 (both free 2 GPUs).
+        ([c("a", 1), c("b", 1), c("pair", 2)], [], 2, ["pair"]),
+        # Then the lowest priority.
+        ([c("p3", 1, priority=3), c("p1", 1, priority=1)], [], 1, ["p1"]),
+        # Then the least work a failed snapshot would cost.
+        ([c("costly", 1, lost=500.0), c("cheap", 1, lost=20.0)], [], 1, ["cheap"]),
+        # Then the most recently started.
+        ([c("old", 1, started=100.0), c("new", 1, started=200.0)], [], 1, ["new"]),
+        # A free GPU counts: one more is needed, not two.
+        ([c("a", 1), c("b", 1)], ["free0"], 2, ["a"]),
+        # Nothing when freeing every candidate would still not be enough.
+        ([c("a", 1), c("b", 1)], [], 3, []),
+        # Devices asked for by id: only the run holding them frees them.
+        ([c("a", 1), c("b", 1)], [], ["b0"], ["b"]),
+        ([c("a", 1)], [], ["b0"], []),
+    ],
+)
+def test_victims_are_chosen_by_the_documented_rule(
+    candidates: list[Candidate], free: list[str], wanted: int | list[str], chosen: list[str]
+) -> None:
+    assert [v.run_id for v in choose_victims(candidates, free, wanted)] == chosen
+
+
+# --- a daemon's queue ----------------------------------------------------------------------------
+
+
+def test_an_urgent_run_takes_one_gpu_through_a_verified_snapshot_and_the_victim_comes_back(make_daemon) -> None:
+    d = make_daemon(config())
+    d.start()
+    first = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
+    snapshotting(d, first)
+    second = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
+    snapshotting(d, second)
+    urgent = start(d, "sh", "-c", "sleep 2; echo urgent done", opts=("--gpus", "1", "--priority", "5"))
+
+    done = d.wait_state(urgent, "succeeded", "failed", timeout=60)
+    assert done["state"] == "succeeded", done["message"]
+    victims = [r for r in (d.record(first), d.record(second)) if r.get("preempt")]
+    assert [v["id"] for v in victims] == [second]  # the one started last: the least work to lose
+    victim = victims[0]
+    assert victim["state"] == "stopped" and victim["snapshot"]["reason"] == "preempted", victim["message"]
+    assert d.record(first)["state"] == "running"
+    reason = f"preempted for run {urgent} (priority 5), which needed 1 GPU"
+    assert any(h["reason"] == reason for h in victim["history"])
+    assert done["gpus"] == victim["gpus"]  # the victim's device went to the urgent run...
+    assert when(done, "preparing") >= when(victim, "stopped")  # ...only once its job had ended
+
+    resumed_id = victim["retried_by"]
+    resumed = d.wait_state(resumed_id, "running", timeout=30)  # back on its own once the GPU is free
+    assert resumed["resumed_from"] == second and resumed["attempt"] == 2
+    assert resumed["paused"]["by"] == urgent and resumed["preemptions"] == 1
+    status = d.record(resumed_id)
+    assert status["pauses"]["preemptions"] == 1 and status["pauses"]["lost_steps"] == 0
+    assert status["pauses"]["paused_seconds"] > 0
+    log = (Path(resumed["remote_dir"]) / "job.log").read_text()
+    assert f"resumed from step {victim['snapshot']['step']}" in log
+    for rid in (first, resumed_id):
+        d.call("cancel", id=rid)
+
+
+def test_an_urgent_run_wanting_two_gpus_pauses_both_runs(make_daemon) -> None:
+    d = make_daemon(config())
+    d.start()
+    runs = []
+    for _ in range(2):
+        runs.append(start(d, PY, FAKE, "snapshot", opts=("--gpus", "1")))
+        snapshotting(d, runs[-1])
+    urgent = start(d, "sh", "-c", "echo urgent", opts=("--gpus", "2", "--priority", "1"))
+    assert d.wait_state(urgent, "succeeded", timeout=60)["state"] == "succeeded"
+    for rid in runs:
+        record = d.record(rid)
+        assert record["state"] == "stopped" and record["snapshot"]["reason"] == "preempted"
+        assert d.wait_state(record["retried_by"], "running", timeout=30)["paused"]["by"] == urgent
+        d.call("cancel", id=record["retried_by"])
+
+
+def test_runs_that_may_not_be_paused_are_never_chosen_and_nothing_is_when_it_would_not_suffice(
+    make_daemon,
+) -> None:
+    d = make_daemon(config(gpus=4, min_runtime="30s"))
+    d.start()
+    kept = [
+        start(d, PY, FAKE, "snapshot", opts=("--gpus", "1", "--no-preemptible")),
+        start(d, PY, FAKE, "no-plugin", opts=("--gpus", "1")),
+        start(d, PY, FAKE, "snapshot", opts=("--gpus", "1", "--priority", "5")),  # equal priority
+        start(d, PY, FAKE, "snapshot", opts=("--gpus", "1")),  # younger than min_runtime (30 s)
+    ]
+    for rid in kept:
+        d.wait_state(rid, "running")
+    wait_for(lambda: all(d.record(r)["snapshots"] for r in (kept[0], kept[2], kept[3])), 20)
+    urgent = start(d, "sh", "-c", "echo urgent", opts=("--gpus", "1", "--priority", "5"))
+    time.sleep(3)  # many passes of the queue
+    assert d.record(urgent)["state"] == "queued"
+    for rid in kept:
+        record = d.record(rid)
+        assert record["state"] == "running" and not record.get("preempt"), rid
+        assert record["stop"]["requested_at"] is None
+    for rid in [*kept, urgent]:
+        d.call("cancel", id=rid)
+
+
+def test_a_victim_that_ignores_the_request_is_cancelled_and_requeued_with_its_lost_steps_shown(make_daemon) -> None:
+    d = make_daemon(config(gpus=1, proof_timeout="3s"))
+    d.start()
+    victim = start(d, PY, FAKE, "ignore-steps", opts=("--gpus", "1"))
+    snapshotting(d, victim)
+    urgent = start(d, "sh", "-c", "echo urgent", opts=("--gpus", "1", "--priority", "5"))
+    assert d.wait_state(urgent, "succeeded", timeout=60)["state"] == "succeeded"
+    ended = d.record(victim)
+    assert ended["state"] == "cancelled" and "no snapshot within 3 s" in ended["message"]
+    again = d.wait_state(ended["retried_by"], "running", timeout=30)
+    assert again["resumed_from"] is None  # no complete checkpoint: from the start
+    lost = d.record(again["id"])["pauses"]["lost_steps"]
+    assert lost > 0 and lost == ended["progress"]["step"]
+    assert f"{lost} steps lost" in d.cli("train", "status", again["id"]).stdout
+    d.call("cancel", id=again["id"])
+
+
+def test_a_drain_pauses_every_run_that_can_snapshot_starts_nothing_and_survives_a_restart(make_daemon) -> None:
+    d = make_daemon(config())
+    d.start()
+    pausable = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
+    stuck = start(d, PY, FAKE, "no-plugin", opts=("--gpus", "1"))
+    snapshotting(d, pausable)
+    d.wait_state(stuck, "running")
+    out = d.cli("targets", "drain", "local", "--wait", "--json", timeout=120)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["paused"] == [pausable] and answer["left"] == [stuck]
+    paused = d.record(pausable)
+    assert paused["state"] == "stopped" and paused["snapshot"]["reason"] == "preempted"
+    assert any(h["reason"] == "target local drained" for h in paused["history"])
+    later = start(d, "sh", "-c", "echo later", opts=("--gpus", "1"))
+
+    d.kill()  # a drain survives the daemon
+    d.start()
+    time.sleep(2)
+    assert d.record(later)["state"] == "queued" and d.record(paused["retried_by"])["state"] == "queued"
+    assert d.call("targets")[0]["drained"] is True
+    assert d.cli("targets", "undrain", "local").returncode == 0
+    assert d.wait_state(paused["retried_by"], "running", timeout=30)["paused"]["by"] is None
+    for rid in (stuck, paused["retried_by"], later):
+        d.call("cancel", id=rid)
+
+
+def test_only_root_or_the_daemons_user_may_drain(make_daemon) -> None:
+    d = make_daemon(config())
+    d.start()
+    assert d.call("undrain", target="local")["drained"] is False  # the daemon's own user (root here)
+    bad = d.cli("targets", "drain", "nowhere")
+    assert bad.returncode != 0 and "nowhere" in bad.stderr
+
+
+def test_a_daemon_killed_during_a_preemption_finishes_the_pause_and_the_requeue_exactly_once(make_daemon) -> None:
+    d = make_daemon(config(gpus=1))
+    d.start()
+    victim = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
+    snapshotting(d, victim)
+    urgent = start(d, "sh", "-c", "sleep 1; echo urgent", opts=("--gpus", "1", "--priority", "5"))
+    wait_for(lambda: d.record(victim).get("preempt"), 20, 0.01, "the pause to be recorded")
+    d.kill()  # the pause recorded, its job about to snapshot or snapshotting
+    time.sleep(1)
+    d.start()
+    assert d.wait_state(urgent, "succeeded", timeout=60)["state"] == "succeeded"
+    ended = d.record(victim)
+    assert ended["state"] == "stopped" and ended["snapshot"]["reason"] == "preempted"
+    resumed = d.wait_state(ended["retried_by"], "running", timeout=30)
+    attempts = [r for r in d.call("list", all=True) if r["id"] != urgent]
+    assert len(attempts) == 2, attempts  # one victim, one requeued attempt: never two
+    d.kill()  # and again after the requeue: nothing is made twice
+    d.start()
+    time.sleep(1)
+    assert len([r for r in d.call("list", all=True) if r["id"] != urgent]) == 2
+    d.call("cancel", id=resumed["id"])
