@@ -8,6 +8,8 @@ Standard library only at import time.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import os
 import sys
@@ -15,7 +17,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from .dist import Ranks
 from .runtime import SNAPSHOT_RETURNS, RunEnv, log_error, stopped_for_snapshot
@@ -27,10 +29,51 @@ CALLBACK_MARKER = "obd_snapshot_callback"  # class attribute of SnapshotCallback
 _resume_used = False  # OBD_RESUME_FROM applies to the first train() call of the process only
 
 
+_snapshot_exit = False  # train() ended the job for a snapshot: the interpreter's teardown is skipped
+
+
+def _skip_teardown() -> None:
+    """The last atexit handler (registered before any other): once a snapshot's SystemExit(0) has
+    run every other handler (the gloo teardown, a tracker's) and the `finally` clauses, the job
+    ends, without the teardown of every module's objects, which in a process holding torch and
+    a model takes a second or more while its GPU stays held (a preemption waits on it)."""
+    if _snapshot_exit:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
+
+
+def _not_ours(*args: Any) -> None:
+    """The job went on to end otherwise (an uncaught error, its own sys.exit): its exit stands."""
+    global _snapshot_exit
+    _snapshot_exit = False
+
+
+def _exit_for_snapshot() -> NoReturn:
+    global _snapshot_exit
+    _snapshot_exit = True
+    previous_hook, previous_exit = sys.excepthook, sys.exit
+
+    def excepthook(*args: Any) -> None:
+        _not_ours()
+        previous_hook(*args)
+
+    def exit_otherwise(code: str | int | None = None) -> NoReturn:
+        _not_ours()
+        previous_exit(code)
+
+    sys.excepthook, sys.exit = excepthook, exit_otherwise
+    raise SystemExit(0)
+
+
 def install() -> None:
     """Under obd, patch Trainer now if transformers.trainer is loaded, else when it gets imported."""
     if not RunEnv.from_environ().active:
         return
+    if not getattr(atexit, "_obd_skip_teardown", False):
+        atexit.register(_skip_teardown)  # first registered, so it runs last
+        atexit._obd_skip_teardown = True  # type: ignore[attr-defined]
     module = sys.modules.get(TARGET)
     if module is not None and getattr(module, "Trainer", None) is not None:
         patch_module(module)
@@ -145,8 +188,10 @@ def _end_job_if_stopped(trainer: Any) -> None:
     than os._exit: the interpreter ends as usual, so `finally` clauses and `with` blocks around
     train() close what they opened, atexit handlers run (the gloo teardown in dist.py, a
     tracker's own), and buffered output reaches the job log. Every rank gets here (each saw
-    the same decision, and the proof's barrier), so a torchrun job exits 0 on all of them. With
-    OBD_SNAPSHOT_RETURNS=1 train() returns instead, its `state.obd_snapshot` saying why.
+    the same decision, and the proof's barrier), so a torchrun job exits 0 on all of them. Then the
+    interpreter's teardown of every object is skipped (`_skip_teardown`), unless the job went on
+    to end otherwise. With OBD_SNAPSHOT_RETURNS=1 train() returns instead, its
+    `state.obd_snapshot` saying why.
     """
     marker = stopped_for_snapshot(trainer)
     if marker is None:
@@ -161,7 +206,7 @@ def _end_job_if_stopped(trainer: Any) -> None:
             f"`obd train resume {env.run_id or 'RUN'}` finishes the training (a script that handles a stop "
             f"itself sets {SNAPSHOT_RETURNS}=1)"
         )
-    raise SystemExit(0)
+    _exit_for_snapshot()
 
 
 def redirect_output_dir(training_args: Any, env: RunEnv) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from runner.assemble import parse_run
-from tests.trainer_plugin.conftest import PY, REPO, SCRIPTS, Job, RunDir, assert_exit_zero, wait_until
+from tests.trainer_plugin.conftest import PY, REPO, SCRIPTS, Job, RunDir, assert_exit_zero, clean_environ, wait_until
 
 SCRIPT = SCRIPTS / "plain_trainer.py"
 MODEL_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
@@ -290,3 +290,29 @@ def test_a_trainer_that_hangs_after_a_logged_step_has_that_step_in_metrics_withi
         time.sleep(0.02)
     assert run_dir.last_step() == 20, f"metrics.jsonl still ends at step {run_dir.last_step()}"
     job.proc.kill()
+
+
+def test_a_snapshot_exit_runs_finally_and_atexit_then_skips_the_interpreters_teardown(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    for folder in (stopped, whole):
+        folder.mkdir()
+    argv = plain(tmp_path / "mine", "--write-at", "3", "--write-file", f"{run_dir.request}=requested")
+    job = start_job(run_dir, [*argv, "--exit-probe", str(stopped)], run_dir.env())
+    assert_exit_zero(job, job.wait())
+    # The script's finally and its atexit handler ran; the teardown of every object (a second
+    # and more in a process holding torch and a model, the GPU held) did not.
+    assert sorted(p.name for p in stopped.iterdir()) == ["atexit", "finally"]
+    ended = start_job(run_dir, [*plain(tmp_path / "again"), "--exit-probe", str(whole)], clean_environ())
+    assert ended.wait() == 0  # the same script, no obd, no snapshot: the teardown runs as ever
+    assert sorted(p.name for p in whole.iterdir()) == ["atexit", "finally", "teardown"]
+
+
+def test_a_script_that_catches_the_snapshot_exit_and_exits_otherwise_keeps_its_exit_code(
+    run_dir: RunDir, start_job, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    argv = plain(tmp_path / "mine", "--write-at", "3", "--write-file", f"{run_dir.request}=requested")
+    job = start_job(run_dir, [*argv, "--catch-exit", "3"], run_dir.env())
+    assert job.wait() == 3
+    assert run_dir.proof()["step"] == 3  # type: ignore[index]

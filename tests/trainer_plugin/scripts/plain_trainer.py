@@ -134,6 +134,32 @@ def report_process_group() -> None:
     say(f"process group at exit: {'initialised' if up else 'destroyed'} (rank {os.environ.get('RANK', '0')})")
 
 
+def touch(folder: str, name: str) -> None:
+    with open(os.path.join(folder, name), "w") as f:
+        f.write("ran\n")
+
+
+class _Teardown:
+    """test: an object whose __del__ runs when the interpreter tears its module down."""
+
+    def __init__(self, folder: str) -> None:
+        # Taken now: at teardown the builtins and `os` may be gone from the module's namespace.
+        self.path, self.open = os.path.join(folder, "teardown"), open
+
+    def __del__(self) -> None:
+        with self.open(self.path, "w") as f:
+            f.write("ran\n")
+
+
+_kept: list[_Teardown] = []
+
+
+def probe_exit(folder: str) -> None:
+    """test: say which of the ways out ran: an atexit handler, and the teardown of module objects."""
+    atexit.register(touch, folder, "atexit")
+    _kept.append(_Teardown(folder))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--output_dir", required=True)
@@ -161,7 +187,15 @@ def main() -> int:
     p.add_argument(
         "--finish", default="", help="test: after train(), save_model(), write DIR/finished, push (to DIR/pushed)"
     )
+    p.add_argument(
+        "--exit-probe",
+        default="",
+        help="test: write DIR/finally, DIR/atexit and DIR/teardown (a module object's __del__) as each runs",
+    )
+    p.add_argument("--catch-exit", type=int, default=None, help="test: catch train()'s SystemExit and sys.exit(N)")
     opts = p.parse_args()
+    if opts.exit_probe:
+        probe_exit(opts.exit_probe)
     if opts.report_exit:
         atexit.register(report_process_group)  # registered first, so it runs after any handler added later
 
@@ -197,7 +231,15 @@ def main() -> int:
 
             trainer.add_callback(SnapshotCallback())
         resume = True if opts.resume == "true" and stage == 0 else None
-        result = trainer.train(resume_from_checkpoint=resume)
+        try:
+            result = trainer.train(resume_from_checkpoint=resume)
+        except SystemExit:
+            if opts.catch_exit is None:
+                raise
+            sys.exit(opts.catch_exit)
+        finally:
+            if opts.exit_probe:
+                touch(opts.exit_probe, "finally")
         # The script's code after train(): under obd it runs only when training finished, or
         # when the script opted out of the job ending at a snapshot (OBD_SNAPSHOT_RETURNS=1).
         say(
