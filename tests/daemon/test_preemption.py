@@ -197,6 +197,8 @@ def test_a_drain_pauses_every_run_that_can_snapshot_starts_nothing_and_survives_
     time.sleep(2)
     assert d.record(later)["state"] == "queued" and d.record(paused["retried_by"])["state"] == "queued"
     assert d.call("targets")[0]["drained"] is True
+    listed = {r["id"]: r for r in d.call("list")}  # what the list and the web view show
+    assert listed[paused["retried_by"]]["paused"]["by"] is None and listed[later].get("paused") is None
     assert d.cli("targets", "undrain", "local").returncode == 0
     assert d.wait_state(paused["retried_by"], "running", timeout=30)["paused"]["by"] is None
     for rid in (stuck, paused["retried_by"], later):

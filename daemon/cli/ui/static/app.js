@@ -47,10 +47,12 @@ function cell(text, cls) {
   return td;
 }
 
-function stateBadge(s) {
+function stateBadge(s, paused) {
+  // A run paused by obd (a preemption, a drain) waits queued to resume on its own: said so.
   const span = document.createElement("span");
-  span.className = `state ${s}`;
-  span.textContent = s;
+  span.className = paused ? `state ${s} paused` : `state ${s}`;
+  span.textContent = paused ? "paused" : s;
+  if (paused) span.title = paused.by ? `paused for run ${paused.by}; it resumes on its own` : "paused by a drain; it resumes on its own";
   return span;
 }
 
@@ -72,7 +74,7 @@ function renderList() {
     tr.appendChild(cell(r.name ? `${r.id} (${r.name})` : r.id, "mono"));
     const st = document.createElement("td");
     st.className = "run-state";
-    st.appendChild(stateBadge(r.state));
+    st.appendChild(stateBadge(r.state, r.paused));
     tr.appendChild(st);
     const prog = document.createElement("td");
     const p = r.progress || {};
