@@ -466,10 +466,18 @@ class Follower:
             JobState.exited,
             JobState.cancelled,
         )
+        requeue = not started and bool(record.gpus)
         async with self.daemon.editing(record):
             if started:
                 record.job = record.job or probe.handle
                 record.transition(RunState.running, "launched; re-attached after a daemon restart")
+            elif requeue:
+                # It had left the GPU queue: nothing of it ran, so it waits there again for its
+                # GPUs (its launch settings are kept until its chain ends) rather than failing.
+                record.gpus = []
+                record.transition(
+                    RunState.queued, "back in the queue: the daemon stopped while launching it, before its job started"
+                )
             else:
                 record.transition(
                     RunState.failed,
@@ -479,7 +487,7 @@ class Follower:
         if started:
             self.ensure_loop(record)
             self.watch(record)
-        else:
+        elif not requeue:
             await self.end_quietly(record)
 
     async def end_quietly(self, record: RunRecord) -> None:

@@ -213,14 +213,24 @@ def test_only_root_or_the_daemons_user_may_drain(make_daemon) -> None:
     assert bad.returncode != 0 and "nowhere" in bad.stderr
 
 
-def test_a_daemon_killed_during_a_preemption_finishes_the_pause_and_the_requeue_exactly_once(make_daemon) -> None:
+KILL_POINTS = {
+    "the pause recorded": lambda r: r.get("preempt"),
+    "the proof seen": lambda r: r.get("snapshot"),
+    "the job ended": lambda r: r["state"] == "stopped",
+}
+
+
+@pytest.mark.parametrize("moment", KILL_POINTS)
+def test_a_daemon_killed_during_a_preemption_finishes_the_pause_and_the_requeue_exactly_once(
+    make_daemon, moment: str
+) -> None:
     d = make_daemon(config(gpus=1))
     d.start()
     victim = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
     snapshotting(d, victim)
     urgent = start(d, "sh", "-c", "sleep 1; echo urgent", opts=("--gpus", "1", "--priority", "5"))
-    wait_for(lambda: d.record(victim).get("preempt"), 20, 0.01, "the pause to be recorded")
-    d.kill()  # the pause recorded, its job about to snapshot or snapshotting
+    wait_for(lambda: KILL_POINTS[moment](d.record(victim)), 20, 0.005, moment)
+    d.kill()
     time.sleep(1)
     d.start()
     assert d.wait_state(urgent, "succeeded", timeout=60)["state"] == "succeeded"
