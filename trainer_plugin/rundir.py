@@ -60,7 +60,23 @@ SLURM_SCRIPT = "slurm_batch.sh"  # obd: the batch script sbatch is given
 OUTPUTS = (OUTPUT, JOB_LOG, METRICS, SNAPSHOT_PROOF, PROFILE, EXIT_CODE, WATCHDOG_LOG)
 
 
-class RunPaths:
+class _DirPaths:
+    """Paths of files in one directory, joined with posixpath (a target's paths are POSIX)."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.fspath(root)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.root!r})"
+
+    def file(self, name: str) -> str:
+        """`<directory>/<name>`, for a name held in a variable."""
+        return posixpath.join(self.root, name)
+
+
+class RunPaths(_DirPaths):
     """The path of each file of one run directory, named once (cf. submitit's `JobPaths`).
 
     `RunPaths(run_dir).job_log` instead of `f"{run_dir}/job.log"`: whoever reads or writes a run
@@ -71,17 +87,11 @@ class RunPaths:
     touched here.
     """
 
-    __slots__ = ("run_dir",)
+    __slots__ = ()
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        self.run_dir = os.fspath(run_dir)
-
-    def __repr__(self) -> str:
-        return f"RunPaths({self.run_dir!r})"
-
-    def file(self, name: str) -> str:
-        """`<run dir>/<name>`, for a name of the contract held in a variable (a loop over `URGENT_FILES`)."""
-        return posixpath.join(self.run_dir, name)
+    @property
+    def run_dir(self) -> str:
+        return self.root
 
     @property
     def job_spec(self) -> str:
@@ -215,7 +225,7 @@ class RunPaths:
         return self.file(SLURM_SCRIPT)
 
 
-class FactPaths:
+class FactPaths(_DirPaths):
     """The path of each file of a facts directory (`STATE_DIR/facts/<run id>/`, the daemon's own).
 
     It has the run directory's end marks under the same names (`exit_code`, `cancelling`,
@@ -223,17 +233,11 @@ class FactPaths:
     `FactPaths` or a `RunPaths`, whichever holds the job's end.
     """
 
-    __slots__ = ("facts_dir",)
+    __slots__ = ()
 
-    def __init__(self, facts_dir: str | os.PathLike[str]) -> None:
-        self.facts_dir = os.fspath(facts_dir)
-
-    def __repr__(self) -> str:
-        return f"FactPaths({self.facts_dir!r})"
-
-    def file(self, name: str) -> str:
-        """`<facts dir>/<name>`, for a name held in a variable (a cancel mark found in the run directory)."""
-        return posixpath.join(self.facts_dir, name)
+    @property
+    def facts_dir(self) -> str:
+        return self.root
 
     @property
     def handle(self) -> str:
