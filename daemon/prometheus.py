@@ -219,7 +219,9 @@ class MetricsExporter:
         bad = Family("obd_records_unreadable", "gauge", "Run records that could not be read (see the daemon's log).")
         bad.add(len(self.daemon.bad_records))
         preempted = Family(
-            "obd_preemptions_total", "counter", "Runs obd paused through a snapshot, for a run of higher priority or a drain."
+            "obd_preemptions_total",
+            "counter",
+            "Runs obd paused through a snapshot, for a run of higher priority or a drain.",
         )
         paused = Family("obd_runs_paused", "gauge", "Runs paused by obd, waiting in the queue to resume on their own.")
         pauses = Counter(r.target for r in records if r.preempt is not None)
