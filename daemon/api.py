@@ -71,6 +71,15 @@ class StartRequest(_Req):
     profile: bool = False
     snapshot_on_sigterm: bool = False
     preemptible: bool | None = None  # None: the target's default (`preemptible` in its config)
+    # The chain's limits (docs/limits.md): running seconds, a unix time, GPU-hours, US dollars.
+    time_limit: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    max_gpu_hours: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    max_cost_usd: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # Runs it waits for, each `RUN[:STATE[,STATE]]` (daemon/after.py); with after_any it starts
+    # once they ended, whatever their end.
+    after: list[str] = Field(default_factory=list, max_length=100)
+    after_any: bool = False
 
     @field_validator("name")
     @classmethod
@@ -86,6 +95,22 @@ class StartRequest(_Req):
         return value
 
 
+class GridAxis(_Req):
+    """One `--grid NAME=V1,V2` of a sweep."""
+
+    name: str
+    values: list[str] = Field(min_length=1, max_length=1000)
+
+
+class SweepRequest(StartRequest):
+    """`obd train sweep`: one run per combination of the grid, made all at once or not at all
+    (daemon/sweeps.py); its `command` holds `{NAME}` where each run's value goes, its `name` is
+    the sweep's."""
+
+    op: Literal["sweep"]  # type: ignore[assignment]
+    grid: list[GridAxis] = Field(min_length=1, max_length=20)
+
+
 class ResumeRequest(_Req):
     """Start a new run like RUN (target, command, name, GPUs, directory) from its checkpoint."""
 
@@ -99,6 +124,11 @@ class ResumeRequest(_Req):
     env_clear: bool = False
     umask: int | None = Field(default=None, ge=0, le=0o777)
     retry: int | None = Field(default=None, ge=0, le=100)
+    # The new run's own limits (RUN's are not carried: a resumed run is a chain of its own).
+    time_limit: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    max_gpu_hours: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    max_cost_usd: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class StopRequest(_Req):
@@ -144,6 +174,7 @@ class ListRunsRequest(_Req):
     since: float | None = Field(default=None, allow_inf_nan=False)  # unix time: runs created at or after it
     limit: int | None = Field(default=None, ge=1, le=100_000)
     recent: int = Field(default=10, ge=0, le=100_000)  # finished runs shown by default
+    sweep: str | None = None  # the members of this sweep (its id or name), each with its best loss
 
 
 class WatchRequest(_Req):

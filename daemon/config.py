@@ -80,6 +80,14 @@ class StopSection(StrictModel):
     cancel_grace: Margin = 10.0
 
 
+class LimitsSection(StrictModel):
+    """How far ahead of a chain's limit obd asks for its snapshot (docs/limits.md): the run's last
+    measured save (request to proof), never less than `save_floor`, plus `margin`."""
+
+    save_floor: Margin = 60.0
+    margin: Margin = 30.0
+
+
 RetryCause = Literal["exit", "lost", "launch", "preempted", "deadline"]
 RETRY_CAUSES: tuple[RetryCause, ...] = get_args(RetryCause)
 
@@ -195,6 +203,7 @@ class Config(StrictModel):
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     stop: StopSection = Field(default_factory=StopSection)
     retry: RetrySection = Field(default_factory=RetrySection)
+    limits: LimitsSection = Field(default_factory=LimitsSection)
     targets: dict[str, Target] = Field(default_factory=dict)
     notify: list[NotifyEntry] = Field(default_factory=list)  # `[[notify]]` entries (daemon/notify.py)
 

@@ -18,9 +18,10 @@ import structlog
 
 from daemon.api import ApiError
 from daemon.hints import hint, last_lines
+from daemon.limits import Left, check_of
 from daemon.models import RunRecord, RunState
-from daemon.ports import Launching, Runs
-from daemon.stop import apply_probe, final_state
+from daemon.ports import Launching, Runs, Wakes
+from daemon.stop import apply_probe, final_state, request_snapshot
 from daemon.store import StoreError
 from daemon.targets import Supervision, Targets
 from executors.base import Executor, ExecutorError, JobHandle, JobState, JobStatus, RunEvents, RunProbe
@@ -31,13 +32,17 @@ log = structlog.get_logger("obd")
 
 class FollowHost(Runs, Protocol):
     """What the follow uses of the daemon beyond the records: the targets, the runs being
-    launched (a run still launching is not reconciled), and the saves to try again."""
+    launched (a run still launching is not reconciled), itself as a stop request wakes it (a
+    limit's request), and the saves to try again."""
 
     @property
     def targets(self) -> Targets: ...
 
     @property
     def launcher(self) -> Launching: ...
+
+    @property
+    def follow(self) -> Wakes: ...
 
     def retry_failed_saves(self) -> None: ...
 
@@ -188,8 +193,13 @@ class Follower:
     async def _once(self, key: str, only: set[str] | None = None) -> None:
         runs = self._runs(key, RunState.running)
         if only is not None:
-            # And those with a clock running (the stop fallback counts from a request or a proof).
-            runs = [r for r in runs if r.remote_dir in only or r.stop.requested_at is not None or r.stop.cancel_by]
+            # And those with a clock running (the stop fallback counts from a request or a proof; a
+            # chain's limits count while it runs).
+            runs = [
+                r
+                for r in runs
+                if r.remote_dir in only or r.stop.requested_at is not None or r.stop.cancel_by or r.limits is not None
+            ]
         if runs:
             await self._poll(key, runs)
         if only is not None:
@@ -243,11 +253,15 @@ class Follower:
             if not record.has_job:
                 return
             before = record.progress.model_copy()
-            verdict = apply_probe(record, probe, time.time(), self.daemon.config.stop)
-            if verdict.changed:
+            now = time.time()
+            verdict = apply_probe(record, probe, now, self.daemon.config.stop)
+            limit = self._limit_reached(record, now, ended=verdict.final is not None)
+            if verdict.changed or limit is not None:
                 self.daemon.save_quietly(record)
-        if verdict.changed or record.progress != before:
+        if verdict.changed or limit is not None or record.progress != before:
             self.daemon.touch(record)
+        if limit is not None and verdict.final is None:
+            await self._ask_for_limit(record, *limit)
         if verdict.final is not None:
             if record.id in self.cancelling or record.id in self.finishing:
                 return  # the cancel under way writes `cancelled` last; finish after it
@@ -261,6 +275,35 @@ class Follower:
         elif verdict.cancel and record.id not in self.cancelling:
             await self.fallback_cancel(record, verdict.cancel, f"stop fallback: cancelling ({verdict.cancel})")
             log.warning("stop_fallback_cancel", run_id=record.id, reason=verdict.cancel)
+
+    def _limit_reached(self, record: RunRecord, now: float, ended: bool) -> tuple[Left, str] | None:
+        """The chain's limit this attempt reached now (daemon/limits.py), marked in its record the
+        first time (so its end says it stopped at its limit, and no retry starts it again); with who
+        asks for the snapshot. None when none was reached, or it was marked already, or the job
+        ended on its own before anything was asked of it."""
+        if ended and record.stop.requested_at is None:
+            return None
+        found = check_of(self.daemon, record, now)
+        if found is None or record.limits is None or record.limits.reached is not None:
+            return None
+        record.limits.reached = found[0].limit
+        return found
+
+    async def _ask_for_limit(self, record: RunRecord, limit: Left, by: str) -> None:
+        """Ask for the limit's snapshot, as every stop is asked (the stop fallback then applies); a
+        write that fails is logged and asked again on the next poll."""
+        if record.stop.requested_at is not None or record.id in self.cancelling or record.stop.cancel_by:
+            return  # already stopping (the scheduler's own signal, or another stop)
+        try:
+            with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
+                await request_snapshot(self.daemon, record, limit.reason, by)
+        except Exception as exc:  # not asked: unmarked, so the next poll asks again
+            log.warning("limit_request_failed", run_id=record.id, limit=limit.limit, error=str(exc))
+            async with self.daemon.editing(record):
+                if record.limits is not None:
+                    record.limits.reached = None
+            return
+        log.info("limit_reached", run_id=record.id, limit=limit.limit, reason=limit.reason)
 
     def _note_planted(self, record: RunRecord, probe: RunProbe) -> None:
         """End marks planted in a run directory whose job's end the target records elsewhere

@@ -125,10 +125,11 @@ class Inventory:
         return f"waiting for {what}: {free} of {total} free{by}"
 
 
-def queue_message(inventory: Inventory, record: RunRecord, why: str | None = None) -> str:
+def queue_message(inventory: Inventory, record: RunRecord, why: str | None = None, waiting: str | None = None) -> str:
     """A queued run's message: why it is queued, when that is more than waiting (`why`, else a
-    retry's "attempt 3 of 4"), then what it waits for now."""
-    waiting = inventory.waiting_for(record)
+    retry's "attempt 3 of 4"), then what it waits for now (`waiting`: other than its GPUs, such as
+    the runs it waits for; else its backoff or its GPUs)."""
+    waiting = waiting or inventory.waiting_for(record)
     if why is None and record.attempt > 1:
         why = f"attempt {record.attempt} of {record.retries + 1}"
     return f"{why}: {waiting}" if why else waiting

@@ -33,6 +33,7 @@ from daemon.api import (
     ResumeRequest,
     StartRequest,
     StopRequest,
+    SweepRequest,
     WaitRequest,
     WatchRequest,
 )
@@ -40,13 +41,15 @@ from daemon.checkpoints import chain_of, latest_attempt
 from daemon.follow import Follower, job_handle
 from daemon.gpus import Inventory
 from daemon.launch import Launcher
-from daemon.models import RunRecord, RunState
+from daemon.limits import report_of
+from daemon.models import RunRecord, RunState, SweepTag
 from daemon.ports import Runs
 from daemon.preempt import Preemptor
 from daemon.queue import Scheduler
 from daemon.recovery import Recovery
 from daemon.specs import uses_caller_environment
 from daemon.stop import ASKED_VIA, request_snapshot
+from daemon.sweeps import Sweeps
 from daemon.targets import Targets
 from executors.base import Executor, ExecutorError
 from executors.factory import is_this_machine, makes_pods
@@ -102,6 +105,7 @@ class Handlers:
 
     def __init__(self, daemon: ServiceHost) -> None:
         self.daemon = daemon
+        self.sweeps = Sweeps(daemon)  # a sweep's id or name is also taken by status, stop, cancel, resume
         self.table: dict[str, tuple[type[BaseModel], Handler]] = {
             "ping": (ListRequest, self.ping),
             "list": (ListRunsRequest, self.list_runs),
@@ -118,6 +122,7 @@ class Handlers:
             "outputs": (IdRequest, self.outputs),
             "watch": (WatchRequest, self.watch),
             "resume": (ResumeRequest, self.resume),
+            "sweep": (SweepRequest, self.sweep),
         }
 
     def model(self, op: str) -> type[BaseModel] | None:
@@ -135,8 +140,10 @@ class Handlers:
     async def ping(self, req: ListRequest, peer: Peer) -> dict[str, Any]:
         return {"pid": os.getpid(), "runs": len(self.daemon.visible(peer)), "uid": os.geteuid()}
 
-    async def list_runs(self, req: ListRunsRequest, peer: Peer) -> RawJSON:
+    async def list_runs(self, req: ListRunsRequest, peer: Peer) -> RawJSON | list[dict[str, Any]]:
         d = self.daemon
+        if req.sweep is not None:  # its members, each with its values and best loss (daemon/sweeps.py)
+            return list((await self.sweeps.view(self.sweeps.find(req.sweep, peer)))["members"])
         runs = sorted(d.records.values(), key=lambda r: (r.created, r.id)) if req.all else d.visible(peer)
         if req.states:
             runs = [r for r in runs if r.state.value in req.states]
@@ -199,15 +206,20 @@ class Handlers:
         return {"target": req.target, "drained": True, **result}
 
     async def status(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
+        if (sweep := self.sweeps.named(req.id, peer)) is not None:
+            return await self.sweeps.view(sweep)
         record = self.daemon.find(req.id, peer)
         out = record.public()
         if record.id in self.daemon.follow.reconciling:
             out["reconciling"] = True  # its target has not answered since the daemon started
         out["pauses"] = pause_totals(latest_attempt(self.daemon, record))
+        usage = report_of(self.daemon, latest_attempt(self.daemon, record), time.time())
+        if usage is not None:
+            out["usage"] = usage  # the chain's limits, used and left (docs/limits.md)
         if record.in_queue:
             out["queue"] = {
                 "position": self.daemon.scheduler.position(record),
-                "waiting_for": self.daemon.inventory.waiting_for(record),
+                "waiting_for": self.daemon.scheduler.waiting_for(record),
             }
         if record.chain or record.retries:
             out["chain_runs"] = chain_of(self.daemon, record)
@@ -303,6 +315,18 @@ class Handlers:
 
     # --- acting --------------------------------------------------------------------------
 
+    async def sweep(self, req: SweepRequest, peer: Peer) -> dict[str, Any]:
+        """`obd train sweep`: every run of the grid made, queued, or none (daemon/sweeps.py)."""
+        if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
+            req.environ = None  # as for a start: never kept where its jobs do not start from it
+        return await self.sweeps.create(req, peer)
+
+    async def _start_member(self, req: StartRequest, tag: SweepTag, peer: Peer) -> dict[str, Any]:
+        """A sweep's member started again from the beginning (`obd train resume SWEEP`)."""
+        if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
+            req.environ = None
+        return (await self.daemon.launcher.start(req, peer, sweep=tag)).public()
+
     async def start(self, req: StartRequest, peer: Peer) -> dict[str, Any]:
         if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
             req.environ = None  # its jobs never start from the caller's environment: not kept, not even here
@@ -313,6 +337,13 @@ class Handlers:
         the environment, `--env` values and secrets of whoever resumes it: never RUN's, which
         are not kept once nothing can start from RUN again (docs/security.md)."""
         daemon = self.daemon
+        if (sweep := self.sweeps.named(req.id, peer)) is not None:
+            return await self.sweeps.resume(
+                sweep,
+                req,
+                lambda rid: self.resume(req.model_copy(update={"id": rid}), peer),
+                lambda start, tag: self._start_member(start, tag, peer),
+            )
         source = daemon.find(req.id, peer)
         start = StartRequest(
             op="start",
@@ -333,10 +364,16 @@ class Handlers:
             retry=req.retry,
             profile=source.profile,
             snapshot_on_sigterm=source.snapshot_on_sigterm,
+            time_limit=req.time_limit,
+            deadline=req.deadline,
+            max_gpu_hours=req.max_gpu_hours,
+            max_cost_usd=req.max_cost_usd,
         )
         return await self.start(start, peer)
 
     async def stop(self, req: StopRequest, peer: Peer) -> dict[str, Any]:
+        if (sweep := self.sweeps.named(req.id, peer)) is not None:  # every member that runs
+            return await self.sweeps.stop(sweep, lambda rid: self.stop(req.model_copy(update={"id": rid}), peer))
         record = latest_attempt(self.daemon, self.daemon.find(req.id, peer))
         reason = normalise_reason(req.reason) or rundir.DEFAULT_REASON
         if record.state.final:
@@ -376,6 +413,8 @@ class Handlers:
 
     async def cancel(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         daemon = self.daemon
+        if (sweep := self.sweeps.named(req.id, peer)) is not None:  # every member
+            return await self.sweeps.cancel(sweep, lambda rid: self.cancel(req.model_copy(update={"id": rid}), peer))
         # Any attempt's id reaches the chain: the id `start` printed cancels the attempt now
         # queued or running, or, when the newest attempt has ended, the retry still to come.
         record = latest_attempt(daemon, daemon.find(req.id, peer))

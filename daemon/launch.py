@@ -24,15 +24,19 @@ from typing import Protocol
 import anyio
 import structlog
 
+from daemon.after import announced, output_env
+from daemon.after import resolve as resolve_after
 from daemon.api import ApiError, Peer, StartRequest
 from daemon.checkpoints import Checkpoint, resume_point
 from daemon.follow import Follower
 from daemon.gpus import Inventory, parse_wanted, queue_message
-from daemon.models import Paused, RunRecord, RunState
+from daemon.limits import carry, check_start, from_request, job_time_of
+from daemon.models import Paused, RunRecord, RunState, SweepTag
 from daemon.ports import Runs
 from daemon.specs import load_spec, save_spec
 from daemon.stop import write_pending_request
 from daemon.store import StoreError
+from daemon.sweeps import sweep_env
 from daemon.targets import Targets
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
 from executors.gpus import visible_devices
@@ -199,9 +203,9 @@ class Launcher:
 
     # --- the record ----------------------------------------------------------------------
 
-    async def start(self, req: StartRequest, peer: Peer) -> RunRecord:
-        """Check the request, save the run (`queued` when it waits for GPUs, else `preparing`),
-        and launch it in the background when it can start."""
+    async def start(self, req: StartRequest, peer: Peer, sweep: SweepTag | None = None) -> RunRecord:
+        """Check the request, save the run (`queued` when it waits for GPUs, for runs (`--after`) or
+        as a sweep's member, else `preparing`), and launch it in the background when it can start."""
         daemon = self.daemon
         supervision = daemon.targets.get(req.target)
         check_names(req.env, req.secrets)
@@ -209,6 +213,7 @@ class Launcher:
         req.secrets = target_secrets(req.target, getattr(supervision.config, "secrets", []), req.secrets, os.environ)
         wanted = parse_wanted(req.gpus)
         daemon.inventory.check(req.target, wanted)
+        check_start(req, supervision.config, wanted, len(daemon.inventory.of(req.target)), time.time())
         source, point = None, None
         if req.resume_from:
             source = daemon.find(req.resume_from, peer)
@@ -223,6 +228,8 @@ class Launcher:
             # On a local target it is where the job runs; elsewhere the directory uploaded as the job's src/.
             await anyio.to_thread.run_sync(check_cwd, req.cwd, run_as)
         record = self._new_record(req, peer.uid)
+        record.after, record.after_any = resolve_after(daemon, req, peer, record.id), req.after_any
+        record.sweep = sweep or (source.sweep if source is not None else None)  # a member's resume is one
         record.gpus_wanted = wanted
         record.retries = req.retry if req.retry is not None else getattr(supervision.config, "retry", 0)
         if supervision.shares_filesystem(record):
@@ -254,7 +261,10 @@ class Launcher:
             priority=req.priority,
             profile=req.profile,
             snapshot_on_sigterm=req.snapshot_on_sigterm,
+            env_clear=req.env_clear,
+            output_to=req.output_to,
             preemptible=req.preemptible,
+            limits=from_request(req),
         )
 
     def _admit(
@@ -270,8 +280,9 @@ class Launcher:
         daemon = self.daemon
         supervision = daemon.targets.of(record)
         waits = bool(daemon.inventory.wanted(record)) or record.not_before is not None
+        waits = waits or bool(record.after) or record.sweep is not None  # the queue decides when
         if waits:
-            record.transition(RunState.queued, queue_message(daemon.inventory, record, why))
+            record.transition(RunState.queued, queue_message(daemon.inventory, record, why, announced(record)))
         else:
             record.transition(RunState.preparing, "created")
         workdir = supervision.workdir(record)
@@ -346,7 +357,9 @@ class Launcher:
         record.preemptions = prev.preemptions + (paused is not None)
         record.paused_seconds, record.lost_steps = prev.paused_seconds, prev.lost_steps + lost_steps
         record.queue_since = prev.queue_since or prev.created
+        record.limits = carry(self.daemon, prev, time.time())  # the chain's limits, and its totals so far
         record.paused = paused
+        record.sweep = prev.sweep
         if point is not None:  # of `prev`, or of an earlier attempt of the chain (point.source)
             record.resumed_from, record.resume_checkpoint = point.source or prev.id, point.name
             record.resume_reason = point.reason
@@ -452,6 +465,8 @@ class Launcher:
             await self._upload_sources(record, Path(cwd), cwd_there, executor, run_as)
             cwd = cwd_there
         env = {**req.env, **job_env(record, rd)}
+        env.update(sweep_env(record))
+        env.update(await output_env(daemon, record))  # where the runs it waited for left their outputs
         base_env = None
         if executor.shares_filesystem:
             base_env = caller_environment(req, run_as, getattr(self.daemon.targets.of(record).config, "env", []))
@@ -466,6 +481,7 @@ class Launcher:
 
             command = wrap_command(command, rundir.RunPaths(rd).plugin, rd, await executor.python())
             env["OBD_PROFILE_DIR"] = rundir.RunPaths(rd).profile
+        time_limit, stop_lead = job_time_of(daemon, record, time.time())  # for a scheduler that ends jobs on time
         spec = JobSpec(
             run_id=record.id,
             remote_dir=rd,
@@ -477,6 +493,8 @@ class Launcher:
             run_as=run_as if executor.shares_filesystem or getattr(executor, "runs_as_caller", False) else None,
             umask=req.umask,
             output_to=req.output_to,
+            time_limit=time_limit,
+            stop_lead=stop_lead,
         )
         return executor, spec
 

@@ -89,6 +89,23 @@ class StopState(BaseModel):
     asked_by: str | None = None
 
 
+class Limits(BaseModel):
+    """A chain's limits (docs/limits.md, daemon/limits.py) and what its earlier attempts used: on
+    every attempt, the totals carried from attempt to attempt, so they hold across retries,
+    preemptions and restarts of the daemon."""
+
+    time_limit: float | None = None  # seconds of running wall time, summed over the chain's attempts
+    deadline: float | None = None  # unix time by which the chain must have stopped
+    max_gpu_hours: float | None = None  # GPUs × running hours, summed over the chain's attempts
+    max_cost_usd: float | None = None  # US dollars, summed over the chain's attempts
+    # What the chain's attempts before this one used.
+    run_seconds: float = 0.0
+    gpu_seconds: float = 0.0
+    cost_usd: float = 0.0
+    save_seconds: float | None = None  # the newest snapshot's time from request to proof on the chain
+    reached: str | None = None  # the limit obd stopped this attempt for ("time limit", "deadline", ...)
+
+
 class Preemption(BaseModel):
     """On a run being paused for another (or for a drain): why, and when it was asked."""
 
@@ -105,6 +122,26 @@ class Paused(BaseModel):
     by: str | None = None  # the run it made way for; None: a drain
     since: float = Field(default_factory=time.time)
     why: str = ""
+
+
+class Dependency(BaseModel):
+    """A run this one waits for (`--after RUN[:STATE[,STATE]]`, daemon/after.py): resolved once, at
+    start, to the first attempt of that run's chain, so a name or `last` is never read again."""
+
+    run: str  # the first attempt of the chain waited for (its chain's id)
+    given: str = ""  # the reference as the user gave it (an id, a prefix, a name, `last`)
+    name: str | None = None  # that run's name, for OBD_AFTER_<NAME>_OUTPUT
+    states: list[str] = Field(default_factory=lambda: ["succeeded", "stopped"])  # the ends that let it start
+
+
+class SweepTag(BaseModel):
+    """A run's place in a sweep (`obd train sweep`, daemon/sweeps.py): one combination of the grid."""
+
+    id: str  # the sweep's id, shared by its members (`obd train status SWEEP`)
+    name: str  # the sweep's name: its members are named <name>-<index>
+    index: int  # 1.. in the order of the grid's combinations
+    size: int  # how many members the sweep was made with (a sweep cut short by a crash has fewer)
+    values: dict[str, str] = Field(default_factory=dict)  # the grid's values of this member, by name
 
 
 class RunRecord(BaseModel):
@@ -124,6 +161,8 @@ class RunRecord(BaseModel):
     env_names: list[str] = Field(default_factory=list)
     secret_names: list[str] = Field(default_factory=list)
     env_from_caller: bool = False  # the job started from the caller's environment (a local target)
+    env_clear: bool = False  # started from an empty environment (--env-clear)
+    output_to: str | None = None  # where a job that succeeds leaves its outputs (--output-to)
     owner_uid: int | None = None  # who started the run: only they (and root) may act on it or read it
     owner: str | None = None  # their user name, as `list` shows it
     # GPUs: what the run asked for (a count, or device ids; None: the target's default), and
@@ -142,6 +181,10 @@ class RunRecord(BaseModel):
     paused_seconds: float = 0.0
     lost_steps: int = 0
     queue_since: float | None = None
+    # Runs it waits for (`--after`), and whether it starts whatever they ended in (`--after-any`).
+    after: list[Dependency] = Field(default_factory=list)
+    after_any: bool = False
+    sweep: SweepTag | None = None  # the sweep it is a member of
     # Recovery: the attempts of one logical run form a chain (its first run's id).
     chain: str | None = None
     attempt: int = 1
@@ -164,6 +207,7 @@ class RunRecord(BaseModel):
     target_info: dict[str, Any] = Field(default_factory=dict)  # executor-specific (pod, host…)
     unreachable_since: float | None = None
     metrics: dict[str, Any] | None = None  # RunMetrics, when the run was profiled
+    limits: Limits | None = None  # its chain's limits (--time-limit, --deadline, --max-gpu-hours, --max-cost-usd)
 
     @model_validator(mode="before")
     @classmethod
@@ -218,6 +262,7 @@ class RunRecord(BaseModel):
             "attempts": self.retries + 1 + self.preemptions,  # a pause's attempt uses no retry
             "paused": self.paused.model_dump() if self.paused is not None and self.in_queue else None,
             "preemptions": self.preemptions,
+            "sweep": self.sweep.id if self.sweep is not None else None,
         }
 
     def public(self) -> dict[str, Any]:

@@ -11,6 +11,11 @@ runs that hold them. It is brought up to date on every pass of the queue (a hold
 never named), as the message only: the history keeps the entry the run was queued with, true
 when it was written, and gets no new line each time a holder changes.
 
+A run may also wait for other runs (`--after`, daemon/after.py) or for the rest of its sweep to
+be made (daemon/sweeps.py): `gate` says so on every pass, from the records alone, and such a run
+holds up no run behind it; one that never will start (a run it waits for ended otherwise) is
+cancelled, its message saying why.
+
 Runs leave the queue one at a time, each saved `preparing` with its devices before its launch
 begins, so a daemon killed at any moment never starts a run twice: a run still `queued` after a
 restart is started once, later. What a queued run needs to start (its `--env` values, secrets
@@ -27,12 +32,15 @@ from typing import Any, Protocol
 import anyio
 import structlog
 
+from daemon import after, sweeps
+from daemon.after import Continues, Verdict
 from daemon.gpus import Inventory, queue_message
 from daemon.launch import Launcher
 from daemon.models import RunRecord, RunState
 from daemon.ports import Runs
 from daemon.preempt import Preemptor
-from daemon.store import LAUNCH_SETTINGS
+from daemon.store import LAUNCH_SETTINGS, process_started
+from daemon.targets import Targets
 
 log = structlog.get_logger("obd.queue")
 
@@ -49,9 +57,16 @@ class QueueHost(Runs, Protocol):
     @property
     def preemptor(self) -> Preemptor: ...
 
+    @property
+    def recovery(self) -> Continues: ...
+
+    @property
+    def targets(self) -> Targets: ...
+
 
 SPEC = LAUNCH_SETTINGS
 SAFETY_POLL = 30.0  # the queue is looked at this often even when nothing says it should be
+SOON = 1.0  # ... and this often while a run it waits for is between two attempts (no record changes then)
 
 
 class Scheduler:
@@ -60,6 +75,9 @@ class Scheduler:
     def __init__(self, daemon: QueueHost) -> None:
         self.daemon = daemon
         self._kick = anyio.Event()
+        self._started = process_started()  # a sweep member made before it, its sweep not whole: cut short
+        self._whole: set[str] = set()  # sweeps every member of which is saved
+        self._soon = False
 
     def on_change(self, record: RunRecord) -> None:
         """A listener of the daemon's changes: a run that ended frees GPUs; a queued one may start."""
@@ -81,7 +99,7 @@ class Scheduler:
                 await self.schedule()
             except Exception:  # a surprise must not end the queue
                 log.exception("schedule_failed")
-            wait = SAFETY_POLL
+            wait = SOON if self._soon else SAFETY_POLL
             pending = [r.not_before for r in self.queued() if r.not_before]
             if pending:
                 wait = max(0.0, min(wait, min(pending) - time.time()) + 0.01)
@@ -89,6 +107,7 @@ class Scheduler:
                 await self._kick.wait()
 
     async def schedule(self) -> None:
+        self._soon = False
         for target in sorted({r.target for r in self.queued()}):
             await self._schedule_target(target)
             await self._refresh_messages(target)
@@ -100,11 +119,52 @@ class Scheduler:
         daemon = self.daemon
         now = time.time()
         for record in self.queued(target):
-            if record.message.endswith(daemon.inventory.waiting_for(record, now)):
+            waiting = self.waiting_for(record, now)
+            if record.message.endswith(waiting):
                 continue
             async with daemon.editing(record):
                 if record.in_queue:  # not started or cancelled meanwhile
-                    record.message = queue_message(daemon.inventory, record)
+                    record.message = queue_message(daemon.inventory, record, waiting=waiting)
+
+    def gate(self, record: RunRecord) -> Verdict | None:
+        """Whether a queued run may leave the queue as far as the runs it waits for and its sweep go
+        (None: it may; else wait or cancel, and why)."""
+        if record.sweep is not None and record.sweep.id not in self._whole:
+            made = {r.sweep.index for r in self.daemon.records.values() if r.sweep and r.sweep.id == record.sweep.id}
+            held = sweeps.gate(record, len(made), self._started)
+            if held is not None:
+                return held
+            self._whole.add(record.sweep.id)
+        if not record.after:
+            return None
+        verdict = after.verdict(self.daemon, record)
+        if verdict.action == "wait" and after.in_between(self.daemon, record):
+            self._soon = True
+        return verdict
+
+    def waiting_for(self, record: RunRecord, now: float | None = None) -> str:
+        """What a queued run waits for now, in words: the runs it waits for, else its backoff or GPUs."""
+        verdict = self.gate(record)
+        if verdict is not None and verdict.action == "wait":
+            return verdict.why
+        return self.daemon.inventory.waiting_for(record, now)
+
+    async def _held_back(self, target: str) -> set[str]:
+        """The queued runs of `target` that may not start yet (`gate`); those that never will are
+        cancelled now, their message saying why."""
+        held: set[str] = set()
+        for record in self.queued(target):
+            verdict = self.gate(record)
+            if verdict is None or verdict.action == "start":
+                continue
+            if verdict.action == "wait":
+                held.add(record.id)
+                continue
+            async with self.daemon.editing(record):
+                if record.in_queue:
+                    record.transition(RunState.cancelled, verdict.why)
+            log.info("queued_run_cancelled", run_id=record.id, why=verdict.why)
+        return held
 
     def order(self, target: str, runs: list[RunRecord], held: dict[str, str]) -> list[RunRecord]:
         """The queue's order (see the module's docstring)."""
@@ -119,11 +179,12 @@ class Scheduler:
 
     async def _schedule_target(self, target: str) -> None:
         inventory = self.daemon.inventory
+        held_back = await self._held_back(target)  # waiting for runs or its sweep; never holds up others
         if target in self.daemon.preemptor.drains.targets:
             return  # drained for maintenance: nothing starts until `obd targets undrain`
         while True:
             now = time.time()
-            ready = [r for r in self.queued(target) if (r.not_before or 0) <= now]
+            ready = [r for r in self.queued(target) if (r.not_before or 0) <= now and r.id not in held_back]
             if not ready:
                 return
             held = inventory.held(target)
@@ -134,6 +195,10 @@ class Scheduler:
                 # be paused for it, their GPUs handed over once their jobs exited.
                 await self.daemon.preemptor.consider(head, held)
                 return
+            verdict = self.gate(head)
+            if verdict is not None and head.after:
+                async with self.daemon.editing(head):
+                    head.note(verdict.why)  # which runs it waited for ended how
             await self.daemon.launcher.launch_queued(head, devices)
 
     def position(self, record: RunRecord) -> int | None:

@@ -25,6 +25,7 @@ import structlog
 
 from daemon.checkpoints import chain_resume_point
 from daemon.launch import Launcher
+from daemon.limits import spent_of
 from daemon.models import Paused, RunRecord, RunState
 from daemon.ports import Runs
 from daemon.specs import drop_orphan_specs, drop_spec, load_spec
@@ -45,7 +46,10 @@ class RecoveryHost(Runs, Protocol):
 
 
 def retry_cause(record: RunRecord) -> str | None:
-    """Why a run ended, as `[retry] on` names it; None when a retry cannot help."""
+    """Why a run ended, as `[retry] on` names it; None when a retry cannot help (a run obd stopped at
+    its chain's limit, which a retry would only overrun)."""
+    if record.limits is not None and record.limits.reached is not None:
+        return None
     if record.state == RunState.stopped and record.snapshot is not None:
         return record.snapshot.reason if record.snapshot.reason in ("deadline", "preempted") else None
     if record.state != RunState.failed or record.stop.invalid_proof:
@@ -113,6 +117,19 @@ class Recovery:
             return record.snapshot is not None
         return record.state == RunState.cancelled and record.stop.cancel_by == "fallback"
 
+    def attempt_to_come(self, record: RunRecord) -> bool:
+        """Whether another attempt of an ended attempt's chain is made, or still to be made (a retry
+        due, a paused run's way back), so its chain has not ended (a run waiting for it with
+        `--after`, daemon/after.py, waits on). Not once the chain was ended by a user, nor once
+        nothing can start from the attempt (its settings gone)."""
+        if not record.state.final:
+            return False
+        if record.retried_by is not None:
+            return True
+        if record.id in self._settled or (record.chain or record.id) in self._ended_chains:
+            return False
+        return bool(self.retry_due(record)) or self.resumes_paused(record)
+
     def retry_due(self, record: RunRecord) -> str | None:
         """Why an ended attempt is started again (its cause), or None when its chain ends here."""
         cause = retry_cause(record)
@@ -147,7 +164,9 @@ class Recovery:
     async def _after_end(self, record: RunRecord) -> None:
         try:
             cause = self.retry_due(record)
-            if self.resumes_paused(record) and (record.chain or record.id) not in self._ended_chains:
+            if (cause or self.resumes_paused(record)) and await self._limit_spent(record):
+                self._settle(record)
+            elif self.resumes_paused(record) and (record.chain or record.id) not in self._ended_chains:
                 await self._next_attempt(record, "paused", paused=True)
             elif cause and (record.chain or record.id) not in self._ended_chains:
                 await self._next_attempt(record, cause)
@@ -157,6 +176,19 @@ class Recovery:
             log.exception("retry_failed", run_id=record.id)
         finally:
             self._pending.discard(record.id)
+
+    async def _limit_spent(self, record: RunRecord) -> bool:
+        """Whether the chain's limits (daemon/limits.py) leave no room for another attempt, which
+        would be asked to stop as soon as it ran: then none is made, and its history says why."""
+        limit = spent_of(self.daemon, record, time.time())
+        if limit is None:
+            return False
+        said = f"no further attempt: its {limit.limit} is spent; `obd train resume {record.id}` continues it"
+        if not record.history or record.history[-1].reason != said:  # once, whatever the restarts
+            async with self.daemon.editing(record):
+                record.note(said)
+        log.info("chain_limit_spent", run_id=record.id, limit=limit.limit)
+        return True
 
     async def _next_attempt(self, record: RunRecord, cause: str, paused: bool = False) -> None:
         daemon = self.daemon

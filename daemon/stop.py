@@ -311,7 +311,7 @@ def state_from_exit(record: RunRecord, status: JobStatus) -> tuple[RunState, str
     if status.state == JobState.cancelled:
         if snap is not None:
             why = f"; then cancelled: {record.stop.fallback}" if record.stop.fallback else "; then cancelled"
-            return RunState.stopped, f"snapshot {snap.checkpoint} at step {snap.step} ({snap.reason}){why}"
+            return RunState.stopped, f"{stopped_words(record, snap)}{why}"
         if record.stop.cancel_by == "fallback" and record.stop.fallback:
             return RunState.cancelled, f"cancelled by the stop fallback: {record.stop.fallback}"
         if record.stop.cancel_by == "user":
@@ -328,9 +328,19 @@ def state_from_exit(record: RunRecord, status: JobStatus) -> tuple[RunState, str
         untaken = "; the stop asked for was never taken: the job never announced obd's snapshot plugin"
     if code == 0:
         if snap is not None:
-            return RunState.stopped, f"snapshot {snap.checkpoint} at step {snap.step} ({snap.reason})"
+            return RunState.stopped, stopped_words(record, snap)
         return RunState.succeeded, "exit 0" + untaken
     return RunState.failed, f"exit {code}; see `obd train logs {rid}`{untaken}"
+
+
+def stopped_words(record: RunRecord, snap: Snapshot) -> str:
+    """A stopped run's message: its snapshot; first, for a run obd stopped at its chain's limit
+    (daemon/limits.py), that limit and the command that continues it."""
+    words = f"snapshot {snap.checkpoint} at step {snap.step} ({snap.reason})"
+    reached = record.limits.reached if record.limits is not None else None
+    if reached is None:
+        return words
+    return f"stopped at its {reached}; resume with `obd train resume {record.id}` ({words})"
 
 
 def final_state(record: RunRecord, status: JobStatus, checkpoints: list[str]) -> FinalDecision:

@@ -45,6 +45,11 @@ class JobSpec(BaseModel):
     run_as: RunAs | None = None  # the user the job runs as, when not the executor's own
     umask: int | None = None
     output_to: str | None = None  # where a successful job's outputs are placed ("asked": the script's output_dir)
+    # The wall time the job may run (what its chain's time limit or deadline leaves it), and how long
+    # before that its `deadline` snapshot is asked: a scheduler that ends jobs on time (Slurm) is
+    # given them; elsewhere the daemon asks (docs/limits.md). None: no such limit.
+    time_limit: float | None = None
+    stop_lead: float | None = None
 
 
 class RunAs(BaseModel):

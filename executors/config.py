@@ -91,6 +91,8 @@ class LocalTarget(StrictModel):
     # --no-preemptible (or this says False); none is preempted before it ran min_runtime.
     preemptible: bool = True
     min_runtime: Margin = 600.0
+    # What an hour of one GPU costs here, in US dollars: `--max-cost-usd` needs it (docs/limits.md).
+    price_per_gpu_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     @field_validator("gpus")
     @classmethod
@@ -121,6 +123,10 @@ class SshTarget(StrictModel):
     keepalive: Interval = 15.0
     connect_timeout: Timeout = 15.0
     secrets: list[str] = Field(default_factory=list)  # names read from the daemon's environment
+    # The GPUs a job there uses, counted for `--max-gpu-hours` and a price (obd hands out none here).
+    gpu_count: int | None = Field(default=None, ge=0, le=64)
+    # What an hour of one GPU costs here, in US dollars: `--max-cost-usd` needs it (docs/limits.md).
+    price_per_gpu_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class RunpodTarget(StrictModel):
@@ -256,6 +262,8 @@ class SlurmTarget(StrictModel):
     signal_margin: Margin = 300.0  # ask for a `deadline` snapshot this long before the time limit
     secrets: list[str] = Field(default_factory=list)  # names read from the daemon's environment
     retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
+    # What an hour of one GPU costs here, in US dollars: `--max-cost-usd` needs it (docs/limits.md).
+    price_per_gpu_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     @field_validator("time")
     @classmethod

@@ -2,9 +2,9 @@
 
 A machine target (this machine, an SSH host) is served by one `Executor` for all its runs; a
 pod target gives each run a machine of its own, made by its driver. Callers ask a capability
-(`makes_pods`, `schedules_jobs`, `is_this_machine`, `gpu_inventory`, `pod_cost`) instead of
-switching on the kind themselves, and get executors and drivers from here, never by naming a
-concrete class.
+(`makes_pods`, `schedules_jobs`, `is_this_machine`, `gpu_inventory`, `pod_cost`, `gpus_counted`,
+`has_price`, `run_price`) instead of switching on the kind themselves, and get executors and
+drivers from here, never by naming a concrete class.
 """
 
 from __future__ import annotations
@@ -72,6 +72,48 @@ def pod_cost(target_info: Mapping[str, Any], at: float) -> PodCost | None:
         spend_usd=info.spend(at),
         alive=not info.ended and not info.settled,
     )
+
+
+def gpus_counted(target: AnyTarget, held: int) -> int | None:
+    """The GPUs a run counts for its GPU-hours and its price (docs/limits.md): on this machine those
+    obd gave it (`held`); a pod's `gpu_count`; Slurm's `gpus_per_node` × `nodes`; an SSH host's
+    `gpu_count`. None where the config does not say (SSH without `gpu_count`, Slurm without
+    `gpus_per_node`): obd hands out no GPUs there, so it cannot count them."""
+    if isinstance(target, LocalTarget):
+        return held
+    if isinstance(target, RunpodTarget):
+        return target.gpu_count
+    if isinstance(target, SlurmTarget):
+        return None if target.gpus_per_node is None else target.gpus_per_node * target.nodes
+    return target.gpu_count
+
+
+def has_price(target: AnyTarget) -> bool:
+    """Whether a run on the target has a price `--max-cost-usd` can count: a pod's rate (its own
+    machine), elsewhere the target's `price_per_gpu_hour`."""
+    return isinstance(target, RunpodTarget) or target.price_per_gpu_hour is not None
+
+
+def run_price(
+    target: AnyTarget, gpus: int, target_info: Mapping[str, Any], at: float
+) -> tuple[float | None, float | None]:
+    """What a run costs: (US dollars an hour, dollars its own machine had cost at `at`).
+
+    A pod's rate and its spend from its creation to its end (or `at`): the pod is billed whether or
+    not the job runs. Elsewhere `price_per_gpu_hour` × the run's GPUs, and no machine of its own
+    (None: the run is priced by its running time). (None, None) where there is no price (yet: a pod
+    not created)."""
+    if isinstance(target, RunpodTarget):
+        from executors.runpod.info import PodInfo
+
+        info = PodInfo.from_record(dict(target_info)) if target_info.get("kind") == POD_RECORD_KIND else None
+        if info is None or not info.pod_id or not info.cost_per_hr:
+            return None, None
+        until = min(at, info.ended_at) if info.ended_at is not None else at
+        return float(info.cost_per_hr), info.spend(until)
+    if target.price_per_gpu_hour is None:
+        return None, None
+    return target.price_per_gpu_hour * gpus, None
 
 
 def make_executor(name: str, target: AnyTarget, state_dir: Path, remote_poll: float = 3.0) -> Executor:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.cli import render
+from daemon.cli import render, sweeps
 from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
 from daemon.cli.common import (
     EXIT_BUSY,
@@ -66,6 +66,13 @@ FIELD_FLAGS = {
     "output_to": "--output-to",
     "cwd": "--cwd",
     "resume_from": "--resume-from",
+    "after": "--after",
+    "after_any": "--after-any",
+    "grid": "--grid",
+    "time_limit": "--time-limit",
+    "deadline": "--deadline",
+    "max_gpu_hours": "--max-gpu-hours",
+    "max_cost_usd": "--max-cost-usd",
     "id": "RUN",
 }
 
@@ -102,6 +109,13 @@ def _main(argv: list[str]) -> int:
         return EXIT_USAGE if exc.code else 0
     try:
         _check_command(args, head, command, unknown)
+        if args.cmd == "train" and args.action == "start" and (args.file or args.set or args.dry_run):
+            from daemon.cli.runfile import resolve_start  # a run file, --set, --dry-run (docs/run-file.md)
+
+            command, dry_run = resolve_start(args, head, list(args.command) + command)
+            if dry_run is not None:
+                sys.stdout.write(dry_run)
+                return EXIT_OK
     except UsageError as exc:
         print(f"obd: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -156,7 +170,7 @@ def _check_command(args: argparse.Namespace, head: list[str], command: list[str]
     `obd train start python train.py --lr 2e-4` is refused with the line that works."""
     if args.cmd == "pods":
         return  # `obd pods` options (--help, --force...) are its own
-    takes_command = args.cmd == "train" and args.action in ("start", "resume")
+    takes_command = args.cmd == "train" and args.action in ("start", "resume", "sweep")
     before = list(args.command) if takes_command else []
     if takes_command and before:
         if command:
@@ -361,8 +375,10 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     action = args.action
     if action == "start":
         return _start(args, list(args.command) + command, client)
+    if action == "sweep":
+        return _start(args, list(args.command) + command, client, "sweep", grid=sweeps.parse_grid(args.grid))
     if action == "resume":
-        source = client.call("wait", id=args.id, timeout=0.0)  # its record at once (no wait): its target
+        source = sweeps.resume_source(client, args.id)  # its record at once (no wait): its target
         if source.get("env_names") and not args.env:
             print(
                 f"obd: note: {source['id']} was started with --env {', '.join(source['env_names'])}; a resume never "
@@ -380,7 +396,10 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             env_clear=args.env_clear,
             umask=_umask(),
             retry=args.retry,
+            **_limits(args),
         )
+        if sweeps.is_sweep(record):
+            return sweeps.acted(client, record, args.json)
         _print_record(record, args.json, record["id"])
         return 0
     if action == "outputs":
@@ -391,6 +410,14 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
         return _list(args, client)
     if action == "status":
         record = client.call("status", id=args.id)
+        if sweeps.is_sweep(record):  # a sweep's table
+            _print_record(record, args.json, render.sweep_table(record, width=_width()))
+            return 0
+        if args.as_file:
+            from daemon.cli.runfile import as_file_text
+
+            sys.stdout.write(as_file_text(record, args.json))
+            return 0
         _print_record(record, args.json, render.status(record))
         if not args.json and sys.stdout.isatty():  # a person is looking: the recent loss at a glance
             from daemon.cli.view import status_sparkline
@@ -410,12 +437,12 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     raise UsageError(f"unknown action {action}")
 
 
-def _start(args: argparse.Namespace, command: list[str], client: Client) -> int:
+def _start(args: argparse.Namespace, command: list[str], client: Client, op: str = "start", **extra: Any) -> int:
     if not command:
-        raise UsageError("no command: obd train start [OPTIONS] -- COMMAND [ARG]...")
+        raise UsageError(f"no command: obd train {op} [OPTIONS] -- COMMAND [ARG]...")
     cwd = str(Path(args.cwd).resolve()) if args.cwd else None
     record = client.call(
-        "start",
+        op,
         command=command,
         target=args.target,
         name=args.name,
@@ -435,13 +462,27 @@ def _start(args: argparse.Namespace, command: list[str], client: Client) -> int:
         profile=args.profile,
         snapshot_on_sigterm=args.snapshot_on_sigterm,
         preemptible=args.preemptible,
+        **_limits(args),
+        after=args.after,
+        after_any=args.after_any,
+        **extra,
     )
+    if op == "sweep":
+        return sweeps.print_created(record, args.json)
     _print_record(record, args.json, record["id"])
     return 0
 
 
+def _limits(args: argparse.Namespace) -> dict[str, float]:
+    """The limits given (docs/limits.md), as the start and resume messages take them; none sent when none given."""
+    names = ("time_limit", "deadline", "max_gpu_hours", "max_cost_usd")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 def _stop(args: argparse.Namespace, client: Client) -> int:
     record = client.call("stop", id=args.id, reason=args.reason)
+    if sweeps.is_sweep(record):  # every member that runs (docs/dependencies-and-sweeps.md)
+        return sweeps.acted(client, record, args.json, args.wait, "stopped")
     if not args.wait:
         said = f"{record['id']}: snapshot requested ({record['stop']['reason']})"
         if not record.get("snapshots"):
@@ -459,6 +500,8 @@ def _stop(args: argparse.Namespace, client: Client) -> int:
 
 def _cancel(args: argparse.Namespace, client: Client) -> int:
     record = client.call("cancel", id=args.id)
+    if sweeps.is_sweep(record):  # every member
+        return sweeps.acted(client, record, args.json, args.wait, "cancelled")
     if not args.wait:
         _print_record(record, args.json, render.outcome(record))
         return 0
@@ -475,6 +518,7 @@ def _list(args: argparse.Namespace, client: Client) -> int:
         ("name", args.name),
         ("since", args.since),
         ("limit", args.limit),
+        ("sweep", args.sweep),
     ):
         if value is not None:
             params[key] = value
@@ -484,6 +528,10 @@ def _list(args: argparse.Namespace, client: Client) -> int:
         return _watch_list(client, params)
     if args.json:  # as the daemon encoded it: nothing decoded and encoded again
         sys.stdout.buffer.write(client.call_raw("list", **params) + b"\n")
+        return 0
+    if args.sweep is not None:  # its members as the sweep's table
+        rows = client.call("list", **params)
+        print(render.sweep_table({"sweep": args.sweep, "members": rows}, width=_width()))
         return 0
     print(render.table(client.call("list", **params), width=_width()))
     return 0

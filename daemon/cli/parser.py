@@ -28,6 +28,8 @@ examples:
       --nproc-per-node 2 train.py
   obd train start --target gpu1 --cwd . --secret HF_TOKEN -- python train.py
   obd train start --resume-from sft -- python train.py --lr 1e-4
+  obd train start -f run.toml --set gpus=2 --name sft2
+  obd train start -f run.toml --dry-run    the run it would start, as a run file
 
 Everything after `--` is the job's command, its options included."""
 
@@ -49,6 +51,19 @@ examples:
 The new run has the old one's target, name (suffixed -r2, -r3...), GPUs and
 working directory; its environment, --env values and secrets are yours, given
 now as for a start (RUN's are not kept)."""
+
+SWEEP_EXAMPLES = """\
+examples:
+  obd train sweep --gpus 1 --grid lr=1e-4,2e-4 --grid seed=1,2 -- \\
+      python train.py --lr {lr} --seed {seed}
+  obd train sweep --name lr --after pretrain --grid lr=1e-5,3e-5 -- python ft.py --lr {lr}
+  obd train status SWEEP      the sweep's table: state, step, loss, best loss
+  obd train stop SWEEP        a snapshot of every member that runs; resume SWEEP goes on
+
+One run per combination, named <name>-<n>, each with {NAME} replaced in its command
+and OBD_SWEEP_<NAME> in its environment; all queued at once (or none), then started
+through the queue (with --gpus 1 on a box of 4 GPUs: 4 at a time). Every option of
+`obd train start` applies to each run."""
 
 COMPLETION_HELP = """\
 install:
@@ -133,6 +148,53 @@ def since_time(text: str, now: float | None = None) -> float:
         ) from None
 
 
+def duration_seconds(text: str) -> float:
+    """`--time-limit`: a duration (`90s`, `45m`, `2h`, `1.5d`; a bare number is seconds) as seconds."""
+    match = _DURATION.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 90s, 45m, 2h or 1.5d, not {text!r}")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2) or "s"]
+
+
+_CLOCK = re.compile(r"^\s*(\d{1,2}):(\d{2})(?::(\d{2}))?\s*$")
+
+
+def deadline_time(text: str, now: float | None = None) -> float:
+    """`--deadline`: a clock time, `HH:MM` (or `HH:MM:SS`: the next such time, today or tomorrow), or
+    an ISO 8601 date and time (`2025-06-01T14:00`, local time unless it names its offset) as unix
+    seconds; a time that has passed is refused."""
+    from datetime import datetime, timedelta
+
+    now = time.time() if now is None else now
+    match = _CLOCK.match(text)
+    try:
+        if match:
+            hour, minute, second = int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+            today = datetime.fromtimestamp(now).replace(hour=hour, minute=minute, second=second, microsecond=0)
+            at = today if today.timestamp() > now else today + timedelta(days=1)
+        else:
+            at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a clock time (14:00, the next one) or a date and time (2025-06-01T14:00), not {text!r}"
+        ) from None
+    when = at.timestamp()
+    if when <= now:
+        raise argparse.ArgumentTypeError(f"{text} has passed; give a time to come (14:00, or 2025-06-01T14:00)")
+    return when
+
+
+def positive_number(text: str) -> float:
+    """`--max-gpu-hours`, `--max-cost-usd`: a number above 0 (a leading `$` is allowed)."""
+    try:
+        value = float(text.strip().removeprefix("$"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number above 0, not {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="obd",
@@ -166,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
         "a run name (its newest run) or `last` (your newest run).",
     )
     train = train_parser.add_subparsers(dest="action", required=True, metavar="ACTION", title="actions")
-    _add_start(train)
+    _add_sweep(train, _add_start(train))
     _add_resume(train)
     _add_stop_and_cancel(train)
     _add_reading(train)
@@ -282,7 +344,36 @@ def _add_environment(parser: argparse.ArgumentParser, for_resume: bool = False) 
     )
 
 
-def _add_start(train: Any) -> None:
+def _add_limits(parser: argparse.ArgumentParser, for_resume: bool = False) -> None:
+    """The chain's limits (docs/limits.md): obd asks for a snapshot ahead of each, so the run stops."""
+    own = " (RUN's are not carried: a resumed run has its own)" if for_resume else ""
+    parser.add_argument(
+        "--time-limit",
+        type=duration_seconds,
+        metavar="DURATION",
+        help="stop it with a snapshot before it ran this long (90m, 2h), summed over its retries and pauses" + own,
+    )
+    parser.add_argument(
+        "--deadline",
+        type=deadline_time,
+        metavar="TIME",
+        help="stop it with a snapshot before this clock time: HH:MM (the next one) or 2025-06-01T14:00",
+    )
+    parser.add_argument(
+        "--max-gpu-hours",
+        type=positive_number,
+        metavar="H",
+        help="stop it with a snapshot before its GPUs × running hours reach H, over all its attempts",
+    )
+    parser.add_argument(
+        "--max-cost-usd",
+        type=positive_number,
+        metavar="D",
+        help="stop it with a snapshot before it costs D dollars (a pod's rate, or the target's price_per_gpu_hour)",
+    )
+
+
+def _add_start(train: Any) -> argparse.ArgumentParser:
     s = train.add_parser(
         "start",
         help="start a run: obd train start [OPTIONS] -- COMMAND [ARG]...",
@@ -330,12 +421,78 @@ def _add_start(train: Any) -> None:
         metavar="N",
         help="start it again up to N times from its checkpoint if it fails or is preempted",
     )
+    _add_limits(s)
     s.add_argument("--profile", action="store_true", help="run it under the profiler; see obd train metrics")
     s.add_argument(
         "--snapshot-on-sigterm", action="store_true", help="a SIGTERM to the job becomes a snapshot request (preempted)"
     )
+    s.add_argument(
+        "-f",
+        "--file",
+        metavar="RUN.toml",
+        help="take the run from a run file (docs/run-file.md); the flags given here override it",
+    )
+    s.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a key of the run file (--set gpus=2, --set env.NAME=VALUE), before the flags",
+    )
+    s.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved run as a run file (--json: as JSON) and start nothing",
+    )
+    s.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="RUN[:STATE,...]",
+        help="wait queued until RUN (and its retries) ended succeeded or stopped (or the STATEs given); if it "
+        "ends otherwise, this run is cancelled; repeatable. Its outputs: $OBD_AFTER_1_OUTPUT",
+    )
+    s.add_argument(
+        "--after-any", action="store_true", help="with --after: start once those runs ended, whatever their end"
+    )
     s.add_argument("--json", action="store_true", help="print the new run's record, not just its id")
     s.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the job's command, after --")
+    return s
+
+
+# Options of `obd train start` that a sweep does not take (a run file describes one run).
+START_ONLY = frozenset({"help", "file", "set", "dry_run"})
+
+
+def _add_sweep(train: Any, start: argparse.ArgumentParser) -> None:
+    """`obd train sweep`: every option of `obd train start` (the same actions, so the two never
+    differ), and --grid."""
+    sw = train.add_parser(
+        "sweep",
+        help="start one run per combination of --grid values: obd train sweep [OPTIONS] --grid NAME=V1,V2 -- COMMAND",
+        description="Start one run per combination of the --grid values, each with {NAME} in its command "
+        "replaced by its value; print the sweep's id.",
+        epilog=SWEEP_EXAMPLES,
+    )
+    sw.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="NAME=V1,V2",
+        help="the values of NAME, one run each (with every value of the other --grid); repeatable",
+    )
+    groups = {id(a): g for g in start._mutually_exclusive_groups for a in g._group_actions}
+    made: dict[int, Any] = {}
+    for action in start._actions:
+        if action.dest in START_ONLY:
+            continue
+        group = groups.get(id(action))
+        if group is None:
+            sw._add_action(action)
+            continue
+        if id(group) not in made:
+            made[id(group)] = sw.add_mutually_exclusive_group()
+        made[id(group)]._add_action(action)
 
 
 def _add_resume(train: Any) -> None:
@@ -352,6 +509,7 @@ def _add_resume(train: Any) -> None:
     rs.add_argument(
         "--retry", type=_count(0, 100), metavar="N", help="start it again up to N times if it fails or is preempted"
     )
+    _add_limits(rs, for_resume=True)
     rs.add_argument("--json", action="store_true", help="print the new run's record, not just its id")
     rs.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="a new command, after --; default: RUN's"
@@ -395,6 +553,11 @@ def _add_reading(train: Any) -> None:
     )
     _run_arg(x)
     x.add_argument("--json", action="store_true", help="print the run's record")
+    x.add_argument(
+        "--as-file",
+        action="store_true",
+        help="print the run's start as a run file (obd train start -f FILE starts one like it)",
+    )
 
     m = train.add_parser(
         "metrics",
@@ -452,4 +615,7 @@ def _add_list(train: Any) -> None:
     ls.add_argument("--since", type=since_time, metavar="WHEN", help="only runs started since: 2h, 3d, 2025-05-01")
     ls.add_argument("--limit", type=_count(1), metavar="N", help="at most the N newest")
     ls.add_argument("--watch", "-w", action="store_true", help="redraw every second (on a terminal)")
+    ls.add_argument(
+        "--sweep", metavar="SWEEP", help="the runs of this sweep (its id or name), with their values and best loss"
+    )
     ls.add_argument("--json", action="store_true", help="print the runs as a JSON list")

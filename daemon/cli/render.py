@@ -177,6 +177,54 @@ def table(runs: list[dict[str, Any]], width: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+def sweep_table(view: dict[str, Any], width: int | None = None) -> str:
+    """The text of `obd train status SWEEP` and `obd train list --sweep SWEEP`: a line for the sweep
+    (id, name, how many runs in each state), then one row per member: its grid values, state, step,
+    last loss and the lowest loss logged (at its step), and its message, shortened to `width`."""
+    members = view.get("members") or []
+    names = list(view.get("grid") or {}) or list(dict.fromkeys(k for m in members for k in m.get("values") or {}))
+    counts = view.get("counts") or {}
+    if not counts:
+        for m in members:
+            counts[str(m.get("state"))] = counts.get(str(m.get("state")), 0) + 1
+    said = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    head = f"sweep {view.get('sweep') or '-'}" + (
+        f" ({view['name']})" if view.get("name") not in (None, view.get("sweep")) else ""
+    )
+    columns = ["#", "ID", "NAME", *names, "STATE", "STEP", "LOSS", "BEST", "MESSAGE"]
+    rows = []
+    for m in members:
+        progress = m.get("progress") or {}
+        step, total = progress.get("step"), progress.get("max_steps")
+        best = _number(m.get("best_loss"))
+        if best != "-" and m.get("best_step") is not None:
+            best += f" @{m['best_step']}"
+        values = m.get("values") or {}
+        cells_of = [
+            str(m.get("index") or "-"),
+            m.get("id") or "-",
+            m.get("name") or "-",
+            *(values.get(n, "-") for n in names),
+            m.get("state") or "?",
+            "-" if step is None else f"{step}/{total}" if total else str(step),
+            _number(progress.get("loss")),
+            best,
+            m.get("message") or "",
+        ]
+        rows.append([printable(c) for c in cells_of])
+    widths = [max([cells(c)] + [cells(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    room = None if width is None else max(MIN_MESSAGE, width - sum(w + 2 for w in widths[:-1]))
+    lines = [printable(f"{head}: {len(members)} runs" + (f": {said}" if said else ""))]
+    for row in [columns, *rows]:
+        message = row[-1] if room is None else shorten_middle(row[-1], room)
+        lines.append(("  ".join(_pad(c, w) for c, w in zip(row[:-1], widths, strict=False)) + "  " + message).rstrip())
+    return "\n".join(lines)
+
+
 def outcome(record: dict[str, Any]) -> str:
     """`ID: cancelled by the user`: the state said once, whether or not the message starts with it."""
     state, message = str(record.get("state")), str(record.get("message") or "")
@@ -333,10 +381,42 @@ def finish_text(r: dict[str, Any]) -> str | None:
         return None
     total = (r.get("progress") or {}).get("max_steps")
     of = f" of {total}" if total else ""
+    reached = (r.get("limits") or {}).get("reached")
+    if reached:  # obd stopped it at its chain's limit (docs/limits.md): no retry comes
+        return f"stopped at its {reached}, at step {snap['step']}{of}; resume with `obd train resume {r['id']}`"
     text = f"stopped at step {snap['step']}{of}; resume to finish"
     if r.get("retried_by"):
         return f"{text}: resumed as {r['retried_by']}"
     return f"{text}: `obd train resume {r['id']}`"
+
+
+def limits_text(usage: dict[str, Any]) -> str:
+    """The limits line of `status`: each limit of the chain, used and left; the GPUs and the price
+    counted; the limit it stopped at."""
+    parts = []
+    if usage.get("time_limit"):
+        t = usage["time_limit"]
+        parts.append(f"time {duration(t['used'])} of {duration(t['limit'])} ({duration(t['left'])} left)")
+    if usage.get("deadline"):
+        d = usage["deadline"]
+        parts.append(
+            f"deadline {_clock(d['at'])} ({duration(d['left'])} left)"
+            if d["left"]
+            else f"deadline {_clock(d['at'])} (passed)"
+        )
+    if usage.get("gpu_hours"):
+        g = usage["gpu_hours"]
+        parts.append(f"GPU-hours {g['used']:.3g} of {g['limit']:g} ({g['left']:.3g} left)")
+    if usage.get("cost_usd"):
+        c = usage["cost_usd"]
+        parts.append(f"cost ${c['used']:.2f} of ${c['limit']:.2f} (${c['left']:.2f} left)")
+    counted = f"{usage.get('gpus') or 0} GPU{'s' if usage.get('gpus') != 1 else ''}"
+    if usage.get("usd_per_hour") is not None:
+        counted += f" at ${usage['usd_per_hour']:.2f}/h"
+    text = "; ".join(parts) + f" ({counted})"
+    if usage.get("reached"):
+        text += f"; stopped at its {usage['reached']}"
+    return text
 
 
 def status(r: dict[str, Any]) -> str:
@@ -380,6 +460,8 @@ def status(r: dict[str, Any]) -> str:
             f"pauses    {n} time{'s' if n != 1 else ''}, {duration(pauses.get('paused_seconds') or 0)} in all, "
             f"{pauses.get('lost_steps') or 0} steps lost"
         )
+    if r.get("usage"):
+        lines.append(f"limits    {limits_text(r['usage'])}")
     queue = r.get("queue") or {}
     if queue:
         lines.append(f"queue     position {queue.get('position') or '-'}; {queue.get('waiting_for') or ''}")

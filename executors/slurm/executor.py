@@ -215,7 +215,7 @@ class SlurmExecutor:
             "output_to": job.output_to,
         }
         await self.host.put_file(paths.job_spec, json.dumps(spec).encode())
-        plan = script.launch_plan(self.target, python)
+        plan = script.launch_plan(self.target, python, job.time_limit)
         await self.host.put_file(paths.slurm_launch, json.dumps(plan).encode())
         await self.host.put_file(paths.slurm_script, script.batch_script(python, rd, job.run_id).encode())
         if self.account is not None:
@@ -223,7 +223,7 @@ class SlurmExecutor:
             await anyio.to_thread.run_sync(reachable_workdir, os.path.dirname(rd))
             await anyio.to_thread.run_sync(give_run_dir, rd, self.account)
         request = {
-            "sbatch": script.sbatch_arguments(self.target, job.run_id, rd),
+            "sbatch": script.sbatch_arguments(self.target, job.run_id, rd, job.time_limit, job.stop_lead),
             "script": paths.slurm_script,
             # The job's values reach sbatch's environment on the helper's stdin, never a command line.
             "env": {**job.env, **job.secrets},

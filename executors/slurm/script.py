@@ -7,10 +7,11 @@ batch script only execs obd's job wrapper (`trainer_plugin/slurm_batch.py batch`
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from executors import remote
-from executors.config import SlurmTarget
+from executors.config import SlurmTarget, slurm_time_seconds
 from trainer_plugin import rundir
 
 
@@ -19,9 +20,30 @@ def job_name(run_id: str) -> str:
     return f"obd-{run_id}"
 
 
-def sbatch_arguments(target: SlurmTarget, run_id: str, remote_dir: str) -> list[str]:
-    """The sbatch options of a run (without the script): obd's own, then the target's."""
+def job_time(target: SlurmTarget, time_limit: float | None, stop_lead: float | None) -> tuple[str | None, float]:
+    """The job's `--time` and how long before it Slurm signals for the `deadline` snapshot.
+
+    The target's `time` and `signal_margin`, unless the run's own limit (its chain's time limit or
+    deadline, docs/limits.md) is shorter: then that limit, in whole minutes as Slurm counts them
+    (rounded up), with the signal `stop_lead` before the run's own limit, not the rounded one."""
+    own = target.time_limit()
+    if time_limit is None or (own is not None and own <= time_limit):
+        return target.time, target.signal_margin
+    minutes = max(1, math.ceil(time_limit / 60))
+    return str(minutes), min(65535.0, minutes * 60.0, minutes * 60.0 - time_limit + (stop_lead or 0.0))
+
+
+def sbatch_arguments(
+    target: SlurmTarget,
+    run_id: str,
+    remote_dir: str,
+    time_limit: float | None = None,
+    stop_lead: float | None = None,
+) -> list[str]:
+    """The sbatch options of a run (without the script): obd's own, then the target's; a run with a
+    time limit of its own shorter than the target's gets it (`job_time`)."""
     rd = remote_dir.rstrip("/")
+    time, signal_margin = job_time(target, time_limit, stop_lead)
     args = [
         f"--job-name={job_name(run_id)}",
         f"--comment={run_id}",
@@ -40,16 +62,16 @@ def sbatch_arguments(target: SlurmTarget, run_id: str, remote_dir: str) -> list[
         "--partition": target.partition,
         "--account": target.account,
         "--qos": target.qos,
-        "--time": target.time,
+        "--time": time,
         "--gpus-per-node": target.gpus_per_node,
         "--cpus-per-task": target.cpus_per_task,
         "--mem": target.mem,
         "--constraint": target.constraint,
     }
     args += [f"{option}={value}" for option, value in optional.items() if value is not None]
-    if target.signal_margin > 0:
+    if signal_margin > 0:
         # To the batch shell only (B:): the wrapper turns it into a `deadline` snapshot request.
-        args.append(f"--signal=B:USR1@{max(1, round(target.signal_margin))}")
+        args.append(f"--signal=B:USR1@{max(1, round(signal_margin))}")
     return [*args, *target.sbatch_options]
 
 
@@ -65,13 +87,15 @@ def batch_script(python: str, remote_dir: str, run_id: str) -> str:
     )
 
 
-def launch_plan(target: SlurmTarget, python: str) -> dict[str, Any]:
-    """How the wrapper launches the command: on how many nodes, with which launcher and Python."""
+def launch_plan(target: SlurmTarget, python: str, time_limit: float | None = None) -> dict[str, Any]:
+    """How the wrapper launches the command: on how many nodes, with which launcher and Python, and
+    the job's time limit in seconds (a TERM near it asks for a `deadline` snapshot)."""
     per_node = target.nproc_per_node or target.gpus_per_node or 1
+    time, _ = job_time(target, time_limit, None)
     return {
         "nodes": target.nodes,
         "launcher": target.launcher,
         "nproc_per_node": per_node,
         "python": python,
-        "time_limit": target.time_limit(),
+        "time_limit": slurm_time_seconds(time) if time else None,
     }

@@ -4,7 +4,7 @@
 _obd_subcommands() {
     case "$1" in
         "") echo "daemon train profile targets pods completion ui" ;;
-        "train") echo "start resume stop cancel status metrics logs outputs list plot" ;;
+        "train") echo "start sweep resume stop cancel status metrics logs outputs list plot" ;;
         "profile") echo "parse" ;;
         "targets") echo "list drain undrain check" ;;
         "pods") echo "list rm retrieve" ;;
@@ -16,15 +16,16 @@ _obd_options() {
         "") echo "-h --help --version --socket --config --state-dir" ;;
         "daemon") echo "-h --help --config --socket --state-dir --log-level" ;;
         "train") echo "-h --help" ;;
-        "train start") echo "-h --help --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --profile --snapshot-on-sigterm --json" ;;
-        "train resume") echo "-h --help --checkpoint --env --secret --env-clear --retry --json" ;;
+        "train start") echo "-h --help --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm -f --file --set --dry-run --after --after-any --json" ;;
+        "train sweep") echo "-h --help --grid --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm --after --after-any --json" ;;
+        "train resume") echo "-h --help --checkpoint --env --secret --env-clear --retry --time-limit --deadline --max-gpu-hours --max-cost-usd --json" ;;
         "train stop") echo "-h --help --reason --wait --json" ;;
         "train cancel") echo "-h --help --wait --json" ;;
-        "train status") echo "-h --help --json" ;;
+        "train status") echo "-h --help --json --as-file" ;;
         "train metrics") echo "-h --help --json" ;;
         "train logs") echo "-h --help --follow -f --tail --json" ;;
         "train outputs") echo "-h --help --to --checkpoint --json" ;;
-        "train list") echo "-h --help --all --state --target --name --since --limit --watch -w --json" ;;
+        "train list") echo "-h --help --all --state --target --name --since --limit --watch -w --sweep --json" ;;
         "train plot") echo "-h --help --metric --json --svg --png --width --height" ;;
         "profile") echo "-h --help" ;;
         "profile parse") echo "-h --help --json" ;;
@@ -44,7 +45,7 @@ _obd_options() {
 
 _obd_takes_value() {
     case "$1|$2" in
-        "|--socket" | "|--config" | "|--state-dir" | "daemon|--config" | "daemon|--socket" | "daemon|--state-dir" | "daemon|--log-level" | "train start|--target" | "train start|--name" | "train start|--cwd" | "train start|--env" | "train start|--secret" | "train start|--output-to" | "train start|--resume-from" | "train start|--checkpoint" | "train start|--gpus" | "train start|--priority" | "train start|--retry" | "train resume|--checkpoint" | "train resume|--env" | "train resume|--secret" | "train resume|--retry" | "train stop|--reason" | "train logs|--tail" | "train outputs|--to" | "train outputs|--checkpoint" | "train list|--state" | "train list|--target" | "train list|--name" | "train list|--since" | "train list|--limit" | "train plot|--metric" | "train plot|--svg" | "train plot|--png" | "train plot|--width" | "train plot|--height" | "pods|--target" | "pods retrieve|--to" | "ui|--port") return 0 ;;
+        "|--socket" | "|--config" | "|--state-dir" | "daemon|--config" | "daemon|--socket" | "daemon|--state-dir" | "daemon|--log-level" | "train start|--target" | "train start|--name" | "train start|--cwd" | "train start|--env" | "train start|--secret" | "train start|--output-to" | "train start|--resume-from" | "train start|--checkpoint" | "train start|--gpus" | "train start|--priority" | "train start|--retry" | "train start|--time-limit" | "train start|--deadline" | "train start|--max-gpu-hours" | "train start|--max-cost-usd" | "train start|-f" | "train start|--file" | "train start|--set" | "train start|--after" | "train sweep|--grid" | "train sweep|--target" | "train sweep|--name" | "train sweep|--cwd" | "train sweep|--env" | "train sweep|--secret" | "train sweep|--output-to" | "train sweep|--resume-from" | "train sweep|--checkpoint" | "train sweep|--gpus" | "train sweep|--priority" | "train sweep|--retry" | "train sweep|--time-limit" | "train sweep|--deadline" | "train sweep|--max-gpu-hours" | "train sweep|--max-cost-usd" | "train sweep|--after" | "train resume|--checkpoint" | "train resume|--env" | "train resume|--secret" | "train resume|--retry" | "train resume|--time-limit" | "train resume|--deadline" | "train resume|--max-gpu-hours" | "train resume|--max-cost-usd" | "train stop|--reason" | "train logs|--tail" | "train outputs|--to" | "train outputs|--checkpoint" | "train list|--state" | "train list|--target" | "train list|--name" | "train list|--since" | "train list|--limit" | "train list|--sweep" | "train plot|--metric" | "train plot|--svg" | "train plot|--png" | "train plot|--width" | "train plot|--height" | "pods|--target" | "pods retrieve|--to" | "ui|--port") return 0 ;;
     esac
     return 1
 }
@@ -113,10 +114,38 @@ _obd() {
         "train start|--gpus") COMPREPLY=() ;;
         "train start|--priority") COMPREPLY=() ;;
         "train start|--retry") COMPREPLY=() ;;
+        "train start|--time-limit") COMPREPLY=() ;;
+        "train start|--deadline") COMPREPLY=() ;;
+        "train start|--max-gpu-hours") COMPREPLY=() ;;
+        "train start|--max-cost-usd") COMPREPLY=() ;;
+        "train start|-f" | "train start|--file") COMPREPLY=() ;;
+        "train start|--set") COMPREPLY=() ;;
+        "train start|--after") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
+        "train sweep|--grid") COMPREPLY=() ;;
+        "train sweep|--target") COMPREPLY=($(compgen -W "$(_obd_targets)" -- "$cur")) ;;
+        "train sweep|--name") COMPREPLY=() ;;
+        "train sweep|--cwd") compopt -o dirnames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")) ;;
+        "train sweep|--env") COMPREPLY=() ;;
+        "train sweep|--secret") COMPREPLY=() ;;
+        "train sweep|--output-to") compopt -o dirnames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")) ;;
+        "train sweep|--resume-from") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
+        "train sweep|--checkpoint") COMPREPLY=() ;;
+        "train sweep|--gpus") COMPREPLY=() ;;
+        "train sweep|--priority") COMPREPLY=() ;;
+        "train sweep|--retry") COMPREPLY=() ;;
+        "train sweep|--time-limit") COMPREPLY=() ;;
+        "train sweep|--deadline") COMPREPLY=() ;;
+        "train sweep|--max-gpu-hours") COMPREPLY=() ;;
+        "train sweep|--max-cost-usd") COMPREPLY=() ;;
+        "train sweep|--after") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train resume|--checkpoint") COMPREPLY=() ;;
         "train resume|--env") COMPREPLY=() ;;
         "train resume|--secret") COMPREPLY=() ;;
         "train resume|--retry") COMPREPLY=() ;;
+        "train resume|--time-limit") COMPREPLY=() ;;
+        "train resume|--deadline") COMPREPLY=() ;;
+        "train resume|--max-gpu-hours") COMPREPLY=() ;;
+        "train resume|--max-cost-usd") COMPREPLY=() ;;
         "train stop|--reason") COMPREPLY=($(compgen -W "requested deadline cost disk preempted" -- "$cur")) ;;
         "train logs|--tail") COMPREPLY=() ;;
         "train outputs|--to") compopt -o dirnames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")) ;;
@@ -126,6 +155,7 @@ _obd() {
         "train list|--name") COMPREPLY=() ;;
         "train list|--since") COMPREPLY=() ;;
         "train list|--limit") COMPREPLY=() ;;
+        "train list|--sweep") COMPREPLY=() ;;
         "train plot|--metric") COMPREPLY=() ;;
         "train plot|--svg") compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")) ;;
         "train plot|--png") compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")) ;;
@@ -149,6 +179,7 @@ _obd() {
     fi
     case "$at" in
         "train start") COMPREPLY=($(compgen -W "--" -- "$cur")) ;;
+        "train sweep") COMPREPLY=($(compgen -W "--" -- "$cur")) ;;
         "train resume") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train stop") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train cancel") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;

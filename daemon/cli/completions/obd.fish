@@ -6,7 +6,7 @@ function __obd_subcommands
         case ''
             printf '%s\n' daemon train profile targets pods completion ui
         case 'train'
-            printf '%s\n' start resume stop cancel status metrics logs outputs list plot
+            printf '%s\n' start sweep resume stop cancel status metrics logs outputs list plot
         case 'profile'
             printf '%s\n' parse
         case 'targets'
@@ -54,6 +54,56 @@ function __obd_takes_value
             return 0
         case 'train start|--retry'
             return 0
+        case 'train start|--time-limit'
+            return 0
+        case 'train start|--deadline'
+            return 0
+        case 'train start|--max-gpu-hours'
+            return 0
+        case 'train start|--max-cost-usd'
+            return 0
+        case 'train start|-f'
+            return 0
+        case 'train start|--file'
+            return 0
+        case 'train start|--set'
+            return 0
+        case 'train start|--after'
+            return 0
+        case 'train sweep|--grid'
+            return 0
+        case 'train sweep|--target'
+            return 0
+        case 'train sweep|--name'
+            return 0
+        case 'train sweep|--cwd'
+            return 0
+        case 'train sweep|--env'
+            return 0
+        case 'train sweep|--secret'
+            return 0
+        case 'train sweep|--output-to'
+            return 0
+        case 'train sweep|--resume-from'
+            return 0
+        case 'train sweep|--checkpoint'
+            return 0
+        case 'train sweep|--gpus'
+            return 0
+        case 'train sweep|--priority'
+            return 0
+        case 'train sweep|--retry'
+            return 0
+        case 'train sweep|--time-limit'
+            return 0
+        case 'train sweep|--deadline'
+            return 0
+        case 'train sweep|--max-gpu-hours'
+            return 0
+        case 'train sweep|--max-cost-usd'
+            return 0
+        case 'train sweep|--after'
+            return 0
         case 'train resume|--checkpoint'
             return 0
         case 'train resume|--env'
@@ -61,6 +111,14 @@ function __obd_takes_value
         case 'train resume|--secret'
             return 0
         case 'train resume|--retry'
+            return 0
+        case 'train resume|--time-limit'
+            return 0
+        case 'train resume|--deadline'
+            return 0
+        case 'train resume|--max-gpu-hours'
+            return 0
+        case 'train resume|--max-cost-usd'
             return 0
         case 'train stop|--reason'
             return 0
@@ -79,6 +137,8 @@ function __obd_takes_value
         case 'train list|--since'
             return 0
         case 'train list|--limit'
+            return 0
+        case 'train list|--sweep'
             return 0
         case 'train plot|--metric'
             return 0
@@ -172,6 +232,7 @@ complete -c obd -n '__obd_at \'daemon\'' -l socket -r -F -d 'where to serve the 
 complete -c obd -n '__obd_at \'daemon\'' -l state-dir -r -F -d 'where to keep run records and local run dirs'
 complete -c obd -n '__obd_at \'daemon\'' -l log-level -x -a 'debug info warning error' -d 'what the daemon logs (default: info)'
 complete -c obd -n '__obd_at \'train\'' -a 'start' -d 'start a run: obd train start [OPTIONS] -- COMMAND [ARG]...'
+complete -c obd -n '__obd_at \'train\'' -a 'sweep' -d 'start one run per combination of --grid values: obd train sweep [OPTIONS] --grid NAME=V1,V2 -- COMMAND'
 complete -c obd -n '__obd_at \'train\'' -a 'resume' -d 'start a new run like RUN from its snapshot or newest complete checkpoint'
 complete -c obd -n '__obd_at \'train\'' -a 'stop' -d 'ask the run for a snapshot at the end of its step, then stop'
 complete -c obd -n '__obd_at \'train\'' -a 'cancel' -d 'end the run now: TERM to its processes, KILL after the grace'
@@ -197,16 +258,55 @@ complete -c obd -n '__obd_at \'train start\'' -l priority -x -d 'higher starts f
 complete -c obd -n '__obd_at \'train start\'' -l preemptible -d 'it may be paused (through a verified snapshot) for a run of higher priority; the target\'s default'
 complete -c obd -n '__obd_at \'train start\'' -l no-preemptible -d 'it is never paused for another run'
 complete -c obd -n '__obd_at \'train start\'' -l retry -x -d 'start it again up to N times from its checkpoint if it fails or is preempted'
+complete -c obd -n '__obd_at \'train start\'' -l time-limit -x -d 'stop it with a snapshot before it ran this long (90m, 2h), summed over its retries and pauses'
+complete -c obd -n '__obd_at \'train start\'' -l deadline -x -d 'stop it with a snapshot before this clock time: HH:MM (the next one) or 2025-06-01T14:00'
+complete -c obd -n '__obd_at \'train start\'' -l max-gpu-hours -x -d 'stop it with a snapshot before its GPUs × running hours reach H, over all its attempts'
+complete -c obd -n '__obd_at \'train start\'' -l max-cost-usd -x -d 'stop it with a snapshot before it costs D dollars (a pod\'s rate, or the target\'s price_per_gpu_hour)'
 complete -c obd -n '__obd_at \'train start\'' -l profile -d 'run it under the profiler; see obd train metrics'
 complete -c obd -n '__obd_at \'train start\'' -l snapshot-on-sigterm -d 'a SIGTERM to the job becomes a snapshot request (preempted)'
+complete -c obd -n '__obd_at \'train start\'' -s f -l file -x -d 'take the run from a run file (docs/run-file.md); the flags given here override it'
+complete -c obd -n '__obd_at \'train start\'' -l set -x -d 'set a key of the run file (--set gpus=2, --set env.NAME=VALUE), before the flags'
+complete -c obd -n '__obd_at \'train start\'' -l dry-run -d 'print the resolved run as a run file (--json: as JSON) and start nothing'
+complete -c obd -n '__obd_at \'train start\'' -l after -x -a '(__obd_runs)' -d 'wait queued until RUN (and its retries) ended succeeded or stopped (or the STATEs given); if it ends otherwise, this run is cancelled; repeatable. Its outputs: $OBD_AFTER_1_OUTPUT'
+complete -c obd -n '__obd_at \'train start\'' -l after-any -d 'with --after: start once those runs ended, whatever their end'
 complete -c obd -n '__obd_at \'train start\'' -l json -d 'print the new run\'s record, not just its id'
 complete -c obd -n '__obd_at \'train start\'' -a '--'
+complete -c obd -n '__obd_at \'train sweep\'' -s h -l help -d 'show this help message and exit'
+complete -c obd -n '__obd_at \'train sweep\'' -l grid -x -d 'the values of NAME, one run each (with every value of the other --grid); repeatable'
+complete -c obd -n '__obd_at \'train sweep\'' -l target -x -a '(__obd_targets)' -d 'where to run it: a target of the config (default: local)'
+complete -c obd -n '__obd_at \'train sweep\'' -l name -x -d 'a name to find the run by (obd train status NAME)'
+complete -c obd -n '__obd_at \'train sweep\'' -l cwd -r -F -d 'the job\'s directory (local: default here; ssh/pods: uploaded into src/)'
+complete -c obd -n '__obd_at \'train sweep\'' -l env -x -d 'set K=V in the job\'s environment'
+complete -c obd -n '__obd_at \'train sweep\'' -l secret -x -d 'pass $NAME from this shell to the job, never on a command line or in a record'
+complete -c obd -n '__obd_at \'train sweep\'' -l env-clear -d 'start the job from an empty environment (HOME, USER, PATH), not this shell\'s'
+complete -c obd -n '__obd_at \'train sweep\'' -l output-to -r -F -d 'when the job succeeds, put its outputs in DIR (`asked`: the output_dir the script asked for); never into a directory that is not empty'
+complete -c obd -n '__obd_at \'train sweep\'' -l resume-from -x -a '(__obd_runs)' -d 'resume RUN\'s snapshot, or its newest complete checkpoint'
+complete -c obd -n '__obd_at \'train sweep\'' -l checkpoint -x -d 'with --resume-from: latest, a step number, or a path'
+complete -c obd -n '__obd_at \'train sweep\'' -l gpus -x -d 'how many GPUs (2), or which (0,2 or device=1); default: all of the target\'s'
+complete -c obd -n '__obd_at \'train sweep\'' -l priority -x -d 'higher starts first from the queue, and may pause runs of lower priority (-100..100)'
+complete -c obd -n '__obd_at \'train sweep\'' -l preemptible -d 'it may be paused (through a verified snapshot) for a run of higher priority; the target\'s default'
+complete -c obd -n '__obd_at \'train sweep\'' -l no-preemptible -d 'it is never paused for another run'
+complete -c obd -n '__obd_at \'train sweep\'' -l retry -x -d 'start it again up to N times from its checkpoint if it fails or is preempted'
+complete -c obd -n '__obd_at \'train sweep\'' -l time-limit -x -d 'stop it with a snapshot before it ran this long (90m, 2h), summed over its retries and pauses'
+complete -c obd -n '__obd_at \'train sweep\'' -l deadline -x -d 'stop it with a snapshot before this clock time: HH:MM (the next one) or 2025-06-01T14:00'
+complete -c obd -n '__obd_at \'train sweep\'' -l max-gpu-hours -x -d 'stop it with a snapshot before its GPUs × running hours reach H, over all its attempts'
+complete -c obd -n '__obd_at \'train sweep\'' -l max-cost-usd -x -d 'stop it with a snapshot before it costs D dollars (a pod\'s rate, or the target\'s price_per_gpu_hour)'
+complete -c obd -n '__obd_at \'train sweep\'' -l profile -d 'run it under the profiler; see obd train metrics'
+complete -c obd -n '__obd_at \'train sweep\'' -l snapshot-on-sigterm -d 'a SIGTERM to the job becomes a snapshot request (preempted)'
+complete -c obd -n '__obd_at \'train sweep\'' -l after -x -a '(__obd_runs)' -d 'wait queued until RUN (and its retries) ended succeeded or stopped (or the STATEs given); if it ends otherwise, this run is cancelled; repeatable. Its outputs: $OBD_AFTER_1_OUTPUT'
+complete -c obd -n '__obd_at \'train sweep\'' -l after-any -d 'with --after: start once those runs ended, whatever their end'
+complete -c obd -n '__obd_at \'train sweep\'' -l json -d 'print the new run\'s record, not just its id'
+complete -c obd -n '__obd_at \'train sweep\'' -a '--'
 complete -c obd -n '__obd_at \'train resume\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train resume\'' -l checkpoint -x -d 'latest, a step number, or a path on the target'
 complete -c obd -n '__obd_at \'train resume\'' -l env -x -d 'set K=V in the job\'s environment (RUN\'s --env values are not kept: give them again)'
 complete -c obd -n '__obd_at \'train resume\'' -l secret -x -d 'pass $NAME from this shell to the job, never on a command line or in a record'
 complete -c obd -n '__obd_at \'train resume\'' -l env-clear -d 'start the job from an empty environment (HOME, USER, PATH), not this shell\'s'
 complete -c obd -n '__obd_at \'train resume\'' -l retry -x -d 'start it again up to N times if it fails or is preempted'
+complete -c obd -n '__obd_at \'train resume\'' -l time-limit -x -d 'stop it with a snapshot before it ran this long (90m, 2h), summed over its retries and pauses (RUN\'s are not carried: a resumed run has its own)'
+complete -c obd -n '__obd_at \'train resume\'' -l deadline -x -d 'stop it with a snapshot before this clock time: HH:MM (the next one) or 2025-06-01T14:00'
+complete -c obd -n '__obd_at \'train resume\'' -l max-gpu-hours -x -d 'stop it with a snapshot before its GPUs × running hours reach H, over all its attempts'
+complete -c obd -n '__obd_at \'train resume\'' -l max-cost-usd -x -d 'stop it with a snapshot before it costs D dollars (a pod\'s rate, or the target\'s price_per_gpu_hour)'
 complete -c obd -n '__obd_at \'train resume\'' -l json -d 'print the new run\'s record, not just its id'
 complete -c obd -n '__obd_at \'train resume\'' -a '(__obd_runs)'
 complete -c obd -n '__obd_at \'train stop\'' -s h -l help -d 'show this help message and exit'
@@ -220,6 +320,7 @@ complete -c obd -n '__obd_at \'train cancel\'' -l json -d 'print the run\'s reco
 complete -c obd -n '__obd_at \'train cancel\'' -a '(__obd_runs)'
 complete -c obd -n '__obd_at \'train status\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train status\'' -l json -d 'print the run\'s record'
+complete -c obd -n '__obd_at \'train status\'' -l as-file -d 'print the run\'s start as a run file (obd train start -f FILE starts one like it)'
 complete -c obd -n '__obd_at \'train status\'' -a '(__obd_runs)'
 complete -c obd -n '__obd_at \'train metrics\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train metrics\'' -l json -d 'print them as JSON (an object that says why when none)'
@@ -242,6 +343,7 @@ complete -c obd -n '__obd_at \'train list\'' -l name -x -d 'only runs of this na
 complete -c obd -n '__obd_at \'train list\'' -l since -x -d 'only runs started since: 2h, 3d, 2025-05-01'
 complete -c obd -n '__obd_at \'train list\'' -l limit -x -d 'at most the N newest'
 complete -c obd -n '__obd_at \'train list\'' -l watch -s w -d 'redraw every second (on a terminal)'
+complete -c obd -n '__obd_at \'train list\'' -l sweep -x -d 'the runs of this sweep (its id or name), with their values and best loss'
 complete -c obd -n '__obd_at \'train list\'' -l json -d 'print the runs as a JSON list'
 complete -c obd -n '__obd_at \'train plot\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train plot\'' -l metric -x -d 'a key of the log lines: loss (default), learning_rate, grad_norm…'

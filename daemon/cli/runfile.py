@@ -1,0 +1,725 @@
+"""Run files: everything `obd train start` takes, in a TOML file (docs/run-file.md).
+
+`obd train start -f run.toml [--set KEY=VALUE]... [FLAGS] [-- COMMAND ...]` reads the file,
+applies each `--set` to it, then the flags given on the command line, then the command after
+`--`; `--dry-run` prints the result (as a run file, or JSON) and starts nothing.
+`obd train status RUN --as-file` prints a run's start as a run file. The Python API
+(`daemon/cli/sdk.py`) validates `client.start(**options)` with the same keys.
+
+The keys are the start command's flags, by the name of their value (`--output-to` is
+`output_to`, `--secret` is `secrets`), found in the parser itself: a flag added to
+`obd train start` is a key of the run file with nothing to change here (its value goes through
+the flag's own type). A handful of keys have a TOML shape of their own (`command`, `script`,
+`args`, `env`, `secrets`, `gpus`, `cwd`, `checkpoint`). Validation is plain code: the client
+is standard library only (no pydantic), and every error names the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shlex
+import unicodedata
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from daemon.cli.common import UsageError
+
+# Flags of `obd train start` that say what the command does, not what the run is.
+NOT_KEYS = frozenset({"help", "json", "file", "set", "dry_run", "command"})
+RENAMED = {"secret": "secrets"}  # a flag given once per name is a list of names in a file
+
+# The kinds of value a key holds (what TOML shape is accepted, and what it becomes).
+COMMAND, SCRIPT, ARGS = "command", "script", "args"  # the job's command (not flags)
+ENV, NAMES, GPUS, CWD, CHECKPOINT = "env", "names", "gpus", "cwd", "checkpoint"  # flags of a shape of their own
+BOOL, LIST, TYPED, TEXT = "bool", "list", "typed", "text"  # any other flag, by its argparse action
+SHAPES = {"env": ENV, "secret": NAMES, "gpus": GPUS, "cwd": CWD, "checkpoint": CHECKPOINT}
+
+DOC = "docs/run-file.md"
+ENV_NOTE = (
+    "env values are not kept in run records, only their names: give each again (in [env] below, "
+    "or with --env NAME=VALUE)"
+)
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_INT_RE = re.compile(r"^[+-]?\d+$")
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class RunFileError(UsageError):
+    """A run file, a `--set` or an API option that is not valid: the message says where and why."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of a run file: the flag it stands for and how its value is checked."""
+
+    name: str
+    kind: str
+    flag: str  # as people know it: `--gpus`, `-- COMMAND`
+    dest: str | None = None  # the start parser's attribute; None for command, script and args
+    convert: Callable[[str], Any] | None = None  # the flag's own type (a whole number, a duration...)
+    choices: tuple[Any, ...] | None = None
+    help: str = ""
+
+
+_COMMAND_KEYS = (
+    Key(
+        "command",
+        COMMAND,
+        "-- COMMAND",
+        help="the job's command: a list of words, or one string split as a shell would",
+    ),
+    Key(
+        "script", SCRIPT, "-- python SCRIPT", help="instead of command: a Python script, run as `python SCRIPT ARGS...`"
+    ),
+    Key("args", ARGS, "-- ... ARGS", help="words added after command or script"),
+)
+
+
+def schema() -> dict[str, Key]:
+    """Every key a run file may hold, in the order a run file is printed: the command's, then
+    those of `obd train start`'s flags, in the parser's order."""
+    keys = {key.name: key for key in _COMMAND_KEYS}
+    flags: dict[str, list[str]] = {}
+    for action in start_parser()._actions:
+        if action.dest in NOT_KEYS or not action.option_strings:
+            continue
+        name = RENAMED.get(action.dest, action.dest)
+        flags.setdefault(name, []).append(max(action.option_strings, key=len))
+        if name in keys:
+            keys[name] = dataclasses.replace(keys[name], flag="/".join(flags[name]))
+            continue
+        keys[name] = Key(
+            name=name,
+            kind=SHAPES.get(action.dest) or _kind(action),
+            flag=flags[name][0],
+            dest=action.dest,
+            convert=action.type if callable(action.type) else None,
+            choices=tuple(action.choices) if action.choices else None,
+            help=action.help or "",
+        )
+    return keys
+
+
+def _kind(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return BOOL  # --profile, --preemptible/--no-preemptible
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+"):
+        return LIST
+    return TYPED if callable(action.type) else TEXT
+
+
+def start_parser() -> argparse.ArgumentParser:
+    """`obd train start`'s own parser (a fresh one, which the caller may change)."""
+    from daemon.cli.parser import _parser
+
+    return _subparser(_subparser(_parser(), "train"), "start")
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise LookupError(name)
+
+
+# --- where a value came from, for messages --------------------------------------------------
+
+
+@dataclass
+class Origin:
+    """Where the values being checked came from: a file (its keys' lines), `--set`, or the API."""
+
+    label: str  # `run.toml`, `--set`, `start()`
+    base: Path  # what a relative cwd is relative to
+    lines: dict[tuple[str, ...], int] = field(default_factory=dict)
+    sets: dict[str, str] = field(default_factory=dict)  # a key given by --set: the words given
+
+    def error(self, path: tuple[str, ...], problem: str) -> RunFileError:
+        dotted = ".".join(path)
+        keys = tuple(part.split("[")[0] for part in path)  # `args[1]` is on the line of `args`
+        if keys and keys[0] in self.sets:
+            return RunFileError(f"--set {self.sets[keys[0]]}: {dotted}: {problem}")
+        for size in range(len(keys), 0, -1):
+            line = self.lines.get(keys[:size])
+            if line is not None:
+                return RunFileError(f"{self.label}:{line}: {dotted}: {problem}")
+        return RunFileError(f"{self.label}: {dotted}: {problem}")
+
+
+def key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """The line (from 1) where each key of a TOML text is set or its table opens, by its path:
+    `("gpus",)`, `("env", "WANDB_PROJECT")`. tomllib keeps no positions, and an error has to name
+    the line; multi-line strings are skipped, so a `key = ...` inside one is not taken for a key."""
+    found: dict[tuple[str, ...], int] = {}
+    table: tuple[str, ...] = ()
+    quote = ""  # the multi-line string the line is in, if any
+    part = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
+    dotted = rf"{part}(?:\s*\.\s*{part})*"
+    for number, line in enumerate(text.splitlines(), start=1):
+        if quote:
+            if line.count(quote) % 2 == 1:
+                quote = ""
+            continue
+        header = re.match(rf"^\s*\[\[?\s*({dotted})\s*\]\]?", line)
+        assign = None if header else re.match(rf"^\s*({dotted})\s*=", line)
+        if header:
+            table = _parts(header.group(1), part)
+            found.setdefault(table, number)
+        elif assign:
+            found.setdefault(table + _parts(assign.group(1), part), number)
+            rest = line[assign.end() :]
+            for mark in ('"""', "'''"):
+                if rest.count(mark) % 2 == 1:
+                    quote = mark
+    return found
+
+
+def _parts(dotted: str, part: str) -> tuple[str, ...]:
+    names = []
+    for piece in re.findall(part, dotted):
+        if piece.startswith('"'):
+            names.append(json.loads(piece))
+        elif piece.startswith("'"):
+            names.append(piece[1:-1])
+        else:
+            names.append(piece)
+    return tuple(names)
+
+
+# --- checking values --------------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike[str], sets: Iterable[str] = ()) -> dict[str, Any]:
+    """A run file's values, checked, with each `--set KEY=VALUE` applied first (a `--set` edits
+    the file: it replaces a key's value, or sets one name of `env` with `env.NAME=VALUE`)."""
+    import tomllib
+
+    label = os.fspath(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RunFileError(f"-f {label}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunFileError(f"-f {label}: cannot read it ({exc})") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RunFileError(f"{label}: not valid TOML: {exc}") from None
+    origin = Origin(label, Path(path).resolve().parent, key_lines(text))
+    apply_sets(raw, sets, origin)
+    return check(raw, origin)
+
+
+def apply_sets(raw: dict[str, Any], sets: Iterable[str], origin: Origin) -> None:
+    """`--set KEY=VALUE` into the raw values: VALUE is read as a TOML value where it is one
+    (`--set gpus=2`, `--set 'args=["--lr", "1e-4"]'`), else taken as a string (`--set name=sft`)."""
+    import tomllib
+
+    for given in sets:
+        key, sep, text = given.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise RunFileError(f"--set {given!r}: expected KEY=VALUE, e.g. --set gpus=2")
+        try:
+            value: Any = tomllib.loads(f"value = {text}")["value"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        first, _, name = key.partition(".")
+        origin.sets[first] = given
+        if first == ENV and name:
+            env = raw.setdefault(ENV, {})
+            if not isinstance(env, dict):
+                raise origin.error((ENV,), "is not a table, so env.NAME cannot be set in it")
+            env[name] = value
+        elif name:
+            raise RunFileError(f"--set {given}: only env takes a name after a dot (env.NAME=VALUE)")
+        else:
+            raw[first] = value
+            if first in (COMMAND, SCRIPT):  # a command from --set replaces the file's, its args included
+                for other in (COMMAND, SCRIPT, ARGS):
+                    if other != first:
+                        raw.pop(other, None)
+
+
+def check(
+    raw: dict[str, Any], origin: Origin, keys: dict[str, Key] | None = None, whole: bool = True
+) -> dict[str, Any]:
+    """The values of a run file (or of the API's options), each checked for its key; an unknown
+    key or a wrong value is an error naming where it is and what is expected. `whole`: the
+    values are a whole run, whose command keys go together (not options laid over a file)."""
+    keys = schema() if keys is None else keys
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        key = keys.get(name)
+        if key is None:
+            raise origin.error((name,), _unknown(name, keys))
+        values[name] = _checked(key, value, origin)
+    if whole:
+        check_command_keys(values, origin)
+    return values
+
+
+def check_command_keys(values: dict[str, Any], origin: Origin) -> None:
+    """`command` or `script`, not both; `args` only after one of them."""
+    if COMMAND in values and SCRIPT in values:
+        raise origin.error((SCRIPT,), "give command or script, not both")
+    if ARGS in values and COMMAND not in values and SCRIPT not in values:
+        raise origin.error((ARGS,), "args are added to command or script: give one of them")
+
+
+def _unknown(name: str, keys: dict[str, Key]) -> str:
+    import difflib
+
+    guess = name.replace("-", "_").lower()
+    close = [guess] if guess in keys else difflib.get_close_matches(name, list(keys), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown key{hint}; the keys are the start flags' names ({', '.join(keys)}), see {DOC}"
+
+
+def _shown(value: Any) -> str:
+    """A value as the message shows it, with its TOML type."""
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (true or false)"
+    if isinstance(value, int | float):
+        return f"{value} (a number)"
+    if isinstance(value, str):
+        return f"{json.dumps(value)} (a string)"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a table"
+    return f"{value} (a date or time)"
+
+
+def _checked(key: Key, value: Any, origin: Origin) -> Any:
+    """One value, checked against its key; what it is as a run file holds it."""
+    path = (key.name,)
+
+    def wrong(expected: str, at: tuple[str, ...] = path, given: Any = value) -> RunFileError:
+        return origin.error(at, f"expected {expected}, not {_shown(given)}")
+
+    kind = key.kind
+    if kind == BOOL:
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+        return value
+    if kind in (TEXT, SCRIPT, CWD):
+        if not isinstance(value, str) or not value.strip():
+            raise wrong("a string" if not isinstance(value, str) else "a string that is not empty")
+        if kind == CWD:
+            base = Path.cwd() if key.name in origin.sets else origin.base
+            return str((base / Path(value).expanduser()).resolve())
+        return _choice(key, value, origin)
+    if kind == TYPED:
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise wrong(f"a value of {key.flag} (a string or a number)")
+        _convert(key, str(value), origin, path)
+        return value
+    if kind == COMMAND:
+        if isinstance(value, str):
+            try:
+                words = shlex.split(value)
+            except ValueError as exc:
+                raise origin.error(path, f"cannot split it into words as a shell would ({exc})") from None
+            if not words:
+                raise wrong("a command")
+            return words
+        return _strings(key, value, origin, nonempty=True)
+    if kind == ARGS:
+        return _strings(key, value, origin)
+    if kind == LIST:
+        words = _strings(key, value, origin)
+        for i, word in enumerate(words):
+            _convert(key, word, origin, (f"{key.name}[{i}]",))
+        return words
+    if kind == NAMES:
+        names = _strings(key, value, origin)
+        for i, name in enumerate(names):
+            if not _NAME_RE.match(name):
+                raise origin.error((f"{key.name}[{i}]",), f"{json.dumps(name)} is not an environment variable name")
+        return list(dict.fromkeys(names))
+    if kind == ENV:
+        if not isinstance(value, dict):
+            raise wrong('a table of NAME = "value"')
+        env: dict[str, str] = {}
+        for name, text in value.items():
+            at = (ENV, name)
+            if not _NAME_RE.match(name):
+                raise origin.error(at, "not an environment variable name (letters, digits and _)")
+            if isinstance(text, bool) or not isinstance(text, str | int):
+                raise wrong(f'a string (quote it: {name} = "...")', at, text)
+            env[name] = str(text)
+        return env
+    if kind == GPUS:
+        return _gpus(value, origin, wrong)
+    if kind == CHECKPOINT:
+        if isinstance(value, bool) or not isinstance(value, str | int) or (isinstance(value, int) and value < 0):
+            raise wrong("a step number, latest, or a path")
+        return value
+    raise AssertionError(f"no check for the kind {kind}")
+
+
+def _strings(key: Key, value: Any, origin: Origin, nonempty: bool = False) -> list[str]:
+    if not isinstance(value, list):
+        raise origin.error((key.name,), f'expected a list of strings, e.g. {key.name} = ["..."], not {_shown(value)}')
+    for i, word in enumerate(value):
+        if not isinstance(word, str):
+            raise origin.error((f"{key.name}[{i}]",), f"expected a string (quote it), not {_shown(word)}")
+    if nonempty and not value:
+        raise origin.error((key.name,), "expected a command, not an empty list")
+    return list(value)
+
+
+def _convert(key: Key, text: str, origin: Origin, path: tuple[str, ...]) -> Any:
+    """A value through its flag's own type, as argparse would: its error is the message."""
+    if key.convert is None:
+        return _choice(key, text, origin)
+    try:
+        converted = key.convert(text)
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+        raise origin.error(path, str(exc) or f"not a valid value of {key.flag}") from None
+    return _choice(key, converted, origin)
+
+
+def _choice(key: Key, value: Any, origin: Origin) -> Any:
+    if key.choices is not None and value not in key.choices:
+        raise origin.error((key.name,), f"expected one of {', '.join(map(str, key.choices))}, not {_shown(value)}")
+    return value
+
+
+def _gpus(value: Any, origin: Origin, wrong: Callable[..., RunFileError]) -> int | str | list[str]:
+    """`gpus = 2` (how many), `gpus = ["0", "2"]` (which), or `gpus = "0,2"` / `"all"` as the flag takes it."""
+    if isinstance(value, bool):
+        raise wrong('a number of GPUs (2), device ids (["0", "2"]) or "all"')
+    if isinstance(value, int):
+        if value < 0:
+            raise wrong("a number of GPUs of 0 or more")
+        return value
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, str | int) and not isinstance(v, bool) for v in value):
+        ids = [str(v) for v in value]
+        if len(set(ids)) != len(ids):
+            raise origin.error(("gpus",), "name each device once")
+        return ids
+    raise wrong('a number of GPUs (2), device ids (["0", "2"]) or "all"')
+
+
+# --- the command line: file, --set, flags, command ---------------------------------------------
+
+
+def given_flags(argv: list[str]) -> dict[str, Any]:
+    """The start flags given on this command line, by their attribute, as they were typed
+    (no defaults, no conversion): those override the file. argparse keeps no record of which
+    values are defaults, so the line is parsed again by a parser that has none."""
+    from daemon.cli.parser import _parser
+
+    parser = _parser()
+    start = _subparser(_subparser(parser, "train"), "start")
+    dests = set()
+    for action in start._actions:
+        if action.option_strings and action.dest not in NOT_KEYS:
+            action.default, action.type, action.choices = argparse.SUPPRESS, None, None
+            dests.add(action.dest)
+    args, _ = parser.parse_known_args(argv)
+    return {dest: value for dest, value in vars(args).items() if dest in dests}
+
+
+def with_flags(values: dict[str, Any], flags: dict[str, Any], keys: dict[str, Key]) -> dict[str, Any]:
+    """The flags given over the file's values: a flag replaces a value, adds to a list, and sets
+    one name of env (`--env NAME=VALUE` over the file's NAME)."""
+    out = dict(values)
+    by_dest = {key.dest: key for key in keys.values() if key.dest}
+    for dest, given in flags.items():
+        key = by_dest[dest]
+        if key.kind == ENV:
+            env = dict(out.get(ENV, {}))
+            for pair in given:
+                name, sep, text = pair.partition("=")
+                if not sep or not name:
+                    raise RunFileError(f"--env {pair!r}: expected NAME=VALUE")
+                env[name] = text
+            out[ENV] = env
+        elif key.kind in (NAMES, LIST):
+            out[key.name] = list(dict.fromkeys([*out.get(key.name, []), *given]))
+        elif key.kind == CWD:
+            out[key.name] = str(Path(given).expanduser().resolve())
+        elif key.kind in (GPUS, CHECKPOINT, TYPED) and _INT_RE.match(given.strip()):
+            out[key.name] = int(given)
+        elif key.kind == TYPED and _FLOAT_RE.match(given.strip()):
+            out[key.name] = float(given)
+        else:
+            out[key.name] = given
+    return out
+
+
+def command_of(values: dict[str, Any]) -> list[str]:
+    """The job's command a run file says: `command`, or `python SCRIPT`, then `args`."""
+    head = values.get(COMMAND) or (["python", values[SCRIPT]] if values.get(SCRIPT) else [])
+    return [*head, *values.get(ARGS, [])] if head else []
+
+
+def resolve(args: argparse.Namespace, argv: list[str], command: list[str]) -> dict[str, Any]:
+    """`obd train start` with a run file (`-f`), `--set`s or `--dry-run`: the run it starts, as
+    a run file's values (the file, then each --set, the flags, the command after --), also put
+    into `args` for the start to send as for flags alone."""
+    keys = schema()
+    sets = list(args.set or [])
+    if args.file:
+        values = load(args.file, sets)
+    else:
+        origin = Origin("--set", Path.cwd())
+        raw: dict[str, Any] = {}
+        apply_sets(raw, sets, origin)
+        values = check(raw, origin, keys)
+    values = with_flags(values, given_flags(argv), keys)
+    if command:
+        values = {k: v for k, v in values.items() if k not in (COMMAND, SCRIPT, ARGS)}
+        values = {COMMAND: command, **values}
+    if not command_of(values):
+        where = f"{args.file} has no command" if args.file else "no command"
+        raise RunFileError(f'{where}: add command = [...] or script = "..." to the file, or give it after --')
+    values = {name: values[name] for name in keys if name in values}  # the schema's order
+    for name, value in values.items():
+        key = keys[name]
+        if key.dest is not None:
+            setattr(args, key.dest, to_argument(key, value))
+    args.command = []
+    return values
+
+
+def resolve_start(args: argparse.Namespace, argv: list[str], command: list[str]) -> tuple[list[str], str | None]:
+    """For `obd train start`: the job's command, and with `--dry-run` the text to print instead
+    of starting (the resolved run as a run file, or JSON with --json)."""
+    values = resolve(args, argv, command)
+    if not args.dry_run:
+        return command_of(values), None
+    # As it goes to the daemon: the command in full, and the target even when it is the default.
+    shown = {COMMAND: command_of(values), "target": args.target}
+    values = {**shown, **{k: v for k, v in values.items() if k not in (COMMAND, SCRIPT, ARGS)}}
+    missing = [name for name in values.get("secrets", []) if name not in os.environ]
+    if missing:
+        raise RunFileError(f"secrets: ${missing[0]} is not set in this environment (a start would need it)")
+    if args.json:
+        return command_of(values), as_json(values) + "\n"
+    note = "the run `obd train start` would start (--dry-run: nothing was started); a run file as it is"
+    return command_of(values), dumps(values, [note])
+
+
+def to_argument(key: Key, value: Any) -> Any:
+    """A run file's value as the start parser would have made it from the flag."""
+    if key.kind == ENV:
+        return [f"{name}={text}" for name, text in value.items()]
+    if key.kind == GPUS:
+        return gpus_text(value)
+    if key.kind == TYPED:
+        return key.convert(str(value)) if key.convert else value
+    if key.kind == LIST and key.convert is not None:
+        return [key.convert(word) for word in value]
+    if key.kind == CHECKPOINT:
+        return str(value)
+    return value
+
+
+def gpus_text(value: int | str | list[str]) -> str:
+    """`--gpus` as the daemon reads it: `2`, `0,2`, and one device as `1,` (not one GPU's count)."""
+    if isinstance(value, list):
+        return ",".join(value) + ("," if len(value) == 1 else "")
+    return str(value)
+
+
+# --- printing a run file ---------------------------------------------------------------------
+
+
+def dumps(values: dict[str, Any], comments: Iterable[str] = (), trailer: Iterable[str] = ()) -> str:
+    """Values as a run file: comment lines, the keys in order, `env` as a table at the end, then
+    the trailer's comment lines (the names of env values that are not known)."""
+    lines = [f"# {_comment(text)}" for text in comments]
+    env = values.get(ENV)
+    for name, value in values.items():
+        if name != ENV:
+            lines.append(f"{_key(name)} = {_value(value)}")
+    if env:
+        lines += ["", "[env]", *(f"{_key(name)} = {_value(text)}" for name, text in env.items())]
+    lines += [f"# {_comment(text)}" if text else "" for text in trailer]
+    return "\n".join(lines) + "\n"
+
+
+def _comment(text: str) -> str:
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _key(name: str) -> str:
+    return name if _BARE_KEY.match(name) else _string(name)
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return _string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML for {type(value).__name__}")
+
+
+def _string(text: str) -> str:
+    r"""A TOML basic string: JSON's escapes are TOML's, and every character a terminal would act
+    on (controls, DEL, line separators, bidirectional overrides) is written as \uXXXX."""
+    out = []
+    for char in json.dumps(text, ensure_ascii=False)[1:-1]:
+        category = unicodedata.category(char)
+        if category == "Cs":
+            out.append("\ufffd")  # a lone surrogate: no TOML string can hold it
+        elif category in ("Cc", "Zl", "Zp", "Cf"):
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+# --- a run's record as a run file ----------------------------------------------------------------
+
+# Keys read from a record field of another name, or shaped otherwise; any other key is read
+# from the record's field of its own name, when the record has one (an option added later).
+_FROM_RECORD = {
+    "command",
+    "target",
+    "name",
+    "cwd",
+    "secrets",
+    "env",
+    "gpus",
+    "priority",
+    "preemptible",
+    "retry",
+    "profile",
+    "snapshot_on_sigterm",
+    "env_clear",
+    "output_to",
+    "resume_from",
+    "checkpoint",
+}
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def from_record(record: dict[str, Any], keys: dict[str, Key] | None = None) -> dict[str, Any]:
+    """The run file that starts a run like this one again: its command and every option it was
+    started with, as the record keeps them (env's names only: no value is in a record)."""
+    keys = schema() if keys is None else keys
+    values: dict[str, Any] = {COMMAND: list(record.get("command") or []), "target": record.get("target", "local")}
+    for name in ("name", "cwd", "output_to"):
+        if record.get(name):
+            values[name] = record[name]
+    if record.get("secret_names"):
+        values["secrets"] = list(record["secret_names"])
+    if record.get("env_clear"):
+        values["env_clear"] = True
+    wanted = record.get("gpus_wanted")
+    if wanted is not None:
+        values["gpus"] = list(wanted) if isinstance(wanted, list) else wanted
+    if record.get("priority"):
+        values["priority"] = record["priority"]
+    if record.get("preemptible") is not None:
+        values["preemptible"] = record["preemptible"]
+    values["retry"] = record.get("retries", 0)
+    for name in ("profile", "snapshot_on_sigterm"):
+        if record.get(name):
+            values[name] = True
+    if record.get("resumed_from"):
+        values["resume_from"] = record["resumed_from"]
+        point = str(record.get("resume_checkpoint") or "")
+        named = _CHECKPOINT_NAME.match(point)
+        if named:
+            values["checkpoint"] = int(named.group(1))
+        elif point:
+            values["checkpoint"] = point
+    for name, key in keys.items():
+        if name not in _FROM_RECORD and key.kind not in (SCRIPT, ARGS):
+            value = _RECORD_FORMS[name](record) if name in _RECORD_FORMS else _field(record, name)
+            if value is not None:
+                values[name] = value
+    return {name: values[name] for name in keys if name in values}
+
+
+def _field(record: dict[str, Any], name: str) -> Any:
+    """A key's value in a record field of its name, at the top or in one of its parts (an option
+    added later may keep its value in a part, as `limits`); None when unset or not a plain value."""
+    for where in (record, *(v for v in record.values() if isinstance(v, dict))):
+        value = where.get(name)
+        plain = isinstance(value, str | int | float) or (
+            isinstance(value, list) and all(isinstance(v, str | int | float) for v in value)
+        )
+        if plain and value not in (False, [], ""):
+            return value
+    return None
+
+
+def _deadline(record: dict[str, Any]) -> str | None:
+    """`--deadline` takes a date and time, and a record keeps unix time: the local time, to the second."""
+    value = _field(record, "deadline")
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    from datetime import datetime
+
+    return datetime.fromtimestamp(value).isoformat(timespec="seconds")
+
+
+def _after(record: dict[str, Any]) -> list[str] | None:
+    """`--after RUN[:STATE,...]` from the record's dependencies, each by the run it was resolved to."""
+    found = record.get("after")
+    if not isinstance(found, list) or not found:
+        return None
+    words = []
+    for dep in found:
+        if isinstance(dep, dict) and dep.get("run"):
+            states = dep.get("states") or []
+            words.append(f"{dep['run']}:{','.join(states)}" if states else str(dep["run"]))
+        elif isinstance(dep, str):
+            words.append(dep)
+    return words or None
+
+
+# Keys whose record keeps them otherwise than their flag takes them.
+_RECORD_FORMS: dict[str, Callable[[dict[str, Any]], Any]] = {"deadline": _deadline, "after": _after}
+
+
+def record_as_file(record: dict[str, Any]) -> str:
+    """`obd train status RUN --as-file`: the run's start as a run file, with a comment naming the
+    env values it needs again (a record has their names only)."""
+    name = f" ({record['name']})" if record.get("name") else ""
+    comments = [
+        f"run {record.get('id')}{name}, as a run file: `obd train start -f FILE` starts one like it ({DOC})",
+    ]
+    env_names = list(record.get("env_names") or [])
+    trailer: list[str] = []
+    if env_names:
+        comments.append(ENV_NOTE)
+        trailer = ["", "[env]", *(f'{n} = "..."' for n in env_names)]
+    return dumps(from_record(record), comments, trailer)
+
+
+def as_file_text(record: dict[str, Any], as_json_too: bool = False) -> str:
+    """`status --as-file`: the run file, or with `--json` its values as JSON (no env note there:
+    `env` is absent, and `env_names` of the record says which it had)."""
+    if not isinstance(record.get("command"), list):
+        raise RunFileError(f"{record.get('id')} is not one run (a sweep?): --as-file prints the start of one run")
+    if as_json_too:
+        return as_json(from_record(record)) + "\n"
+    return record_as_file(record)
+
+
+def as_json(values: dict[str, Any]) -> str:
+    return json.dumps(values, indent=1)

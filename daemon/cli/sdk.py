@@ -1,0 +1,757 @@
+"""The Python API (`from obd import Client`): what the `obd` command does, from a program.
+
+    from obd import Client
+
+    with Client() as obd:
+        run = obd.start(["python", "train.py", "--lr", "2e-4"], name="sft", gpus=2)
+        run.wait("running")
+        run.stop(wait=True)           # a snapshot at the end of the step, then stopped
+        again = run.resume()
+        for line in again.logs(follow=True):
+            print(line)
+
+Same socket protocol as the command, same options (`start`'s keywords are the run file's keys,
+docs/run-file.md, checked by the same code), same errors: each exception carries the exit code
+`obd` gives for it (`exit_code`). `AsyncClient` (daemon/cli/aio.py) is the same API for async
+code, over the same socket.
+
+Results are small frozen dataclasses (`RunStatus`, `Progress`, `Snapshot`, `Outputs`) made from
+the record the daemon sends, which each keeps whole as `.record` for the fields they do not name:
+the client may not import pydantic (the service's models, daemon/models.py), and a dataclass of
+the standard library costs nothing at import.
+
+What the sync and the async clients do is written once, here, as generators that yield the
+requests they need (`_Call`), the pauses (`_Sleep`) and, for logs, the lines (`_Emit`); each
+client runs them with its own socket and its own sleep. Standard library only.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from daemon.cli import client as wire_client
+from daemon.cli.common import (
+    EXIT_BUSY,
+    EXIT_CANCELLED,
+    EXIT_DENIED,
+    EXIT_ERROR,
+    EXIT_NO_SNAPSHOT,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    LOCAL_TARGET,
+    RECONNECT_FOR,
+    STATE_EXIT,
+)
+from daemon.wire import FINAL, MAX_OFFSET, READ_LIMIT, STATES
+
+T = TypeVar("T")
+
+# --- errors: the exit codes of `obd` as attributes ----------------------------------------------
+
+
+class ObdError(Exception):
+    """Anything obd reports; `exit_code` is what `obd` would exit with, `kind` the daemon's word."""
+
+    exit_code: int = EXIT_ERROR
+
+    def __init__(self, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class DaemonUnreachable(ObdError, wire_client.DaemonUnreachable):
+    """No daemon answers at the socket (or it may not be opened); the message says how to start one."""
+
+    exit_code = EXIT_UNREACHABLE
+
+
+class DaemonBusy(ObdError, wire_client.DaemonBusy):
+    """The daemon turned this caller away (too many connections); retrying in a moment may work."""
+
+    exit_code = EXIT_BUSY
+
+
+class RequestFailed(ObdError, wire_client.RequestFailed):
+    """The daemon refused or failed a request (`kind`: state, unavailable, error...)."""
+
+
+class BadRequest(RequestFailed):
+    """Bad usage: an unknown or wrong option, a run file that is not valid, a request too large."""
+
+    exit_code = EXIT_USAGE
+
+
+class Denied(RequestFailed):
+    """The run is another user's, or the caller may not do this."""
+
+    exit_code = EXIT_DENIED
+
+
+class NotFound(RequestFailed):
+    """No run by that id, prefix or name."""
+
+
+class RunError(ObdError):
+    """The run ended otherwise than asked: `status` is how it ended, `exit_code` the code `obd`
+    gives it (a stop --wait with no snapshot: 3 or 4; failed: 6; stopped: 5)."""
+
+    def __init__(self, message: str, status: RunStatus, exit_code: int) -> None:
+        super().__init__(message, "run")
+        self.status = status
+        self.exit_code = exit_code
+
+
+class WaitTimeout(ObdError, TimeoutError):
+    """A wait's `timeout` passed before the run reached a state it waited for; `status` is its last."""
+
+    def __init__(self, message: str, status: RunStatus) -> None:
+        super().__init__(message, "timeout")
+        self.status = status
+
+
+_BY_KIND: dict[str, type[RequestFailed]] = {
+    "usage": BadRequest,
+    "too_large": BadRequest,
+    "denied": Denied,
+    "not_found": NotFound,
+}
+
+
+def error_for(message: str, kind: str) -> ObdError:
+    """The exception of a daemon's answer that failed."""
+    if kind == "busy":
+        return DaemonBusy(message, kind)
+    return _BY_KIND.get(kind, RequestFailed)(message, kind)
+
+
+def translated(exc: Exception) -> Exception:
+    """The API's exception for one of the command's client (daemon/cli/client.py)."""
+    if isinstance(exc, ObdError):
+        return exc
+    if isinstance(exc, wire_client.DaemonUnreachable):
+        return DaemonUnreachable(str(exc), "unreachable")
+    if isinstance(exc, wire_client.DaemonBusy):
+        return DaemonBusy(str(exc), "busy")
+    if isinstance(exc, wire_client.RequestFailed):
+        return error_for(str(exc), exc.kind)
+    return exc
+
+
+# --- results ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a run is, from its metrics.jsonl."""
+
+    step: int | None = None
+    max_steps: int | None = None
+    loss: float | None = None
+    eta_seconds: float | None = None
+    last_checkpoint: str | None = None
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any] | None) -> Progress:
+        data = data or {}
+        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A verified snapshot: the checkpoint (relative to the run directory), its step, why."""
+
+    checkpoint: str
+    step: int
+    reason: str = "requested"
+    time: float | None = None
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any] | None) -> Snapshot | None:
+        if not data:
+            return None
+        return cls(data["checkpoint"], data["step"], data.get("reason", "requested"), data.get("time"))
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A run as the daemon answered for it: the fields most use, and the whole record (`record`:
+    history, stop, limits..., docs/contract.md). Entries of `Client.runs` come from the list,
+    which carries fewer fields (no remote_dir, no exit_code): those are None there."""
+
+    id: str
+    state: str
+    name: str | None = None
+    target: str = LOCAL_TARGET
+    message: str = ""
+    owner: str | None = None
+    created: float | None = None
+    progress: Progress = field(default_factory=Progress)
+    snapshot: Snapshot | None = None
+    resumed_from: str | None = None
+    exit_code: int | None = None
+    remote_dir: str | None = None
+    gpus: tuple[str, ...] = ()
+    record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, record: Mapping[str, Any]) -> RunStatus:
+        return cls(
+            id=record["id"],
+            state=record["state"],
+            name=record.get("name"),
+            target=record.get("target") or LOCAL_TARGET,
+            message=record.get("message") or "",
+            owner=record.get("owner"),
+            created=record.get("created"),
+            progress=Progress.of(record.get("progress")),
+            snapshot=Snapshot.of(record.get("snapshot")),
+            resumed_from=record.get("resumed_from"),
+            exit_code=record.get("exit_code"),
+            remote_dir=record.get("remote_dir") or None,
+            gpus=tuple(record.get("gpus") or ()),
+            record=record,
+        )
+
+    @property
+    def final(self) -> bool:
+        """Whether the run has ended (stopped, succeeded, failed or cancelled)."""
+        return self.state in FINAL
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What `Run.outputs` copied: from where, to where, how many files and bytes; the symbolic
+    links it left out (never followed)."""
+
+    id: str
+    source: Path
+    to: Path
+    files: int
+    bytes: int
+    skipped_links: tuple[str, ...] = ()
+
+
+# --- what the clients do, as steps ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A request; `patient` ones wait out a daemon restart (up to RECONNECT_FOR) and a target
+    that does not answer, as the command's waits do."""
+
+    op: str
+    params: dict[str, Any]
+    patient: bool = False
+
+
+@dataclass(frozen=True)
+class _Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Emit:
+    value: Any
+
+
+Step = _Call | _Sleep | _Emit
+Steps = Generator[Step, Any, T]
+
+
+def patience(error: Exception, lost_since: float | None, now: float) -> bool:
+    """Whether a patient call goes on after `error`: a daemon that went away (a restart) for up to
+    RECONNECT_FOR, a target that does not answer for as long as it takes."""
+    if isinstance(error, DaemonUnreachable | DaemonBusy):
+        return lost_since is None or now - lost_since <= RECONNECT_FOR
+    return isinstance(error, RequestFailed) and error.kind == "unavailable"
+
+
+def wanted_states(states: str | Iterable[str] | None) -> frozenset[str]:
+    """The states a wait waits for: one name, several, or (None) any final state."""
+    if states is None:
+        return FINAL
+    chosen = frozenset([states] if isinstance(states, str) else states)
+    unknown = sorted(chosen - set(STATES))
+    if unknown or not chosen:
+        raise BadRequest(f"wait(states=...): {', '.join(unknown) or 'none given'}: the states are {', '.join(STATES)}")
+    return chosen
+
+
+def ended_text(record: Mapping[str, Any]) -> str:
+    return f"run {record['id']} ended {record['state']}: {record.get('message') or 'no message'}"
+
+
+def wait_steps(run_id: str, states: str | Iterable[str] | None, timeout: float | None) -> Steps[RunStatus]:
+    """Until the run is in one of `states` (a RunError if it ends otherwise, a WaitTimeout after
+    `timeout` seconds). Final states are awaited with the daemon's `wait` long poll; others
+    (queued, running...) with its `watch` of the caller's runs."""
+    wanted = wanted_states(states)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    version = None
+    if not wanted <= FINAL:
+        version = (yield _Call("watch", {"since": MAX_OFFSET, "timeout": 0}, patient=True))["version"]
+    record = yield _Call("wait", {"id": run_id, "timeout": 0}, patient=True)
+    while True:
+        if record["state"] in wanted:
+            return RunStatus.of(record)
+        if record["state"] in FINAL:
+            status = RunStatus.of(record)
+            raise RunError(
+                f"{ended_text(record)} (waited for {', '.join(sorted(wanted))})",
+                status,
+                STATE_EXIT.get(status.state) or EXIT_ERROR,
+            )
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise WaitTimeout(
+                f"run {record['id']} is still {record['state']} after {timeout:g} s "
+                f"(waited for {', '.join(sorted(wanted))})",
+                RunStatus.of(record),
+            )
+        span = 20.0 if left is None else min(20.0, left)
+        if version is None:
+            record = yield _Call("wait", {"id": run_id, "timeout": span}, patient=True)
+            continue
+        # A restarted daemon counts its versions from 0 again: a short watch notices soon.
+        answer = yield _Call("watch", {"since": version, "timeout": min(span, 5.0)}, patient=True)
+        version = answer["version"]
+        record = yield _Call("wait", {"id": run_id, "timeout": 0}, patient=True)
+
+
+def stop_steps(run_id: str, reason: str, wait: bool, timeout: float | None) -> Steps[RunStatus]:
+    """`obd train stop RUN [--wait]`, recorded as asked through the API. With `wait`, the run once
+    it ended; a RunError (exit code 3 or 4) unless it stopped with a snapshot."""
+    record = yield _Call("stop", {"id": run_id, "reason": reason, "via": "api"})
+    if not wait:
+        return RunStatus.of(record)
+    final = yield from wait_steps(record["id"], None, timeout)
+    if final.state == "stopped" and final.snapshot is not None:
+        return final
+    code = EXIT_CANCELLED if final.state == "cancelled" else EXIT_NO_SNAPSHOT
+    raise RunError(f"{ended_text(final.record)} (no snapshot)", final, code)
+
+
+def cancel_steps(run_id: str, wait: bool, timeout: float | None) -> Steps[RunStatus]:
+    """`obd train cancel RUN [--wait]`: with `wait`, the run once it ended; a RunError where the
+    command exits non-zero (it ended failed or stopped before the cancel reached it)."""
+    record = yield _Call("cancel", {"id": run_id})
+    if not wait:
+        return RunStatus.of(record)
+    final = yield from wait_steps(record["id"], None, timeout)
+    code = STATE_EXIT.get(final.state, EXIT_ERROR)
+    if final.state != "cancelled" and code != 0:
+        raise RunError(f"{ended_text(final.record)} before the cancel", final, code)
+    return final
+
+
+def on_this_machine_steps(target: str) -> Steps[bool]:
+    """Whether a target is the daemon's own machine (whose jobs start from the caller's environment)."""
+    if target == LOCAL_TARGET:
+        return True
+    targets = yield _Call("targets", {})
+    return any(t.get("name") == target and t.get("this_machine") for t in targets)
+
+
+def start_steps(
+    command: Sequence[str] | str | None, file: str | os.PathLike[str] | None, options: Mapping[str, Any]
+) -> Steps[dict[str, Any]]:
+    """`obd train start`: the run file (if any), the options over it as flags are, the command
+    over both; the request made as the command makes it. The new run's record."""
+    from daemon.cli import runfile
+
+    keys = runfile.schema()
+    origin = runfile.Origin("start()", Path.cwd())
+    try:
+        values = runfile.load(file) if file is not None else {}
+        given = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in options.items()}
+        if command is not None:
+            given = {**given, runfile.COMMAND: command}
+        values = merged(values, runfile.check(given, origin, keys, whole=False), keys)
+        runfile.check_command_keys(values, origin)
+    except runfile.RunFileError as exc:
+        raise BadRequest(str(exc), "usage") from None
+    words = runfile.command_of(values)
+    if not words:
+        raise BadRequest("start(): no command: give one (a list of words or a string), or a run file with one")
+    params: dict[str, Any] = {"command": words, "client_cwd": os.getcwd(), "umask": _umask()}
+    for name, value in values.items():
+        key = keys[name]
+        if key.dest is None:
+            continue
+        if key.kind == runfile.ENV:
+            params["env"] = dict(value)
+        elif key.kind == runfile.NAMES:
+            params["secrets"] = secret_values(value)
+        else:
+            params[key.dest] = runfile.to_argument(key, value)
+    target = params.get("target", LOCAL_TARGET)
+    env_clear = bool(params.get("env_clear"))
+    here = False if env_clear else (yield from on_this_machine_steps(target))
+    params["environ"] = dict(os.environ) if here else None
+    record: dict[str, Any] = yield _Call("start", params)
+    return record
+
+
+_COMMAND_KEYS = ("command", "script", "args")
+
+
+def merged(values: dict[str, Any], over: dict[str, Any], keys: Mapping[str, Any]) -> dict[str, Any]:
+    """Options over a run file's values, as flags go over it: a value replaced, a list added to,
+    env set name by name."""
+    from daemon.cli import runfile
+
+    out = dict(values)
+    if runfile.COMMAND in over or runfile.SCRIPT in over:  # a command replaces the file's, args included
+        out = {k: v for k, v in out.items() if k not in _COMMAND_KEYS}
+    for name, value in over.items():
+        kind = keys[name].kind
+        if kind == runfile.ENV:
+            out[name] = {**out.get(name, {}), **value}
+        elif kind in (runfile.NAMES, runfile.LIST):
+            out[name] = list(dict.fromkeys([*out.get(name, []), *value]))
+        else:
+            out[name] = value
+    return out
+
+
+def secret_values(names: Iterable[str]) -> dict[str, str]:
+    """`--secret NAME`s: each value from this process's environment, never written anywhere."""
+    missing = [name for name in names if name not in os.environ]
+    if missing:
+        raise BadRequest(f"secrets: ${missing[0]} is not set in this process's environment", "usage")
+    return {name: os.environ[name] for name in names}
+
+
+def _umask() -> int:
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def resume_steps(
+    run_id: str,
+    checkpoint: str | int | None,
+    command: Sequence[str] | None,
+    env: Mapping[str, str] | None,
+    secrets: Iterable[str],
+    env_clear: bool,
+    retry: int | None,
+) -> Steps[dict[str, Any]]:
+    """`obd train resume RUN`: a new run like RUN from its snapshot (or `checkpoint`), with this
+    process's environment, env and secrets (RUN's values are not kept). The new run's record."""
+    source = yield _Call("wait", {"id": run_id, "timeout": 0})
+    here = False if env_clear else (yield from on_this_machine_steps(source.get("target", LOCAL_TARGET)))
+    params = {
+        "id": run_id,
+        "checkpoint": None if checkpoint is None else str(checkpoint),
+        "command": list(command) if command else None,
+        "env": dict(env) if env else None,
+        "secrets": secret_values(secrets),
+        "environ": dict(os.environ) if here else None,
+        "env_clear": env_clear,
+        "umask": _umask(),
+        "retry": retry,
+    }
+    record: dict[str, Any] = yield _Call("resume", params)
+    return record
+
+
+def logs_steps(run_id: str, follow: bool, tail: int | None) -> Steps[None]:
+    """The lines of the run's job.log (each without its newline); with `follow`, until the run
+    ended and its last line was read, as `obd train logs --follow`."""
+    first = {"tail_lines": tail} if tail is not None else {}
+    reply = yield _Call("read", {"id": run_id, "offset": 0, "limit": READ_LIMIT, **first}, patient=True)
+    pending = b""
+    while True:
+        data = base64.b64decode(reply.get("data", ""))
+        if data:
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                yield _Emit(line.decode("utf-8", "replace"))
+        offset = reply.get("next", reply.get("offset", 0))
+        if not follow:
+            if len(data) < READ_LIMIT:
+                break
+        elif not data:
+            if reply.get("state") in FINAL:
+                # One more read: the job may have written its last lines before it ended.
+                reply = yield _Call("read", {"id": run_id, "offset": offset, "limit": READ_LIMIT}, patient=True)
+                if not reply.get("data"):
+                    break
+                continue
+            yield _Sleep(0.25)
+        reply = yield _Call("read", {"id": run_id, "offset": offset, "limit": READ_LIMIT}, patient=True)
+    if pending:
+        yield _Emit(pending.decode("utf-8", "replace"))
+
+
+def list_params(
+    all: bool,
+    states: str | Iterable[str] | None,
+    target: str | None,
+    name: str | None,
+    since: float | str | None,
+    limit: int | None,
+) -> dict[str, Any]:
+    """`obd train list`'s filters as the request takes them (`since`: unix time, or 2h, 3d, a date)."""
+    params: dict[str, Any] = {"all": all}
+    if states is not None:
+        params["states"] = sorted(wanted_states(states))
+    if isinstance(since, str):
+        import argparse
+
+        from daemon.cli.parser import since_time
+
+        try:
+            since = since_time(since)
+        except argparse.ArgumentTypeError as exc:
+            raise BadRequest(f"runs(since=...): {exc}") from None
+    for key, value in (("target", target), ("name", name), ("since", since), ("limit", limit)):
+        if value is not None:
+            params[key] = value
+    return params
+
+
+def copy_outputs(reply: Mapping[str, Any], to: str | os.PathLike[str] | None, which: str | int | None) -> Outputs:
+    """`obd train outputs`: the run's output/ (or one checkpoint of it) copied into `to` (new or
+    empty; default ./<name or id>), hard links where the filesystem allows. Root copying another
+    user's run copies as that user, in a child process, as the command does."""
+    owner = reply.get("owner_uid")
+    if os.geteuid() == 0 and isinstance(owner, int) and owner != 0:
+        return _as_owner(owner, lambda: _copy(reply, to, which))
+    return _copy(reply, to, which)
+
+
+def _copy(reply: Mapping[str, Any], to: str | os.PathLike[str] | None, which: str | int | None) -> Outputs:
+    from daemon.cli.outputs import OutputsError, copy_tree, pick_source
+
+    try:
+        src, leave_out = pick_source(dict(reply), None if which is None else str(which))
+        if not src.is_dir():
+            raise OutputsError(f"run {reply['id']} has no outputs yet ({reply['state']}); nothing in {src}")
+        dest = Path(to if to is not None else (reply.get("name") or reply["id"])).resolve()
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise OutputsError(f"{dest} exists and is not empty: choose a new directory with to=")
+        dest.mkdir(parents=True, exist_ok=True)
+        files, size, skipped = copy_tree(src, dest, leave_out)
+    except (OutputsError, PermissionError) as exc:
+        raise RequestFailed(f"cannot copy the outputs of run {reply['id']}: {exc}", "outputs") from None
+    return Outputs(str(reply["id"]), src, dest, files, size, tuple(skipped))
+
+
+def _as_owner(uid: int, copy: Callable[[], Outputs]) -> Outputs:
+    """`copy` in a child that is the run's owner for good; its result back through a pipe."""
+    import pwd
+
+    try:
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        raise RequestFailed(f"the run's owner (uid {uid}) has no account here; copy its files by hand") from None
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            os.initgroups(pw.pw_name, pw.pw_gid)
+            os.setresgid(pw.pw_gid, pw.pw_gid, pw.pw_gid)
+            os.setresuid(uid, uid, uid)
+            answer: dict[str, Any]
+            try:
+                done = copy()
+                answer = {"ok": {**dataclasses.asdict(done), "source": str(done.source), "to": str(done.to)}}
+            except ObdError as exc:
+                answer = {"error": str(exc)}
+            os.write(write_end, json.dumps(answer).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    answer = json.loads(data or b'{"error": "the copy as the run\'s owner ended with no answer"}')
+    if "error" in answer:
+        raise RequestFailed(f"{answer['error']} (root copies a run of {pw.pw_name}'s as {pw.pw_name})", "outputs")
+    done = answer["ok"]
+    return Outputs(
+        done["id"], Path(done["source"]), Path(done["to"]), done["files"], done["bytes"], tuple(done["skipped_links"])
+    )
+
+
+# --- the sync client ------------------------------------------------------------------------------
+
+
+def default_socket(socket: str | os.PathLike[str] | None) -> Path:
+    """The socket as the command finds it: this one, else OBD_SOCKET, the config's, the default."""
+    from daemon.paths import client_socket
+
+    return client_socket(os.fspath(socket) if socket is not None else None)
+
+
+class Client:
+    """A connection to the obd daemon (one socket, kept between calls; not for several threads at once).
+
+    `socket`: the daemon's control socket; by default found as `obd` finds it (OBD_SOCKET, the
+    config's `socket`, STATE_DIR/obd.sock). Usable as a context manager, which closes it.
+    """
+
+    def __init__(self, socket: str | os.PathLike[str] | None = None, timeout: float = 120.0) -> None:
+        self.socket = default_socket(socket)
+        self._wire = wire_client.Client(self.socket, timeout=timeout)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._wire.close()
+
+    # --- the steps, run here
+
+    def _call(self, call: _Call) -> Any:
+        lost_since: float | None = None
+        while True:
+            try:
+                return self._wire.call(call.op, **call.params)
+            except (wire_client.DaemonUnreachable, wire_client.DaemonBusy, wire_client.RequestFailed) as exc:
+                error = translated(exc)
+                now = time.monotonic()
+                if not call.patient or not patience(error, lost_since, now):
+                    raise error from None
+                if isinstance(error, DaemonUnreachable | DaemonBusy):
+                    lost_since = lost_since or now
+            time.sleep(0.5)
+
+    def _run(self, steps: Steps[T]) -> T:
+        try:
+            step = next(steps)
+            while True:
+                step = steps.send(self._do(step))
+        except StopIteration as done:
+            return done.value
+
+    def _iterate(self, steps: Steps[None]) -> Iterator[Any]:
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, _Emit):
+                    yield step.value
+                    step = next(steps)
+                else:
+                    step = steps.send(self._do(step))
+        except StopIteration:
+            return
+        finally:
+            steps.close()
+
+    def _do(self, step: Step) -> Any:
+        if isinstance(step, _Call):
+            return self._call(step)
+        if isinstance(step, _Sleep):
+            time.sleep(step.seconds)
+            return None
+        raise TypeError(f"a step no client runs here: {step!r}")
+
+    # --- the API
+
+    def start(
+        self,
+        command: Sequence[str] | str | None = None,
+        *,
+        file: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> Run:
+        """Start a run of `command` (a list of words, or a string split as a shell would); the
+        options are the run file's keys (docs/run-file.md: target, name, cwd, env, secrets, gpus,
+        priority, preemptible, retry, profile, output_to, resume_from, checkpoint...). With
+        `file`, a run file's, which the options and the command override."""
+        return Run(self, self._run(start_steps(command, file, options)))
+
+    def run(self, ref: str) -> Run:
+        """The run `ref` names now: an id, a unique prefix of one, a name (its newest run), or `last`."""
+        return Run(self, self._call(_Call("wait", {"id": ref, "timeout": 0})))
+
+    def runs(
+        self,
+        all: bool = False,
+        states: str | Iterable[str] | None = None,
+        target: str | None = None,
+        name: str | None = None,
+        since: float | str | None = None,
+        limit: int | None = None,
+    ) -> list[RunStatus]:
+        """`obd train list`: by default your active runs and the 10 most recent that ended."""
+        return [
+            RunStatus.of(r) for r in self._call(_Call("list", list_params(all, states, target, name, since, limit)))
+        ]
+
+    def targets(self) -> list[dict[str, Any]]:
+        """The daemon's targets, with their GPUs and what holds each (`obd targets list --json`)."""
+        found: list[dict[str, Any]] = self._call(_Call("targets", {}))
+        return found
+
+
+class Run:
+    """One run, by its id; each method asks the daemon (nothing is cached but the id)."""
+
+    def __init__(self, client: Client, record: Mapping[str, Any]) -> None:
+        self.client = client
+        self.id: str = record["id"]
+        self.name: str | None = record.get("name")
+
+    def __repr__(self) -> str:
+        return f"Run({self.id!r})"
+
+    def status(self) -> RunStatus:
+        """`obd train status`: its state, progress, snapshot..."""
+        return RunStatus.of(self.client._call(_Call("status", {"id": self.id})))
+
+    def wait(self, states: str | Iterable[str] | None = None, timeout: float | None = None) -> RunStatus:
+        """Until it is in one of `states` (default: any final state). A RunError when it ends in
+        another (its exit_code that state's), a WaitTimeout after `timeout` seconds."""
+        return self.client._run(wait_steps(self.id, states, timeout))
+
+    def stop(self, wait: bool = False, reason: str = "requested", timeout: float | None = None) -> RunStatus:
+        """Ask for a snapshot at the end of its step, then stop (recorded as asked through the API).
+        With `wait`: once it ended; a RunError (3 or 4) unless it stopped with a snapshot."""
+        return self.client._run(stop_steps(self.id, reason, wait, timeout))
+
+    def cancel(self, wait: bool = False, timeout: float | None = None) -> RunStatus:
+        """End it now: TERM to its processes, KILL after the grace; a queued run leaves the queue."""
+        return self.client._run(cancel_steps(self.id, wait, timeout))
+
+    def resume(
+        self,
+        checkpoint: str | int | None = None,
+        command: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        secrets: Iterable[str] = (),
+        env_clear: bool = False,
+        retry: int | None = None,
+    ) -> Run:
+        """A new run like this one from its snapshot (or `checkpoint`: latest, a step, a path)."""
+        return Run(
+            self.client, self.client._run(resume_steps(self.id, checkpoint, command, env, secrets, env_clear, retry))
+        )
+
+    def logs(self, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        """Its job.log's lines, each without its newline; `follow`: until it ended; `tail`: from the last N."""
+        return self.client._iterate(logs_steps(self.id, follow, tail))
+
+    def metrics(self) -> dict[str, Any] | None:
+        """Its RunMetrics (docs/contract.md) as a dict, once a profiled run ended; else None."""
+        found: dict[str, Any] | None = self.client._call(_Call("metrics", {"id": self.id})).get("metrics")
+        return found
+
+    def outputs(self, to: str | os.PathLike[str] | None = None, checkpoint: str | int | None = None) -> Outputs:
+        """Copy its output/ (or a checkpoint: latest, a step, final) into `to`, a new or empty directory."""
+        return copy_outputs(self.client._call(_Call("outputs", {"id": self.id})), to, checkpoint)

@@ -1,0 +1,484 @@
+"""Sweeps: `obd train sweep [start options] --grid NAME=V1,V2 ... -- COMMAND ... {NAME} ...`
+(docs/dependencies-and-sweeps.md).
+
+A sweep is one run per combination of its grid, each with its values put in its command where
+`{NAME}` is and in its environment as `OBD_SWEEP_<NAME>`, named `<sweep>-<n>` and tagged with
+the sweep's id (`RunRecord.sweep`). The daemon makes them all in one request, every member
+`queued`, and none leaves the queue before the last is saved: a start refused for one member
+(a bad option: the first) refuses the sweep, a failure after some were made cancels those, and
+a daemon killed in the middle leaves members that the queue cancels when it starts again
+(`gate`: a member made by an earlier daemon whose sweep has fewer members than its size). They
+then go through the normal queue, so with GPUs by config they run in GPU-sized batches.
+
+`obd train status SWEEP` and `obd train list --sweep SWEEP` show the members as a table (state,
+step, loss, the lowest loss logged, from metrics.jsonl); `stop`, `cancel` and `resume` given a
+sweep's id or name act on every member (`Sweeps`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import secrets as pysecrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+import structlog
+
+from daemon.after import Verdict
+from daemon.api import ApiError, GridAxis, Peer, ResumeRequest, StartRequest, SweepRequest
+from daemon.checkpoints import latest_attempt
+from daemon.models import RunRecord, RunState, SweepTag
+from daemon.ports import Runs
+from daemon.targets import Targets
+from executors.base import ExecutorError
+from trainer_plugin import rundir
+
+log = structlog.get_logger("obd.sweeps")
+
+MAX_MEMBERS = 1000
+GRID_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+# The message of a member that `obd train stop SWEEP` took out of the queue before it started:
+# `obd train resume SWEEP` starts those again from the beginning.
+STOPPED_QUEUED = "cancelled while queued: its sweep was stopped (`obd train resume SWEEP` starts it again)"
+METRICS_CHUNK = 4 << 20  # one read of a member's metrics.jsonl
+METRICS_CHUNKS = 16  # at most this many reads a look (what is left is read by the next look)
+
+
+# --- the grid (pure) ---------------------------------------------------------------------------
+
+
+def combinations(grid: list[GridAxis]) -> list[dict[str, str]]:
+    """Every combination of the grid's values, the first axis varying slowest, each as {NAME: value};
+    names are identifiers, each given once (not even in another case, as OBD_SWEEP_<NAME> is upper
+    case), values non-empty and each given once per name, at most MAX_MEMBERS combinations."""
+    seen: dict[str, str] = {}
+    for axis in grid:
+        if not GRID_NAME.match(axis.name):
+            raise ApiError(
+                f"--grid {axis.name}=...: a grid name is letters, digits and '_', not starting with a digit "
+                "(it is {NAME} in the command and OBD_SWEEP_NAME in the job's environment)",
+                "usage",
+            )
+        if axis.name.upper() in seen:
+            raise ApiError(
+                f"--grid {axis.name} and --grid {seen[axis.name.upper()]}: a name is given once (its environment "
+                f"variable is OBD_SWEEP_{axis.name.upper()} for both); put every value in one --grid",
+                "usage",
+            )
+        seen[axis.name.upper()] = axis.name
+        if any(not value for value in axis.values) or len(set(axis.values)) != len(axis.values):
+            raise ApiError(f"--grid {axis.name}: give each value once, none empty, e.g. --grid lr=1e-4,2e-4", "usage")
+        if any("\0" in value for value in axis.values):
+            raise ApiError(f"--grid {axis.name}: a value may not hold a NUL character", "usage")
+    count = math.prod(len(axis.values) for axis in grid)
+    if count > MAX_MEMBERS:
+        raise ApiError(f"the grid makes {count} runs; a sweep has at most {MAX_MEMBERS}: split it", "usage")
+    names = [axis.name for axis in grid]
+    return [dict(zip(names, values, strict=True)) for values in itertools.product(*(a.values for a in grid))]
+
+
+def substitute(command: list[str], values: dict[str, str]) -> list[str]:
+    """The command with `{NAME}` replaced by the value of NAME wherever it is in a word; braces that
+    name nothing of the grid (a shell's, a format string's) are left as they are."""
+    out = []
+    for word in command:
+        made = word
+        for name, value in values.items():
+            made = made.replace("{" + name + "}", value)
+        out.append(made)
+    return out
+
+
+def sweep_env(record: RunRecord) -> dict[str, str]:
+    """A member's variables: OBD_SWEEP_<NAME> (upper case) for each of its values, and the sweep's
+    id and the member's index; none for a run of no sweep."""
+    tag = record.sweep
+    if tag is None:
+        return {}
+    env = {f"OBD_SWEEP_{name.upper()}": value for name, value in tag.values.items()}
+    env.update(OBD_SWEEP_ID=tag.id, OBD_SWEEP_INDEX=str(tag.index))
+    return env
+
+
+def gate(record: RunRecord, made: int, started: float) -> Verdict | None:
+    """Whether a queued member may leave the queue as far as its sweep goes (None: it may), given how
+    many of its sweep's members are saved and when this daemon started: a member of a sweep not
+    all made waits while it is being made, and is cancelled when an earlier daemon made it (its
+    making was cut short: no one was told the sweep's id)."""
+    tag = record.sweep
+    if tag is None or made >= tag.size:
+        return None
+    if record.created < started:
+        return Verdict(
+            "cancel",
+            f"cancelled while queued: the daemon stopped while sweep {tag.id} was being made ({made} of its "
+            f"{tag.size} runs saved), so none of it runs; start the sweep again with `obd train sweep`",
+        )
+    return Verdict("wait", f"waiting for the rest of sweep {tag.id} to be made")
+
+
+def fold_best(data: bytes, best: tuple[float | None, int | None]) -> tuple[float | None, int | None]:
+    """The lowest loss of the `log` lines in `data` (whole lines of metrics.jsonl), and its step,
+    given the best so far; only finite numbers are taken (anyone who can write the run directory
+    writes these lines)."""
+    loss, step = best
+    for line in data.split(b"\n"):
+        if b'"log"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(event, dict) or event.get("event") != "log":
+            continue
+        value = event.get("loss")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        if loss is None or value < loss:
+            at = event.get("step")
+            loss, step = float(value), at if isinstance(at, int) and not isinstance(at, bool) else None
+    return loss, step
+
+
+def gpus_text(wanted: int | list[str] | None) -> str | None:
+    """A run's `gpus_wanted` as `--gpus` writes it (as handlers.gpus_text, for a start again)."""
+    if wanted is None:
+        return None
+    return ",".join(wanted) + ("," if len(wanted) == 1 else "") if isinstance(wanted, list) else str(wanted)
+
+
+# --- the daemon's side ---------------------------------------------------------------------------
+
+
+class Continuing(Protocol):
+    """Recovery as a sweep's stop sees it: a chain whose retry is still to come can be ended."""
+
+    def attempt_to_come(self, record: RunRecord) -> bool: ...
+
+    async def end_chain(self, record: RunRecord, why: str) -> bool: ...
+
+
+class Starts(Protocol):
+    """The launcher as a sweep sees it: a run started, tagged as a member of a sweep."""
+
+    async def start(self, req: StartRequest, peer: Peer, sweep: SweepTag | None = None) -> RunRecord: ...
+
+
+class SweepHost(Runs, Protocol):
+    """What sweeps use of the daemon: the launcher (the members), the targets (their metrics),
+    recovery, and the caller's runs by reference."""
+
+    @property
+    def launcher(self) -> Starts: ...
+
+    @property
+    def targets(self) -> Targets: ...
+
+    @property
+    def recovery(self) -> Continuing: ...
+
+    def find(self, ref: str, peer: Peer) -> RunRecord: ...
+
+    def visible(self, peer: Peer) -> list[RunRecord]: ...
+
+
+@dataclass
+class Sweep:
+    """A sweep as a caller named it: its id and name, and every run of it (attempts and resumes)."""
+
+    id: str
+    name: str
+    size: int
+    runs: list[RunRecord]
+
+    def members(self) -> list[tuple[int, list[RunRecord]]]:
+        """Each member's index and its runs, oldest first (its newest is what it is now)."""
+        by_index: dict[int, list[RunRecord]] = {}
+        for record in sorted(self.runs, key=lambda r: (r.created, r.id)):
+            assert record.sweep is not None
+            by_index.setdefault(record.sweep.index, []).append(record)
+        return sorted(by_index.items())
+
+
+@dataclass
+class _Best:
+    offset: int = 0
+    loss: float | None = None
+    step: int | None = None
+
+
+@dataclass
+class Acted:
+    """What an operation on every member did: the records acted on, and what it left, and why."""
+
+    sweep: Sweep
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def answer(self) -> dict[str, Any]:
+        return {"sweep": self.sweep.id, "name": self.sweep.name, "runs": self.runs, "notes": self.notes}
+
+
+RunOp = Callable[[str], Awaitable[dict[str, Any]]]
+
+
+class Sweeps:
+    """Makes sweeps, finds them by reference, shows them, and acts on every member."""
+
+    def __init__(self, daemon: SweepHost) -> None:
+        self.daemon = daemon
+        self._best: dict[str, _Best] = {}
+
+    def _new_id(self) -> str:
+        taken = {r.sweep.id for r in self.daemon.records.values() if r.sweep is not None}
+        while True:
+            sweep_id = "sweep-" + pysecrets.token_hex(4)
+            if sweep_id not in taken:
+                return sweep_id
+
+    async def create(self, req: SweepRequest, peer: Peer) -> dict[str, Any]:
+        """Every member of a sweep, queued, or none (see the module's docstring)."""
+        combos = combinations(req.grid)
+        sweep_id = self._new_id()
+        name = req.name or sweep_id
+        if len(f"{name}-{len(combos)}") > 100:
+            raise ApiError(f"--name {name[:40]}...: too long for its runs' names (<name>-<n>, 100 at most)", "usage")
+        base = req.model_dump(exclude={"op", "grid"})
+        made: list[RunRecord] = []
+        try:
+            for index, values in enumerate(combos, 1):
+                member = StartRequest.model_validate(
+                    {**base, "op": "start", "command": substitute(req.command, values), "name": f"{name}-{index}"}
+                )
+                tag = SweepTag(id=sweep_id, name=name, index=index, size=len(combos), values=values)
+                made.append(await self.daemon.launcher.start(member, peer, sweep=tag))
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self._undo(made, exc)
+            raise
+        log.info("sweep_created", sweep=sweep_id, runs=len(made))
+        return {
+            "sweep": sweep_id,
+            "name": name,
+            "size": len(made),
+            "runs": [
+                {"id": r.id, "name": r.name, "state": r.state.value, "command": r.command, "values": tag_values(r)}
+                for r in made
+            ],
+        }
+
+    async def _undo(self, made: list[RunRecord], exc: BaseException) -> None:
+        """A sweep that could not be made whole: the members made are cancelled before any starts."""
+        why = str(exc) or type(exc).__name__
+        for record in made:
+            async with self.daemon.editing(record):
+                if record.in_queue:
+                    record.transition(
+                        RunState.cancelled,
+                        f"cancelled while queued: its sweep could not be made whole ({why}), so none of it runs",
+                    )
+
+    def named(self, ref: str, peer: Peer) -> Sweep | None:
+        """The sweep `ref` names for this caller: its id, else (when `ref` names no run of theirs)
+        the name of their newest sweep of that name. None: it names a run, or nothing."""
+        daemon = self.daemon
+        runs = [r for r in daemon.records.values() if r.sweep is not None and r.sweep.id == ref]
+        if not runs:
+            try:
+                daemon.find(ref, peer)
+                return None
+            except ApiError as exc:
+                if exc.kind != "not_found":
+                    return None
+            mine = [r for r in daemon.visible(peer) if r.sweep is not None and r.sweep.name == ref]
+            if not mine:
+                return None
+            newest = mine[-1].sweep
+            assert newest is not None
+            runs = [r for r in daemon.records.values() if r.sweep is not None and r.sweep.id == newest.id]
+        if not peer.is_root and any(r.owner_uid != peer.uid for r in runs):
+            raise ApiError(f"sweep {ref} is not yours: only its owner and root may use it", "denied")
+        tag = runs[0].sweep
+        assert tag is not None
+        return Sweep(tag.id, tag.name, tag.size, runs)
+
+    def find(self, ref: str, peer: Peer) -> Sweep:
+        """`named`, or an error that says there is no such sweep."""
+        sweep = self.named(ref, peer)
+        if sweep is None:
+            raise ApiError(f"no sweep {ref!r}: give a sweep's id or name (`obd train sweep` printed it)", "not_found")
+        return sweep
+
+    # --- reading -------------------------------------------------------------------------
+
+    async def view(self, sweep: Sweep) -> dict[str, Any]:
+        """The sweep as its table shows it: each member's newest run (state, progress, message) with
+        its values and the lowest loss logged over all its runs."""
+        rows = []
+        counts: dict[str, int] = {}
+        for index, runs in sweep.members():
+            newest = latest_attempt(self.daemon, runs[-1])
+            best_loss, best_step = None, None
+            for record in runs:
+                best = await self._best_of(record)
+                if best.loss is not None and (best_loss is None or best.loss < best_loss):
+                    best_loss, best_step = best.loss, best.step
+            counts[newest.state.value] = counts.get(newest.state.value, 0) + 1
+            rows.append(
+                {
+                    **newest.summary(),
+                    "index": index,
+                    "values": tag_values(newest),
+                    "command": newest.command,
+                    "best_loss": best_loss,
+                    "best_step": best_step,
+                    "runs": [r.id for r in runs],
+                }
+            )
+        grid: dict[str, list[str]] = {}
+        for row in rows:
+            for key, value in row["values"].items():
+                if value not in grid.setdefault(key, []):
+                    grid[key].append(value)
+        return {
+            "sweep": sweep.id,
+            "name": sweep.name,
+            "size": sweep.size,
+            "grid": grid,
+            "counts": counts,
+            "members": rows,
+        }
+
+    async def _best_of(self, record: RunRecord) -> _Best:
+        """The lowest loss in a run's metrics.jsonl, read on from where the last look stopped (where
+        it is: the copy obd brought home from a pod, else its target); unknown while unreadable."""
+        best = self._best.setdefault(record.id, _Best())
+        if not record.remote_dir:
+            return best
+        home = self.daemon.store.run_dir(record.id) / "retrieved" / rundir.METRICS
+        local = record.state.final and home.is_file()
+        path = rundir.RunPaths(record.remote_dir).metrics
+        try:
+            for _ in range(METRICS_CHUNKS):
+                if local:
+                    data = rundir.read_regular(str(home), METRICS_CHUNK, best.offset) or b""
+                else:
+                    executor = self.daemon.targets.executor(record)
+                    with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
+                        data = await executor.read_from(path, best.offset, METRICS_CHUNK)
+                end = data.rfind(b"\n")
+                if end < 0:
+                    break
+                best.loss, best.step = fold_best(data[:end], (best.loss, best.step))
+                best.offset += end + 1
+                if len(data) < METRICS_CHUNK:
+                    break
+        except (ApiError, ExecutorError, TimeoutError, OSError) as exc:
+            log.info("sweep_metrics_unreadable", run_id=record.id, error=str(exc))
+        return best
+
+    # --- acting on every member ----------------------------------------------------------------
+
+    def _newest(self, sweep: Sweep) -> list[RunRecord]:
+        return [latest_attempt(self.daemon, runs[-1]) for _, runs in sweep.members()]
+
+    async def stop(self, sweep: Sweep, stop_one: RunOp) -> dict[str, Any]:
+        """`obd train stop SWEEP`: a snapshot of every member that runs (as `obd train stop` asks
+        it); every member still queued is taken out of the queue (`resume SWEEP` starts it again),
+        and a retry still to come is not made, so nothing of the sweep starts after the stop."""
+        acted = Acted(sweep)
+        newest = self._newest(sweep)
+        # Out of the queue first: a member stopping frees its GPUs, which a queued one would take.
+        for record in newest:
+            if record.state.final and self.daemon.recovery.attempt_to_come(record):
+                await self.daemon.recovery.end_chain(record, "its sweep was stopped")
+                acted.notes.append(f"{record.id}: its retry will not be made")
+            elif record.in_queue:
+                async with self.daemon.editing(record):
+                    if record.in_queue:
+                        record.stop.cancel_by = "user"
+                        record.transition(RunState.cancelled, STOPPED_QUEUED)
+                acted.runs.append(record.public())
+        for record in newest:
+            if record.state.final:
+                continue
+            try:
+                acted.runs.append(await stop_one(record.id))
+            except ApiError as exc:
+                acted.notes.append(f"{record.id}: {exc}")
+        return acted.answer()
+
+    async def cancel(self, sweep: Sweep, cancel_one: RunOp) -> dict[str, Any]:
+        """`obd train cancel SWEEP`: every member cancelled as `obd train cancel` does it (a queued
+        one leaves the queue, a running one is ended, a retry still to come is not made)."""
+        acted = Acted(sweep)
+        # The queued first: a member cancelled frees its GPUs, which a queued one would take.
+        for record in sorted(self._newest(sweep), key=lambda r: not r.in_queue):
+            if record.state.final and not self.daemon.recovery.attempt_to_come(record):
+                continue
+            try:
+                acted.runs.append(await cancel_one(record.id))
+            except ApiError as exc:
+                acted.notes.append(f"{record.id}: {exc}")
+        return acted.answer()
+
+    async def resume(
+        self,
+        sweep: Sweep,
+        req: ResumeRequest,
+        resume_one: RunOp,
+        start: Callable[[StartRequest, SweepTag], Awaitable[dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """`obd train resume SWEEP`: every stopped member resumed from its snapshot (as `obd train
+        resume` does it, taking its place in the sweep), and every member a sweep's stop took out
+        of the queue before it started, started again from the beginning."""
+        acted = Acted(sweep)
+        for record in self._newest(sweep):
+            assert record.sweep is not None
+            if record.state == RunState.stopped:
+                try:
+                    acted.runs.append(await resume_one(record.id))
+                except ApiError as exc:
+                    acted.notes.append(f"{record.id}: {exc}")
+            elif record.state == RunState.cancelled and record.message == STOPPED_QUEUED:
+                acted.runs.append(await start(self.again(record, req), record.sweep))
+        if not acted.runs:
+            raise ApiError(
+                f"no run of sweep {sweep.id} is stopped, nor was taken out of the queue by `obd train stop "
+                f"{sweep.id}`: there is nothing to resume (`obd train status {sweep.id}` shows its runs)",
+                "state",
+            )
+        return acted.answer()
+
+    def again(self, member: RunRecord, req: ResumeRequest) -> StartRequest:
+        """The start of a member again from the beginning, like it (command, target, name, GPUs,
+        directory, retries), with the environment, `--env` values and secrets of whoever resumes."""
+        here = self.daemon.targets.of(member).shares_filesystem(member)
+        return StartRequest(
+            op="start",
+            command=member.command,
+            target=member.target,
+            name=member.name,
+            cwd=None if here else member.cwd,
+            client_cwd=member.cwd,
+            env=req.env or {},
+            secrets=req.secrets,
+            environ=req.environ,
+            env_clear=req.env_clear,
+            umask=req.umask,
+            gpus=gpus_text(member.gpus_wanted),
+            priority=member.priority,
+            retry=req.retry if req.retry is not None else member.retries,
+            profile=member.profile,
+            snapshot_on_sigterm=member.snapshot_on_sigterm,
+            preemptible=member.preemptible,
+        )
+
+
+def tag_values(record: RunRecord) -> dict[str, str]:
+    return dict(record.sweep.values) if record.sweep is not None else {}
