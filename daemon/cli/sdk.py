@@ -63,7 +63,8 @@ class ObdError(Exception):
     exit_code: int = EXIT_ERROR
 
     def __init__(self, message: str, kind: str = "error") -> None:
-        super().__init__(message)
+        # Not super(): the next class may be the command client's RequestFailed, whose kind is required.
+        Exception.__init__(self, message)
         self.kind = kind
 
 
@@ -87,6 +88,9 @@ class BadRequest(RequestFailed):
     """Bad usage: an unknown or wrong option, a run file that is not valid, a request too large."""
 
     exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, kind: str = "usage") -> None:
+        super().__init__(message, kind)
 
 
 class Denied(RequestFailed):
@@ -274,14 +278,15 @@ def patience(error: Exception, lost_since: float | None, now: float) -> bool:
     return isinstance(error, RequestFailed) and error.kind == "unavailable"
 
 
-def wanted_states(states: str | Iterable[str] | None) -> frozenset[str]:
-    """The states a wait waits for: one name, several, or (None) any final state."""
+def wanted_states(states: str | Iterable[str] | None, what: str = "wait") -> frozenset[str]:
+    """The states a wait (or a list, `what`) asks for: one name, several, or (None) any final state."""
     if states is None:
         return FINAL
     chosen = frozenset([states] if isinstance(states, str) else states)
     unknown = sorted(chosen - set(STATES))
     if unknown or not chosen:
-        raise BadRequest(f"wait(states=...): {', '.join(unknown) or 'none given'}: the states are {', '.join(STATES)}")
+        given = ", ".join(map(str, unknown)) or "none given"
+        raise BadRequest(f"{what}(states=...): {given}: the states are {', '.join(STATES)}")
     return chosen
 
 
@@ -304,6 +309,7 @@ def wait_steps(run_id: str, states: str | Iterable[str] | None, timeout: float |
             return RunStatus.of(record)
         if record["state"] in FINAL:
             status = RunStatus.of(record)
+            # The command's code for how it ended; a run that succeeded instead is still an error (1).
             raise RunError(
                 f"{ended_text(record)} (waited for {', '.join(sorted(wanted))})",
                 status,
@@ -504,7 +510,7 @@ def list_params(
     """`obd train list`'s filters as the request takes them (`since`: unix time, or 2h, 3d, a date)."""
     params: dict[str, Any] = {"all": all}
     if states is not None:
-        params["states"] = sorted(wanted_states(states))
+        params["states"] = sorted(wanted_states(states, "runs"))
     if isinstance(since, str):
         import argparse
 
