@@ -192,3 +192,16 @@ class ReadRequest(_Req):
     offset: int = Field(default=0, ge=0, le=MAX_OFFSET)
     limit: int = Field(default=65536, ge=1, le=READ_LIMIT)
     tail_lines: int | None = Field(default=None, ge=0, le=MAX_TAIL_LINES)
+
+
+class ExecRequest(_Req):
+    """`obd train exec RUN -- COMMAND` (no `command`: `obd train shell RUN`, a login shell): a
+    session that takes the connection over (daemon/exec_session.py)."""
+
+    op: Literal["exec"]
+    id: str
+    command: list[str] | None = Field(default=None, min_length=1, max_length=10000)
+    tty: bool = False  # on a pseudo-terminal of the caller's size and TERM
+    term: str = Field(default="xterm", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._+-]+$")
+    rows: int = Field(default=24, ge=1, le=10000)
+    cols: int = Field(default=80, ge=1, le=10000)

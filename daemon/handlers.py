@@ -15,15 +15,17 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import anyio
 import structlog
 from pydantic import BaseModel
 
+from daemon import exec_session
 from daemon.api import (
     ApiError,
     DrainRequest,
+    ExecRequest,
     IdRequest,
     ListRequest,
     ListRunsRequest,
@@ -134,6 +136,16 @@ class Handlers:
         if entry is None:
             raise ApiError(f"unknown operation {request.op!r}", "usage")
         return await entry[1](request, peer)
+
+    # Ops that take their connection over (daemon/server.py hands them a channel): `exec`.
+    SESSIONS: ClassVar[dict[str, type[BaseModel]]] = {"exec": ExecRequest}
+
+    def session_model(self, op: str) -> type[BaseModel] | None:
+        return self.SESSIONS.get(op)
+
+    async def run_session(self, request: Any, peer: Peer, channel: exec_session.Channel) -> None:
+        """`obd train exec` and `obd train shell` (daemon/exec_session.py)."""
+        await exec_session.serve(self.daemon, request, peer, channel)
 
     # --- reading -------------------------------------------------------------------------
 

@@ -51,6 +51,39 @@ class Handler(Protocol):
 
     def __call__(self, request: Any, peer: Peer) -> Awaitable[Any]: ...
 
+    def session_model(self, op: str) -> type[BaseModel] | None:
+        """The model of an op that takes its connection over (a session), or None."""
+        ...
+
+    def run_session(self, request: Any, peer: Peer, channel: LineChannel) -> Awaitable[None]: ...
+
+
+class LineChannel:
+    """A session's connection, one JSON object a line each way: sends from several tasks are
+    taken in turn; a caller that hangs up (or sends garbage past the line limit) reads as None."""
+
+    def __init__(self, stream: SocketStream, reader: BufferedByteReceiveStream) -> None:
+        self.stream = stream
+        self.reader = reader
+        self.lock = anyio.Lock()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        async with self.lock:
+            await _send(self.stream, message)
+
+    async def receive(self) -> dict[str, Any] | None:
+        try:
+            line = await self.reader.receive_until(b"\n", MAX_MESSAGE)
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return None
+        except anyio.DelimiterNotFound:
+            return None
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError):
+            return {}
+        return message if isinstance(message, dict) else {}
+
 
 @dataclass(eq=False)
 class Caller:
@@ -324,6 +357,9 @@ class ControlServer:
                 )
                 return
             caller.stalled_since = None
+            if (session := self._session_of(line)) is not None:  # it has the connection to itself
+                await self._session(stream, reader, session, caller.peer)
+                return
             reply = await self._answer_unless_gone(stream, reader, line, caller.peer)
             if reply is None:
                 return  # the caller hung up while its request was being answered (a long `wait`)
@@ -359,6 +395,55 @@ class ControlServer:
             tg.start_soon(answer)
             tg.start_soon(watch_hangup)
         return reply
+
+    def _session_of(self, line: bytes) -> tuple[type[BaseModel], dict[str, Any]] | None:
+        """The model and message of a request for a session (`exec`), or None for any other."""
+        if b'"exec"' not in line:  # the cheap look first: every other request is answered as before
+            return None
+        try:
+            raw = json.loads(line)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(raw, dict) or not isinstance(op := raw.get("op"), str):
+            return None
+        model = self.handler.session_model(op)
+        return (model, raw) if model is not None else None
+
+    async def _session(
+        self,
+        stream: SocketStream,
+        reader: BufferedByteReceiveStream,
+        session: tuple[type[BaseModel], dict[str, Any]],
+        peer: Peer,
+    ) -> None:
+        """Serve a session until it ends; an error (before it started, or one that ended it) is
+        sent as any request's error is."""
+        channel = LineChannel(stream, reader)
+        model, raw = session
+        error: dict[str, Any] | None = None
+        try:
+            await self.handler.run_session(model.model_validate(raw), peer, channel)
+        except ApiError as exc:
+            error = {"ok": False, "kind": exc.kind, "error": str(exc)}
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            error = {
+                "ok": False,
+                "kind": "usage",
+                "error": f"bad request: {where + ': ' if where else ''}{first['msg']}",
+            }
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return  # the caller went away
+        except Exception as exc:  # one session's bug must not take the daemon down
+            log.exception("session_failed")
+            error = {"ok": False, "kind": "error", "error": f"internal error: {type(exc).__name__}: {exc}"}
+        if error is not None:
+            with (
+                anyio.move_on_after(SEND_TIMEOUT),
+                contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError),
+            ):
+                await channel.send(error)
 
     @staticmethod
     async def _refuse(stream: SocketStream, reader: BufferedByteReceiveStream, kind: str, error: str) -> None:

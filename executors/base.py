@@ -64,6 +64,52 @@ class RunAs(BaseModel):
     home: str
 
 
+class TermSize(BaseModel):
+    """The caller's terminal, for a command run on a pseudo-terminal (`obd train shell`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    term: str = "xterm"
+    rows: int = 24
+    cols: int = 80
+
+
+class ExecSpec(BaseModel):
+    """A command to run where a run's job runs (`obd train exec`, `obd train shell`): in its run
+    directory, as its user, with the variables the job got (its GPUs, `OBD_*`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    remote_dir: str  # the working directory of the command
+    command: list[str] | None = None  # None: the user's login shell
+    env: dict[str, str] = Field(default_factory=dict, repr=False)
+    run_as: RunAs | None = None  # the user, when not the executor's own (a root daemon's local run)
+    tty: TermSize | None = None  # run on a pseudo-terminal of this size
+    job: JobHandle | None = None  # the run's job (a Slurm job's id is its pid)
+
+
+@dataclass(frozen=True)
+class ExecInput:
+    """One thing the caller sent to a running command: bytes for its stdin, the end of its stdin,
+    or a new terminal size (rows, cols)."""
+
+    data: bytes = b""
+    eof: bool = False
+    size: tuple[int, int] | None = None
+
+
+class ExecIO(Protocol):
+    """The caller of a command run in a run (the daemon's session with `obd train exec`)."""
+
+    async def write(self, stream: str, data: bytes) -> None:
+        """Pass output on as it comes: `stream` is "out" or "err"."""
+
+    async def read(self) -> ExecInput | None:
+        """The caller's next input; None once the caller hung up (the command is then ended)."""
+        ...
+
+
 class JobHandle(BaseModel):
     """Identifies a started job for good: its group leader's pid, start time and boot.
 
@@ -334,3 +380,9 @@ class Executor(Protocol):
     async def download(self, remote: str, local: Path) -> None: ...
 
     async def aclose(self) -> None: ...
+    async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
+        """Run a command where the run's job runs (docs/exec-and-shell.md), its output passed to
+        `io` as it comes and `io`'s input to it; its exit status (128+N for a signal N). Raises
+        ExecutorError where it cannot run, with what to do."""
+        ...
+

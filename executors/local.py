@@ -33,9 +33,11 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from executors import python_shim
+from executors import exec_process, python_shim
 from executors.base import (
     CommandResult,
+    ExecIO,
+    ExecSpec,
     ExecutorError,
     JobHandle,
     JobSpec,
@@ -470,6 +472,10 @@ def _skip(directory: str, name: str) -> bool:
     """Entries never copied: caches, version control, virtual environments."""
     if name in {".git", "__pycache__", ".pytest_cache", ".mypy_cache", "node_modules", ".venv", "venv"}:
         return True
+    async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
+        """A command in the run directory, as the run's user (`spec.run_as`, under a root daemon)."""
+        return await exec_process.run_here(spec, io, spec.run_as)
+
     return os.path.exists(os.path.join(directory, name, "pyvenv.cfg"))
 
 

@@ -170,7 +170,7 @@ def _check_command(args: argparse.Namespace, head: list[str], command: list[str]
     `obd train start python train.py --lr 2e-4` is refused with the line that works."""
     if args.cmd == "pods":
         return  # `obd pods` options (--help, --force...) are its own
-    takes_command = args.cmd == "train" and args.action in ("start", "resume", "sweep")
+    takes_command = args.cmd == "train" and args.action in ("start", "resume", "sweep", "exec")
     before = list(args.command) if takes_command else []
     if takes_command and before:
         if command:
@@ -404,6 +404,14 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
         return 0
     if action == "outputs":
         from daemon.cli.outputs import copy_outputs
+    if action == "prune":
+        answer = client.call("prune", id=args.id, keep=args.keep)
+        print(json.dumps(answer) if args.json else render.pruned_text(answer))
+        return 0
+    if action in ("exec", "shell"):
+        from daemon.cli.exec import exec_main  # a command where the run's job runs (docs/exec-and-shell.md)
+
+        return exec_main(args, command, client)
 
         return copy_outputs(client.call("outputs", id=args.id), args.to, args.checkpoint, args.json)
     if action == "list":

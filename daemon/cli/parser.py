@@ -232,6 +232,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_resume(train)
     _add_stop_and_cancel(train)
     _add_reading(train)
+    _add_exec(train)
+    _add_prune(train)
     _add_list(train)
 
     prof = sub.add_parser(
@@ -602,6 +604,56 @@ def _add_list(train: Any) -> None:
         description="List runs: by default your active runs and the 10 most recent that ended; the filters "
         "show any others.",
     )
+def _add_prune(train: Any) -> None:
+    pr = train.add_parser(
+        "prune",
+        help="delete a run's older checkpoints now, keeping the newest N complete (and any a resume needs)",
+        description="Delete the checkpoints of RUN's chain that checkpoint retention would (docs/checkpoints.md), "
+        "on its target, and say what that freed.",
+    )
+    _run_arg(pr)
+    pr.add_argument(
+        "--keep", type=_count(1, 100000), metavar="N", help="how many complete checkpoints to keep (default: RUN's)"
+    )
+    pr.add_argument("--json", action="store_true", help="print what was removed and kept as JSON")
+
+
+EXEC_EXAMPLES = """\
+examples:
+  obd train exec last -- nvidia-smi
+  obd train exec sft -- sh -c 'ls -l output/; tail -n 3 metrics.jsonl'
+  obd train exec -t sft -- top
+  obd train shell sft
+
+The command runs where the run's job runs (its target; a Slurm job's node, through
+srun --jobid --overlap), as the run's user, in its run directory, with the job's GPUs
+(CUDA_VISIBLE_DEVICES...) and OBD_* variables. exec exits with the command's exit status;
+an error before it ran exits as any obd error (obd --help lists the codes).
+See docs/exec-and-shell.md."""
+
+
+def _add_exec(train: Any) -> None:
+    ex = train.add_parser(
+        "exec",
+        help="run a command where the run's job runs (its target, user, run directory and GPUs)",
+        description="Run a command where RUN's job runs: its target, as its user, in its run directory, "
+        "with its GPUs visible. Output is streamed; obd exits with the command's exit status.",
+        epilog=EXEC_EXAMPLES,
+    )
+    ex.add_argument("--tty", "-t", action="store_true", help="run it on a terminal (for top, htop, an editor)")
+    _run_arg(ex)
+    ex.add_argument("command", nargs="*", metavar="COMMAND", help="the command and its arguments, after --")
+
+    sh = train.add_parser(
+        "shell",
+        help="an interactive shell where the run's job runs",
+        description="Open a login shell where RUN's job runs: its target, as its user, in its run directory, "
+        "with its GPUs visible, on a terminal. obd exits with the shell's exit status.",
+        epilog=EXEC_EXAMPLES,
+    )
+    _run_arg(sh)
+
+
     ls.add_argument("--all", action="store_true", help="every run, of every user and any age")
     ls.add_argument(
         "--state",

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from executors.base import ExecutorError, JobHandle, JobSpec
+from executors.base import ExecIO, ExecSpec, ExecutorError, JobHandle, JobSpec
 from executors.config import RunpodTarget, SshTarget
 from executors.runpod.api import Pod, RunpodApi
 from executors.runpod.book import PodBook, owner_id
@@ -67,6 +67,10 @@ class PodExecutor(SshExecutor):
     async def put_file(self, path: str, data: bytes) -> None:
         self.refuse_account_key(path, [data.decode("utf-8", "replace")])
         await super().put_file(path, data)
+
+    async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
+        self.refuse_account_key(f"a command in {spec.run_id}", [*(spec.command or []), *spec.env.values()])
+        return await super().exec_in_run(spec, io)
 
     @staticmethod
     def _job_values(job: JobSpec) -> list[str]:

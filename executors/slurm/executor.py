@@ -31,6 +31,8 @@ import structlog
 
 from executors.base import (
     CommandResult,
+    ExecIO,
+    ExecSpec,
     Executor,
     ExecutorError,
     JobHandle,
@@ -58,6 +60,17 @@ _ENDED = frozenset({JobState.lost, JobState.cancelled})
 
 
 HELPER_HASH = tools_hash(HELPER_FILES)
+
+
+def slurm_job_id(spec: ExecSpec) -> str:
+    """The Slurm job of a run, as its handle names it; refused when it has none (yet)."""
+    described = spec.job.host if spec.job is not None else ""
+    job_id = described.removeprefix("slurm job ").strip()
+    if not described.startswith("slurm job ") or not job_id:
+        raise ExecutorError(
+            f"run {spec.run_id} has no Slurm job on record yet; `obd train status {spec.run_id}` says where it is"
+        )
+    return job_id
 
 
 def host_executor(name: str, target: SlurmTarget) -> Executor:
@@ -263,6 +276,19 @@ class SlurmExecutor:
 
     async def status(self, handle: JobHandle, remote_dir: str) -> JobStatus:
         return (await self.probe([(handle, remote_dir)]))[0].status
+
+    async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
+        """A command in the run's Slurm job, as a step beside it (`srun --jobid J --overlap`, with
+        `--pty` for a shell), run where sbatch works as the job's user: its allocation (nodes,
+        GPUs as Slurm gives them) and its run directory."""
+        self._refuse()
+        job_id = slurm_job_id(spec)
+        command = spec.command or ["/bin/sh", "-c", 'exec "${SHELL:-/bin/sh}" -l']
+        step = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", "--quiet"]
+        if spec.tty is not None:
+            step.append("--pty")
+        there = spec.model_copy(update={"command": [*step, *command], "run_as": self.account})
+        return await self.host.exec_in_run(there, io)
 
     async def probe(self, runs: list[tuple[JobHandle | None, str]]) -> list[RunProbe]:
         """Every run directory and one `squeue` for all their jobs, in one helper call."""

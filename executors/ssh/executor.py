@@ -23,6 +23,8 @@ import structlog
 from executors import python_shim, remote
 from executors.base import (
     CommandResult,
+    ExecIO,
+    ExecSpec,
     ExecutorError,
     JobHandle,
     JobSpec,
@@ -34,6 +36,7 @@ from executors.base import (
     TargetUnreachable,
 )
 from executors.config import SshTarget
+from executors.ssh import exec_remote
 from executors.ssh.connection import Session, SshConnection, as_bytes, returncode, tail
 from executors.ssh.events import SshEvents
 from executors.ssh.files import SftpFiles
@@ -140,6 +143,10 @@ class SshExecutor:
 
     async def aclose(self) -> None:
         await self.connection.aclose()
+
+    async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
+        """A command in the run directory over this connection, as its login (executors/ssh/exec_remote.py)."""
+        return await exec_remote.run_there(self.connection, spec, io)
 
     # --- commands ---------------------------------------------------------------------------
 

@@ -1,0 +1,176 @@
+"""`obd train exec RUN -- COMMAND` and `obd train shell RUN` (issue 27, item 3): a command where
+the run's job runs, as its user, in its run directory, with its GPUs; its output streamed and its
+exit status obd's. Against a real daemon, a real job, and (for the shell) a real pseudo-terminal.
+
+The root service's users are tests/security/test_exec_as_user.py's; the SSH target's and the
+Slurm cluster's are at the end of this file.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
+
+TWO_GPUS = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\n'
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+PROBE = "id -un; pwd; echo $CUDA_VISIBLE_DEVICES; echo $OBD_RUN_ID"
+
+
+def start_running(d: DaemonProc, *extra: str, command: list[str] = SLEEPER) -> dict:
+    out = d.cli("train", "start", *extra, "--", *command)
+    assert out.returncode == 0, out.stderr
+    run_id = out.stdout.strip()
+    return d.wait_state(run_id, "running")
+
+
+@pytest.fixture
+def gpu_daemon(make_daemon) -> Iterator[DaemonProc]:
+    d = make_daemon(TWO_GPUS)
+    # A home of its own: a shell is a login shell, and this machine's dotfiles are not the test's.
+    (d.root / "home").mkdir()
+    d.env["HOME"] = str(d.root / "home")
+    d.start()
+    yield d
+
+
+def test_exec_prints_the_runs_user_its_run_directory_and_its_gpus(gpu_daemon: DaemonProc) -> None:
+    record = start_running(gpu_daemon, "--gpus", "1")
+    out = gpu_daemon.cli("train", "exec", record["id"], "--", "sh", "-c", PROBE)
+    assert out.returncode == 0, out.stderr
+    user, cwd, gpus, run_id = out.stdout.splitlines()
+    assert user == subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()
+    assert Path(cwd) == Path(record["remote_dir"])
+    assert gpus == ",".join(record["gpus"]) and len(record["gpus"]) == 1
+    assert run_id == record["id"]
+
+
+def test_the_commands_exit_status_is_obds_and_its_stderr_stays_stderr(gpu_daemon: DaemonProc) -> None:
+    record = start_running(gpu_daemon)
+    out = gpu_daemon.cli("train", "exec", record["id"], "--", "sh", "-c", "echo to-out; echo to-err >&2; exit 7")
+    assert out.returncode == 7
+    assert out.stdout == "to-out\n"
+    assert out.stderr == "to-err\n"
+
+
+def test_stdin_reaches_the_command_and_its_end_ends_it(gpu_daemon: DaemonProc) -> None:
+    record = start_running(gpu_daemon)
+    out = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "train", "exec", record["id"], "--", "sh", "-c", "wc -l; exit 0"],
+        env=gpu_daemon.env,
+        input="a\nb\nc\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"
+
+
+def test_output_comes_as_it_is_written_not_when_the_command_ends(gpu_daemon: DaemonProc) -> None:
+    record = start_running(gpu_daemon)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "train", "exec", record["id"], "--", "sh", "-c", "echo first; sleep 30"],
+        env=gpu_daemon.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready, "no output within 20 s of a command that printed at once"
+        assert proc.stdout.readline() == b"first\n"
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+    # The client went away: the daemon ends the command (its sleep is gone soon after).
+    wait_for(lambda: not sleeping_in(record["remote_dir"]), 15, 0.2, "the command of a gone client to end")
+
+
+def sleeping_in(run_dir: str) -> bool:
+    """Whether a `sleep 30` whose working directory is the run directory still runs."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == run_dir and b"sleep" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_a_run_that_is_not_running_is_refused_with_what_to_do(gpu_daemon: DaemonProc) -> None:
+    out = gpu_daemon.cli("train", "start", "--", "true")
+    run_id = out.stdout.strip()
+    gpu_daemon.wait_state(run_id, "succeeded")
+    refused = gpu_daemon.cli("train", "exec", run_id, "--", "true")
+    assert refused.returncode == 1
+    assert f"run {run_id} has ended (succeeded)" in refused.stderr
+    assert "obd train outputs" in refused.stderr
+
+    held = start_running(gpu_daemon, "--gpus", "2")
+    queued = gpu_daemon.cli("train", "start", "--gpus", "1", "--", *SLEEPER).stdout.strip()
+    assert gpu_daemon.wait_state(queued, "queued")
+    refused = gpu_daemon.cli("train", "exec", queued, "--", "true")
+    assert refused.returncode == 1
+    assert "has not started" in refused.stderr
+    assert held["state"] == "running"
+
+
+def test_exec_without_a_command_is_a_usage_error(gpu_daemon: DaemonProc) -> None:
+    record = start_running(gpu_daemon)
+    out = gpu_daemon.cli("train", "exec", record["id"])
+    assert out.returncode == 2
+    assert "give the command to run after --" in out.stderr
+
+
+def drive_shell(d: DaemonProc, run_id: str, typed: bytes, timeout: float = 30) -> tuple[int, bytes]:
+    """`obd train shell RUN` on a pseudo-terminal of this test's, `typed` typed into it; its exit
+    status and everything it showed."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: obd on the terminal
+        os.chdir(REPO)
+        os.execve(sys.executable, [sys.executable, "-m", "daemon.cli", "train", "shell", run_id], {**d.env, "TERM": "xterm"})
+    shown = b""
+    deadline = time.monotonic() + timeout
+    sent = False
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            if not sent and (b"$ " in shown or b"# " in shown or time.monotonic() > deadline - timeout + 3):
+                os.write(fd, typed)
+                sent = True
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), shown
+
+
+def test_a_shell_on_a_terminal_runs_what_is_typed_and_its_exit_status_is_obds(gpu_daemon: DaemonProc) -> None:
+    record = start_running(gpu_daemon, "--gpus", "1")
+    code, shown = drive_shell(gpu_daemon, record["id"], b"echo hi-$((40+2)); tty; pwd; exit 3\r")
+    assert code == 3, shown
+    assert b"hi-42" in shown
+    assert b"/dev/pts/" in shown  # a real terminal there
+    assert record["remote_dir"].encode() in shown
