@@ -111,6 +111,12 @@ class _Connection:
         except OSError as exc:
             await self.aclose()
             raise sdk.DaemonUnreachable(f"obd: lost the daemon at {self.path}: {exc}", "unreachable") from None
+        except BaseException:
+            # Cancelled mid-request (the caller's timeout): its reply may still come and would be
+            # read as the next request's, so this connection is closed, not kept.
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
 
     async def aclose(self) -> None:
         if self._stream is not None:
@@ -121,13 +127,16 @@ class _Connection:
 class AsyncClient:
     """`Client` for async code: the same methods, awaited (`AsyncRun.logs` is an async iterator).
 
-    A connection is kept between calls; concurrent calls on one client take turns on it. Usable
-    as an async context manager, which closes it.
+    Connections are kept between calls: one while calls come one at a time, one more for each
+    call made while the others are busy (a wait's long poll holds its connection for up to 20 s,
+    and must not hold up another task's status). Usable as an async context manager, which
+    closes them.
     """
 
     def __init__(self, socket: str | os.PathLike[str] | None = None, timeout: float = 120.0) -> None:
         self.socket = sdk.default_socket(socket)
-        self._connection = _Connection(self.socket, timeout)
+        self._timeout = timeout
+        self._idle: list[_Connection] = []
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -136,7 +145,9 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._connection.aclose()
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            await connection.aclose()
 
     # --- the steps, run here
 
@@ -144,7 +155,7 @@ class AsyncClient:
         lost_since: float | None = None
         while True:
             try:
-                return await self._connection.call(call.op, **call.params)
+                return await self._request(call)
             except sdk.ObdError as error:
                 now = time.monotonic()
                 if not call.patient or not sdk.patience(error, lost_since, now):
@@ -152,6 +163,14 @@ class AsyncClient:
                 if isinstance(error, sdk.DaemonUnreachable | sdk.DaemonBusy):
                     lost_since = lost_since or now
             await anyio.sleep(0.5)
+
+    async def _request(self, call: sdk._Call) -> Any:
+        """One request on an idle connection, or on a new one when every one is busy."""
+        connection = self._idle.pop() if self._idle else _Connection(self.socket, self._timeout)
+        try:
+            return await connection.call(call.op, **call.params)
+        finally:
+            self._idle.append(connection)
 
     async def _do(self, step: sdk.Step) -> Any:
         if isinstance(step, sdk._Call):

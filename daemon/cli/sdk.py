@@ -635,6 +635,11 @@ class Client:
                     raise error from None
                 if isinstance(error, DaemonUnreachable | DaemonBusy):
                     lost_since = lost_since or now
+            except BaseException:
+                # Interrupted mid-request (Ctrl-C in a notebook, a signal's exception): its reply
+                # may still come and would be read as the next request's; a fresh connection instead.
+                self._wire.close()
+                raise
             time.sleep(0.5)
 
     def _run(self, steps: Steps[T]) -> T:

@@ -5,11 +5,14 @@ command's errors as exceptions carrying the command's exit codes, and `import ob
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -52,6 +55,24 @@ def trainer(save_steps: int = 0) -> list[str]:
 
 def cli(d: DaemonProc, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return d.cli(*args, env=env)
+
+
+class Interrupted(Exception):
+    """What a SIGALRM raises here, as Ctrl-C raises KeyboardInterrupt."""
+
+
+@contextlib.contextmanager
+def interrupted_after(seconds: float) -> Iterator[None]:
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def check_stopped(stopped: obd.RunStatus) -> None:
@@ -161,6 +182,11 @@ def test_errors_are_the_commands_exceptions_with_its_exit_codes(box: DaemonProc,
         with pytest.raises(obd.WaitTimeout) as late:
             slow.wait(timeout=0.5)
         assert late.value.status.state in ("preparing", "running") and isinstance(late.value, TimeoutError)
+        # A wait interrupted in its long poll (Ctrl-C in a notebook) leaves no reply behind to be
+        # read as the next call's.
+        with pytest.raises(Interrupted), interrupted_after(0.5):
+            slow.wait()
+        assert quick.status().id == quick.id
         assert slow.cancel(wait=True, timeout=60).state == "cancelled"
 
     gone = short_tmp / "none.sock"
@@ -176,6 +202,31 @@ async def test_the_async_client_raises_the_same_exceptions(box: DaemonProc, shor
             await client.run("no-such-run")
         with pytest.raises(obd.BadRequest):
             await client.start(["true"], gpus="many")
+        # Tasks sharing one client take turns on its connection: every answer is its own request's.
+        runs = [await client.start(["sh", "-c", f"echo {i}"], name=f"echo-{i}") for i in range(4)]
+        found: dict[str, str] = {}
+
+        async def status(run: obd.AsyncRun) -> None:
+            found[run.id] = (await run.wait(timeout=60)).name or ""
+
+        async with anyio.create_task_group() as tasks:
+            for run in runs:
+                tasks.start_soon(status, run)
+        assert found == {run.id: f"echo-{i}" for i, run in enumerate(runs)}
+
+        # A wait's long poll does not hold up another task's call; a wait cancelled midway leaves
+        # no reply behind to be read as the next call's.
+        slow = await client.start(["sleep", "60"], name="slow")
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(slow.wait)
+            await anyio.sleep(0.5)
+            with anyio.fail_after(3):
+                assert (await runs[0].status()).name == "echo-0"
+            tasks.cancel_scope.cancel()
+        with anyio.move_on_after(0.5):
+            await slow.wait()
+        assert (await runs[1].status()).name == "echo-1"
+        assert (await slow.cancel(wait=True, timeout=60)).state == "cancelled"
     with pytest.raises(obd.DaemonUnreachable):
         await obd.AsyncClient(socket=short_tmp / "none.sock").runs()
 
