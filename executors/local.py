@@ -457,6 +457,10 @@ class LocalExecutor:
                 private_dir(Path(dst).parent)
         creds.copy_tree(src, dst, read_as=read_as, write_as=write_as, keep_links=self.in_workdir(dst), skip=_skip)
 
+    async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
+        """A command in the run directory, as the run's user (`spec.run_as`, under a root daemon)."""
+        return await exec_process.run_here(spec, io, spec.run_as)
+
     async def aclose(self) -> None:
         return None
 
@@ -472,10 +476,6 @@ def _skip(directory: str, name: str) -> bool:
     """Entries never copied: caches, version control, virtual environments."""
     if name in {".git", "__pycache__", ".pytest_cache", ".mypy_cache", "node_modules", ".venv", "venv"}:
         return True
-    async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
-        """A command in the run directory, as the run's user (`spec.run_as`, under a root daemon)."""
-        return await exec_process.run_here(spec, io, spec.run_as)
-
     return os.path.exists(os.path.join(directory, name, "pyvenv.cfg"))
 
 

@@ -402,16 +402,12 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             return sweeps.acted(client, record, args.json)
         _print_record(record, args.json, record["id"])
         return 0
-    if action == "outputs":
-        from daemon.cli.outputs import copy_outputs
-    if action == "prune":
-        answer = client.call("prune", id=args.id, keep=args.keep)
-        print(json.dumps(answer) if args.json else render.pruned_text(answer))
-        return 0
     if action in ("exec", "shell"):
         from daemon.cli.exec import exec_main  # a command where the run's job runs (docs/exec-and-shell.md)
 
         return exec_main(args, command, client)
+    if action == "outputs":
+        from daemon.cli.outputs import copy_outputs
 
         return copy_outputs(client.call("outputs", id=args.id), args.to, args.checkpoint, args.json)
     if action == "list":

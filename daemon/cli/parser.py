@@ -233,7 +233,6 @@ def _parser() -> argparse.ArgumentParser:
     _add_stop_and_cancel(train)
     _add_reading(train)
     _add_exec(train)
-    _add_prune(train)
     _add_list(train)
 
     prof = sub.add_parser(
@@ -597,27 +596,6 @@ def _add_reading(train: Any) -> None:
     out.add_argument("--json", action="store_true", help="print what was copied as JSON")
 
 
-def _add_list(train: Any) -> None:
-    ls = train.add_parser(
-        "list",
-        help="your active runs and the 10 most recent that ended",
-        description="List runs: by default your active runs and the 10 most recent that ended; the filters "
-        "show any others.",
-    )
-def _add_prune(train: Any) -> None:
-    pr = train.add_parser(
-        "prune",
-        help="delete a run's older checkpoints now, keeping the newest N complete (and any a resume needs)",
-        description="Delete the checkpoints of RUN's chain that checkpoint retention would (docs/checkpoints.md), "
-        "on its target, and say what that freed.",
-    )
-    _run_arg(pr)
-    pr.add_argument(
-        "--keep", type=_count(1, 100000), metavar="N", help="how many complete checkpoints to keep (default: RUN's)"
-    )
-    pr.add_argument("--json", action="store_true", help="print what was removed and kept as JSON")
-
-
 EXEC_EXAMPLES = """\
 examples:
   obd train exec last -- nvidia-smi
@@ -654,6 +632,13 @@ def _add_exec(train: Any) -> None:
     _run_arg(sh)
 
 
+def _add_list(train: Any) -> None:
+    ls = train.add_parser(
+        "list",
+        help="your active runs and the 10 most recent that ended",
+        description="List runs: by default your active runs and the 10 most recent that ended; the filters "
+        "show any others.",
+    )
     ls.add_argument("--all", action="store_true", help="every run, of every user and any age")
     ls.add_argument(
         "--state",
