@@ -80,6 +80,8 @@ class StartRequest(_Req):
     # once they ended, whatever their end.
     after: list[str] = Field(default_factory=list, max_length=100)
     after_any: bool = False
+    # How many complete checkpoints the chain keeps (daemon/retention.py); None: the target's default.
+    keep_checkpoints: int | None = Field(default=None, ge=1, le=100000)
 
     @field_validator("name")
     @classmethod
@@ -136,6 +138,15 @@ class StopRequest(_Req):
     id: str
     reason: str = "requested"
     via: Literal["cli", "ui", "api"] = "cli"  # how the request came, for the run's history
+
+
+class PruneRequest(_Req):
+    """`obd train prune RUN [--keep N]`: delete the checkpoints of RUN's chain that retention would,
+    keeping N (default: the run's --keep-checkpoints)."""
+
+    op: Literal["prune"]
+    id: str
+    keep: int | None = Field(default=None, ge=1, le=100000)
 
 
 class IdRequest(_Req):

@@ -6,12 +6,14 @@ the Trainer wrote it, at that step, beside the model's weights. A half-written c
 job killed while saving) fails that test and is skipped for the one before it. The next attempt
 of a `--retry` chain resumes from the newest trusted checkpoint of the whole chain
 (`chain_resume_point`); a stop or a cancel of any attempt's id acts on the chain's newest
-attempt (`latest_attempt`).
+attempt (`latest_attempt`). An attempt that failed to load the checkpoint it resumed from marks it
+bad (`failed_at_load`): no attempt resumes from it again.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +21,7 @@ import anyio
 import structlog
 
 from daemon.api import ApiError
-from daemon.models import RunRecord, RunState
+from daemon.models import BadCheckpoint, RunRecord, RunState
 from daemon.ports import Runs
 from daemon.targets import Targets
 from executors.base import ExecutorError
@@ -96,9 +98,12 @@ class Checkpoints:
                 return f"its trainer_state.json is complete at step {step} and its weights ({weights}) are there"
         return None
 
-    async def newest_complete(self) -> Checkpoint | None:
+    async def newest_complete(self, bad: Collection[tuple[str, str]] = ()) -> Checkpoint | None:
+        """The newest complete checkpoint, passing over those marked bad."""
         names = sorted(await self.names(), key=lambda n: rundir.checkpoint_step(n) or -1, reverse=True)
         for name in names:
+            if (self.record.id, name) in bad:
+                continue
             why = await self.complete(name)
             if why:
                 return Checkpoint(name, rundir.checkpoint_step(name), f"the newest complete checkpoint: {why}")
@@ -118,12 +123,16 @@ async def resume_point(daemon: ChainHost, source: RunRecord, which: str | None) 
     if which and "/" in which:
         return Checkpoint(which, None, "the path given with --checkpoint")
     found = Checkpoints(daemon, source)
+    bad = bad_checkpoints(daemon.records.values())
     try:
         if which is None and source.snapshot is not None:
             name = rundir.checkpoint_name(source.snapshot.step)
-            return Checkpoint(name, source.snapshot.step, f"the proof of its snapshot at step {source.snapshot.step}")
+            if (source.id, name) not in bad:
+                return Checkpoint(
+                    name, source.snapshot.step, f"the proof of its snapshot at step {source.snapshot.step}"
+                )
         if which is None or which == "latest":
-            return await found.newest_complete()
+            return await found.newest_complete(bad)
         if which.isdigit():
             name = rundir.checkpoint_name(int(which))
             if name not in await found.names():
@@ -199,7 +208,7 @@ async def chain_resume_point(daemon: ChainHost, record: RunRecord) -> Checkpoint
     of its chain up to `record` (None: none has one, start from the beginning).
 
     Trusted: an attempt's proven snapshot, or an `output/checkpoint-<step>` that `complete` finds
-    whole; never a checkpoint of an attempt whose proof was invalid. Newest: the highest step;
+    whole; never a checkpoint of an attempt whose proof was invalid, nor one marked bad. Newest: the highest step;
     at the same step a proof first, then the later attempt. An attempt whose directory cannot
     be read now (a pod that is gone with nothing retrieved, a target that does not answer) is
     passed over and logged, so one unreachable attempt does not send the chain back to step 0."""
@@ -207,8 +216,11 @@ async def chain_resume_point(daemon: ChainHost, record: RunRecord) -> Checkpoint
     for attempt in chain_attempts(daemon, record):
         if attempt.attempt <= record.attempt and attempt.state.final:
             candidates += await _candidates(daemon, attempt)
+    bad = bad_checkpoints(daemon.records.values())
     for candidate in sorted(candidates, key=lambda c: c.order, reverse=True):
         name, step = rundir.checkpoint_name(candidate.step), candidate.step
+        if (candidate.attempt.id, name) in bad:
+            continue  # an attempt failed to load it: never resumed from again
         if candidate.proven:
             why = f"the proof of its snapshot at step {step}"
         else:
@@ -227,6 +239,32 @@ async def chain_resume_point(daemon: ChainHost, record: RunRecord) -> Checkpoint
         source = candidate.attempt
         return Checkpoint(name, step, f"{why}, of attempt {source.attempt} ({source.id})", source.id)
     return None
+
+
+def bad_checkpoints(records: Iterable[RunRecord]) -> dict[tuple[str, str], BadCheckpoint]:
+    """Every checkpoint an attempt failed to resume from, by (the run holding it, its name)."""
+    return {(r.bad_checkpoint.run, r.bad_checkpoint.name): r.bad_checkpoint for r in records if r.bad_checkpoint}
+
+
+def failed_at_load(record: RunRecord) -> BadCheckpoint | None:
+    """The checkpoint an ended attempt failed to load, or None: it resumed from a checkpoint-<step>
+    (not a path given by hand), its job exited non-zero, and no step after that checkpoint was
+    logged (a truncated safetensors, a missing optimizer state, an unreadable trainer_state.json
+    all fail there). A job that fails before its first step for another reason is taken the same:
+    the next attempt then resumes from an older checkpoint, redoing steps, never losing any."""
+    if record.state != RunState.failed or record.exit_code in (None, 0) or record.stop.invalid_proof:
+        return None
+    if not record.resumed_from or not record.resume_checkpoint:
+        return None
+    name = record.resume_checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    step = rundir.checkpoint_step(name)
+    if step is None or (record.progress.step is not None and record.progress.step > step):
+        return None
+    return BadCheckpoint(
+        run=record.resumed_from,
+        name=name,
+        why=f"attempt {record.id} failed (exit {record.exit_code}) before its first step after it",
+    )
 
 
 def chain_of(daemon: ChainHost, record: RunRecord) -> list[dict[str, object]]:

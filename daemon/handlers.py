@@ -30,6 +30,7 @@ from daemon.api import (
     ListRequest,
     ListRunsRequest,
     Peer,
+    PruneRequest,
     RawJSON,
     ReadRequest,
     ResumeRequest,
@@ -39,7 +40,7 @@ from daemon.api import (
     WaitRequest,
     WatchRequest,
 )
-from daemon.checkpoints import chain_of, latest_attempt
+from daemon.checkpoints import bad_checkpoints, chain_attempts, chain_of, latest_attempt
 from daemon.follow import Follower, job_handle
 from daemon.gpus import Inventory
 from daemon.launch import Launcher
@@ -49,6 +50,7 @@ from daemon.ports import Runs
 from daemon.preempt import Preemptor
 from daemon.queue import Scheduler
 from daemon.recovery import Recovery
+from daemon.retention import Retention, holding
 from daemon.specs import uses_caller_environment
 from daemon.stop import ASKED_VIA, request_snapshot
 from daemon.sweeps import Sweeps
@@ -91,6 +93,9 @@ class ServiceHost(Runs, Protocol):
     @property
     def preemptor(self) -> Preemptor: ...
 
+    @property
+    def retention(self) -> Retention: ...
+
     def find(self, ref: str, peer: Peer) -> RunRecord: ...
 
     def visible(self, peer: Peer) -> list[RunRecord]: ...
@@ -125,6 +130,7 @@ class Handlers:
             "watch": (WatchRequest, self.watch),
             "resume": (ResumeRequest, self.resume),
             "sweep": (SweepRequest, self.sweep),
+            "prune": (PruneRequest, self.prune),
         }
 
     def model(self, op: str) -> type[BaseModel] | None:
@@ -235,10 +241,33 @@ class Handlers:
             }
         if record.chain or record.retries:
             out["chain_runs"] = chain_of(self.daemon, record)
+        await self._checkpoints_of(record, out)
         if not record.state.final and not out.get("reconciling"):  # its target has not answered yet
             with anyio.move_on_after(10):
                 out.update(await self.daemon.targets.of(record).describe(record))
         return out
+
+    async def _checkpoints_of(self, record: RunRecord, out: dict[str, Any]) -> None:
+        """For `status`: the checkpoints its chain marked bad, and, under a keep setting or where
+        any was pruned, the disk its chain's checkpoints use (docs/checkpoints.md)."""
+        chain = chain_attempts(self.daemon, record)
+        ids = {r.id for r in chain}
+        bad = [
+            {"run": run, "name": name, "why": b.why}
+            for (run, name), b in bad_checkpoints(self.daemon.records.values()).items()
+            if run in ids
+        ]
+        if bad:
+            out["bad_checkpoints"] = bad
+        if record.keep_checkpoints is not None or any(r.pruned for r in chain):
+            with anyio.move_on_after(10):
+                out["checkpoints"] = await self.daemon.retention.usage(record)
+
+    async def prune(self, req: PruneRequest, peer: Peer) -> dict[str, Any]:
+        """`obd train prune RUN [--keep N]`: the retention rule applied to RUN's chain now."""
+        record = self.daemon.find(req.id, peer)
+        done = await self.daemon.retention.prune(record, req.keep)
+        return done.answer(record.id)
 
     async def wait(self, req: WaitRequest, peer: Peer) -> dict[str, Any]:
         record = self.daemon.find(req.id, peer)
@@ -307,7 +336,8 @@ class Handlers:
             where = Path(record.remote_dir)
         else:
             try:
-                where = await mirror_outputs(self.daemon, record)
+                with holding(record.id):
+                    where = await mirror_outputs(self.daemon, record)
             except (ExecutorError, TimeoutError, OSError) as exc:
                 raise ApiError(
                     f"could not bring the outputs of run {record.id} from target {record.target}: {exc}; retry "
@@ -380,6 +410,7 @@ class Handlers:
             deadline=req.deadline,
             max_gpu_hours=req.max_gpu_hours,
             max_cost_usd=req.max_cost_usd,
+            keep_checkpoints=source.keep_checkpoints,
         )
         return await self.start(start, peer)
 

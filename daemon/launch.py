@@ -232,6 +232,8 @@ class Launcher:
         record.sweep = sweep or (source.sweep if source is not None else None)  # a member's resume is one
         record.gpus_wanted = wanted
         record.retries = req.retry if req.retry is not None else getattr(supervision.config, "retry", 0)
+        keep = req.keep_checkpoints
+        record.keep_checkpoints = keep if keep is not None else getattr(supervision.config, "keep_checkpoints", None)
         if supervision.shares_filesystem(record):
             # Where the job runs: --cwd, else where `obd train start` ran (a local run's, and a Slurm
             # run's where sbatch is on this machine: its submit directory), used in place.
@@ -348,6 +350,7 @@ class Launcher:
         record.chain = prev.chain or prev.id
         record.attempt = prev.attempt + 1
         record.retries = prev.retries
+        record.keep_checkpoints = prev.keep_checkpoints
         record.gpus_wanted = prev.gpus_wanted
         record.priority = prev.priority
         record.cwd = prev.cwd

@@ -144,6 +144,15 @@ class SweepTag(BaseModel):
     values: dict[str, str] = Field(default_factory=dict)  # the grid's values of this member, by name
 
 
+class BadCheckpoint(BaseModel):
+    """A checkpoint an attempt failed to resume from before its first new step (daemon/checkpoints.py):
+    kept on that attempt's record, so no later attempt of any chain resumes from it again."""
+
+    run: str  # the run whose directory holds it
+    name: str  # checkpoint-<step>
+    why: str = ""
+
+
 class RunRecord(BaseModel):
     """Everything obd knows of one run. Saved atomically as `runs/<id>/run.json`."""
 
@@ -208,6 +217,12 @@ class RunRecord(BaseModel):
     unreachable_since: float | None = None
     metrics: dict[str, Any] | None = None  # RunMetrics, when the run was profiled
     limits: Limits | None = None  # its chain's limits (--time-limit, --deadline, --max-gpu-hours, --max-cost-usd)
+    # Checkpoint retention (daemon/retention.py): how many complete checkpoints its chain keeps
+    # (None: all), and the checkpoints of its own directory obd deleted for it.
+    keep_checkpoints: int | None = None
+    pruned: list[str] = Field(default_factory=list)
+    pruned_bytes: int = 0
+    bad_checkpoint: BadCheckpoint | None = None  # the checkpoint it failed to resume from
 
     @model_validator(mode="before")
     @classmethod

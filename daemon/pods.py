@@ -27,6 +27,7 @@ import structlog
 
 from daemon.models import RunRecord, RunState
 from daemon.pod_record import PodEnded, PodHost, end_from_book, keep_pod, mark_pod_end, outputs_lost, pod_info
+from daemon.retention import holding
 from daemon.targets import Supervision
 from executors.base import Executor, ExecutorError, RunProbe
 from executors.factory import make_pod_driver, makes_pods
@@ -256,9 +257,10 @@ class PodSupervision(Supervision):
         pod whose outputs are not home is terminated anyway (at once, or when `end_by` comes)."""
         end_by = self.driver.end_by(info)
         if end_by is None or not info.pod_id:
-            return await self.driver.finish(run_id, remote_dir, info, local, lease_ttl=lease_ttl)
+            with holding(run_id):  # no checkpoint of it is pruned while it comes home
+                return await self.driver.finish(run_id, remote_dir, info, local, lease_ttl=lease_ttl)
         ok, message = False, "the outputs were not retrieved in time"
-        with anyio.move_on_after(max(0.0, end_by - time.time())):
+        with anyio.move_on_after(max(0.0, end_by - time.time())), holding(run_id):
             ok, message = await self.driver.finish(run_id, remote_dir, info, local, lease_ttl=lease_ttl)
         if ok:
             return ok, message

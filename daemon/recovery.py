@@ -14,6 +14,10 @@ An attempt's launch settings (launch.json: the caller's environment, `--env` val
 are deleted as soon as nothing can start from it again: when its next attempt is made (which
 keeps its own copy), or when it ended with no retry to come (no attempt left, a cause retries do
 not help with, a cancel). A daemon that starts deletes those an earlier one left behind.
+
+An attempt that failed before its first step after the checkpoint it resumed from marks that
+checkpoint bad first (`failed_at_load`, daemon/checkpoints.py), so its retry resumes from the next
+older trusted one and no attempt loops on it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Protocol
 
 import structlog
 
-from daemon.checkpoints import chain_resume_point
+from daemon.checkpoints import chain_resume_point, failed_at_load
 from daemon.launch import Launcher
 from daemon.limits import spent_of
 from daemon.models import Paused, RunRecord, RunState
@@ -95,7 +99,8 @@ class Recovery:
         for record in list(daemon.records.values()):
             if not record.state.final:
                 continue
-            if record.retried_by is None and (self.retry_due(record) or self.resumes_paused(record)):
+            unmarked = failed_at_load(record) is not None and record.bad_checkpoint is None
+            if record.retried_by is None and (self.retry_due(record) or self.resumes_paused(record) or unmarked):
                 self.on_change(record)
             else:
                 self._settle(record)
@@ -163,6 +168,7 @@ class Recovery:
 
     async def _after_end(self, record: RunRecord) -> None:
         try:
+            await self._mark_bad(record)
             cause = self.retry_due(record)
             if (cause or self.resumes_paused(record)) and await self._limit_spent(record):
                 self._settle(record)
@@ -176,6 +182,20 @@ class Recovery:
             log.exception("retry_failed", run_id=record.id)
         finally:
             self._pending.discard(record.id)
+
+    async def _mark_bad(self, record: RunRecord) -> None:
+        """An attempt that failed to load the checkpoint it resumed from marks it bad, on its record
+        and in its history (what notifications say): no attempt resumes from it again."""
+        bad = failed_at_load(record)
+        if bad is None or record.bad_checkpoint is not None:
+            return
+        async with self.daemon.editing(record):
+            record.bad_checkpoint = bad
+            record.note(
+                f"checkpoint {bad.name} of run {bad.run} is bad: {bad.why} (it could not be loaded?); "
+                "no attempt resumes from it again"
+            )
+        log.warning("checkpoint_bad", run_id=record.id, source=bad.run, checkpoint=bad.name)
 
     async def _limit_spent(self, record: RunRecord) -> bool:
         """Whether the chain's limits (daemon/limits.py) leave no room for another attempt, which

@@ -32,6 +32,7 @@ from daemon.models import InvalidRunId, RunRecord, RunState, check_run_id
 from daemon.preempt import Preemptor
 from daemon.queue import Scheduler
 from daemon.recovery import Recovery
+from daemon.retention import Retention
 from daemon.store import RunStore, StoreError
 from daemon.systemd import Notifier
 from daemon.targets import Supervision, Targets
@@ -62,6 +63,7 @@ class Daemon:
         self.inventory = Inventory(self)
         self.scheduler = Scheduler(self)
         self.recovery = Recovery(self)
+        self.retention = Retention(self)
         self.preemptor = Preemptor(self)
         self._locks: dict[str, anyio.Lock] = {}
         self._final: dict[str, anyio.Event] = {}
@@ -303,7 +305,7 @@ class Daemon:
                 self.follow.resume_all()
                 # The queue and recovery act on changes from now on, and on what an earlier
                 # daemon left undone (runs queued, attempts ended but not retried).
-                self.listeners += [self.scheduler.on_change, self.recovery.on_change]
+                self.listeners += [self.scheduler.on_change, self.recovery.on_change, self.retention.on_change]
                 tg.start_soon(self.scheduler.run)
                 self.recovery.catch_up()
                 tg.start_soon(self.notifier.watchdog_loop)

@@ -373,6 +373,17 @@ class Executor(Protocol):
 
     async def read_from(self, path: str, offset: int, limit: int) -> bytes: ...
 
+    async def checkpoint_sizes(self, remote_dir: str) -> dict[str, int]:
+        """The bytes each real `output/checkpoint-<step>` of a run directory holds (for retention,
+        daemon/retention.py); links are never followed."""
+        ...
+
+    async def remove_checkpoint(self, remote_dir: str, name: str) -> int:
+        """Delete a run directory's `output/<name>` (a `checkpoint-<step>` that is a real directory,
+        with the run directory's owner's rights, never through a link); the bytes it freed.
+        Raises ExecutorError when it may not or could not be removed."""
+        ...
+
     async def put_file(self, path: str, data: bytes) -> None: ...
 
     async def upload(self, local: Path, remote: str) -> None: ...

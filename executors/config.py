@@ -87,6 +87,8 @@ class LocalTarget(StrictModel):
     gpus: list[str] | int | None = None
     gpu_vendor: Literal["nvidia", "amd"] | None = None
     retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
+    # The default of `obd train start --keep-checkpoints` (docs/checkpoints.md); None: keep them all.
+    keep_checkpoints: int | None = Field(default=None, ge=1, le=100000)
     # Preemption (docs/preemption.md): a run is preemptible unless started with
     # --no-preemptible (or this says False); none is preempted before it ran min_runtime.
     preemptible: bool = True
@@ -117,6 +119,8 @@ class SshTarget(StrictModel):
     python: str = "python3"
     venv: str | None = None
     retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
+    # The default of `obd train start --keep-checkpoints` (docs/checkpoints.md); None: keep them all.
+    keep_checkpoints: int | None = Field(default=None, ge=1, le=100000)
     # A persistent `jobctl.py serve` on one channel for probes, starts and events (no shell per
     # poll); false: one remote command per operation, as before.
     helper: bool = True
@@ -134,6 +138,8 @@ class RunpodTarget(StrictModel):
     gpu_type: str | list[str] = "NVIDIA GeForce RTX 4090"
     gpu_count: int = Field(default=1, ge=1, le=64)
     retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
+    # The default of `obd train start --keep-checkpoints` (docs/checkpoints.md); None: keep them all.
+    keep_checkpoints: int | None = Field(default=None, ge=1, le=100000)
     image: str = "runpod/pytorch:2.4.0-py3.11-cuda12.4.1-devel-ubuntu22.04"
     cloud_type: Literal["SECURE", "COMMUNITY", "ALL"] = "SECURE"
     volume_gb: int = Field(default=50, ge=1, le=100_000)
@@ -262,6 +268,8 @@ class SlurmTarget(StrictModel):
     signal_margin: Margin = 300.0  # ask for a `deadline` snapshot this long before the time limit
     secrets: list[str] = Field(default_factory=list)  # names read from the daemon's environment
     retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
+    # The default of `obd train start --keep-checkpoints` (docs/checkpoints.md); None: keep them all.
+    keep_checkpoints: int | None = Field(default=None, ge=1, le=100000)
     # What an hour of one GPU costs here, in US dollars: `--max-cost-usd` needs it (docs/limits.md).
     price_per_gpu_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 

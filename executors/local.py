@@ -432,6 +432,21 @@ class LocalExecutor:
         data = await self._as_owner(path, jobctl.read_regular, path, limit, offset, abandon=True)
         return data or b""
 
+    async def checkpoint_sizes(self, remote_dir: str) -> dict[str, int]:
+        sizes: dict[str, int] = await self._as_owner(remote_dir, jobctl.checkpoint_sizes, remote_dir, abandon=True)
+        return sizes
+
+    async def remove_checkpoint(self, remote_dir: str, name: str) -> int:
+        """Removed with the run directory's owner's rights (a root daemon's runs are their users'),
+        so a link or a permission the job set up cannot make root delete anything else."""
+        if not self.in_workdir(remote_dir):
+            raise ExecutorError(f"{remote_dir} is not a run directory of target {self.name}: nothing removed")
+        try:
+            done = await self._as_owner(remote_dir, jobctl.remove_checkpoint, remote_dir, name)
+        except (OSError, jobctl.CheckpointRefused) as exc:
+            raise ExecutorError(f"could not remove {remote_dir}/{rundir.OUTPUT}/{name}: {exc}") from exc
+        return int(done["freed"])
+
     async def put_file(self, path: str, data: bytes) -> None:
         def write() -> None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ and cancels jobs on this machine, over SSH and on a pod:
     python3 jobctl.py start RUN_DIR [--secrets-stdin | --spec-stdin] [--clean-env] [--facts DIR]
     python3 jobctl.py cancel RUN_DIR [--grace S]         # TERM the job's processes, grace, KILL
     python3 jobctl.py probe < [{"dir": ..., "handle": ...}, ...]   # one read of many runs
+    python3 jobctl.py checkpoints RUN_DIR                # bytes held by each output/checkpoint-<step>
+    python3 jobctl.py remove-checkpoint RUN_DIR NAME     # delete one (checkpoint retention), say what it freed
     python3 -S jobctl.py serve                           # the persistent helper of an SSH connection
 
 Doing the pid checks on the target itself means a pid is never checked on one round trip
@@ -533,6 +535,104 @@ def probe_dir(run_dir: str, handle: dict[str, Any] | None = None, with_job: bool
     return result
 
 
+class CheckpointRefused(Exception):
+    """A checkpoint that may not be removed: not a `checkpoint-<step>` name, or a link on its path."""
+
+
+def _open_output(run_dir: str) -> int:
+    """A descriptor of the run's `output/`, opened without following a link (of it or of the run
+    directory's last part): what is removed is found through it, so nothing outside is reached."""
+    if not os.path.isabs(run_dir) or ".." in run_dir.split("/"):
+        raise CheckpointRefused(f"{run_dir}: not an absolute run directory")
+    run = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        return os.open(rundir.OUTPUT, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=run)
+    finally:
+        os.close(run)
+
+
+def _tree_bytes(dir_fd: int) -> int:
+    """The bytes of the regular files under a directory descriptor; links are never followed."""
+    total = 0
+    for entry in os.scandir(dir_fd):
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+        elif stat.S_ISDIR(st.st_mode):
+            sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            try:
+                total += _tree_bytes(sub)
+            finally:
+                os.close(sub)
+    return total
+
+
+def _remove_tree(parent: int, name: str) -> None:
+    """Remove `name` under the directory descriptor `parent`, links removed as links, never followed."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    try:
+        for entry in os.scandir(fd):
+            if entry.is_dir(follow_symlinks=False):
+                _remove_tree(fd, entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)
+
+
+def checkpoint_sizes(run_dir: str) -> dict[str, int]:
+    """The bytes each real `output/checkpoint-<step>` of a run directory holds ({} when none)."""
+    try:
+        out = _open_output(run_dir)
+    except (OSError, CheckpointRefused):
+        return {}
+    sizes = {}
+    try:
+        for name in os.listdir(out):
+            if rundir.checkpoint_step(name) is None:
+                continue
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=out)
+            except OSError:  # a link, a file, gone
+                continue
+            try:
+                sizes[name] = _tree_bytes(sub)
+            except OSError:
+                continue
+            finally:
+                os.close(sub)
+    finally:
+        os.close(out)
+    return sizes
+
+
+def remove_checkpoint(run_dir: str, name: str) -> dict[str, Any]:
+    """Delete the run directory's `output/<name>` (a `checkpoint-<step>` that is a real directory):
+    first renamed out of the checkpoint names in one step, so no half-deleted copy ever looks like
+    a checkpoint, then removed without following a link. {"name", "freed": bytes, "removed": bool}."""
+    if rundir.checkpoint_step(name) is None:
+        raise CheckpointRefused(f"{name!r} is not a checkpoint-<step> name")
+    out = _open_output(run_dir)
+    try:
+        try:
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=out)
+        except FileNotFoundError:
+            return {"name": name, "freed": 0, "removed": False}
+        except OSError as exc:
+            raise CheckpointRefused(f"{rundir.OUTPUT}/{name} is not a real directory ({exc.strerror})") from exc
+        try:
+            freed = _tree_bytes(sub)
+        finally:
+            os.close(sub)
+        trash = f".obd-pruned-{name}-{os.getpid()}"
+        os.rename(name, trash, src_dir_fd=out, dst_dir_fd=out)
+        _remove_tree(out, trash)
+        return {"name": name, "freed": freed, "removed": True}
+    finally:
+        os.close(out)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 1:
         print(__doc__, file=sys.stderr)
@@ -561,6 +661,16 @@ def main(argv: list[str]) -> int:
     if command == "probe":
         items = json.loads(sys.stdin.read() or "[]")
         print(json.dumps([probe_dir(i["dir"], i.get("handle")) for i in items]), flush=True)
+        return 0
+    if command == "checkpoints" and len(argv) >= 2:
+        print(json.dumps(checkpoint_sizes(argv[1])), flush=True)
+        return 0
+    if command == "remove-checkpoint" and len(argv) >= 3:
+        try:
+            print(json.dumps(remove_checkpoint(argv[1], argv[2])), flush=True)
+        except (OSError, CheckpointRefused) as exc:
+            print(f"remove-checkpoint: {exc}", file=sys.stderr)
+            return 1
         return 0
     if command == "serve":
         try:

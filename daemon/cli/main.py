@@ -73,6 +73,8 @@ FIELD_FLAGS = {
     "deadline": "--deadline",
     "max_gpu_hours": "--max-gpu-hours",
     "max_cost_usd": "--max-cost-usd",
+    "keep_checkpoints": "--keep-checkpoints",
+    "keep": "--keep",
     "id": "RUN",
 }
 
@@ -402,6 +404,10 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             return sweeps.acted(client, record, args.json)
         _print_record(record, args.json, record["id"])
         return 0
+    if action == "prune":
+        answer = client.call("prune", id=args.id, keep=args.keep)
+        print(json.dumps(answer) if args.json else render.pruned_text(answer))
+        return 0
     if action in ("exec", "shell"):
         from daemon.cli.exec import exec_main  # a command where the run's job runs (docs/exec-and-shell.md)
 
@@ -466,6 +472,7 @@ def _start(args: argparse.Namespace, command: list[str], client: Client, op: str
         profile=args.profile,
         snapshot_on_sigterm=args.snapshot_on_sigterm,
         preemptible=args.preemptible,
+        keep_checkpoints=args.keep_checkpoints,
         **_limits(args),
         after=args.after,
         after_any=args.after_any,

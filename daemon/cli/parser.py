@@ -233,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_stop_and_cancel(train)
     _add_reading(train)
     _add_exec(train)
+    _add_prune(train)
     _add_list(train)
 
     prof = sub.add_parser(
@@ -422,6 +423,13 @@ def _add_start(train: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="start it again up to N times from its checkpoint if it fails or is preempted",
     )
+    s.add_argument(
+        "--keep-checkpoints",
+        type=_count(1, 100000),
+        metavar="N",
+        help="keep its chain's newest N complete checkpoints (and any a resume needs), deleting older ones "
+        "on the target; default: the target's keep_checkpoints, else all",
+    )
     _add_limits(s)
     s.add_argument("--profile", action="store_true", help="run it under the profiler; see obd train metrics")
     s.add_argument(
@@ -594,6 +602,20 @@ def _add_reading(train: Any) -> None:
         help="latest, a step number, or final (what the trainer saved outside its checkpoints); default: everything",
     )
     out.add_argument("--json", action="store_true", help="print what was copied as JSON")
+
+
+def _add_prune(train: Any) -> None:
+    pr = train.add_parser(
+        "prune",
+        help="delete a run's older checkpoints now, keeping the newest N complete (and any a resume needs)",
+        description="Delete the checkpoints of RUN's chain that checkpoint retention would (docs/checkpoints.md), "
+        "on its target, and say what that freed.",
+    )
+    _run_arg(pr)
+    pr.add_argument(
+        "--keep", type=_count(1, 100000), metavar="N", help="how many complete checkpoints to keep (default: RUN's)"
+    )
+    pr.add_argument("--json", action="store_true", help="print what was removed and kept as JSON")
 
 
 EXEC_EXAMPLES = """\

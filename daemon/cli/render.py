@@ -419,6 +419,32 @@ def limits_text(usage: dict[str, Any]) -> str:
     return text
 
 
+def checkpoints_text(c: dict[str, Any]) -> str:
+    """The disk a chain's checkpoints use, and its keep setting (docs/checkpoints.md)."""
+    n = len(c.get("checkpoints") or [])
+    keep = f"keeping the newest {c['keep']} complete" if c.get("keep") else "keeping all"
+    text = f"{size_text(c.get('bytes') or 0)} in {n} checkpoint{'s' if n != 1 else ''} of its chain, {keep}"
+    if c.get("pruned"):
+        text += f"; {c['pruned']} pruned ({size_text(c.get('pruned_bytes') or 0)} freed)"
+    return text
+
+
+def pruned_text(answer: dict[str, Any]) -> str:
+    """What `obd train prune` did: each checkpoint deleted, the bytes freed, what it could not."""
+    removed = answer.get("removed") or []
+    lines = [f"removed   {r['name']} of {r['run']} ({size_text(r['bytes'])})" for r in removed]
+    lines += [
+        f"kept      {k['name']} of {k['run']} ({size_text(k['bytes'])}): {k['why']}" for k in answer.get("kept") or []
+    ]
+    lines += [f"error     {e}" for e in answer.get("errors") or []]
+    n = len(removed)
+    lines.append(
+        f"freed {size_text(answer.get('freed') or 0)} ({n} checkpoint{'s' if n != 1 else ''}), "
+        f"keeping the newest {answer.get('keep')} complete"
+    )
+    return "\n".join(printable(line) for line in lines)
+
+
 def status(r: dict[str, Any]) -> str:
     """The text of `obd train status`: the run's fields, its pod if it has one, and its history."""
     lines = [
@@ -483,6 +509,10 @@ def status(r: dict[str, Any]) -> str:
         )
     if r.get("resumed_from"):
         lines.append(f"resumed   from {r['resumed_from']} ({r.get('resume_checkpoint') or ''})")
+    if r.get("checkpoints"):
+        lines.append(f"disk      {checkpoints_text(r['checkpoints'])}")
+    for bad in r.get("bad_checkpoints") or []:
+        lines.append(f"bad       {bad['name']} of {bad['run']}: {bad['why']}; never resumed from again")
     if r.get("exit_code") is not None:
         lines.append(f"exit      {r['exit_code']}")
     if r.get("unreachable_since"):

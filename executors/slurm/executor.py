@@ -400,6 +400,16 @@ class SlurmExecutor:
         self._refuse()
         return await self.host.read_from(path, offset, limit)
 
+    async def checkpoint_sizes(self, remote_dir: str) -> dict[str, int]:
+        self._refuse()
+        return await self.host.checkpoint_sizes(remote_dir)
+
+    async def remove_checkpoint(self, remote_dir: str, name: str) -> int:
+        """Through the submitting machine's executor, as its run directories go (on this machine
+        with the run directory's owner's rights, over SSH as the login's user)."""
+        self._refuse()
+        return await self.host.remove_checkpoint(remote_dir, name)
+
     async def put_file(self, path: str, data: bytes) -> None:
         """Write a file there; in a directory that is a user's (their run directory, once given to
         them), through the helper running as them, so the file is theirs and their job reads it."""

@@ -358,6 +358,20 @@ class SshExecutor:
             offset, limit = offset + len(data), limit - len(data)
         return b"".join(chunks)
 
+    async def checkpoint_sizes(self, remote_dir: str) -> dict[str, int]:
+        """jobctl's `checkpoints`, run on the host (every word quoted)."""
+        out = await self._jobctl(f"the checkpoints of {remote_dir}", ["checkpoints", remote_dir])
+        sizes = _json_answer(out, f"the checkpoints of {remote_dir} on {self.address}")
+        return {str(k): int(v) for k, v in sizes.items()} if isinstance(sizes, dict) else {}
+
+    async def remove_checkpoint(self, remote_dir: str, name: str) -> int:
+        """jobctl's `remove-checkpoint`, run on the host as the login's user (who owns the run
+        directory there), every word quoted; never retried (it is done at most once)."""
+        what = f"the removal of {remote_dir}/{rundir.OUTPUT}/{name}"
+        out = await self._jobctl(what, ["remove-checkpoint", remote_dir, name], retry=False)
+        done = _json_answer(out, f"{what} on {self.address}")
+        return int(done.get("freed", 0)) if isinstance(done, dict) else 0
+
     async def put_file(self, path: str, data: bytes) -> None:
         """Write a file atomically (a temporary file in the same directory, then a rename),
         creating its directories."""
@@ -394,6 +408,14 @@ def _trust(status: str | None) -> str:
         "pinned": "matches the pinned key",
         "accepted": "was unknown: accepted (accept_unknown_host) and recorded in known_hosts",
     }.get(status or "", status or "unknown")
+
+
+def _json_answer(out: bytes, what: str) -> Any:
+    """The JSON a jobctl command printed on its last line."""
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError) as exc:
+        raise ExecutorError(f"{what} printed something that is not its JSON: {exc}") from exc
 
 
 def _items(items: list[dict[str, Any]]) -> bytes:

@@ -81,6 +81,7 @@ def every_key(source: str, step: int) -> dict[str, str]:
         "priority": "7",
         "preemptible": "false",
         "retry": "2",
+        "keep_checkpoints": "3",
         "time_limit": '"2h"',
         "deadline": json.dumps(week),
         "max_gpu_hours": "10",
