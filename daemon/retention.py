@@ -33,6 +33,7 @@ from daemon.models import RunRecord
 from daemon.ports import Runs
 from daemon.targets import Targets
 from executors.base import ExecutorError
+from executors.factory import makes_pods
 from trainer_plugin import rundir
 
 log = structlog.get_logger("obd.retention")
@@ -232,6 +233,8 @@ class Retention:
         for attempt in chain:
             if not is_run_dir(attempt) or (attempt.job is None and not attempt.state.final):
                 continue
+            if attempt.state.final and makes_pods(self.daemon.targets.of(attempt).config):
+                continue  # its pod ended with it; the copy brought home is the user's, never pruned
             try:
                 executor = self.daemon.targets.executor(attempt)
                 with anyio.fail_after(timeout):

@@ -15,6 +15,7 @@ import pytest
 
 from daemon.models import RunRecord, RunState, Snapshot
 from daemon.retention import Held, is_run_dir, plan, protections
+from executors.base import ExecutorError
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 from trainer_plugin import jobctl
 
@@ -158,6 +159,33 @@ def test_removal_refuses_a_checkpoint_or_an_output_that_is_a_link(tmp_path: Path
         jobctl.remove_checkpoint(str(linked), "checkpoint-5")
     assert jobctl.checkpoint_sizes(str(linked)) == {}
     assert (elsewhere / "model.safetensors").is_file()
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the root service's executor acting as a run's owner")
+async def test_under_root_a_checkpoint_is_removed_with_the_run_owner_s_rights_only(short_tmp: Path) -> None:
+    from executors.local import LocalExecutor
+
+    short_tmp.chmod(0o755)  # the run's user reaches its run directory, as under the state directory
+    workdir = short_tmp / "wd"
+    run_dir = workdir / "run-1"
+    path = make_checkpoint(run_dir, 5)
+    make_checkpoint(run_dir, 10)
+    for root, dirs, files in os.walk(run_dir):
+        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+            os.lchown(name, NOBODY, NOBODY)  # the run's user owns its directory, as root gave it
+    workdir.chmod(0o755)
+    (path / "roots").mkdir()  # something in it the user could not delete (root's, in a directory of root's)
+    (path / "roots" / "file").write_bytes(b"r")
+    executor = LocalExecutor("local", workdir)
+    with pytest.raises(ExecutorError):  # root could; the run's owner cannot: nothing is removed as root
+        await executor.remove_checkpoint(str(run_dir), "checkpoint-5")
+    assert list(run_dir.glob("output/*/roots/file"))  # it is still there: root's rights were never used
+    assert await executor.checkpoint_sizes(str(run_dir)) == {"checkpoint-10": 1000 + len('{"global_step": 10}')}
+    with pytest.raises(ExecutorError):  # never outside its workdir
+        await executor.remove_checkpoint(str(short_tmp / "elsewhere"), "checkpoint-5")
 
 
 # --- a real daemon, a real Trainer script -----------------------------------------------------
