@@ -38,7 +38,9 @@ from daemon.stop import write_pending_request
 from daemon.store import StoreError
 from daemon.sweeps import sweep_env
 from daemon.targets import Targets
+from daemon.trackers import chain_tensorboard_dir, continued, tracker_env
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
+from executors.factory import makes_pods
 from executors.gpus import visible_devices
 from trainer_plugin import creds, rundir
 
@@ -281,6 +283,7 @@ class Launcher:
         that is more than waiting: a retry's attempt, in the one history entry it starts with)."""
         daemon = self.daemon
         supervision = daemon.targets.of(record)
+        record.trackers = continued(record, source)  # the tracker run its curves continue in
         waits = bool(daemon.inventory.wanted(record)) or record.not_before is not None
         waits = waits or bool(record.after) or record.sweep is not None  # the queue decides when
         if waits:
@@ -473,6 +476,10 @@ class Launcher:
         base_env = None
         if executor.shares_filesystem:
             base_env = caller_environment(req, run_as, getattr(self.daemon.targets.of(record).config, "env", []))
+        target_config = self.daemon.targets.of(record).config
+        user_set = {*req.env, *req.secrets, *(base_env or {})}
+        board = chain_tensorboard_dir(record, rd, not makes_pods(target_config))
+        env.update(tracker_env(record, user_set, board))  # the chain's tracker run (daemon/trackers.py)
         if source is not None and record.resume_checkpoint:
             env["OBD_RESUME_FROM"] = await self._resume_path(record, source, record.resume_checkpoint, executor)
             record.resume_checkpoint = env["OBD_RESUME_FROM"]

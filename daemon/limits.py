@@ -7,8 +7,8 @@ preemption) gets them with what the attempts before it used (`carried`, called b
 lives only in memory.
 
 The follow asks `check` on every poll of a running attempt. When a limit is closer than the time
-the run needs to stop (`lead`: its last measured save, from a snapshot request to its proof on the
-chain, never less than `[limits] save_floor`, plus `[limits] margin`; at most half the limit, so a
+the run needs to stop (`lead`: its last measured save on the chain, a snapshot's request to its
+proof or a periodic save the plugin timed, never less than `[limits] save_floor`, plus `[limits] margin`; at most half the limit, so a
 short one still trains), obd asks for a `deadline` (time limit, deadline) or `cost` (GPU-hours,
 cost) snapshot through daemon/stop.py, as any stop: the run ends `stopped` with a checkpoint, and a
 job that never snapshots meets the stop fallback. A run whose scheduler ends jobs on time (Slurm)
@@ -28,6 +28,7 @@ from typing import Any
 from daemon.api import ApiError, StartRequest
 from daemon.models import Limits, RunRecord, RunState, Transition
 from daemon.ports import Runs
+from executors.base import SaveLine
 from executors.config import AnyTarget
 from executors.factory import gpus_counted, has_price, makes_pods, run_price
 from trainer_plugin.rundir import COST, DEADLINE
@@ -121,6 +122,21 @@ def measured_save(record: RunRecord) -> float | None:
     if record.snapshot is None or stop.requested_at is None or stop.proof_at is None:
         return None
     return max(0.0, stop.proof_at - stop.requested_at)
+
+
+def learn_save(record: RunRecord, save: SaveLine | None) -> bool:
+    """Take the attempt's newest periodic save (the plugin's last `save` line: the Trainer's own
+    checkpoint save, timed in the job) as the chain's last measured save, so a chain's first stop is
+    asked ahead of a save as long as its saves really take; True when that changed the record. A
+    snapshot's request-to-proof time, measured when the attempt ends, is newer and replaces it
+    (`carried`)."""
+    limits = record.limits
+    if limits is None or save is None or save.seconds is None or save.seconds < 0:
+        return False
+    if limits.save_seconds == save.seconds:
+        return False
+    limits.save_seconds = save.seconds
+    return True
 
 
 def carried(prev: RunRecord, rate: Rate, now: float) -> Limits | None:

@@ -102,7 +102,9 @@ class Limits(BaseModel):
     run_seconds: float = 0.0
     gpu_seconds: float = 0.0
     cost_usd: float = 0.0
-    save_seconds: float | None = None  # the newest snapshot's time from request to proof on the chain
+    # The newest measured save on the chain: a snapshot's time from request to proof, or a periodic
+    # save's duration as the plugin timed it (its `save` line).
+    save_seconds: float | None = None
     reached: str | None = None  # the limit obd stopped this attempt for ("time limit", "deadline", ...)
 
 
@@ -151,6 +153,16 @@ class BadCheckpoint(BaseModel):
     run: str  # the run whose directory holds it
     name: str  # checkpoint-<step>
     why: str = ""
+
+
+class Trackers(BaseModel):
+    """The experiment-tracker run a chain's attempts all log to (daemon/trackers.py): carried from
+    attempt to attempt and to a run resumed from it, so its curves continue in one run."""
+
+    root: str  # the first attempt of the chain (and of the runs resumed from it): W&B's run id is made from it
+    target: str | None = None  # where `tensorboard_dir` is
+    tensorboard_dir: str | None = None  # the chain's TensorBoard directory, in the first attempt's output/
+    mlflow_run_id: str | None = None  # the MLflow run an attempt's job opened (it must exist on the server)
 
 
 class RunRecord(BaseModel):
@@ -217,6 +229,7 @@ class RunRecord(BaseModel):
     unreachable_since: float | None = None
     metrics: dict[str, Any] | None = None  # RunMetrics, when the run was profiled
     limits: Limits | None = None  # its chain's limits (--time-limit, --deadline, --max-gpu-hours, --max-cost-usd)
+    trackers: Trackers | None = None  # the tracker run its chain logs to (None: a run made before obd gave one)
     # Checkpoint retention (daemon/retention.py): how many complete checkpoints its chain keeps
     # (None: all), and the checkpoints of its own directory obd deleted for it.
     keep_checkpoints: int | None = None

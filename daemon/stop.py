@@ -23,10 +23,12 @@ from typing import Protocol
 import anyio
 import structlog
 
+from daemon.limits import learn_save
 from daemon.models import RunRecord, RunState, Snapshot
 from daemon.ports import Runs, Wakes
 from daemon.progress import update_progress
 from daemon.targets import Targets
+from daemon.trackers import learn as learn_trackers
 from executors.base import JobState, JobStatus, RunProbe
 from trainer_plugin import rundir
 from trainer_plugin.rundir import normalise_reason
@@ -193,6 +195,8 @@ def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes)
         record.snapshots = True
         record.note(f"snapshot plugin {begin.version or '?'} active", now)
     update_progress(record, probe, now)
+    learned = learn_save(record, probe.last_save)  # the lead of the chain's limits (docs/limits.md)
+    learned = learn_trackers(record, probe.begin) or learned  # an MLflow run for the next attempts
     see_request(record, probe.request, now)
     see_proof(record, probe, now)
     if probe.status.state == JobState.pending:
@@ -208,7 +212,7 @@ def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes)
         if record.state == RunState.queued:
             record.transition(RunState.running, "started by the target's scheduler", now)
         verdict.cancel = fallback_reason(record, now, stop)
-    verdict.changed = _fingerprint(record) != before
+    verdict.changed = _fingerprint(record) != before or learned
     return verdict
 
 

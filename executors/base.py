@@ -171,6 +171,7 @@ class BeginLine(BaseModel):
     start_step: Int = None
     snapshots: Flag = None  # the plugin announces it can snapshot (exactly `true`)
     version: Text = None
+    mlflow_run_id: Text = None  # the MLflow run the job's Trainer opened (daemon/trackers.py)
 
 
 class LogLine(BaseModel):
@@ -185,6 +186,18 @@ class LogLine(BaseModel):
     @property
     def has_loss(self) -> bool:
         return "loss" in self.model_fields_set
+
+
+class SaveLine(BaseModel):
+    """metrics.jsonl's last `save` line: how long the Trainer's checkpoint save at `step` took
+    (periodic, or a snapshot's), as the plugin measured it (docs/contract.md)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    time: Number = None
+    step: Int = None
+    seconds: Number = None
+    snapshot: Flag = None
 
 
 def _line(kind: type[BaseModel]) -> Any:
@@ -211,6 +224,7 @@ class RunProbe(BaseModel):
     proof_not_regular: str | None = None
     begin: Annotated[BeginLine | None, _line(BeginLine)] = None  # the metrics.jsonl `begin` line
     last_log: Annotated[LogLine | None, _line(LogLine)] = None  # its last `log` line
+    last_save: Annotated[SaveLine | None, _line(SaveLine)] = None  # its last `save` line in the tail read
     ended: bool = False  # metrics.jsonl has an `end` line
     log_size: int = 0
     metrics_size: int = 0

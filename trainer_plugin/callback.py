@@ -36,6 +36,7 @@ from .runtime import (
     write_proof,
     write_request,
 )
+from .trackers import tracker_ids
 
 # The Trainer writes trainer_state.json last in _save_checkpoint: its presence marks a
 # checkpoint the Trainer can resume from.
@@ -99,6 +100,9 @@ class SnapshotCallback(TrainerCallback):
         self._heartbeats = True
         # The sooner of the heartbeat and the write of step logs that wait: one comparison a step.
         self._due = math.inf
+        # time.monotonic() when the Trainer's checkpoint save under way began (set by inject's
+        # wrapper of Trainer._save_checkpoint); its `on_save` writes the save's duration.
+        self.save_began: float | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -141,6 +145,7 @@ class SnapshotCallback(TrainerCallback):
             tokens=state.num_input_tokens_seen,
             snapshot_on_sigterm=self.env.snapshot_on_sigterm,
             **parameter_counts(model),
+            **tracker_ids(),  # the runs the Trainer's trackers opened: the daemon hands MLflow's on
         )
         # After the begin line: the watch's thread does not wake for metrics.jsonl being made.
         quick = not self._ranks.distributed and self._profiler is None and _process_snapshot is None
@@ -296,7 +301,10 @@ class SnapshotCallback(TrainerCallback):
             control.should_save = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.env.active or self._pending is None or self._proven:
+        if not self.env.active:
+            return
+        self._report_save(state)
+        if self._pending is None or self._proven:
             return
         step, reason = self._pending
         if state.global_step != step:
@@ -321,6 +329,22 @@ class SnapshotCallback(TrainerCallback):
         global _process_snapshot
         checkpoint = os.path.join(str(self.env.output_dir), checkpoint_name(step))
         _process_snapshot = note_snapshot(StoppedForSnapshot(step, state.max_steps, reason, checkpoint))
+
+    def _report_save(self, state: Any) -> None:
+        """Rank 0: a `save` line with how long the Trainer's checkpoint save just took (from the start
+        of its `_save_checkpoint` to this `on_save`), periodic or a snapshot's; the daemon learns a
+        limit's lead from it (docs/limits.md). Nothing when the start was not seen."""
+        began, self.save_began = self.save_began, None
+        if began is None or self._metrics.path is None:
+            return
+        pending = self._pending
+        self._metrics.write(
+            "save",
+            step=state.global_step,
+            seconds=round(max(0.0, _monotonic() - began), 3),
+            checkpoint=checkpoint_relpath(state.global_step),
+            snapshot=pending is not None and not self._proven and pending[0] == state.global_step,
+        )
 
     def _check_output_dir(self, args: Any) -> None:
         actual = os.path.realpath(str(args.output_dir))

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
@@ -21,6 +22,7 @@ from typing import Any, NoReturn
 
 from .dist import Ranks
 from .runtime import SNAPSHOT_RETURNS, RunEnv, log_error, stopped_for_snapshot
+from .trackers import continue_in_args
 
 TARGET = "transformers.trainer"
 MARKER = "_obd_patched"  # set on the patched functions, so patching twice is a no-op
@@ -139,11 +141,15 @@ def patch_module(module: ModuleType) -> None:
 
 
 def patch_trainer_class(cls: Any) -> None:
-    """Wrap `cls.__init__` (output_dir, callback) and `cls.train` (resume, one callback, the job's end after a snapshot); idempotent."""
+    """Wrap `cls.__init__` (output_dir, callback), `cls.train` (resume, one callback, the job's end
+    after a snapshot) and `cls._save_checkpoint` (when each save began, for its duration); idempotent."""
     if not getattr(cls.__init__, MARKER, False):
         cls.__init__ = _wrap_init(cls.__init__)
     if not getattr(cls.train, MARKER, False):
         cls.train = _wrap_train(cls.train)
+    save = getattr(cls, "_save_checkpoint", None)
+    if save is not None and not getattr(save, MARKER, False):
+        cls._save_checkpoint = _wrap_save(save)
 
 
 def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -155,6 +161,7 @@ def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
         original(self, *args, **kwargs)
         if env.active:
             redirect_output_dir(self.args, env)
+            continue_in_args(self.args, requested_output_dir(self.args))  # the chain's tracker run
             ensure_callback(self, env)
 
     setattr(__init__, MARKER, True)
@@ -178,6 +185,22 @@ def _wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(train, MARKER, True)
     return train
+
+
+def _wrap_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Note when the Trainer's checkpoint save begins on its SnapshotCallback, whose `on_save` (called
+    right after the save) writes the save's duration in metrics.jsonl: the lead of a limit is learned
+    from it (docs/limits.md). One clock read a save; nothing at the step ends."""
+
+    @functools.wraps(original)
+    def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = time.monotonic()
+        for callback in _snapshot_callbacks(self):
+            callback.save_began = began
+        return original(self, *args, **kwargs)
+
+    setattr(_save_checkpoint, MARKER, True)
+    return _save_checkpoint
 
 
 def _end_job_if_stopped(trainer: Any) -> None:
@@ -253,7 +276,8 @@ def _default_training_args(env: RunEnv) -> Any:
 
 
 def _snapshot_callbacks(trainer: Any) -> list[Any]:
-    return [cb for cb in trainer.callback_handler.callbacks if getattr(cb, CALLBACK_MARKER, False)]
+    handler = getattr(trainer, "callback_handler", None)
+    return [cb for cb in getattr(handler, "callbacks", ()) if getattr(cb, CALLBACK_MARKER, False)]
 
 
 def ensure_callback(trainer: Any, env: RunEnv) -> None:

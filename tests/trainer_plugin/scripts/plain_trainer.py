@@ -193,6 +193,7 @@ def main() -> int:
         help="test: write DIR/finally, DIR/atexit and DIR/teardown (a module object's __del__) as each runs",
     )
     p.add_argument("--catch-exit", type=int, default=None, help="test: catch train()'s SystemExit and sys.exit(N)")
+    p.add_argument("--report_to", default="none", help="the Trainer's report_to, comma-separated (wandb,tensorboard)")
     opts = p.parse_args()
     if opts.exit_probe:
         probe_exit(opts.exit_probe)
@@ -214,7 +215,7 @@ def main() -> int:
         logging_steps=opts.logging_steps,
         save_strategy="steps" if opts.save_steps else "no",
         save_steps=opts.save_steps or 500,
-        report_to="none",
+        report_to=opts.report_to.split(",") if opts.report_to != "none" else "none",
         disable_tqdm=True,
         use_cpu=True,
         dataloader_num_workers=0,
