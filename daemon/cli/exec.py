@@ -66,10 +66,13 @@ def connect(client: Client) -> socket.socket:
 
 
 def send(sock: socket.socket, message: dict[str, Any]) -> None:
+    """Send one message; one the daemon no longer reads (it answered and hung up: a refusal, the
+    command's end) is dropped, and its answer read."""
     line = json.dumps(message).encode() + b"\n"
     if len(line) > MAX_MESSAGE:
         raise UsageError(f"the command is over the daemon's limit of {MAX_MESSAGE >> 10} KiB; put it in a script")
-    sock.sendall(line)
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        sock.sendall(line)
 
 
 def terminal_size() -> tuple[int, int]:

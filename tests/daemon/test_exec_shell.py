@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, kill_job_groups, wait_for
 
 TWO_GPUS = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\n'
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -137,13 +137,13 @@ def test_exec_without_a_command_is_a_usage_error(gpu_daemon: DaemonProc) -> None
     assert "give the command to run after --" in out.stderr
 
 
-def drive_shell(d: DaemonProc, run_id: str, typed: bytes, timeout: float = 30) -> tuple[int, bytes]:
-    """`obd train shell RUN` on a pseudo-terminal of this test's, `typed` typed into it; its exit
-    status and everything it showed."""
+def drive(d: DaemonProc, args: list[str], typed: bytes, timeout: float = 30) -> tuple[int, bytes]:
+    """`obd ARGS` on a pseudo-terminal of this test's, `typed` typed into it once a prompt shows
+    (or after 3 s); its exit status and everything it showed."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: obd on the terminal
         os.chdir(REPO)
-        os.execve(sys.executable, [sys.executable, "-m", "daemon.cli", "train", "shell", run_id], {**d.env, "TERM": "xterm"})
+        os.execve(sys.executable, [sys.executable, "-m", "daemon.cli", *args], {**d.env, "TERM": "xterm"})
     shown = b""
     deadline = time.monotonic() + timeout
     sent = False
@@ -169,8 +169,109 @@ def drive_shell(d: DaemonProc, run_id: str, typed: bytes, timeout: float = 30) -
 
 def test_a_shell_on_a_terminal_runs_what_is_typed_and_its_exit_status_is_obds(gpu_daemon: DaemonProc) -> None:
     record = start_running(gpu_daemon, "--gpus", "1")
-    code, shown = drive_shell(gpu_daemon, record["id"], b"echo hi-$((40+2)); tty; pwd; exit 3\r")
+    code, shown = drive(gpu_daemon, ["train", "shell", record["id"]], b"echo hi-$((40+2)); tty; pwd; exit 3\r")
     assert code == 3, shown
     assert b"hi-42" in shown
     assert b"/dev/pts/" in shown  # a real terminal there
     assert record["remote_dir"].encode() in shown
+
+
+# --- the SSH target: the same, over the executor's connection to a real sshd on loopback -------
+
+
+@pytest.fixture
+def ssh_box(make_daemon, short_tmp: Path) -> Iterator[DaemonProc]:
+    from tests.daemon.test_ssh_target import ssh_config
+    from tests.sshd import running_sshd
+
+    for server in running_sshd():
+        workdir = short_tmp / "remote"
+        d = make_daemon(ssh_config(server, workdir))
+        d.start()
+        yield d
+        kill_job_groups(workdir.glob("*/job.pid"))
+
+
+def test_exec_over_ssh_runs_in_the_run_directory_with_the_jobs_gpus_and_passes_the_exit_status(
+    ssh_box: DaemonProc,
+) -> None:
+    job = 'echo "${CUDA_VISIBLE_DEVICES-unset}" > job-gpus; sleep 120'
+    record = start_running(ssh_box, "--target", "box", command=["sh", "-c", job])
+    probe = 'id -un; pwd; echo "${CUDA_VISIBLE_DEVICES-unset}"; echo $OBD_RUN_ID; cat job-gpus'
+    out = ssh_box.cli("train", "exec", record["id"], "--", "sh", "-c", probe)
+    assert out.returncode == 0, out.stderr
+    user, cwd, gpus, run_id, job_gpus = out.stdout.splitlines()
+    assert user == subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip()  # the login's
+    assert cwd == record["remote_dir"]
+    assert gpus == job_gpus  # what the job got (an SSH target's GPUs are the host's own)
+    assert run_id == record["id"]
+    # Every word reaches the command as it was given: quoted for the remote shell, not read by it.
+    odd = 'it\'s $HOME; `rm -rf x` "q"'
+    echoed = ssh_box.cli("train", "exec", record["id"], "--", "printf", "%s|", odd, "b c")
+    assert echoed.stdout == f"{odd}|b c|"
+    failed = ssh_box.cli("train", "exec", record["id"], "--", "sh", "-c", "echo oops >&2; exit 7")
+    assert failed.returncode == 7
+    assert failed.stderr.endswith("oops\n")  # after whatever the login's dotfiles say there
+
+
+def test_a_terminal_over_ssh_is_a_real_one_and_its_exit_status_is_obds(ssh_box: DaemonProc) -> None:
+    record = start_running(ssh_box, "--target", "box", command=["sleep", "120"])
+    code, shown = drive(ssh_box, ["train", "exec", "-t", record["id"], "--", "sh"], b"tty; echo hi-$((40+2)); exit 3\r")
+    assert code == 3, shown
+    assert b"hi-42" in shown and b"/dev/pts/" in shown
+
+
+# --- the Slurm cluster: a step beside the run's job (srun --jobid --overlap) -------------------
+
+
+@pytest.fixture
+def hpc(make_daemon, short_tmp: Path) -> Iterator[DaemonProc]:
+    from tests.daemon.test_slurm_target import slurm_config
+
+    cluster = pytest.importorskip("tests.executors.slurm.conftest")
+    from tests.executors.slurm.cluster import SHARED, missing_reason
+
+    if reason := missing_reason():
+        pytest.skip(reason)
+    assert cluster is not None
+    slurm = SHARED.acquire()
+    try:
+        d = make_daemon(slurm_config(short_tmp / "shared"))
+        d.env.update(slurm.env)
+        d.start()
+        yield d
+        d.stop()
+        slurm.run("scancel", "--user=root", check=False)
+        wait_for(lambda: not slurm.stepds(), 30, 0.2, "the cluster's jobs to end")
+    finally:
+        SHARED.release()
+
+
+def running_on_slurm(d: DaemonProc) -> dict:
+    """A run whose job Slurm started (not only submitted: a pending job is `queued`)."""
+    record = start_running(d, "--target", "hpc", command=["sh", "-c", 'touch "$OBD_RUN_DIR/started"; exec sleep 120'])
+    wait_for(lambda: (Path(record["remote_dir"]) / "started").exists(), 60, 0.2, "the Slurm job to start")
+    return d.wait_state(record["id"], "running")
+
+
+def test_exec_on_slurm_runs_as_a_step_of_the_runs_job_in_its_run_directory(hpc: DaemonProc) -> None:
+    record = running_on_slurm(hpc)
+    job_id = record["job"]["host"].removeprefix("slurm job ")
+    probe = "id -un; pwd; echo $SLURM_JOB_ID; echo $SLURM_STEP_ID; echo $OBD_RUN_ID"
+    out = hpc.cli("train", "exec", record["id"], "--", "sh", "-c", probe)
+    assert out.returncode == 0, out.stderr
+    user, cwd, slurm_job, step, run_id = out.stdout.splitlines()
+    assert user == "root"  # the run's user: this daemon's (the users' case: tests/security)
+    assert cwd == record["remote_dir"]
+    assert slurm_job == job_id and step.isdigit()  # a step of the run's own job, beside its batch step
+    assert run_id == record["id"]
+    failed = hpc.cli("train", "exec", record["id"], "--", "sh", "-c", "echo oops >&2; exit 7")
+    assert failed.returncode == 7 and failed.stderr.endswith("oops\n")
+    assert hpc.record(record["id"])["state"] == "running"  # the job itself goes on
+
+
+def test_a_terminal_on_slurm_is_srun_pty_and_its_exit_status_is_obds(hpc: DaemonProc) -> None:
+    record = running_on_slurm(hpc)
+    code, shown = drive(hpc, ["train", "exec", "-t", record["id"], "--", "sh"], b"tty; echo hi-$((40+2)); exit 3\r")
+    assert code == 3, shown
+    assert b"hi-42" in shown and b"/dev/pts/" in shown
