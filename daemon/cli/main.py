@@ -102,8 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _untranslated_argparse() -> None:
+    """argparse passes every help string through gettext, which looks for a catalogue on disk
+    each time: nearly half of building the parser, which every command does. Python ships no
+    argparse translations, so the command skips the lookups, in its own process only (the Python
+    API, `import obd`, leaves argparse as it is)."""
+    import argparse
+
+    argparse._ = str  # type: ignore[attr-defined]
+
+
 def _main(argv: list[str]) -> int:
     head, command = _split_command(argv)
+    _untranslated_argparse()
     parser = _parser()
     try:
         args, unknown = parser.parse_known_args(head)

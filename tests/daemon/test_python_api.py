@@ -132,6 +132,25 @@ def test_a_whole_trainer_run_through_the_sync_client(box: DaemonProc, short_tmp:
         assert client.run("api-sync").id == run.id and client.run(str(done.name)).id == again.id  # by name
 
 
+def test_start_takes_a_run_file_and_options_over_it_as_the_command_does(
+    box: DaemonProc, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("API_SECRET", "s3cret")
+    runfile = short_tmp / "run.toml"
+    runfile.write_text('name = "from-file"\ncommand = ["sh", "-c", "echo $A $B $API_SECRET"]\nenv = { A = "a" }\n')
+    with obd.Client() as client:
+        run = client.start(file=runfile, env={"B": "b"}, secrets=["API_SECRET"], name="over")
+        done = run.wait(timeout=60)
+        assert done.state == "succeeded" and done.name == "over"
+        assert list(run.logs()) == ["a b s3cret"]
+        assert done.record["secret_names"] == ["API_SECRET"] and "s3cret" not in json.dumps(done.record)
+
+        runfile.write_text('name = "x"\ncomand = ["true"]\n')
+        with pytest.raises(obd.BadRequest, match="comand") as typo:
+            client.start(file=runfile)
+        assert f"{runfile}:2: comand" in str(typo.value) and typo.value.exit_code == EXIT_USAGE
+
+
 async def test_a_whole_trainer_run_through_the_async_client(box: DaemonProc, short_tmp: Path) -> None:
     async with obd.AsyncClient(socket=box.socket) as client:
         run = await client.start(trainer(save_steps=5), cwd=str(short_tmp), name="api-async")
