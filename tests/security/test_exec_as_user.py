@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests import users
-from tests.conftest import FAST_CONFIG
+from tests.conftest import FAST_CONFIG, wait_for
+from tests.executors.slurm.conftest import slurm_cluster  # noqa: F401 - the shared fixture
 from tests.users import Box, User
 
 pytestmark = users.needs_root_and_users
@@ -112,3 +113,38 @@ def shell_as(box: Box, user: User, run_id: str, typed: bytes, timeout: float = 3
     finally:
         os.close(fd)
     return os.waitstatus_to_exitcode(status), shown
+
+
+# --- a user's Slurm job: the step runs as them (srun --jobid --overlap, as the job's user) -------
+
+
+@pytest.fixture
+def slurm_box(make_daemon, slurm_cluster, short_tmp: Path, accounts) -> Iterator[Box]:  # noqa: F811
+    from tests.security.test_slurm_as_user import slurm_config
+
+    alice, bob, group, client, venv = accounts
+    os.chmod(short_tmp, 0o711)
+    d = make_daemon(slurm_config(short_tmp / "shared", venv, group))
+    d.env.update(slurm_cluster.env)
+    d.start()
+    yield Box(d, alice, bob, group, client, venv)
+    d.stop()
+    for user in (alice.name, bob.name):
+        slurm_cluster.run("scancel", "--full", f"--user={user}", check=False)
+    wait_for(lambda: not slurm_cluster.stepds(), 30, 0.2, "the users' Slurm jobs to end")
+
+
+def test_a_users_exec_on_slurm_is_a_step_of_their_job_run_as_them(slurm_box: Box) -> None:
+    box, alice = slurm_box, slurm_box.alice
+    run_id = box.start(alice, "sh", "-c", 'touch "$OBD_RUN_DIR/started"; exec sleep 120', opts=("--target", "hpc"))
+    record = box.daemon.wait_state(run_id, "running", "queued", timeout=60)
+    wait_for(lambda: (Path(record["remote_dir"]) / "started").exists(), 60, 0.2, "the Slurm job to start")
+    box.daemon.wait_state(run_id, "running")  # as the daemon's next poll of Slurm sees it
+    out = box.obd(alice, "train", "exec", run_id, "--", "sh", "-c", "id -un; id -u; pwd; echo $SLURM_JOB_ID")
+    assert out.returncode == 0, out.stderr
+    name, uid, cwd, job_id = out.stdout.splitlines()
+    assert (name, int(uid)) == (alice.name, alice.uid)
+    assert cwd == record["remote_dir"]
+    assert job_id == str(record["job"]["pid"])
+    refused = box.obd(box.bob, "train", "exec", run_id, "--", "true")
+    assert refused.returncode == 77 and "is not yours" in refused.stderr
