@@ -47,11 +47,14 @@ def login_shell(account: RunAs | None) -> str:
     return shell
 
 
-def login_env(account: RunAs | None, extra: Mapping[str, str], tty: TermSize | None) -> dict[str, str]:
+def login_env(
+    account: RunAs | None, extra: Mapping[str, str], tty: TermSize | None, path_prepend: tuple[str, ...] = ()
+) -> dict[str, str]:
     """The command's environment: a login's (the user's HOME, USER, LOGNAME, SHELL; PATH, locale
-    and Slurm's config from the daemon's), then the run's variables (its GPUs, `OBD_*`)."""
+    and Slurm's config from the daemon's), PATH led as the job's is (the target's venv), then the
+    run's variables (its GPUs, `OBD_*`)."""
     env = {k: v for k, v in os.environ.items() if k in KEPT_ENV or k.startswith("LC_")}
-    env.setdefault("PATH", DEFAULT_PATH)
+    env["PATH"] = os.pathsep.join([*path_prepend, env.get("PATH") or DEFAULT_PATH])
     if account is not None:
         env.update(HOME=account.home, USER=account.user, LOGNAME=account.user)
     else:  # the daemon's own user: its HOME as the daemon has it
@@ -183,10 +186,10 @@ async def _exited(proc: subprocess.Popen[bytes]) -> int:
     return 128 - code if code < 0 else code
 
 
-async def run_here(spec: ExecSpec, io: ExecIO, account: RunAs | None) -> int:
+async def run_here(spec: ExecSpec, io: ExecIO, account: RunAs | None, path_prepend: tuple[str, ...] = ()) -> int:
     """Run `spec` on this machine as `account` (None: the daemon's own user); its exit status."""
     argv = command_line(spec, account)
-    env = login_env(account, spec.env, spec.tty)
+    env = login_env(account, spec.env, spec.tty, path_prepend)
     if spec.tty is not None:
         master, slave = os.openpty()
         set_size(slave, spec.tty.rows, spec.tty.cols)
@@ -236,7 +239,12 @@ async def _follow(proc: subprocess.Popen[bytes], io: ExecIO, stdin: int, outs: l
         tg.start_soon(pump_all)
         tg.start_soon(_pump_in, stdin, io, tty, hung_up)
         tg.start_soon(on_hangup)
-        code = await _exited(proc)
+        try:
+            code = await _exited(proc)
+        finally:
+            if proc.poll() is None:  # cancelled (the daemon stops): the command does not outlive its caller
+                with anyio.CancelScope(shield=True):
+                    await _end(proc)
         with anyio.move_on_after(DRAIN_AFTER_EXIT):
             await drained.wait()
         tg.cancel_scope.cancel()

@@ -474,7 +474,14 @@ class LocalExecutor:
 
     async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
         """A command in the run directory, as the run's user (`spec.run_as`, under a root daemon)."""
-        return await exec_process.run_here(spec, io, spec.run_as)
+        return await exec_process.run_here(spec, io, spec.run_as, self._exec_path(spec.remote_dir))
+
+    def _exec_path(self, remote_dir: str) -> tuple[str, ...]:
+        """What leads a command's PATH, as it leads the run's job's: the target's venv, or the
+        run's `python` (executors/python_shim.py) where the target names one."""
+        if self.venv:
+            return (str(Path(self.venv).expanduser() / "bin"),)
+        return (python_shim.bin_dir(remote_dir),) if self.configured_python else ()
 
     async def aclose(self) -> None:
         return None

@@ -99,13 +99,32 @@ def test_output_comes_as_it_is_written_not_when_the_command_ends(gpu_daemon: Dae
     wait_for(lambda: not sleeping_in(record["remote_dir"]), 15, 0.2, "the command of a gone client to end")
 
 
+def test_a_daemon_that_stops_ends_the_commands_it_runs_in_runs(gpu_daemon: DaemonProc) -> None:
+    record = start_running(gpu_daemon)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "train", "exec", record["id"], "--", "sleep", "30"],
+        env=gpu_daemon.env,
+        stdin=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    try:
+        wait_for(lambda: sleeping_in(record["remote_dir"]), 15, 0.1, "the command to run")
+        gpu_daemon.stop()
+        assert not sleeping_in(record["remote_dir"])
+        assert proc.wait(15) != 0  # the client says the daemon went before the command ended
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def sleeping_in(run_dir: str) -> bool:
     """Whether a `sleep 30` whose working directory is the run directory still runs."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            if os.readlink(f"/proc/{pid}/cwd") == run_dir and b"sleep" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if os.readlink(f"/proc/{pid}/cwd") == run_dir and cmdline.startswith(b"sleep\0"):
                 return True
         except OSError:
             continue
