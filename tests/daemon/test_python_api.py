@@ -215,7 +215,9 @@ def test_errors_are_the_commands_exceptions_with_its_exit_codes(box: DaemonProc,
     assert unreachable.value.exit_code == EXIT_UNREACHABLE == out.returncode
 
 
-async def test_the_async_client_raises_the_same_exceptions(box: DaemonProc, short_tmp: Path) -> None:
+async def test_the_async_client_raises_the_same_exceptions_and_serves_concurrent_tasks(
+    box: DaemonProc, short_tmp: Path
+) -> None:
     async with obd.AsyncClient() as client:
         with pytest.raises(obd.NotFound):
             await client.run("no-such-run")
