@@ -90,6 +90,7 @@ def plan(held: Sequence[Held], keep: int, protected: Mapping[Key, str], chain_ru
             out.kept[h.key] = "newer than the newest complete checkpoint (it may still be being written)"
         else:
             out.remove.append(h)
+    out.remove.sort(key=lambda h: h.order)  # the oldest first
     return out
 
 
@@ -272,9 +273,11 @@ class Retention:
                 with anyio.fail_after(timeout):
                     freed = await daemon.targets.executor(owner).remove_checkpoint(owner.remote_dir, h.name)
             except (ExecutorError, TimeoutError, OSError) as exc:
-                done.errors.append(f"{h.run}/{rundir.OUTPUT}/{h.name}: {exc}")
-                log.warning("prune_refused", run_id=h.run, checkpoint=h.name, error=str(exc))
-                continue
+                if not await self._gone(owner, h.name):
+                    done.errors.append(f"{h.run}/{rundir.OUTPUT}/{h.name}: {exc or 'timed out'}")
+                    log.warning("prune_refused", run_id=h.run, checkpoint=h.name, error=str(exc))
+                    continue
+                freed = h.size  # the answer was lost (a timeout, a dropped connection), not the removal
             self._complete.discard(h.key)
             done.removed.append({"run": h.run, "name": h.name, "bytes": freed})
             async with daemon.editing(owner):
@@ -282,6 +285,15 @@ class Retention:
                     owner.pruned.append(h.name)
                 owner.pruned_bytes += freed
         return done
+
+    async def _gone(self, owner: RunRecord, name: str) -> bool:
+        """Whether a checkpoint whose removal answered with an error is gone all the same."""
+        try:
+            with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
+                sizes = await self.daemon.targets.executor(owner).checkpoint_sizes(owner.remote_dir)
+        except (ExecutorError, TimeoutError, OSError):
+            return False
+        return name not in sizes
 
     async def usage(self, record: RunRecord) -> dict[str, Any]:
         """For `status`: the disk the chain's checkpoints use, each one, and the keep setting."""

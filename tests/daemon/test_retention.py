@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from daemon.models import RunRecord, RunState, Snapshot
 from daemon.retention import Held, is_run_dir, plan, protections
 from executors.base import ExecutorError
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
+from tests.daemon.test_ssh_target import ssh_config
+from tests.sshd import SshServer, running_sshd
 from trainer_plugin import jobctl
 
 # --- the rule, as a table ---------------------------------------------------------------------
@@ -289,3 +292,26 @@ def test_a_chain_keeping_two_checkpoints_holds_the_newest_two_and_what_it_resume
     assert answer["removed"] == [] and answer["freed"] == 0  # nothing left to free
     assert len(on_disk(d, chain)) == 1
     assert d.record(older[0])["pruned_bytes"] >= size > 0
+
+
+@pytest.fixture
+def sshd() -> Iterator[SshServer]:
+    yield from running_sshd()
+
+
+def test_an_ssh_target_s_default_keeps_one_checkpoint_and_the_rest_are_removed_on_the_host(
+    make_daemon, sshd: SshServer, short_tmp: Path
+) -> None:
+    d = make_daemon(ssh_config(sshd, short_tmp / "remote", extra="keep_checkpoints = 1\n", proof_timeout="60s"))
+    d.start()
+    command = [PY, PLAIN, "--output_dir", "out", "--max_steps", "20", "--save_steps", "5"]
+    out = d.cli("train", "start", "--target", "box", "--", *command)
+    assert out.returncode == 0, out.stderr
+    rid = out.stdout.strip()
+    record = d.wait_state(rid, "succeeded", "failed", timeout=180)
+    assert record["state"] == "succeeded", record["message"]
+    assert record["keep_checkpoints"] == 1  # the target's default
+    wait_for(lambda: len(d.record(rid)["pruned"]) == 3, 30, 0.1, "the older ones pruned")
+    assert d.record(rid)["pruned"] == ["checkpoint-5", "checkpoint-10", "checkpoint-15"]  # the oldest first
+    assert list(on_disk(d, [rid])) == [(rid, "checkpoint-20")]
+    assert "keeping the newest 1 complete" in d.cli("train", "status", rid).stdout
