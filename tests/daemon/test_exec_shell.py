@@ -294,3 +294,37 @@ def test_a_terminal_on_slurm_is_srun_pty_and_its_exit_status_is_obds(hpc: Daemon
     code, shown = drive(hpc, ["train", "exec", "-t", record["id"], "--", "sh"], b"tty; echo hi-$((40+2)); exit 3\r")
     assert code == 3, shown
     assert b"hi-42" in shown and b"/dev/pts/" in shown
+
+
+# --- a Runpod pod: over the pod's SSH connection (a loopback fake of the API, a real sshd as the pod)
+
+
+@pytest.fixture
+def pods_box(make_daemon, short_tmp: Path) -> Iterator[DaemonProc]:
+    from tests.daemon.pods import KEY, make_pods_daemon
+    from tests.executors.runpod.conftest import kill_jobs
+    from tests.fakes.runpod_api import FakeRunpod
+    from tests.sshd import running_sshd
+
+    for server in running_sshd():
+        fake = FakeRunpod(api_keys=(KEY,)).start()
+        fake.ssh_endpoint = (server.host, server.port)
+        try:
+            yield make_pods_daemon(make_daemon, fake, server, short_tmp)
+        finally:
+            kill_jobs(short_tmp / "pod")
+            fake.stop()
+
+
+def test_exec_on_a_pod_runs_in_the_run_directory_over_its_ssh_and_never_carries_the_account_key(
+    pods_box: DaemonProc,
+) -> None:
+    from tests.daemon.pods import KEY
+
+    record = start_running(pods_box, "--target", "pods", command=["sleep", "120"])
+    out = pods_box.cli("train", "exec", record["id"], "--", "sh", "-c", 'pwd; echo "$OBD_RUN_ID"; exit 7')
+    assert out.returncode == 7, out.stderr
+    assert out.stdout.splitlines() == [record["remote_dir"], record["id"]]
+    refused = pods_box.cli("train", "exec", record["id"], "--", "echo", KEY)
+    assert refused.returncode == 1
+    assert "refusing to send the Runpod account's API key" in refused.stderr
