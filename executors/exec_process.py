@@ -34,6 +34,7 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 CD_THEN_EXEC = 'cd -- "$1" || exit 126; shift; exec "$@"'  # run by the user's /bin/sh
 DRAIN_AFTER_EXIT = 0.5  # seconds the output of a command's leftover children is still read after it exited
 KILL_GRACE = 2.0  # after a hang-up: SIGHUP, this long, then SIGKILL
+USER_UMASK = 0o077  # what the command writes (in the run directory, mostly) is the user's alone
 
 
 def login_shell(account: RunAs | None) -> str:
@@ -97,6 +98,7 @@ def _spawn(
         stderr=fds[2],
         env=env,
         cwd="/",
+        umask=USER_UMASK,
         # On a terminal `setsid --ctty` makes the session (it must not be a group leader already
         # to do so without forking); without one, its own session, so a hang-up ends all of it.
         start_new_session=not tty or argv[0] == "/bin/sh",

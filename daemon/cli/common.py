@@ -56,7 +56,8 @@ exit codes:
 
 logs --follow exits with the code of the state the run ended in (succeeded: 0).
 stop --wait exits 0 when the run stopped with a valid snapshot, else 3 or 4.
-cancel --wait exits 0 when the run was cancelled, else its state's code."""
+cancel --wait exits 0 when the run was cancelled, else its state's code.
+exec and shell exit with the status of the command they ran."""
 
 
 class UsageError(Exception):
