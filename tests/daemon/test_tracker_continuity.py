@@ -4,7 +4,8 @@ opened one, one TensorBoard directory; never in place of a value the user set.
 
 The rules first (daemon/trackers.py, trainer_plugin/trackers.py), then real jobs under a real
 daemon: a job that prints what it got, over a retry; and a user's Trainer script with
-report_to=["wandb", "tensorboard"] in W&B's offline mode, stopped and resumed twice.
+report_to=["wandb", "mlflow", "tensorboard"] (W&B offline, MLflow on a file store), stopped and
+resumed twice.
 """
 
 from __future__ import annotations
@@ -212,14 +213,16 @@ def stop_when_past(d: DaemonProc, rid: str, step: int) -> dict[str, Any]:
     return record
 
 
-def test_a_trainer_reporting_to_wandb_and_tensorboard_stopped_and_resumed_twice_keeps_one_run_and_one_curve(
-    make_daemon, short_tmp: Path
+def test_a_trainer_reporting_to_wandb_mlflow_and_tensorboard_stopped_and_resumed_twice_keeps_one_run_each(
+    make_daemon, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file store: no MLflow server to start
     d: DaemonProc = make_daemon(FAST_CONFIG)
     d.start()
-    wandb_dir = short_tmp / "wandb-home"
+    wandb_dir, store = short_tmp / "wandb-home", short_tmp / "mlruns"
     wandb_dir.mkdir()
     env = {
         **d.env,
@@ -229,16 +232,20 @@ def test_a_trainer_reporting_to_wandb_and_tensorboard_stopped_and_resumed_twice_
         "WANDB_PROJECT": "obd-test",
         "WANDB_CONFIG_DIR": str(wandb_dir / "config"),
         "WANDB_CACHE_DIR": str(wandb_dir / "cache"),
+        "MLFLOW_TRACKING_URI": f"file://{store}",
+        "MLFLOW_ALLOW_FILE_STORE": "true",
     }
-    script = [PY, PLAIN, "--output_dir", "mine", "--report_to", "wandb,tensorboard", "--step-sleep", "0.05"]
-    out = d.cli("train", "start", "--cwd", str(short_tmp), "--", *script, "--max_steps", "100000", env=env)
+    # The same command every time (MLflow keeps the first attempt's parameters, and refuses changed ones).
+    script = [PY, PLAIN, "--output_dir", "mine", "--report_to", "wandb,mlflow,tensorboard"]
+    script += ["--step-sleep", "0.1", "--max_steps", "80"]
+    out = d.cli("train", "start", "--cwd", str(short_tmp), "--", *script, env=env)
     assert out.returncode == 0, out.stderr
     rid = out.stdout.strip()
     records = [stop_when_past(d, rid, 3)]
+    opened = records[0]["trackers"]["mlflow_run_id"]
+    assert opened  # the daemon kept the MLflow run the first attempt's Trainer opened
     for last in (False, True):
-        prev = records[-1]
-        steps = str(prev["snapshot"]["step"] + 4) if last else "100000"
-        out = d.cli("train", "resume", prev["id"], "--", *script, "--max_steps", steps, env=env)
+        out = d.cli("train", "resume", records[-1]["id"], "--", *script, env=env)
         assert out.returncode == 0, out.stderr
         nid = out.stdout.strip()
         if last:
@@ -246,23 +253,28 @@ def test_a_trainer_reporting_to_wandb_and_tensorboard_stopped_and_resumed_twice_
             assert final["state"] == "succeeded", final["message"]
             records.append(final)
         else:
-            records.append(stop_when_past(d, nid, prev["snapshot"]["step"] + 3))
+            records.append(stop_when_past(d, nid, records[-1]["snapshot"]["step"] + 3))
+    assert records[-1]["progress"]["step"] == 80
+
+    # Each attempt's job said which runs its Trainer logged to: the chain's, every time.
+    for record in records:
+        begin = json.loads((Path(record["remote_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
+        assert (begin["wandb_run_id"], begin["mlflow_run_id"]) == (f"obd-{rid}", opened)
+        assert record["trackers"]["root"] == rid
 
     # One W&B run: every attempt's offline run directory carries the chain's id.
     runs = sorted(p.name for p in (wandb_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 3, runs
-    assert {name.rsplit("-", 1)[1] for name in runs} == {f"obd-{rid}".rsplit("-", 1)[1]}
-    assert all(name.endswith(f"-obd-{rid}") for name in runs), runs
+    assert len(runs) == 3 and all(name.endswith(f"-obd-{rid}") for name in runs), runs
 
-    # Each attempt's job said so in its begin line: the run the Trainer's W&B callback opened.
-    for record in records:
-        begin = json.loads((Path(record["remote_dir"]) / "metrics.jsonl").read_text().splitlines()[0])
-        assert begin["wandb_run_id"] == f"obd-{rid}" and begin["mlflow_run_id"] is None
+    # One MLflow run, its loss logged at every step once.
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"file://{store}")
+    found = [r.info.run_id for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert found == [opened]
+    assert [m.step for m in client.get_metric_history(opened, "loss")] == list(range(1, 81))
 
     # One TensorBoard directory, in the first attempt's output/, whose steps go on where they stopped.
     board = Path(records[0]["remote_dir"]) / "output" / "runs" / rid
     assert len(list(board.glob("events.out.tfevents.*"))) == 3
     for record in records[1:]:
         assert not (Path(record["remote_dir"]) / "output" / "runs").exists()
-    steps = tensorboard_steps(board, "train/loss")
-    assert steps == list(range(1, records[-1]["progress"]["step"] + 1)), steps
+    assert tensorboard_steps(board, "train/loss") == list(range(1, 81))
