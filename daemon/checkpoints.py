@@ -247,11 +247,12 @@ def bad_checkpoints(records: Iterable[RunRecord]) -> dict[tuple[str, str], BadCh
 
 
 def failed_at_load(record: RunRecord) -> BadCheckpoint | None:
-    """The checkpoint an ended attempt failed to load, or None: it resumed from a checkpoint-<step>
-    (not a path given by hand), its job exited non-zero, and no step after that checkpoint was
-    logged (a truncated safetensors, a missing optimizer state, an unreadable trainer_state.json
-    all fail there). A job that fails before its first step for another reason is taken the same:
-    the next attempt then resumes from an older checkpoint, redoing steps, never losing any."""
+    """The checkpoint an ended attempt may have failed to load, or None: it resumed from a
+    checkpoint-<step> (not a path given by hand), its job exited non-zero, and no step after that
+    checkpoint was logged (a truncated safetensors, a missing optimizer state, an unreadable
+    trainer_state.json all fail there). `load_attempted` then says whether the job got as far as
+    the load; a job that fails there for another reason is taken the same: the next attempt then
+    resumes from an older checkpoint, redoing steps, never losing any."""
     if record.state != RunState.failed or record.exit_code in (None, 0) or record.stop.invalid_proof:
         return None
     if not record.resumed_from or not record.resume_checkpoint:
@@ -265,6 +266,26 @@ def failed_at_load(record: RunRecord) -> BadCheckpoint | None:
         name=name,
         why=f"attempt {record.id} failed (exit {record.exit_code}) before its first step after it",
     )
+
+
+# What the plugin writes in job.log as it hands OBD_RESUME_FROM to the Trainer's train()
+# (trainer_plugin/inject.py `_with_resume`), before the Trainer loads it.
+RESUMING = "obd: resuming from "
+LOG_HEAD = 4 << 20  # how much of job.log is looked at for it
+
+
+async def load_attempted(daemon: ChainHost, record: RunRecord) -> bool:
+    """Whether the attempt's job got as far as loading the checkpoint it resumed from: the plugin
+    said, in its job.log, that it handed that checkpoint to the Trainer. A job that died before
+    (a wrong command, a lost node, a job with no plugin) says nothing of its checkpoint."""
+    if not record.resume_checkpoint:
+        return False
+    try:
+        head = await Checkpoints(daemon, record).read(rundir.JOB_LOG, LOG_HEAD)
+    except (ApiError, ExecutorError, TimeoutError, OSError) as exc:
+        log.warning("job_log_unreadable", run_id=record.id, error=str(exc))
+        return False
+    return f"{RESUMING}{record.resume_checkpoint}".encode() in head
 
 
 def chain_of(daemon: ChainHost, record: RunRecord) -> list[dict[str, object]]:

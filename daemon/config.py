@@ -103,7 +103,16 @@ class RetrySection(StrictModel):
 
 
 NotifyEvent = Literal[
-    "failed", "stopped", "succeeded", "cancelled", "queued", "started", "snapshot", "cost_warning", "preempted"
+    "failed",
+    "stopped",
+    "succeeded",
+    "cancelled",
+    "queued",
+    "started",
+    "snapshot",
+    "cost_warning",
+    "preempted",
+    "bad_checkpoint",
 ]
 NOTIFY_EVENTS: tuple[str, ...] = get_args(NotifyEvent)
 FINAL_EVENTS: tuple[NotifyEvent, ...] = ("failed", "stopped", "succeeded", "cancelled")  # `on` by default

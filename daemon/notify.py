@@ -75,6 +75,7 @@ STATE_EVENTS = {
 PROOF_NOTE = "snapshot proof: "
 COST_NOTES = ("snapshot requested (cost)", "snapshot request reason changed to cost")
 PREEMPT_NOTES = ("preempted for run ", "target ")  # daemon/preempt.py's pause notes: for a run, or a drain
+BAD_CHECKPOINT_NOTE = "checkpoint "  # daemon/recovery.py's mark: "checkpoint X of run Y is bad: ..."
 # What a command gets of the daemon's environment, besides the names its entry lists.
 COMMAND_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ")
 USER_AGENT = "obd-notify/1"
@@ -113,6 +114,8 @@ def classify(previous: str | None, entry: Transition) -> str | None:
         return "snapshot"
     if entry.reason.startswith(COST_NOTES):
         return "cost_warning"
+    if entry.reason.startswith(BAD_CHECKPOINT_NOTE) and " is bad: " in entry.reason:
+        return "bad_checkpoint"
     if entry.reason.startswith(PREEMPT_NOTES) and (
         "preempted for run " in entry.reason or entry.reason.endswith(" drained")
     ):

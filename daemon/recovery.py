@@ -15,9 +15,10 @@ are deleted as soon as nothing can start from it again: when its next attempt is
 keeps its own copy), or when it ended with no retry to come (no attempt left, a cause retries do
 not help with, a cancel). A daemon that starts deletes those an earlier one left behind.
 
-An attempt that failed before its first step after the checkpoint it resumed from marks that
-checkpoint bad first (`failed_at_load`, daemon/checkpoints.py), so its retry resumes from the next
-older trusted one and no attempt loops on it.
+An attempt that failed before its first step after the checkpoint it resumed from, once its job
+had handed that checkpoint to the Trainer, marks that checkpoint bad first (`failed_at_load`,
+`load_attempted`, daemon/checkpoints.py), so its retry resumes from the next older trusted one
+and no attempt loops on it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Protocol
 
 import structlog
 
-from daemon.checkpoints import chain_resume_point, failed_at_load
+from daemon.checkpoints import chain_resume_point, failed_at_load, load_attempted
 from daemon.launch import Launcher
 from daemon.limits import spent_of
 from daemon.models import Paused, RunRecord, RunState
@@ -187,7 +188,7 @@ class Recovery:
         """An attempt that failed to load the checkpoint it resumed from marks it bad, on its record
         and in its history (what notifications say): no attempt resumes from it again."""
         bad = failed_at_load(record)
-        if bad is None or record.bad_checkpoint is not None:
+        if bad is None or record.bad_checkpoint is not None or not await load_attempted(self.daemon, record):
             return
         async with self.daemon.editing(record):
             record.bad_checkpoint = bad

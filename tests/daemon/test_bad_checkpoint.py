@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
-from daemon.checkpoints import bad_checkpoints, chain_resume_point, failed_at_load
+from daemon.checkpoints import bad_checkpoints, chain_resume_point, failed_at_load, load_attempted
 from daemon.models import BadCheckpoint, Progress, RunRecord, RunState
 from executors.base import ExecutorError
 from tests.conftest import FAST_CONFIG, REPO, wait_for
@@ -51,6 +51,18 @@ def test_an_attempt_that_failed_before_its_first_new_step_marks_the_checkpoint_i
 ) -> None:
     found = failed_at_load(attempt(**fields))
     assert (None if found is None else (found.run, found.name)) == bad
+
+
+def test_the_mark_in_the_history_is_a_notification_event_of_its_own() -> None:
+    from daemon.notify import events
+
+    record = attempt()
+    record.transition(RunState.failed, "exited with code 1")
+    bad = failed_at_load(record)
+    assert bad is not None
+    record.note(f"checkpoint {bad.name} of run {bad.run} is bad: {bad.why}; no attempt resumes from it again")
+    record.note("checkpoint-5 copied")  # another note about a checkpoint is no such event
+    assert [e.kind for e in events(record)] == ["failed", "bad_checkpoint"]
 
 
 class Gone:
@@ -95,6 +107,25 @@ def test_a_chain_resumes_from_the_next_older_checkpoint_never_a_bad_one(tmp_path
     a3.bad_checkpoint = BadCheckpoint(run="a1", name="checkpoint-10")
     chain.records["a3"] = a3
     assert anyio.run(chain_resume_point, chain, a3) is None  # from the start: never a bad one again
+
+
+@pytest.mark.parametrize(
+    ("log", "attempted"),
+    [
+        (b"loading data\nobd: resuming from /w/a1/output/checkpoint-20\nTraceback ...\n", True),
+        (b"python: can't open file 'trian.py'\n", False),  # it never got to the checkpoint
+        (b"obd: resuming from /w/a1/output/checkpoint-10\n", False),  # another checkpoint
+        (None, False),  # no log at all
+    ],
+)
+def test_a_checkpoint_is_marked_bad_only_once_the_job_handed_it_to_the_trainer(
+    tmp_path: Path, log: bytes | None, attempted: bool
+) -> None:
+    a2 = attempt()
+    (tmp_path / "a2" / "retrieved" / "output").mkdir(parents=True)
+    if log is not None:
+        (tmp_path / "a2" / "retrieved" / "job.log").write_bytes(log)
+    assert anyio.run(load_attempted, Chain(tmp_path, [a2]), a2) is attempted
 
 
 # --- a real daemon, a real Trainer script -----------------------------------------------------
