@@ -283,6 +283,11 @@ class AsyncRun:
         found: dict[str, Any] | None = (await self.client._call(sdk._Call("metrics", {"id": self.id}))).get("metrics")
         return found
 
+    async def prune(self, keep: int | None = None) -> dict[str, Any]:
+        """`Run.prune`."""
+        found: dict[str, Any] = await self.client._call(sdk._Call("prune", {"id": self.id, "keep": keep}))
+        return found
+
     async def outputs(
         self, to: str | os.PathLike[str] | None = None, checkpoint: str | int | None = None
     ) -> sdk.Outputs:

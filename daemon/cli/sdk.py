@@ -766,3 +766,10 @@ class Run:
     def outputs(self, to: str | os.PathLike[str] | None = None, checkpoint: str | int | None = None) -> Outputs:
         """Copy its output/ (or a checkpoint: latest, a step, final) into `to`, a new or empty directory."""
         return copy_outputs(self.client._call(_Call("outputs", {"id": self.id})), to, checkpoint)
+
+    def prune(self, keep: int | None = None) -> dict[str, Any]:
+        """`obd train prune`: delete its chain's older checkpoints now, keeping the newest `keep`
+        complete ones (default: its keep_checkpoints) and any a resume needs (docs/checkpoints.md);
+        what was removed (run, name, bytes), kept (and why), `freed` in bytes, and `errors`."""
+        found: dict[str, Any] = self.client._call(_Call("prune", {"id": self.id, "keep": keep}))
+        return found

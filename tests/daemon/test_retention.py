@@ -288,8 +288,11 @@ def test_a_chain_keeping_two_checkpoints_holds_the_newest_two_and_what_it_resume
     out = d.cli("train", "prune", a1, "--keep", "1")
     assert out.returncode == 0, out.stderr
     assert f"removed   {older[1]} of {older[0]}" in out.stdout and "freed" in out.stdout, out.stdout
-    answer = json.loads(d.cli("train", "prune", a3, "--keep", "1", "--json").stdout)
-    assert answer["removed"] == [] and answer["freed"] == 0  # nothing left to free
+    import obd
+
+    with obd.Client(d.socket) as client:  # the Python API's way to it
+        answer = client.run(a3).prune(keep=1)
+    assert answer["removed"] == [] and answer["freed"] == 0 and answer["keep"] == 1  # nothing left to free
     assert len(on_disk(d, chain)) == 1
     assert d.record(older[0])["pruned_bytes"] >= size > 0
 
