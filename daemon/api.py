@@ -216,3 +216,10 @@ class ExecRequest(_Req):
     term: str = Field(default="xterm", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._+-]+$")
     rows: int = Field(default=24, ge=1, le=10000)
     cols: int = Field(default=80, ge=1, le=10000)
+
+    @field_validator("command")
+    @classmethod
+    def _no_nul(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any("\0" in word for word in value):
+            raise ValueError("a word of the command holds a NUL byte, which no command line can carry")
+        return value

@@ -87,6 +87,7 @@ class SshExecutor:
         self.files = SftpFiles(self.connection)
         self.events: SshEvents | None = SshEvents(poll_hint=events_poll) if helper else None
         self.remote_helper = SshHelper(self.connection, self.events, enabled=helper)
+        self.open_commands = 0  # `obd train exec` and `shell` sessions running now
 
     # --- what the connection knows ----------------------------------------------------------
 
@@ -145,8 +146,20 @@ class SshExecutor:
         await self.connection.aclose()
 
     async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
-        """A command in the run directory over this connection, as its login (executors/ssh/exec_remote.py)."""
-        return await exec_remote.run_there(self.connection, spec, io)
+        """A command in the run directory over this connection, as its login (executors/ssh/exec_remote.py).
+        At most `exec_remote.MAX_OPEN` at once: each holds a channel for its life, and the
+        server's MaxSessions is shared with obd's own work on the connection."""
+        if self.open_commands >= exec_remote.MAX_OPEN:
+            raise ExecutorError(
+                f"{exec_remote.MAX_OPEN} commands or shells are already open on target {self.name} through obd "
+                "(each holds one of the SSH connection's channels, which obd's own work needs too); end one, "
+                "and try again"
+            )
+        self.open_commands += 1
+        try:
+            return await exec_remote.run_there(self.connection, spec, io)
+        finally:
+            self.open_commands -= 1
 
     # --- commands ---------------------------------------------------------------------------
 

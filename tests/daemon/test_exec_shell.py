@@ -8,9 +8,11 @@ Slurm cluster's are at the end of this file.
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +54,8 @@ def test_exec_prints_the_runs_user_its_run_directory_and_its_gpus(gpu_daemon: Da
     assert Path(cwd) == Path(record["remote_dir"])
     assert gpus == ",".join(record["gpus"]) and len(record["gpus"]) == 1
     assert run_id == record["id"]
+    umask = gpu_daemon.cli("train", "exec", record["id"], "--", "sh", "-c", "umask")
+    assert umask.stdout.strip() == "0077"  # what it writes is the user's alone
 
 
 def test_the_commands_exit_status_is_obds_and_its_stderr_stays_stderr(gpu_daemon: DaemonProc) -> None:
@@ -117,18 +121,19 @@ def test_a_daemon_that_stops_ends_the_commands_it_runs_in_runs(gpu_daemon: Daemo
         proc.wait()
 
 
-def sleeping_in(run_dir: str) -> bool:
-    """Whether a `sleep 30` whose working directory is the run directory still runs."""
+def sleeping_in(run_dir: str) -> int:
+    """How many `sleep 30` whose working directory is the run directory run."""
+    found = 0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if os.readlink(f"/proc/{pid}/cwd") == run_dir and cmdline.startswith(b"sleep\0"):
-                return True
+            if os.readlink(f"/proc/{pid}/cwd") == run_dir and cmdline == b"sleep\x0030\x00":
+                found += 1
         except OSError:
             continue
-    return False
+    return found
 
 
 def test_a_run_that_is_not_running_is_refused_with_what_to_do(gpu_daemon: DaemonProc) -> None:
@@ -147,6 +152,17 @@ def test_a_run_that_is_not_running_is_refused_with_what_to_do(gpu_daemon: Daemon
     assert refused.returncode == 1
     assert "has not started" in refused.stderr
     assert held["state"] == "running"
+
+
+def test_a_command_word_with_a_nul_byte_is_refused_as_bad_usage(gpu_daemon: DaemonProc) -> None:
+    record = start_running(gpu_daemon)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(gpu_daemon.socket))
+        request = {"op": "exec", "id": record["id"], "command": ["printf", "a\0b"]}
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        answer = json.loads(sock.makefile("rb").readline())
+    assert answer["ok"] is False and answer["kind"] == "usage"
+    assert "NUL" in answer["error"]
 
 
 def test_exec_without_a_command_is_a_usage_error(gpu_daemon: DaemonProc) -> None:
@@ -231,6 +247,24 @@ def test_exec_over_ssh_runs_in_the_run_directory_with_the_jobs_gpus_and_passes_t
     failed = ssh_box.cli("train", "exec", record["id"], "--", "sh", "-c", "echo oops >&2; exit 7")
     assert failed.returncode == 7
     assert failed.stderr.endswith("oops\n")  # after whatever the login's dotfiles say there
+
+
+def test_at_most_four_commands_at_once_hold_channels_of_an_ssh_targets_connection(ssh_box: DaemonProc) -> None:
+    record = start_running(ssh_box, "--target", "box", command=["sleep", "120"])
+    argv = [sys.executable, "-m", "daemon.cli", "train", "exec", record["id"], "--", "sleep", "30"]
+    held = [subprocess.Popen(argv, env=ssh_box.env, stdin=subprocess.DEVNULL, cwd=REPO) for _ in range(4)]
+    try:
+        wait_for(lambda: sleeping_in(record["remote_dir"]) >= 4, 20, 0.1, "four commands to run")
+        fifth = ssh_box.cli("train", "exec", record["id"], "--", "true")
+        assert fifth.returncode == 1
+        assert "4 commands or shells are already open on target box" in fifth.stderr
+    finally:
+        for proc in held:
+            proc.kill()
+            proc.wait()
+    # The clients went: their commands are ended there (SIGHUP over SSH), and their channels freed.
+    wait_for(lambda: sleeping_in(record["remote_dir"]) == 0, 20, 0.2, "the commands of gone clients to end")
+    assert ssh_box.cli("train", "exec", record["id"], "--", "true").returncode == 0
 
 
 def test_a_terminal_over_ssh_is_a_real_one_and_its_exit_status_is_obds(ssh_box: DaemonProc) -> None:
