@@ -4,7 +4,7 @@
 _obd_subcommands() {
     case "$1" in
         "") echo "daemon train profile targets pods completion ui" ;;
-        "train") echo "start sweep resume stop cancel status metrics logs outputs list plot" ;;
+        "train") echo "start sweep resume stop cancel status metrics logs outputs exec shell prune list plot" ;;
         "profile") echo "parse" ;;
         "targets") echo "list drain undrain check" ;;
         "pods") echo "list rm retrieve" ;;
@@ -16,8 +16,8 @@ _obd_options() {
         "") echo "-h --help --version --socket --config --state-dir" ;;
         "daemon") echo "-h --help --config --socket --state-dir --log-level" ;;
         "train") echo "-h --help" ;;
-        "train start") echo "-h --help --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm -f --file --set --dry-run --after --after-any --json" ;;
-        "train sweep") echo "-h --help --grid --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm --after --after-any --json" ;;
+        "train start") echo "-h --help --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --keep-checkpoints --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm -f --file --set --dry-run --after --after-any --json" ;;
+        "train sweep") echo "-h --help --grid --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --keep-checkpoints --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm --after --after-any --json" ;;
         "train resume") echo "-h --help --checkpoint --env --secret --env-clear --retry --time-limit --deadline --max-gpu-hours --max-cost-usd --json" ;;
         "train stop") echo "-h --help --reason --wait --json" ;;
         "train cancel") echo "-h --help --wait --json" ;;
@@ -25,6 +25,9 @@ _obd_options() {
         "train metrics") echo "-h --help --json" ;;
         "train logs") echo "-h --help --follow -f --tail --json" ;;
         "train outputs") echo "-h --help --to --checkpoint --json" ;;
+        "train exec") echo "-h --help --tty -t" ;;
+        "train shell") echo "-h --help" ;;
+        "train prune") echo "-h --help --keep --json" ;;
         "train list") echo "-h --help --all --state --target --name --since --limit --watch -w --sweep --json" ;;
         "train plot") echo "-h --help --metric --json --svg --png --width --height" ;;
         "profile") echo "-h --help" ;;
@@ -45,7 +48,7 @@ _obd_options() {
 
 _obd_takes_value() {
     case "$1|$2" in
-        "|--socket" | "|--config" | "|--state-dir" | "daemon|--config" | "daemon|--socket" | "daemon|--state-dir" | "daemon|--log-level" | "train start|--target" | "train start|--name" | "train start|--cwd" | "train start|--env" | "train start|--secret" | "train start|--output-to" | "train start|--resume-from" | "train start|--checkpoint" | "train start|--gpus" | "train start|--priority" | "train start|--retry" | "train start|--time-limit" | "train start|--deadline" | "train start|--max-gpu-hours" | "train start|--max-cost-usd" | "train start|-f" | "train start|--file" | "train start|--set" | "train start|--after" | "train sweep|--grid" | "train sweep|--target" | "train sweep|--name" | "train sweep|--cwd" | "train sweep|--env" | "train sweep|--secret" | "train sweep|--output-to" | "train sweep|--resume-from" | "train sweep|--checkpoint" | "train sweep|--gpus" | "train sweep|--priority" | "train sweep|--retry" | "train sweep|--time-limit" | "train sweep|--deadline" | "train sweep|--max-gpu-hours" | "train sweep|--max-cost-usd" | "train sweep|--after" | "train resume|--checkpoint" | "train resume|--env" | "train resume|--secret" | "train resume|--retry" | "train resume|--time-limit" | "train resume|--deadline" | "train resume|--max-gpu-hours" | "train resume|--max-cost-usd" | "train stop|--reason" | "train logs|--tail" | "train outputs|--to" | "train outputs|--checkpoint" | "train list|--state" | "train list|--target" | "train list|--name" | "train list|--since" | "train list|--limit" | "train list|--sweep" | "train plot|--metric" | "train plot|--svg" | "train plot|--png" | "train plot|--width" | "train plot|--height" | "pods|--target" | "pods retrieve|--to" | "ui|--port") return 0 ;;
+        "|--socket" | "|--config" | "|--state-dir" | "daemon|--config" | "daemon|--socket" | "daemon|--state-dir" | "daemon|--log-level" | "train start|--target" | "train start|--name" | "train start|--cwd" | "train start|--env" | "train start|--secret" | "train start|--output-to" | "train start|--resume-from" | "train start|--checkpoint" | "train start|--gpus" | "train start|--priority" | "train start|--retry" | "train start|--keep-checkpoints" | "train start|--time-limit" | "train start|--deadline" | "train start|--max-gpu-hours" | "train start|--max-cost-usd" | "train start|-f" | "train start|--file" | "train start|--set" | "train start|--after" | "train sweep|--grid" | "train sweep|--target" | "train sweep|--name" | "train sweep|--cwd" | "train sweep|--env" | "train sweep|--secret" | "train sweep|--output-to" | "train sweep|--resume-from" | "train sweep|--checkpoint" | "train sweep|--gpus" | "train sweep|--priority" | "train sweep|--retry" | "train sweep|--keep-checkpoints" | "train sweep|--time-limit" | "train sweep|--deadline" | "train sweep|--max-gpu-hours" | "train sweep|--max-cost-usd" | "train sweep|--after" | "train resume|--checkpoint" | "train resume|--env" | "train resume|--secret" | "train resume|--retry" | "train resume|--time-limit" | "train resume|--deadline" | "train resume|--max-gpu-hours" | "train resume|--max-cost-usd" | "train stop|--reason" | "train logs|--tail" | "train outputs|--to" | "train outputs|--checkpoint" | "train prune|--keep" | "train list|--state" | "train list|--target" | "train list|--name" | "train list|--since" | "train list|--limit" | "train list|--sweep" | "train plot|--metric" | "train plot|--svg" | "train plot|--png" | "train plot|--width" | "train plot|--height" | "pods|--target" | "pods retrieve|--to" | "ui|--port") return 0 ;;
     esac
     return 1
 }
@@ -114,6 +117,7 @@ _obd() {
         "train start|--gpus") COMPREPLY=() ;;
         "train start|--priority") COMPREPLY=() ;;
         "train start|--retry") COMPREPLY=() ;;
+        "train start|--keep-checkpoints") COMPREPLY=() ;;
         "train start|--time-limit") COMPREPLY=() ;;
         "train start|--deadline") COMPREPLY=() ;;
         "train start|--max-gpu-hours") COMPREPLY=() ;;
@@ -133,6 +137,7 @@ _obd() {
         "train sweep|--gpus") COMPREPLY=() ;;
         "train sweep|--priority") COMPREPLY=() ;;
         "train sweep|--retry") COMPREPLY=() ;;
+        "train sweep|--keep-checkpoints") COMPREPLY=() ;;
         "train sweep|--time-limit") COMPREPLY=() ;;
         "train sweep|--deadline") COMPREPLY=() ;;
         "train sweep|--max-gpu-hours") COMPREPLY=() ;;
@@ -150,6 +155,7 @@ _obd() {
         "train logs|--tail") COMPREPLY=() ;;
         "train outputs|--to") compopt -o dirnames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")) ;;
         "train outputs|--checkpoint") COMPREPLY=() ;;
+        "train prune|--keep") COMPREPLY=() ;;
         "train list|--state") COMPREPLY=($(compgen -W "queued preparing running stopped succeeded failed cancelled" -- "$cur")) ;;
         "train list|--target") COMPREPLY=($(compgen -W "$(_obd_targets)" -- "$cur")) ;;
         "train list|--name") COMPREPLY=() ;;
@@ -187,6 +193,9 @@ _obd() {
         "train metrics") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train logs") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train outputs") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
+        "train exec") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
+        "train shell") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
+        "train prune") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train plot") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "profile parse") compopt -o dirnames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")) ;;
         "targets drain") COMPREPLY=() ;;

@@ -6,7 +6,7 @@ function __obd_subcommands
         case ''
             printf '%s\n' daemon train profile targets pods completion ui
         case 'train'
-            printf '%s\n' start sweep resume stop cancel status metrics logs outputs list plot
+            printf '%s\n' start sweep resume stop cancel status metrics logs outputs exec shell prune list plot
         case 'profile'
             printf '%s\n' parse
         case 'targets'
@@ -54,6 +54,8 @@ function __obd_takes_value
             return 0
         case 'train start|--retry'
             return 0
+        case 'train start|--keep-checkpoints'
+            return 0
         case 'train start|--time-limit'
             return 0
         case 'train start|--deadline'
@@ -94,6 +96,8 @@ function __obd_takes_value
             return 0
         case 'train sweep|--retry'
             return 0
+        case 'train sweep|--keep-checkpoints'
+            return 0
         case 'train sweep|--time-limit'
             return 0
         case 'train sweep|--deadline'
@@ -127,6 +131,8 @@ function __obd_takes_value
         case 'train outputs|--to'
             return 0
         case 'train outputs|--checkpoint'
+            return 0
+        case 'train prune|--keep'
             return 0
         case 'train list|--state'
             return 0
@@ -240,6 +246,9 @@ complete -c obd -n '__obd_at \'train\'' -a 'status' -d 'a run\'s state, progress
 complete -c obd -n '__obd_at \'train\'' -a 'metrics' -d 'a profiled run\'s RunMetrics (throughput, MFU, memory, kernels)'
 complete -c obd -n '__obd_at \'train\'' -a 'logs' -d 'print a run\'s log (stdout and stderr), or follow it'
 complete -c obd -n '__obd_at \'train\'' -a 'outputs' -d 'copy a run\'s outputs (model, checkpoints) into a directory of yours'
+complete -c obd -n '__obd_at \'train\'' -a 'exec' -d 'run a command where the run\'s job runs (its target, user, run directory and GPUs)'
+complete -c obd -n '__obd_at \'train\'' -a 'shell' -d 'an interactive shell where the run\'s job runs'
+complete -c obd -n '__obd_at \'train\'' -a 'prune' -d 'delete a run\'s older checkpoints now, keeping the newest N complete (and any a resume needs)'
 complete -c obd -n '__obd_at \'train\'' -a 'list' -d 'your active runs and the 10 most recent that ended'
 complete -c obd -n '__obd_at \'train\'' -a 'plot' -d 'plot a metric against the step: in the terminal, or into an SVG/PNG file'
 complete -c obd -n '__obd_at \'train\'' -s h -l help -d 'show this help message and exit'
@@ -258,6 +267,7 @@ complete -c obd -n '__obd_at \'train start\'' -l priority -x -d 'higher starts f
 complete -c obd -n '__obd_at \'train start\'' -l preemptible -d 'it may be paused (through a verified snapshot) for a run of higher priority; the target\'s default'
 complete -c obd -n '__obd_at \'train start\'' -l no-preemptible -d 'it is never paused for another run'
 complete -c obd -n '__obd_at \'train start\'' -l retry -x -d 'start it again up to N times from its checkpoint if it fails or is preempted'
+complete -c obd -n '__obd_at \'train start\'' -l keep-checkpoints -x -d 'keep its chain\'s newest N complete checkpoints (and any a resume needs), deleting older ones on the target; default: the target\'s keep_checkpoints, else all'
 complete -c obd -n '__obd_at \'train start\'' -l time-limit -x -d 'stop it with a snapshot before it ran this long (90m, 2h), summed over its retries and pauses'
 complete -c obd -n '__obd_at \'train start\'' -l deadline -x -d 'stop it with a snapshot before this clock time: HH:MM (the next one) or 2025-06-01T14:00'
 complete -c obd -n '__obd_at \'train start\'' -l max-gpu-hours -x -d 'stop it with a snapshot before its GPUs × running hours reach H, over all its attempts'
@@ -287,6 +297,7 @@ complete -c obd -n '__obd_at \'train sweep\'' -l priority -x -d 'higher starts f
 complete -c obd -n '__obd_at \'train sweep\'' -l preemptible -d 'it may be paused (through a verified snapshot) for a run of higher priority; the target\'s default'
 complete -c obd -n '__obd_at \'train sweep\'' -l no-preemptible -d 'it is never paused for another run'
 complete -c obd -n '__obd_at \'train sweep\'' -l retry -x -d 'start it again up to N times from its checkpoint if it fails or is preempted'
+complete -c obd -n '__obd_at \'train sweep\'' -l keep-checkpoints -x -d 'keep its chain\'s newest N complete checkpoints (and any a resume needs), deleting older ones on the target; default: the target\'s keep_checkpoints, else all'
 complete -c obd -n '__obd_at \'train sweep\'' -l time-limit -x -d 'stop it with a snapshot before it ran this long (90m, 2h), summed over its retries and pauses'
 complete -c obd -n '__obd_at \'train sweep\'' -l deadline -x -d 'stop it with a snapshot before this clock time: HH:MM (the next one) or 2025-06-01T14:00'
 complete -c obd -n '__obd_at \'train sweep\'' -l max-gpu-hours -x -d 'stop it with a snapshot before its GPUs × running hours reach H, over all its attempts'
@@ -335,6 +346,15 @@ complete -c obd -n '__obd_at \'train outputs\'' -l to -r -F -d 'where to put the
 complete -c obd -n '__obd_at \'train outputs\'' -l checkpoint -x -d 'latest, a step number, or final (what the trainer saved outside its checkpoints); default: everything'
 complete -c obd -n '__obd_at \'train outputs\'' -l json -d 'print what was copied as JSON'
 complete -c obd -n '__obd_at \'train outputs\'' -a '(__obd_runs)'
+complete -c obd -n '__obd_at \'train exec\'' -s h -l help -d 'show this help message and exit'
+complete -c obd -n '__obd_at \'train exec\'' -l tty -s t -d 'run it on a terminal (for top, htop, an editor)'
+complete -c obd -n '__obd_at \'train exec\'' -a '(__obd_runs)'
+complete -c obd -n '__obd_at \'train shell\'' -s h -l help -d 'show this help message and exit'
+complete -c obd -n '__obd_at \'train shell\'' -a '(__obd_runs)'
+complete -c obd -n '__obd_at \'train prune\'' -s h -l help -d 'show this help message and exit'
+complete -c obd -n '__obd_at \'train prune\'' -l keep -x -d 'how many complete checkpoints to keep (default: RUN\'s)'
+complete -c obd -n '__obd_at \'train prune\'' -l json -d 'print what was removed and kept as JSON'
+complete -c obd -n '__obd_at \'train prune\'' -a '(__obd_runs)'
 complete -c obd -n '__obd_at \'train list\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train list\'' -l all -d 'every run, of every user and any age'
 complete -c obd -n '__obd_at \'train list\'' -l state -x -a 'queued preparing running stopped succeeded failed cancelled' -d 'only runs in STATE, repeatable (queued, preparing, running, stopped, succeeded, failed, cancelled)'
