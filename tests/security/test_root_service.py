@@ -139,7 +139,8 @@ def test_a_group_members_unmodified_trainer_script_stops_with_a_proven_snapshot_
 def test_a_stop_with_the_reason_deadline_arrives_as_deadline_and_is_retried(box: Box, training_python: Path) -> None:
     alice = box.alice
     work = _workdir(alice)
-    command = (str(training_python), PLAIN.name, "--output_dir", "mine", "--max_steps", "16", "--step-sleep", "0.1")
+    # 60 steps of 0.1 s: on a loaded machine 16 were over before the stop reached the job.
+    command = (str(training_python), PLAIN.name, "--output_dir", "mine", "--max_steps", "60", "--step-sleep", "0.1")
     rid = box.start(alice, *command, opts=("--retry", "1"), cwd=work)
     _announced(box, rid, step=2)
     out = box.obd(alice, "train", "stop", rid, "--reason", "deadline")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,7 +121,11 @@ def test_obd_train_cancel_ends_a_users_running_slurm_job_as_them(box: Box, slurm
 
 def test_obd_train_stop_wait_ends_a_users_slurm_job_stopped_with_their_snapshot(box: Box) -> None:
     alice = box.alice
-    rid = start(box, alice, "python", STEPS_JOB, "0.3", "100000")
+    # The job reads its script as alice: a copy of hers, since the checkout may be root's alone.
+    script = alice.home / "steps_job.py"
+    shutil.copyfile(STEPS_JOB, script)
+    os.chown(script, alice.uid, alice.gid)
+    rid = start(box, alice, "python", str(script), "0.3", "100000")
     wait_for(lambda: (box.daemon.record(rid)["progress"]["step"] or 0) >= 2, 90, 0.2, "the job to step")
     out = box.obd(alice, "train", "stop", rid, "--wait", timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
