@@ -274,6 +274,14 @@ def test_a_terminal_over_ssh_is_a_real_one_and_its_exit_status_is_obds(ssh_box: 
     assert b"hi-42" in shown and b"/dev/pts/" in shown
 
 
+def test_a_shell_over_ssh_is_the_logins_shell_on_a_terminal_in_the_run_directory(ssh_box: DaemonProc) -> None:
+    record = start_running(ssh_box, "--target", "box", command=["sleep", "120"])
+    typed = b"echo hi-$((40+2)) in $(pwd); exit 3\r"
+    code, shown = drive(ssh_box, ["train", "shell", record["id"]], typed)
+    assert code == 3, shown
+    assert f"hi-42 in {record['remote_dir']}".encode() in shown
+
+
 # --- the Slurm cluster: a step beside the run's job (srun --jobid --overlap) -------------------
 
 
@@ -291,6 +299,8 @@ def hpc(make_daemon, short_tmp: Path) -> Iterator[DaemonProc]:
     try:
         d = make_daemon(slurm_config(short_tmp / "shared"))
         d.env.update(slurm.env)
+        (d.root / "home").mkdir()
+        d.env["HOME"] = str(d.root / "home")  # a login shell's dotfiles: the test's, not this machine's
         d.start()
         yield d
         d.stop()
@@ -328,6 +338,15 @@ def test_a_terminal_on_slurm_is_srun_pty_and_its_exit_status_is_obds(hpc: Daemon
     code, shown = drive(hpc, ["train", "exec", "-t", record["id"], "--", "sh"], b"tty; echo hi-$((40+2)); exit 3\r")
     assert code == 3, shown
     assert b"hi-42" in shown and b"/dev/pts/" in shown
+
+
+def test_a_shell_on_slurm_is_a_login_shell_in_a_step_of_the_runs_job(hpc: DaemonProc) -> None:
+    record = running_on_slurm(hpc)
+    typed = b"echo hi-$((40+2)) job-$SLURM_JOB_ID in $(pwd); exit 3\r"
+    code, shown = drive(hpc, ["train", "shell", record["id"]], typed)
+    assert code == 3, shown
+    job_id = record["job"]["host"].removeprefix("slurm job ")
+    assert f"hi-42 job-{job_id} in {record['remote_dir']}".encode() in shown
 
 
 # --- a Runpod pod: over the pod's SSH connection (a loopback fake of the API, a real sshd as the pod)
