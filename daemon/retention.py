@@ -234,9 +234,9 @@ class Retention:
         for attempt in chain:
             if not is_run_dir(attempt) or (attempt.job is None and not attempt.state.final):
                 continue
-            if attempt.state.final and makes_pods(self.daemon.targets.of(attempt).config):
-                continue  # its pod ended with it; the copy brought home is the user's, never pruned
             try:
+                if attempt.state.final and makes_pods(self.daemon.targets.of(attempt).config):
+                    continue  # its pod ended with it; the copy brought home is the user's, never pruned
                 executor = self.daemon.targets.executor(attempt)
                 with anyio.fail_after(timeout):
                     sizes = await executor.checkpoint_sizes(attempt.remote_dir)
