@@ -122,6 +122,7 @@ class Session:
         old = None
         if self.tty:
             os.set_blocking(self.wake_w, False)
+            self.selector.register(self.wake_r, selectors.EVENT_READ, "resized")
             old = signal.signal(signal.SIGWINCH, lambda *_: self._wake())
         try:
             while True:

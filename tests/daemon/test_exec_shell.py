@@ -8,13 +8,16 @@ Slurm cluster's are at the end of this file.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
 import select
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,9 +175,12 @@ def test_exec_without_a_command_is_a_usage_error(gpu_daemon: DaemonProc) -> None
     assert "give the command to run after --" in out.stderr
 
 
-def drive(d: DaemonProc, args: list[str], typed: bytes, timeout: float = 30) -> tuple[int, bytes]:
+def drive(
+    d: DaemonProc, args: list[str], typed: bytes, timeout: float = 30, resize: tuple[int, int] | None = None
+) -> tuple[int, bytes]:
     """`obd ARGS` on a pseudo-terminal of this test's, `typed` typed into it once a prompt shows
-    (or after 3 s); its exit status and everything it showed."""
+    (or after 3 s), the terminal first resized to `resize` (rows, cols) if given; its exit status
+    and everything it showed."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: obd on the terminal
         os.chdir(REPO)
@@ -194,12 +200,22 @@ def drive(d: DaemonProc, args: list[str], typed: bytes, timeout: float = 30) -> 
                     break
                 shown += chunk
             if not sent and (b"$ " in shown or b"# " in shown or time.monotonic() > deadline - timeout + 3):
+                if resize is not None:  # the kernel sends obd SIGWINCH; obd passes the size on
+                    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", *resize, 0, 0))
+                    time.sleep(0.5)
                 os.write(fd, typed)
                 sent = True
         _, status = os.waitpid(pid, 0)
     finally:
         os.close(fd)
     return os.waitstatus_to_exitcode(status), shown
+
+
+def test_a_shell_follows_the_size_of_the_callers_terminal(gpu_daemon: DaemonProc) -> None:
+    record = start_running(gpu_daemon)
+    code, shown = drive(gpu_daemon, ["train", "shell", record["id"]], b"stty size; exit 0\r", resize=(41, 103))
+    assert code == 0, shown
+    assert b"41 103" in shown
 
 
 def test_a_shell_on_a_terminal_runs_what_is_typed_and_its_exit_status_is_obds(gpu_daemon: DaemonProc) -> None:
@@ -269,9 +285,15 @@ def test_at_most_four_commands_at_once_hold_channels_of_an_ssh_targets_connectio
 
 def test_a_terminal_over_ssh_is_a_real_one_and_its_exit_status_is_obds(ssh_box: DaemonProc) -> None:
     record = start_running(ssh_box, "--target", "box", command=["sleep", "120"])
-    code, shown = drive(ssh_box, ["train", "exec", "-t", record["id"], "--", "sh"], b"tty; echo hi-$((40+2)); exit 3\r")
+    code, shown = drive(
+        ssh_box,
+        ["train", "exec", "-t", record["id"], "--", "sh"],
+        b"tty; stty size; echo hi-$((40+2)); exit 3\r",
+        resize=(41, 103),
+    )
     assert code == 3, shown
     assert b"hi-42" in shown and b"/dev/pts/" in shown
+    assert b"41 103" in shown  # the size followed the caller's terminal
 
 
 def test_a_shell_over_ssh_is_the_logins_shell_on_a_terminal_in_the_run_directory(ssh_box: DaemonProc) -> None:
@@ -335,9 +357,15 @@ def test_exec_on_slurm_runs_as_a_step_of_the_runs_job_in_its_run_directory(hpc: 
 
 def test_a_terminal_on_slurm_is_srun_pty_and_its_exit_status_is_obds(hpc: DaemonProc) -> None:
     record = running_on_slurm(hpc)
-    code, shown = drive(hpc, ["train", "exec", "-t", record["id"], "--", "sh"], b"tty; echo hi-$((40+2)); exit 3\r")
+    code, shown = drive(
+        hpc,
+        ["train", "exec", "-t", record["id"], "--", "sh"],
+        b"tty; stty size; echo hi-$((40+2)); exit 3\r",
+        resize=(41, 103),
+    )
     assert code == 3, shown
     assert b"hi-42" in shown and b"/dev/pts/" in shown
+    assert b"41 103" in shown  # the size followed the caller's terminal
 
 
 def test_a_shell_on_slurm_is_a_login_shell_in_a_step_of_the_runs_job(hpc: DaemonProc) -> None:
