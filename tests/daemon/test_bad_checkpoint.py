@@ -180,3 +180,6 @@ def test_a_truncated_newest_checkpoint_fails_one_attempt_at_load_and_the_next_re
     assert third["bad_checkpoints"] == [{"run": a1, "name": "checkpoint-10", "why": second["bad_checkpoint"]["why"]}]
     status = d.cli("train", "status", a1).stdout
     assert f"bad       checkpoint-10 of {a1}" in status, status
+    # No keep setting: obd keeps every checkpoint, and a prune by hand asks how many to keep.
+    refused = d.cli("train", "prune", a3)
+    assert refused.returncode == 2 and f"obd train prune {a3} --keep N" in refused.stderr, refused.stderr
