@@ -137,12 +137,6 @@ class Handlers:
         entry = self.table.get(op)
         return entry[0] if entry else None
 
-    async def __call__(self, request: Any, peer: Peer) -> Any:
-        entry = self.table.get(request.op)
-        if entry is None:
-            raise ApiError(f"unknown operation {request.op!r}", "usage")
-        return await entry[1](request, peer)
-
     # Ops that take their connection over (daemon/server.py hands them a channel): `exec`.
     SESSIONS: ClassVar[dict[str, type[BaseModel]]] = {"exec": ExecRequest}
 
@@ -152,6 +146,12 @@ class Handlers:
     async def run_session(self, request: Any, peer: Peer, channel: exec_session.Channel) -> None:
         """`obd train exec` and `obd train shell` (daemon/exec_session.py)."""
         await exec_session.serve(self.daemon, request, peer, channel)
+
+    async def __call__(self, request: Any, peer: Peer) -> Any:
+        entry = self.table.get(request.op)
+        if entry is None:
+            raise ApiError(f"unknown operation {request.op!r}", "usage")
+        return await entry[1](request, peer)
 
     # --- reading -------------------------------------------------------------------------
 
