@@ -33,6 +33,7 @@ from daemon.cli.sdk import (
     RunError,
     RunStatus,
     Snapshot,
+    SweepStarted,
     WaitTimeout,
 )
 from daemon.wire import FINAL, STATES
@@ -71,5 +72,6 @@ __all__ = [
     "RunError",
     "RunStatus",
     "Snapshot",
+    "SweepStarted",
     "WaitTimeout",
 ]

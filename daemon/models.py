@@ -144,6 +144,7 @@ class SweepTag(BaseModel):
     index: int  # 1.. in the order of the grid's combinations
     size: int  # how many members the sweep was made with (a sweep cut short by a crash has fewer)
     values: dict[str, str] = Field(default_factory=dict)  # the grid's values of this member, by name
+    template: list[str] = Field(default_factory=list)  # the sweep's command, before its values were put in
 
 
 class BadCheckpoint(BaseModel):

@@ -255,7 +255,9 @@ class Sweeps:
                 member = StartRequest.model_validate(
                     {**base, "op": "start", "command": substitute(req.command, values), "name": f"{name}-{index}"}
                 )
-                tag = SweepTag(id=sweep_id, name=name, index=index, size=len(combos), values=values)
+                tag = SweepTag(
+                    id=sweep_id, name=name, index=index, size=len(combos), values=values, template=list(req.command)
+                )
                 made.append(await self.daemon.launcher.start(member, peer, sweep=tag))
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
@@ -345,10 +347,12 @@ class Sweeps:
             for key, value in row["values"].items():
                 if value not in grid.setdefault(key, []):
                     grid[key].append(value)
+        first = sweep.runs[0].sweep
         return {
             "sweep": sweep.id,
             "name": sweep.name,
             "size": sweep.size,
+            "template": first.template if first is not None else [],
             "grid": grid,
             "counts": counts,
             "members": rows,

@@ -214,6 +214,18 @@ class AsyncClient:
         """`Client.start`: a run of `command`, with the run file's keys as options."""
         return AsyncRun(self, await self._run(sdk.start_steps(command, file, options)))
 
+    async def sweep(
+        self,
+        command: Sequence[str] | str | None = None,
+        *,
+        grid: Mapping[str, Sequence[Any]] | None = None,
+        file: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> sdk.SweepStarted:
+        """`Client.sweep`: one run per combination of `grid`."""
+        steps = sdk.start_steps(command, file, sdk.with_grid(options, grid), "sweep")
+        return sdk.sweep_started(await self._run(steps))
+
     async def run(self, ref: str) -> AsyncRun:
         """The run `ref` names now: an id, a unique prefix of one, a name, or `last`."""
         return AsyncRun(self, await self._call(sdk._Call("wait", {"id": ref, "timeout": 0})))

@@ -122,7 +122,7 @@ def _main(argv: list[str]) -> int:
         return EXIT_USAGE if exc.code else 0
     try:
         _check_command(args, head, command, unknown)
-        if args.cmd == "train" and args.action == "start" and (args.file or args.set or args.dry_run):
+        if args.cmd == "train" and args.action in ("start", "sweep") and (args.file or args.set or args.dry_run):
             from daemon.cli.runfile import resolve_start  # a run file, --set, --dry-run (docs/run-file.md)
 
             command, dry_run = resolve_start(args, head, list(args.command) + command)
@@ -389,6 +389,8 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     if action == "start":
         return _start(args, list(args.command) + command, client)
     if action == "sweep":
+        if not args.grid:
+            raise UsageError("obd train sweep: no grid: give --grid NAME=V1,V2 (or -f a run file with a [grid] table)")
         return _start(args, list(args.command) + command, client, "sweep", grid=sweeps.parse_grid(args.grid))
     if action == "resume":
         source = sweeps.resume_source(client, args.id)  # its record at once (no wait): its target
@@ -431,6 +433,12 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
         return _list(args, client)
     if action == "status":
         record = client.call("status", id=args.id)
+        if sweeps.is_sweep(record) and args.as_file and record.get("members"):
+            from daemon.cli.runfile import sweep_as_file_text
+
+            first = client.call("status", id=record["members"][0]["runs"][0])  # the member as it was started
+            sys.stdout.write(sweep_as_file_text(first, record, args.json))
+            return 0
         if sweeps.is_sweep(record):  # a sweep's table
             _print_record(record, args.json, render.sweep_table(record, width=_width()))
             return 0

@@ -469,8 +469,8 @@ def _add_start(train: Any) -> argparse.ArgumentParser:
     return s
 
 
-# Options of `obd train start` that a sweep does not take (a run file describes one run).
-START_ONLY = frozenset({"help", "file", "set", "dry_run"})
+# Options of `obd train start` that a sweep does not take from it (it has its own --help).
+START_ONLY = frozenset({"help"})
 
 
 def _add_sweep(train: Any, start: argparse.ArgumentParser) -> None:
@@ -486,9 +486,9 @@ def _add_sweep(train: Any, start: argparse.ArgumentParser) -> None:
     sw.add_argument(
         "--grid",
         action="append",
-        required=True,
         metavar="NAME=V1,V2",
-        help="the values of NAME, one run each (with every value of the other --grid); repeatable",
+        help="the values of NAME, one run each (with every value of the other --grid); repeatable; "
+        "over a run file's [grid] (-f)",
     )
     groups = {id(a): g for g in start._mutually_exclusive_groups for a in g._group_actions}
     made: dict[int, Any] = {}

@@ -39,6 +39,7 @@ COMMAND, SCRIPT, ARGS = "command", "script", "args"  # the job's command (not fl
 ENV, NAMES, GPUS, CWD, CHECKPOINT = "env", "names", "gpus", "cwd", "checkpoint"  # flags of a shape of their own
 BOOL, LIST, TYPED, TEXT = "bool", "list", "typed", "text"  # any other flag, by its argparse action
 SHAPES = {"env": ENV, "secret": NAMES, "gpus": GPUS, "cwd": CWD, "checkpoint": CHECKPOINT}
+GRID = "grid"  # a sweep's grid: `obd train sweep -f` (no flag of `obd train start`)
 
 DOC = "docs/run-file.md"
 ENV_NOTE = (
@@ -80,6 +81,13 @@ _COMMAND_KEYS = (
     ),
     Key("args", ARGS, "-- ... ARGS", help="words added after command or script"),
 )
+# Last in a printed file: a table, and TOML puts tables after the plain keys.
+_GRID_KEY = Key(
+    "grid",
+    GRID,
+    "obd train sweep --grid",
+    help="a sweep (obd train sweep -f): a table of NAME = [values], one run per combination",
+)
 
 
 def schema() -> dict[str, Key]:
@@ -104,6 +112,7 @@ def schema() -> dict[str, Key]:
             choices=tuple(action.choices) if action.choices else None,
             help=action.help or "",
         )
+    keys[GRID] = _GRID_KEY
     return keys
 
 
@@ -234,13 +243,13 @@ def apply_sets(raw: dict[str, Any], sets: Iterable[str], origin: Origin) -> None
             value = text
         first, _, name = key.partition(".")
         origin.sets[first] = given
-        if first == ENV and name:
-            env = raw.setdefault(ENV, {})
-            if not isinstance(env, dict):
-                raise origin.error((ENV,), "is not a table, so env.NAME cannot be set in it")
-            env[name] = value
+        if first in (ENV, GRID) and name:
+            table = raw.setdefault(first, {})
+            if not isinstance(table, dict):
+                raise origin.error((first,), f"is not a table, so {first}.NAME cannot be set in it")
+            table[name] = value
         elif name:
-            raise RunFileError(f"--set {given}: only env takes a name after a dot (env.NAME=VALUE)")
+            raise RunFileError(f"--set {given}: only env and grid take a name after a dot (env.NAME=VALUE)")
         else:
             raw[first] = value
             if first in (COMMAND, SCRIPT):  # a command from --set replaces the file's, its args included
@@ -360,6 +369,8 @@ def _checked(key: Key, value: Any, origin: Origin) -> Any:
         return env
     if kind == GPUS:
         return _gpus(value, origin, wrong)
+    if kind == GRID:
+        return _grid(value, origin, wrong)
     if kind == CHECKPOINT:
         if isinstance(value, bool) or not isinstance(value, str | int) or (isinstance(value, int) and value < 0):
             raise wrong("a step number, latest, or a path")
@@ -411,6 +422,36 @@ def _gpus(value: Any, origin: Origin, wrong: Callable[..., RunFileError]) -> int
             raise origin.error(("gpus",), "name each device once")
         return ids
     raise wrong('a number of GPUs (2), device ids (["0", "2"]) or "all"')
+
+
+def _grid(value: Any, origin: Origin, wrong: Callable[..., RunFileError]) -> dict[str, list[str]]:
+    """`[grid]` with `NAME = [values]`: each value a string or a number, kept as its text (a
+    number as Python writes it: quote `"1e-4"` to keep that spelling in the command)."""
+    if not isinstance(value, dict) or not value:
+        raise wrong('a table of NAME = [values], e.g. [grid] then lr = ["1e-4", "2e-4"]')
+    grid: dict[str, list[str]] = {}
+    for name, values in value.items():
+        at = (GRID, name)
+        if not _NAME_RE.match(name):
+            raise origin.error(at, "not a grid name (letters, digits and _, not starting with a digit)")
+        if not isinstance(values, list) or not values:
+            raise wrong('a list of values, e.g. ["1e-4", "2e-4"]', at, values)
+        for i, one in enumerate(values):
+            if isinstance(one, bool) or not isinstance(one, str | int | float):
+                raise wrong("a string or a number", (GRID, f"{name}[{i}]"), one)
+        grid[name] = [str(one) for one in values]
+    return grid
+
+
+def grid_of(values: dict[str, Any], flags: Iterable[str] | None) -> dict[str, list[str]]:
+    """A sweep's grid: the file's, with each `--grid NAME=V1,V2` given replacing NAME's values."""
+    grid = dict(values.get(GRID) or {})
+    for text in flags or ():
+        name, sep, given = text.partition("=")
+        if not sep or not name.strip() or not given:
+            raise RunFileError(f"--grid {text!r}: expected NAME=V1,V2 (e.g. --grid lr=1e-4,2e-4)")
+        grid[name.strip()] = given.split(",")
+    return grid
 
 
 # --- the command line: file, --set, flags, command ---------------------------------------------
@@ -497,9 +538,24 @@ def resolve(args: argparse.Namespace, argv: list[str], command: list[str]) -> di
 
 
 def resolve_start(args: argparse.Namespace, argv: list[str], command: list[str]) -> tuple[list[str], str | None]:
-    """For `obd train start`: the job's command, and with `--dry-run` the text to print instead
-    of starting (the resolved run as a run file, or JSON with --json)."""
+    """For `obd train start` and `obd train sweep`: the job's command, and with `--dry-run` the
+    text to print instead of starting (the resolved run as a run file, or JSON with --json). A
+    sweep's grid (the file's, then --grid) is left in `args.grid` as --grid flags."""
     values = resolve(args, argv, command)
+    sweep = args.action == "sweep"
+    if sweep:
+        grid = grid_of(values, args.grid)
+        if not grid:
+            raise RunFileError(
+                "no grid: add a [grid] table to the run file (NAME = [values]) or give --grid NAME=V1,V2"
+            )
+        values[GRID] = grid
+        args.grid = [f"{name}={','.join(given)}" for name, given in grid.items()]
+    elif GRID in values:
+        where = args.file or "--set grid"
+        raise RunFileError(
+            f"{where} holds a grid, so it is a sweep: start it with obd train sweep -f {args.file or 'FILE'}"
+        )
     if not args.dry_run:
         return command_of(values), None
     # As it goes to the daemon: the command in full, and the target even when it is the default.
@@ -510,7 +566,8 @@ def resolve_start(args: argparse.Namespace, argv: list[str], command: list[str])
         raise RunFileError(f"secrets: ${missing[0]} is not set in this environment (a start would need it)")
     if args.json:
         return command_of(values), as_json(values) + "\n"
-    note = "the run `obd train start` would start (--dry-run: nothing was started); a run file as it is"
+    what = "the sweep `obd train sweep`" if sweep else "the run `obd train start`"
+    note = f"{what} would start (--dry-run: nothing was started); a run file as it is"
     return command_of(values), dumps(values, [note])
 
 
@@ -540,15 +597,15 @@ def gpus_text(value: int | str | list[str]) -> str:
 
 
 def dumps(values: dict[str, Any], comments: Iterable[str] = (), trailer: Iterable[str] = ()) -> str:
-    """Values as a run file: comment lines, the keys in order, `env` as a table at the end, then
+    """Values as a run file: comment lines, the keys in order, `env` and `grid` as tables at the end, then
     the trailer's comment lines (the names of env values that are not known)."""
     lines = [f"# {_comment(text)}" for text in comments]
-    env = values.get(ENV)
     for name, value in values.items():
-        if name != ENV:
+        if name not in (ENV, GRID):
             lines.append(f"{_key(name)} = {_value(value)}")
-    if env:
-        lines += ["", "[env]", *(f"{_key(name)} = {_value(text)}" for name, text in env.items())]
+    for table in (ENV, GRID):  # tables after every plain key, as TOML wants
+        if values.get(table):
+            lines += ["", f"[{table}]", *(f"{_key(name)} = {_value(v)}" for name, v in values[table].items())]
     lines += [f"# {_comment(text)}" if text else "" for text in trailer]
     return "\n".join(lines) + "\n"
 
@@ -696,19 +753,42 @@ def _after(record: dict[str, Any]) -> list[str] | None:
 _RECORD_FORMS: dict[str, Callable[[dict[str, Any]], Any]] = {"deadline": _deadline, "after": _after}
 
 
-def record_as_file(record: dict[str, Any]) -> str:
-    """`obd train status RUN --as-file`: the run's start as a run file, with a comment naming the
-    env values it needs again (a record has their names only)."""
+def record_as_file(record: dict[str, Any], values: dict[str, Any] | None = None, what: str = "") -> str:
+    """`obd train status RUN --as-file`: the run's start as a run file (`values`, else the
+    record's), with a comment naming the env values it needs again (a record has their names only)."""
     name = f" ({record['name']})" if record.get("name") else ""
-    comments = [
-        f"run {record.get('id')}{name}, as a run file: `obd train start -f FILE` starts one like it ({DOC})",
-    ]
+    what = what or f"run {record.get('id')}{name}, as a run file: `obd train start -f FILE` starts one like it"
+    comments = [f"{what} ({DOC})"]
     env_names = list(record.get("env_names") or [])
     trailer: list[str] = []
     if env_names:
         comments.append(ENV_NOTE)
         trailer = ["", "[env]", *(f'{n} = "..."' for n in env_names)]
-    return dumps(from_record(record), comments, trailer)
+    return dumps(from_record(record) if values is None else values, comments, trailer)
+
+
+def sweep_values(member: dict[str, Any], sweep: dict[str, Any]) -> dict[str, Any]:
+    """A sweep's start as a run file's values: its first member's, with the sweep's command
+    before its values were put in, its name, and its grid."""
+    template = sweep.get("template")
+    if not isinstance(template, list) or not template:
+        raise RunFileError(
+            f"sweep {sweep.get('sweep')} was made before obd kept a sweep's command: --as-file of one of its runs prints that run"
+        )
+    values = from_record(member)
+    values = {COMMAND: list(template), **{k: v for k, v in values.items() if k not in (COMMAND, SCRIPT, ARGS)}}
+    values["name"] = sweep.get("name") or values.get("name")
+    values[GRID] = {name: list(given) for name, given in (sweep.get("grid") or {}).items()}
+    return values
+
+
+def sweep_as_file_text(member: dict[str, Any], sweep: dict[str, Any], as_json_too: bool = False) -> str:
+    """`obd train status SWEEP --as-file`: the sweep as a run file `obd train sweep -f` takes."""
+    values = sweep_values(member, sweep)
+    if as_json_too:
+        return as_json(values) + "\n"
+    what = f"sweep {sweep.get('sweep')}, as a run file: `obd train sweep -f FILE` starts one like it"
+    return record_as_file(member, values, what)
 
 
 def as_file_text(record: dict[str, Any], as_json_too: bool = False) -> str:

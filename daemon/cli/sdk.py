@@ -231,6 +231,16 @@ class RunStatus:
 
 
 @dataclass(frozen=True)
+class SweepStarted:
+    """What `Client.sweep` queued: the sweep's id (for `obd train status SWEEP`) and its runs'
+    ids, in the order of the grid's combinations."""
+
+    id: str
+    name: str
+    run_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Outputs:
     """What `Run.outputs` copied: from where, to where, how many files and bytes; the symbolic
     links it left out (never followed)."""
@@ -367,10 +377,14 @@ def on_this_machine_steps(target: str) -> Steps[bool]:
 
 
 def start_steps(
-    command: Sequence[str] | str | None, file: str | os.PathLike[str] | None, options: Mapping[str, Any]
+    command: Sequence[str] | str | None,
+    file: str | os.PathLike[str] | None,
+    options: Mapping[str, Any],
+    op: str = "start",
 ) -> Steps[dict[str, Any]]:
-    """`obd train start`: the run file (if any), the options over it as flags are, the command
-    over both; the request made as the command makes it. The new run's record."""
+    """`obd train start` (or `obd train sweep`, `op`): the run file (if any), the options over it
+    as flags are, the command over both; the request made as the command makes it. The new run's
+    record (a sweep's: its id and its runs)."""
     from daemon.cli import runfile
 
     keys = runfile.schema()
@@ -386,8 +400,15 @@ def start_steps(
         raise BadRequest(str(exc), "usage") from None
     words = runfile.command_of(values)
     if not words:
-        raise BadRequest("start(): no command: give one (a list of words or a string), or a run file with one")
+        raise BadRequest(f"{op}(): no command: give one (a list of words or a string), or a run file with one")
     params: dict[str, Any] = {"command": words, "client_cwd": os.getcwd(), "umask": _umask()}
+    grid = values.get(runfile.GRID)
+    if op == "sweep":
+        if not grid:
+            raise BadRequest("sweep(): no grid: give grid={'lr': ['1e-4', '2e-4']} or a run file with a [grid] table")
+        params["grid"] = [{"name": name, "values": given} for name, given in grid.items()]
+    elif grid:
+        raise BadRequest("start(): a grid makes a sweep: call sweep(...) with it, not start(...)")
     for name, value in values.items():
         key = keys[name]
         if key.dest is None:
@@ -402,8 +423,17 @@ def start_steps(
     env_clear = bool(params.get("env_clear"))
     here = False if env_clear else (yield from on_this_machine_steps(target))
     params["environ"] = dict(os.environ) if here else None
-    record: dict[str, Any] = yield _Call("start", params)
+    record: dict[str, Any] = yield _Call(op, params)
     return record
+
+
+def with_grid(options: Mapping[str, Any], grid: Mapping[str, Sequence[Any]] | None) -> dict[str, Any]:
+    """`sweep(grid=...)` as the run file's `grid` key, which a file's [grid] is checked as."""
+    return {**options, "grid": {name: list(values) for name, values in grid.items()}} if grid else dict(options)
+
+
+def sweep_started(answer: Mapping[str, Any]) -> SweepStarted:
+    return SweepStarted(answer["sweep"], answer["name"], tuple(run["id"] for run in answer["runs"]))
 
 
 _COMMAND_KEYS = ("command", "script", "args")
@@ -686,6 +716,18 @@ class Client:
         priority, preemptible, retry, profile, output_to, resume_from, checkpoint...). With
         `file`, a run file's, which the options and the command override."""
         return Run(self, self._run(start_steps(command, file, options)))
+
+    def sweep(
+        self,
+        command: Sequence[str] | str | None = None,
+        *,
+        grid: Mapping[str, Sequence[Any]] | None = None,
+        file: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> SweepStarted:
+        """`obd train sweep`: one run per combination of `grid` ({NAME: values}, over a run
+        file's [grid]), each with {NAME} in its command replaced by its value."""
+        return sweep_started(self._run(start_steps(command, file, with_grid(options, grid), "sweep")))
 
     def run(self, ref: str) -> Run:
         """The run `ref` names now: an id, a unique prefix of one, a name (its newest run), or `last`."""

@@ -127,7 +127,7 @@ def test_a_run_file_with_every_key_round_trips_through_status_as_file(box: Daemo
     source, step = stopped_source(box)
     keys = runfile.schema()
     lines = {k: v for k, v in every_key(source, step).items() if k in keys}
-    assert sorted(set(keys) - set(lines) - {"command"}) == [], "keys of the run file this test does not set"
+    assert sorted(set(keys) - set(lines) - {"command", "grid"}) == [], "keys of the run file this test does not set"
     project = short_tmp / "project"
     project.mkdir()
     (project / "run.toml").write_text("".join(f"{k} = {v}\n" for k, v in lines.items()))
@@ -145,7 +145,7 @@ def test_a_run_file_with_every_key_round_trips_through_status_as_file(box: Daemo
     )
 
     a, b = box.record(first), box.record(second)
-    for key in [*keys, "script", "args"]:
+    for key in [*(k for k in keys if k != "grid"), "script", "args"]:  # a grid is a sweep's (tested below)
         assert as_started(a, key) == as_started(b, key), key
     assert (a["cwd"], a["gpus_wanted"], a["priority"], a["retries"]) == (str(project), ["1"], 7, 2)
     assert (a["env_names"], a["secret_names"], a["resumed_from"]) == (["RUNFILE_A"], ["RUNFILE_SECRET"], source)
@@ -351,3 +351,94 @@ def test_key_lines_finds_keys_in_tables_dotted_and_quoted_and_skips_multiline_st
         ("list",): 8,
         ("list", "h"): 9,
     }
+
+
+# --- sweeps in a run file -------------------------------------------------------------------------
+
+SWEEP_FILE = """\
+command = ["sh", "-c", "sleep 30", "--", "lr={lr}", "bs={bs}"]
+name = "grid"
+gpus = 1
+priority = 3
+
+[grid]
+lr = ["1e-4", "2e-4"]
+bs = [8, 16]
+"""
+
+
+def test_a_sweep_file_dry_runs_as_a_sweep_and_sets_and_grid_flags_go_over_its_grid(short_tmp: Path) -> None:
+    (short_tmp / "sweep.toml").write_text(SWEEP_FILE)
+    env = {**os.environ, "OBD_SOCKET": str(short_tmp / "none.sock"), "PYTHONPATH": str(REPO)}
+
+    def obd_here(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "daemon.cli", *args],
+            cwd=short_tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    out = obd_here("train", "sweep", "-f", "sweep.toml", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("# the sweep `obd train sweep` would start (--dry-run: nothing was started)")
+    assert tomllib.loads(out.stdout)["grid"] == {"lr": ["1e-4", "2e-4"], "bs": ["8", "16"]}
+    over = obd_here(
+        "train", "sweep", "-f", "sweep.toml", "--set", "grid.bs=[32]", "--grid", "lr=3e-4", "--dry-run", "--json"
+    )
+    assert over.returncode == 0, over.stderr
+    assert json.loads(over.stdout)["grid"] == {"lr": ["3e-4"], "bs": ["32"]}
+    # A run file with a grid is a sweep: `start` refuses it, saying what to run.
+    start = obd_here("train", "start", "-f", "sweep.toml", "--dry-run")
+    assert start.returncode == 2 and "obd train sweep -f sweep.toml" in start.stderr
+    # A wrong value in the grid is named by its line and key.
+    (short_tmp / "bad.toml").write_text('command = ["true"]\n\n[grid]\nlr = ["1e-4", true]\n')
+    bad = obd_here("train", "sweep", "-f", "bad.toml", "--dry-run")
+    assert bad.returncode == 2 and "bad.toml:4: grid.lr[1]: expected a string or a number" in bad.stderr, bad.stderr
+    none = obd_here("train", "sweep", "--", "true")
+    assert none.returncode == 2 and "no grid" in none.stderr
+
+
+def members(box: DaemonProc, sweep: str) -> list[dict[str, Any]]:
+    """The first run of each member of a sweep, as its record."""
+    return [box.record(m["runs"][0]) for m in box.call("status", id=sweep)["members"]]
+
+
+def test_a_sweep_from_a_run_file_queues_its_runs_and_round_trips_through_status_as_file(
+    box: DaemonProc, short_tmp: Path
+) -> None:
+    (short_tmp / "sweep.toml").write_text(SWEEP_FILE)
+    sweep = started(obd(box, "train", "sweep", "-f", "sweep.toml", cwd=short_tmp))
+    runs = members(box, sweep)
+    assert sorted(tuple(r["command"][-2:]) for r in runs) == [
+        ("lr=1e-4", "bs=16"), ("lr=1e-4", "bs=8"), ("lr=2e-4", "bs=16"), ("lr=2e-4", "bs=8"),
+    ]  # fmt: skip
+    assert {r["name"] for r in runs} == {"grid-1", "grid-2", "grid-3", "grid-4"}
+
+    printed = obd(box, "train", "status", sweep, "--as-file", cwd=short_tmp)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.startswith(f"# sweep {sweep}, as a run file: `obd train sweep -f FILE`")
+    as_file = tomllib.loads(printed.stdout)
+    wanted = tomllib.loads(SWEEP_FILE)
+    assert as_file["command"] == wanted["command"] and as_file["name"] == "grid"
+    assert as_file["grid"] == {"lr": ["1e-4", "2e-4"], "bs": ["8", "16"]}
+    assert (as_file["gpus"], as_file["priority"]) == (1, 3)
+    (short_tmp / "again.toml").write_text(printed.stdout)
+    again = started(obd(box, "train", "sweep", "-f", "again.toml", cwd=short_tmp))
+    twins = members(box, again)
+    assert sorted(r["command"] for r in twins) == sorted(r["command"] for r in runs)
+    assert {(r["priority"], r["gpus_wanted"]) for r in twins} == {(3, 1)}
+
+    # The Python API takes the same grid, as a keyword or from the file.
+    import obd as api
+
+    with api.Client(socket=box.socket) as client:
+        third = client.sweep(["sh", "-c", "sleep 30", "--", "{lr}"], grid={"lr": ["1e-4", 2e-4]}, gpus=1, name="api")
+        assert len(third.run_ids) == 2 and third.name == "api"
+        assert sorted(client.run(rid).status().record["command"][-1] for rid in third.run_ids) == ["0.0002", "1e-4"]
+        with pytest.raises(api.BadRequest, match="a grid makes a sweep"):
+            client.start(file=short_tmp / "sweep.toml")
+    for ref in (sweep, again, third.id):
+        assert obd(box, "train", "cancel", ref).returncode == 0

@@ -106,6 +106,12 @@ function __obd_takes_value
             return 0
         case 'train sweep|--max-cost-usd'
             return 0
+        case 'train sweep|-f'
+            return 0
+        case 'train sweep|--file'
+            return 0
+        case 'train sweep|--set'
+            return 0
         case 'train sweep|--after'
             return 0
         case 'train resume|--checkpoint'
@@ -282,7 +288,7 @@ complete -c obd -n '__obd_at \'train start\'' -l after-any -d 'with --after: sta
 complete -c obd -n '__obd_at \'train start\'' -l json -d 'print the new run\'s record, not just its id'
 complete -c obd -n '__obd_at \'train start\'' -a '--'
 complete -c obd -n '__obd_at \'train sweep\'' -s h -l help -d 'show this help message and exit'
-complete -c obd -n '__obd_at \'train sweep\'' -l grid -x -d 'the values of NAME, one run each (with every value of the other --grid); repeatable'
+complete -c obd -n '__obd_at \'train sweep\'' -l grid -x -d 'the values of NAME, one run each (with every value of the other --grid); repeatable; over a run file\'s [grid] (-f)'
 complete -c obd -n '__obd_at \'train sweep\'' -l target -x -a '(__obd_targets)' -d 'where to run it: a target of the config (default: local)'
 complete -c obd -n '__obd_at \'train sweep\'' -l name -x -d 'a name to find the run by (obd train status NAME)'
 complete -c obd -n '__obd_at \'train sweep\'' -l cwd -r -F -d 'the job\'s directory (local: default here; ssh/pods: uploaded into src/)'
@@ -304,6 +310,9 @@ complete -c obd -n '__obd_at \'train sweep\'' -l max-gpu-hours -x -d 'stop it wi
 complete -c obd -n '__obd_at \'train sweep\'' -l max-cost-usd -x -d 'stop it with a snapshot before it costs D dollars (a pod\'s rate, or the target\'s price_per_gpu_hour)'
 complete -c obd -n '__obd_at \'train sweep\'' -l profile -d 'run it under the profiler; see obd train metrics'
 complete -c obd -n '__obd_at \'train sweep\'' -l snapshot-on-sigterm -d 'a SIGTERM to the job becomes a snapshot request (preempted)'
+complete -c obd -n '__obd_at \'train sweep\'' -s f -l file -x -d 'take the run from a run file (docs/run-file.md); the flags given here override it'
+complete -c obd -n '__obd_at \'train sweep\'' -l set -x -d 'set a key of the run file (--set gpus=2, --set env.NAME=VALUE), before the flags'
+complete -c obd -n '__obd_at \'train sweep\'' -l dry-run -d 'print the resolved run as a run file (--json: as JSON) and start nothing'
 complete -c obd -n '__obd_at \'train sweep\'' -l after -x -a '(__obd_runs)' -d 'wait queued until RUN (and its retries) ended succeeded or stopped (or the STATEs given); if it ends otherwise, this run is cancelled; repeatable. Its outputs: $OBD_AFTER_1_OUTPUT'
 complete -c obd -n '__obd_at \'train sweep\'' -l after-any -d 'with --after: start once those runs ended, whatever their end'
 complete -c obd -n '__obd_at \'train sweep\'' -l json -d 'print the new run\'s record, not just its id'
