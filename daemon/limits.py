@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from daemon.api import ApiError, StartRequest
@@ -234,6 +235,32 @@ def spent(prev: RunRecord, rate: Rate, now: float, save_floor: float, margin: fl
     return due(nxt, earlier_use(nxt), rate, now, chain_start(prev), lead(nxt.save_seconds, save_floor, margin))
 
 
+def too_late(record: RunRecord, now: float, save_floor: float, margin: float) -> str | None:
+    """Why a queued run must not start: its deadline is so near that its snapshot would be asked
+    as soon as it ran (the rule `due` applies to a running attempt); None while it may still start."""
+    at = too_late_at(record, save_floor, margin)
+    if at is None or now < at:
+        return None
+    assert record.limits is not None and record.limits.deadline is not None
+    when = datetime.fromtimestamp(record.limits.deadline).isoformat(timespec="seconds")
+    again = (
+        f"`obd train resume {record.id} --deadline TIME` resumes its chain"
+        if record.attempt > 1 or record.resumed_from
+        else "start it again with a later --deadline"
+    )
+    return f"cancelled while queued: its deadline ({when}) came before it could start, so nothing of it ran; {again}"
+
+
+def too_late_at(record: RunRecord, save_floor: float, margin: float) -> float | None:
+    """When a queued run becomes `too_late`: its deadline less the lead a running attempt's
+    snapshot would be asked with (at most half the deadline's span); None without a deadline."""
+    if record.limits is None or record.limits.deadline is None:
+        return None
+    deadline = record.limits.deadline
+    item = Left(DEADLINE_LIMIT, DEADLINE, 0.0, max(0.0, deadline - chain_start(record)))
+    return deadline - ahead(item, lead(record.limits.save_seconds, save_floor, margin))
+
+
 def chain_start(record: RunRecord) -> float:
     """When the chain first queued: a deadline's span counts from there."""
     return record.queue_since or record.created
@@ -403,6 +430,16 @@ def check_of(daemon: Runs, record: RunRecord, now: float) -> tuple[Left, str] | 
 def report_of(daemon: Runs, record: RunRecord, now: float) -> dict[str, Any] | None:
     """`report` of a chain's newest attempt, for `status`."""
     return report(record, rate_of(daemon, record, now), now, *settings(daemon))
+
+
+def too_late_of(daemon: Runs, record: RunRecord, now: float) -> str | None:
+    """`too_late` with the daemon's save floor and margin (the queue's check of a waiting run)."""
+    return too_late(record, now, *settings(daemon))
+
+
+def too_late_at_of(daemon: Runs, record: RunRecord) -> float | None:
+    """`too_late_at` with the daemon's settings: when the queue must look at the run again."""
+    return too_late_at(record, *settings(daemon))
 
 
 def job_time_of(daemon: Runs, record: RunRecord, now: float) -> tuple[float | None, float | None]:

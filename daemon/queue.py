@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import anyio
 import structlog
 
-from daemon import after, sweeps
+from daemon import after, limits, sweeps
 from daemon.after import Continues, Verdict
 from daemon.gpus import Inventory, queue_message
 from daemon.launch import Launcher
@@ -101,6 +101,7 @@ class Scheduler:
                 log.exception("schedule_failed")
             wait = SOON if self._soon else SAFETY_POLL
             pending = [r.not_before for r in self.queued() if r.not_before]
+            pending += [at for r in self.queued() if (at := limits.too_late_at_of(self.daemon, r)) is not None]
             if pending:
                 wait = max(0.0, min(wait, min(pending) - time.time()) + 0.01)
             with anyio.move_on_after(wait):
@@ -128,7 +129,11 @@ class Scheduler:
 
     def gate(self, record: RunRecord) -> Verdict | None:
         """Whether a queued run may leave the queue as far as the runs it waits for and its sweep go
-        (None: it may; else wait or cancel, and why)."""
+        (None: it may; else wait or cancel, and why); and a run whose deadline came while it
+        waited never starts."""
+        late = limits.too_late_of(self.daemon, record, time.time())
+        if late is not None:
+            return Verdict("cancel", late)
         if record.sweep is not None and record.sweep.id not in self._whole:
             made = {r.sweep.index for r in self.daemon.records.values() if r.sweep and r.sweep.id == record.sweep.id}
             held = sweeps.gate(record, len(made), self._started)

@@ -40,6 +40,8 @@ from daemon.limits import (
     report,
     running_seconds,
     spent,
+    too_late,
+    too_late_at,
 )
 from daemon.models import Limits, RunRecord, RunState, Snapshot, Transition
 from executors.config import LocalTarget, RunpodTarget, SlurmTarget, SshTarget
@@ -202,6 +204,37 @@ def test_a_chain_whose_limit_is_spent_gets_no_further_attempt() -> None:
     assert spent(ended, Rate(), 96.0, 1, 1).limit == TIME_LIMIT  # type: ignore[union-attr]
     room = attempt(("running", 0.0), ("stopped", 50.0), limits=L(time_limit=100))
     assert spent(room, Rate(), 51.0, 1, 1) is None
+
+
+@pytest.mark.parametrize(
+    ("limits", "floor", "now", "late", "at"),
+    [
+        # Queued at 0 with a deadline at 1000 and a 2 s lead (1 s floor, 1 s margin): it may start until 998.
+        (L(deadline=1000), 1, 997.0, False, 998.0),
+        (L(deadline=1000), 1, 998.0, True, 998.0),
+        # A lead longer than half the deadline's span is cut to half, as a running attempt's is: until 10 of 20.
+        (L(deadline=20), 30, 9.0, False, 10.0),
+        (L(deadline=20), 30, 10.0, True, 10.0),
+        # The chain's last measured save is the lead when longer than the floor.
+        (L(deadline=1000, save_seconds=50), 1, 948.0, False, 949.0),
+        (L(deadline=1000, save_seconds=50), 1, 949.0, True, 949.0),
+        # A time limit or a budget does not run down while the run waits.
+        (L(time_limit=10, max_gpu_hours=0.001), 1, 10_000.0, False, None),
+        (None, 1, 10_000.0, False, None),
+    ],
+)
+def test_a_queued_run_whose_deadline_leaves_it_no_time_never_starts(
+    limits: Limits | None, floor: float, now: float, late: bool, at: float | None
+) -> None:
+    record = attempt(("queued", 0.0), limits=limits, created=0.0)
+    why = too_late(record, now, save_floor=floor, margin=1)
+    assert (why is not None) == late
+    assert too_late_at(record, floor, 1) == at
+    if why is not None:
+        assert why.startswith("cancelled while queued: its deadline (") and "nothing of it ran" in why
+        assert why.endswith("start it again with a later --deadline")
+        record.attempt = 2
+        assert "`obd train resume r1 --deadline TIME` resumes its chain" in (too_late(record, now, floor, 1) or "")
 
 
 def test_a_scheduler_is_given_what_the_time_limit_and_the_deadline_leave_never_the_budgets() -> None:
@@ -380,6 +413,27 @@ def test_a_run_with_a_deadline_stops_with_a_deadline_snapshot_before_it_even_acr
     assert f"resumed from step {record['snapshot']['step']}" in log
     assert resumed["limits"] is None  # a resumed run is a chain of its own: the spent deadline is not carried
     ld.call("cancel", id=resumed["id"])
+
+
+def test_a_run_whose_deadline_comes_while_it_waits_for_gpus_is_cancelled_and_never_starts(make_daemon) -> None:
+    d = make_daemon(FAST_CONFIG + LIMITS + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n')
+    d.start()
+    holder = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
+    d.wait_state(holder, "running")
+    deadline = time.time() + 8  # its lead (1 s floor + 1 s margin) comes 2 s before: 6 s from now
+    clock = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(deadline))
+    waiting = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1", "--deadline", clock))
+    assert d.record(waiting)["state"] == "queued"
+    record = d.wait_state(waiting, "cancelled", "running", "stopped", timeout=30)
+    assert record["state"] == "cancelled", record["message"]
+    assert (
+        record["message"].startswith("cancelled while queued: its deadline (")
+        and "nothing of it ran" in record["message"]
+    )
+    assert "running" not in [h["state"] for h in record["history"]]
+    assert record["history"][-1]["time"] < deadline  # by the queue's own wake-up, not its 30 s poll
+    assert d.record(holder)["state"] == "running"  # the run holding the GPU is left alone
+    d.call("cancel", id=holder)
 
 
 def test_a_gpu_hour_budget_is_summed_over_a_chain_that_was_preempted_and_retried(make_daemon) -> None:
