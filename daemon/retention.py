@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,10 @@ from daemon.targets import Targets
 from executors.base import ExecutorError
 from executors.factory import makes_pods
 from trainer_plugin import rundir
+
+# At start, chains that ended this recently get a pass too (one a killed daemon cut short); older
+# ones wait for `obd train prune`, so a restart does not reach every target of a long history.
+CATCH_UP_WINDOW = 24 * 3600.0
 
 log = structlog.get_logger("obd.retention")
 
@@ -192,6 +197,21 @@ class Retention:
         if chain not in self._queued:
             self._queued.add(chain)
             self.daemon.start_soon(self._auto, chain, record.id)
+
+    def catch_up(self, now: float | None = None) -> None:
+        """At the daemon's start: a pass for every chain with a keep setting that still runs or
+        ended within CATCH_UP_WINDOW, so a pass a killed daemon cut short (or a checkpoint saved
+        while none ran) is done without waiting for the chain's next change."""
+        now = time.time() if now is None else now
+        for record in list(self.daemon.records.values()):
+            if record.keep_checkpoints is None or latest_attempt(self.daemon, record) is not record:
+                continue
+            if record.state.final and record.history and now - record.history[-1].time > CATCH_UP_WINDOW:
+                continue
+            chain = record.chain or record.id
+            if chain not in self._queued:
+                self._queued.add(chain)
+                self.daemon.start_soon(self._auto, chain, record.id)
 
     async def _auto(self, chain: str, run_id: str) -> None:
         try:

@@ -308,6 +308,7 @@ class Daemon:
                 self.listeners += [self.scheduler.on_change, self.recovery.on_change, self.retention.on_change]
                 tg.start_soon(self.scheduler.run)
                 self.recovery.catch_up()
+                self.retention.catch_up()
                 tg.start_soon(self.notifier.watchdog_loop)
                 for supervision in self.targets.configured():
                     tg.start_soon(supervision.periodically)

@@ -302,6 +302,23 @@ def test_a_chain_keeping_two_checkpoints_holds_the_newest_two_and_what_it_resume
     assert d.record(older[0])["pruned_bytes"] >= size > 0
 
 
+def test_a_restarted_daemon_prunes_what_a_killed_one_left_without_waiting_for_the_chain_to_change(
+    make_daemon,
+) -> None:
+    d = make_daemon(CONFIG)
+    d.start()
+    out = d.cli("train", "start", "--keep-checkpoints", "1", "--", "true")
+    assert out.returncode == 0, out.stderr
+    rid = out.stdout.strip()
+    run_dir = Path(d.wait_state(rid, "succeeded")["remote_dir"])
+    # Killed before its pass: the run's checkpoints are on disk, and the record will not change again.
+    d.kill()
+    older, newer = make_checkpoint(run_dir, 5), make_checkpoint(run_dir, 10)
+    d.start()
+    wait_for(lambda: not older.exists(), 30, 0.1, "checkpoint-5 pruned by the restarted daemon")
+    assert newer.is_dir() and d.record(rid)["pruned"] == ["checkpoint-5"]
+
+
 @pytest.fixture
 def sshd() -> Iterator[SshServer]:
     yield from running_sshd()
