@@ -150,10 +150,11 @@ def _add_user(name: str, group: str, base: Path) -> User:
 
 def _copy_client(client: Path) -> None:
     """What an install gives the `obd` command: the daemon package and the run directory's
-    contract it reads (trainer_plugin, standard library only)."""
+    contract it reads (trainer_plugin, standard library only), and the Python API's module."""
     client.mkdir(parents=True)
     for package in ("daemon", "trainer_plugin"):
         shutil.copytree(REPO / package, client / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(REPO / "obd.py", client / "obd.py")
 
 
 @pytest.fixture(scope="module")
