@@ -30,12 +30,7 @@ PROBE = "id -un; id -u; id -G; pwd; echo $CUDA_VISIBLE_DEVICES; echo $HOME"
 
 @pytest.fixture
 def box(make_daemon, short_tmp: Path, accounts) -> Iterator[Box]:
-    alice, bob, group, client, venv = accounts
-    os.chmod(short_tmp, 0o711)
-    config = CONFIG.replace("[daemon]", f'[daemon]\nsocket_group = "{group}"') + f'python = "{venv}/bin/python"\n'
-    d = make_daemon(config)
-    d.start()
-    yield Box(d, alice, bob, group, client, venv)
+    yield users.shared_daemon(make_daemon, short_tmp, accounts, CONFIG, own_python=True)
 
 
 def running(box: Box, user: User, *opts: str) -> dict:

@@ -39,14 +39,7 @@ CONFIG = (
 @pytest.fixture
 def box(make_daemon, short_tmp: Path, accounts) -> Iterator[Box]:
     """A root daemon with one configured GPU, whose socket the throwaway users' group may use."""
-    alice, bob, group, client, venv = accounts
-    os.chmod(short_tmp, 0o711)
-    # The users' venv runs obd's wrappers (--profile's) as them: the daemon's own Python may be
-    # under root's private home.
-    config = CONFIG.replace("[daemon]", f'[daemon]\nsocket_group = "{group}"') + f'python = "{venv}/bin/python"\n'
-    d = make_daemon(config)
-    d.start()
-    yield Box(d, alice, bob, group, client, venv)
+    yield users.shared_daemon(make_daemon, short_tmp, accounts, CONFIG, own_python=True)
 
 
 @pytest.fixture(scope="module")
