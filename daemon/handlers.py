@@ -274,7 +274,8 @@ class Handlers:
         if not record.state.final:
             with anyio.move_on_after(req.timeout):
                 await self.daemon.final_event(record.id).wait()
-        return record.public()
+        # Whether its chain goes on (a retry made or due, a paused run's way back): `logs --follow`.
+        return {**record.public(), "attempt_to_come": self.daemon.recovery.attempt_to_come(record)}
 
     async def watch(self, req: WatchRequest, peer: Peer) -> dict[str, Any]:
         """A long poll: the summaries of the caller's runs that changed after version `since`."""

@@ -260,13 +260,41 @@ class _Raw:
 
 
 def _logs(client: Client, ref: str, follow: bool, tail: int | None, as_json: bool) -> int:
-    """Print the log (or follow it until the run ends: the exit code is its final state's)."""
+    """Print the log (or follow it until the run's chain ends, through each next attempt of a
+    retry or a preemption: the exit code is its last attempt's final state's)."""
     patient = Patient(client, answered=False)
     run_id = patient.call("wait", id=ref, timeout=0)["id"]  # `last` or a name: the run it names now
     first = {"tail_lines": tail} if tail is not None else {}
     reply = patient.call("read", id=run_id, offset=0, **first)
     sink: _Ndjson | _Raw = _Ndjson(reply.get("offset", 0)) if as_json else _Raw()
     live = follow and sys.stdout.isatty() and not as_json
+    while True:
+        shown_progress = _print_log(patient, run_id, reply, sink, follow, live)
+        if not follow:
+            sink.close()
+            return 0
+        record = patient.call("wait", id=run_id, timeout=0)
+        following = _next_attempt(patient, record)
+        if following is None:
+            break
+        if shown_progress:
+            sys.stderr.write("\r\033[K")
+        print(f"obd: {render.outcome(record)}; following its next attempt, {following}", file=sys.stderr)
+        run_id = following
+        reply = patient.call("read", id=run_id, offset=0)
+        if as_json:
+            sink = _Ndjson(0)
+    sink.close()
+    if record["state"] != "succeeded":
+        print(f"obd: {render.outcome(record)}", file=sys.stderr)  # its message names the exit code
+    return STATE_EXIT.get(record["state"], EXIT_ERROR)
+
+
+def _print_log(
+    patient: Patient, run_id: str, reply: dict[str, Any], sink: _Ndjson | _Raw, follow: bool, live: bool
+) -> bool:
+    """One attempt's log from `reply` on: what there is, or (following) until the attempt ended
+    and its last lines were read. Whether a progress line is left on the terminal."""
     shown_progress = False
     while True:
         data = base64.b64decode(reply.get("data", ""))
@@ -278,14 +306,13 @@ def _logs(client: Client, ref: str, follow: bool, tail: int | None, as_json: boo
         offset = reply.get("next", reply.get("offset", 0))
         if not follow:
             if not data or len(data) < 65536:
-                sink.close()
-                return 0
+                return shown_progress
         elif not data:
             if reply.get("state") in FINAL:
                 # One more read: the job may have written its last lines before it ended.
                 reply = patient.call("read", id=run_id, offset=offset)
                 if not reply.get("data"):
-                    break
+                    return shown_progress
                 continue
             if live:
                 sys.stderr.write("\r\033[K" + render.progress_line(reply.get("progress") or {}))
@@ -293,8 +320,14 @@ def _logs(client: Client, ref: str, follow: bool, tail: int | None, as_json: boo
                 shown_progress = True
             time.sleep(0.25)
         reply = patient.call("read", id=run_id, offset=offset)
-    sink.close()
-    record = patient.call("wait", id=run_id, timeout=0)
-    if record["state"] != "succeeded":
-        print(f"obd: {render.outcome(record)}", file=sys.stderr)  # its message names the exit code
-    return STATE_EXIT.get(record["state"], EXIT_ERROR)
+
+
+def _next_attempt(patient: Patient, record: dict[str, Any]) -> str | None:
+    """The next attempt of an ended attempt's chain, once the daemon made it (after a retry's
+    backoff, or a paused run's turn in the queue); None when the chain ends here."""
+    while record.get("attempt_to_come"):
+        if record.get("retried_by"):
+            return str(record["retried_by"])
+        time.sleep(0.5)
+        record = patient.call("wait", id=record["id"], timeout=0)
+    return None

@@ -190,3 +190,20 @@ def test_cancelling_the_printed_id_while_a_retry_waits_out_its_backoff_ends_the_
     assert len(ledger.read_text().splitlines()) == 1  # only attempt 1 ever ran
     assert d.record(second_id)["retried_by"] is None
     assert [a["id"] for a in d.record(first_id)["chain_runs"]] == [first_id, second_id]
+
+
+def test_logs_follow_of_the_printed_id_follows_each_next_attempt_to_the_chains_end(
+    rd: DaemonProc, tmp_path: Path
+) -> None:
+    marker = tmp_path / "marker"
+    script = f"if [ -e {marker} ]; then echo second-attempt-line; exit 0; fi; touch {marker}; echo first-attempt-line; exit 3"
+    out = rd.cli("train", "start", "--retry", "1", "--", "sh", "-c", script)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.strip()
+    follow = rd.cli("train", "logs", first, "--follow")
+    assert follow.returncode == 0, follow.stderr  # the chain's end: its second attempt succeeded
+    assert follow.stdout.splitlines() == ["first-attempt-line", "second-attempt-line"]
+    second = rd.record(first)["retried_by"]
+    assert f"following its next attempt, {second}" in follow.stderr
+    # Without --follow, a log is its own attempt's.
+    assert rd.cli("train", "logs", first).stdout.splitlines() == ["first-attempt-line"]
