@@ -85,7 +85,9 @@ def main() -> int:
     try:
         wait_ready(daemon)
         say("a tiny Qwen2 LoRA fine-tune (random weights, local tokenizer, shipped data)")
-        run = obd("train", "start", "--name", "lora-demo", "--", *WORKLOAD, "--max_steps", "60").stdout.strip()
+        # Long enough that the stop comes while it trains: a tiny step takes ~15 ms on a quiet machine,
+        # so 60 steps could be over before the daemon has seen step 5 (step logs come once a second).
+        run = obd("train", "start", "--name", "lora-demo", "--", *WORKLOAD, "--max_steps", "2000").stdout.strip()
         wait_step(run, 5)
         obd("train", "status", run)
         say("a snapshot: save at the end of the current step, prove it, stop")
