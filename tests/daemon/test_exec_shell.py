@@ -8,23 +8,20 @@ Slurm cluster's are at the end of this file.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import pty
 import select
 import socket
-import struct
 import subprocess
 import sys
-import termios
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, kill_job_groups, wait_for
+from tests.ptys import converse
 
 TWO_GPUS = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\n'
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -185,30 +182,7 @@ def drive(
     if pid == 0:  # the child: obd on the terminal
         os.chdir(REPO)
         os.execve(sys.executable, [sys.executable, "-m", "daemon.cli", *args], {**d.env, "TERM": "xterm"})
-    shown = b""
-    deadline = time.monotonic() + timeout
-    sent = False
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                shown += chunk
-            if not sent and (b"$ " in shown or b"# " in shown or time.monotonic() > deadline - timeout + 3):
-                if resize is not None:  # the kernel sends obd SIGWINCH; obd passes the size on
-                    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", *resize, 0, 0))
-                    time.sleep(0.5)
-                os.write(fd, typed)
-                sent = True
-        _, status = os.waitpid(pid, 0)
-    finally:
-        os.close(fd)
-    return os.waitstatus_to_exitcode(status), shown
+    return converse(pid, fd, typed, timeout, resize)
 
 
 def test_a_shell_follows_the_size_of_the_callers_terminal(gpu_daemon: DaemonProc) -> None:
@@ -283,17 +257,19 @@ def test_at_most_four_commands_at_once_hold_channels_of_an_ssh_targets_connectio
     assert ssh_box.cli("train", "exec", record["id"], "--", "true").returncode == 0
 
 
-def test_a_terminal_over_ssh_is_a_real_one_and_its_exit_status_is_obds(ssh_box: DaemonProc) -> None:
-    record = start_running(ssh_box, "--target", "box", command=["sleep", "120"])
+def assert_a_real_terminal(d: DaemonProc, run_id: str) -> None:
+    """`exec -t RUN -- sh` is on a terminal there, follows the caller's size, and passes its exit status back."""
     code, shown = drive(
-        ssh_box,
-        ["train", "exec", "-t", record["id"], "--", "sh"],
-        b"tty; stty size; echo hi-$((40+2)); exit 3\r",
-        resize=(41, 103),
+        d, ["train", "exec", "-t", run_id, "--", "sh"], b"tty; stty size; echo hi-$((40+2)); exit 3\r", resize=(41, 103)
     )
     assert code == 3, shown
     assert b"hi-42" in shown and b"/dev/pts/" in shown
     assert b"41 103" in shown  # the size followed the caller's terminal
+
+
+def test_a_terminal_over_ssh_is_a_real_one_and_its_exit_status_is_obds(ssh_box: DaemonProc) -> None:
+    record = start_running(ssh_box, "--target", "box", command=["sleep", "120"])
+    assert_a_real_terminal(ssh_box, record["id"])
 
 
 def test_a_shell_over_ssh_is_the_logins_shell_on_a_terminal_in_the_run_directory(ssh_box: DaemonProc) -> None:
@@ -357,15 +333,7 @@ def test_exec_on_slurm_runs_as_a_step_of_the_runs_job_in_its_run_directory(hpc: 
 
 def test_a_terminal_on_slurm_is_srun_pty_and_its_exit_status_is_obds(hpc: DaemonProc) -> None:
     record = running_on_slurm(hpc)
-    code, shown = drive(
-        hpc,
-        ["train", "exec", "-t", record["id"], "--", "sh"],
-        b"tty; stty size; echo hi-$((40+2)); exit 3\r",
-        resize=(41, 103),
-    )
-    assert code == 3, shown
-    assert b"hi-42" in shown and b"/dev/pts/" in shown
-    assert b"41 103" in shown  # the size followed the caller's terminal
+    assert_a_real_terminal(hpc, record["id"])
 
 
 def test_a_shell_on_slurm_is_a_login_shell_in_a_step_of_the_runs_job(hpc: DaemonProc) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import grp
 import os
 import pty
-import select
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pytest
 from tests import users
 from tests.conftest import FAST_CONFIG, wait_for
 from tests.executors.slurm.conftest import slurm_cluster  # noqa: F401 - the shared fixture
+from tests.ptys import converse
 from tests.users import Box, User
 
 pytestmark = users.needs_root_and_users
@@ -89,25 +88,7 @@ def shell_as(box: Box, user: User, run_id: str, typed: bytes, timeout: float = 3
             os.execve(python, [python, "-m", "daemon.cli", "train", "shell", run_id], box.env(user, TERM="dumb"))
         finally:
             os._exit(127)
-    shown, sent, started = b"", False, time.monotonic()
-    try:
-        while time.monotonic() < started + timeout:
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                shown += chunk
-            if not sent and (b"$ " in shown or time.monotonic() > started + 3):
-                os.write(fd, typed)
-                sent = True
-        _, status = os.waitpid(pid, 0)
-    finally:
-        os.close(fd)
-    return os.waitstatus_to_exitcode(status), shown
+    return converse(pid, fd, typed, timeout)
 
 
 # --- a user's Slurm job: the step runs as them (srun --jobid --overlap, as the job's user) -------
