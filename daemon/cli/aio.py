@@ -295,6 +295,33 @@ class AsyncRun:
         found: dict[str, Any] | None = (await self.client._call(sdk._Call("metrics", {"id": self.id}))).get("metrics")
         return found
 
+    async def exec(
+        self, command: Sequence[str] | str, input: bytes | None = None, timeout: float | None = None
+    ) -> sdk.ExecResult:
+        """`Run.exec`, on a connection of its own; cancelled (or past `timeout`), it hangs up,
+        which ends the command there."""
+        frames = sdk.exec_frames(self.id, command, input)
+        path = self.client.socket
+        try:
+            stream = await anyio.connect_unix(path)
+        except OSError as exc:
+            raise sdk.DaemonUnreachable(unreachable_message(path, exc), "unreachable") from None
+        async with stream:
+            with contextlib.suppress(anyio.BrokenResourceError, ConnectionResetError):  # refused: its answer is read
+                await stream.send(frames)
+            gathered = sdk.ExecOutput()
+            with anyio.move_on_after(timeout) as scope:
+                while True:
+                    try:
+                        chunk = await stream.receive(1 << 20)
+                    except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+                        chunk = b""
+                    done = gathered.feed(chunk)
+                    if done is not None:
+                        return done
+        assert scope.cancelled_caught
+        raise sdk.ObdError(f"exec(): the command ran over its timeout of {timeout} s; it was ended", "timeout")
+
     async def prune(self, keep: int | None = None) -> dict[str, Any]:
         """`Run.prune`."""
         found: dict[str, Any] = await self.client._call(sdk._Call("prune", {"id": self.id, "keep": keep}))

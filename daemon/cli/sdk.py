@@ -50,7 +50,7 @@ from daemon.cli.common import (
     RECONNECT_FOR,
     STATE_EXIT,
 )
-from daemon.wire import FINAL, MAX_OFFSET, READ_LIMIT, STATES
+from daemon.wire import FINAL, MAX_MESSAGE, MAX_OFFSET, READ_LIMIT, STATES
 
 T = TypeVar("T")
 
@@ -228,6 +228,15 @@ class RunStatus:
     def final(self) -> bool:
         """Whether the run has ended (stopped, succeeded, failed or cancelled)."""
         return self.state in FINAL
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What `Run.exec` ran where the run's job runs: its exit status, and what it wrote."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
 
 
 @dataclass(frozen=True)
@@ -621,6 +630,90 @@ def _as_owner(uid: int, copy: Callable[[], Outputs]) -> Outputs:
     )
 
 
+# --- a command in a run (`obd train exec`) ------------------------------------------------------
+
+EXEC_CHUNK = 65536  # the most of `input` sent in one message
+
+
+def exec_frames(run_id: str, command: Sequence[str] | str, input: bytes | None) -> bytes:
+    """The `exec` request (docs/exec-and-shell.md: no terminal), then `input` and its end, as
+    the lines the daemon reads."""
+    import shlex
+
+    words = shlex.split(command) if isinstance(command, str) else [str(word) for word in command]
+    if not words:
+        raise BadRequest("exec(): no command: give one (a list of words or a string)", "usage")
+    request = {"op": "exec", "id": run_id, "command": words, "tty": False, "term": "dumb", "rows": 24, "cols": 80}
+    first = json.dumps(request).encode() + b"\n"
+    if len(first) > MAX_MESSAGE:
+        raise BadRequest(
+            f"exec(): the command is over the daemon's limit of {MAX_MESSAGE >> 10} KiB; put it in a script"
+        )
+    data = input or b""
+    chunks = (data[i : i + EXEC_CHUNK] for i in range(0, len(data), EXEC_CHUNK))
+    rest = [{"in": base64.b64encode(chunk).decode()} for chunk in chunks] + [{"eof": True}]
+    return first + b"".join(json.dumps(frame).encode() + b"\n" for frame in rest)
+
+
+class ExecOutput:
+    """The daemon's frames of one command, gathered: its output, then its exit status."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.out = bytearray()
+        self.err = bytearray()
+
+    def feed(self, chunk: bytes) -> ExecResult | None:
+        """The result once the exit status came; an error the daemon answered is raised."""
+        if not chunk:
+            raise DaemonUnreachable("the daemon closed the connection before the command ended; check its log")
+        self.buf += chunk
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            frame = json.loads(line)
+            if "out" in frame:
+                self.out += base64.b64decode(frame["out"])
+            elif "err" in frame:
+                self.err += base64.b64decode(frame["err"])
+            elif "exit" in frame:
+                return ExecResult(int(frame["exit"]), bytes(self.out), bytes(self.err))
+            elif frame.get("ok") is False:
+                raise error_for(str(frame.get("error", "unknown error")), str(frame.get("kind", "error")))
+        return None
+
+
+def exec_in_run(
+    path: Path, run_id: str, command: Sequence[str] | str, input: bytes | None, timeout: float | None
+) -> ExecResult:
+    """`obd train exec RUN -- COMMAND` on a connection of its own (the op takes it over)."""
+    import contextlib
+    import socket
+
+    frames = exec_frames(run_id, command, input)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            raise DaemonUnreachable(wire_client.unreachable_message(path, exc), "unreachable") from None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused: its answer is read
+            sock.sendall(frames)
+        gathered = ExecOutput()
+        while True:
+            try:
+                chunk = sock.recv(1 << 20)
+            except TimeoutError:
+                raise ObdError(
+                    f"exec(): the command ran over its timeout of {timeout} s; it was ended", "timeout"
+                ) from None
+            done = gathered.feed(chunk)
+            if done is not None:
+                return done
+    finally:
+        sock.close()  # a command still running there is hung up on, and ended
+
+
 # --- the sync client ------------------------------------------------------------------------------
 
 
@@ -808,6 +901,15 @@ class Run:
     def outputs(self, to: str | os.PathLike[str] | None = None, checkpoint: str | int | None = None) -> Outputs:
         """Copy its output/ (or a checkpoint: latest, a step, final) into `to`, a new or empty directory."""
         return copy_outputs(self.client._call(_Call("outputs", {"id": self.id})), to, checkpoint)
+
+    def exec(
+        self, command: Sequence[str] | str, input: bytes | None = None, timeout: float | None = None
+    ) -> ExecResult:
+        """`obd train exec`: run `command` where its job runs (its target, as its user, in its run
+        directory, with its GPUs visible), `input` on its stdin; its exit status and output. Only
+        a running run, by its owner or root (docs/exec-and-shell.md). After `timeout` seconds
+        the command is ended and an ObdError raised."""
+        return exec_in_run(self.client.socket, self.id, command, input, timeout)
 
     def prune(self, keep: int | None = None) -> dict[str, Any]:
         """`obd train prune`: delete its chain's older checkpoints now, keeping the newest `keep`

@@ -136,6 +136,38 @@ def sleeping_in(run_dir: str) -> int:
     return found
 
 
+def test_the_python_api_runs_a_command_in_a_run_sync_and_async(gpu_daemon: DaemonProc) -> None:
+    import anyio
+
+    import obd
+
+    record = start_running(gpu_daemon, "--gpus", "1")
+    script = "pwd; echo $CUDA_VISIBLE_DEVICES; echo to-err >&2; cat; exit 7"
+    with obd.Client(socket=gpu_daemon.socket) as client:
+        run = client.run(record["id"])
+        done = run.exec(["sh", "-c", script], input=b"from-stdin\n")
+        assert done.exit_code == 7 and done.stderr == b"to-err\n"
+        cwd, gpus, given = done.stdout.decode().splitlines()
+        assert (Path(cwd), gpus, given) == (Path(record["remote_dir"]), ",".join(record["gpus"]), "from-stdin")
+        with pytest.raises(obd.ObdError, match="over its timeout of 1 s"):
+            run.exec("sleep 60", timeout=1)
+        ended = client.start(["true"], gpus=0)
+        ended.wait()
+        with pytest.raises(obd.RequestFailed, match="has ended"):
+            ended.exec("true")
+
+    async def in_async() -> obd.ExecResult:
+        async with obd.AsyncClient(socket=gpu_daemon.socket) as aclient:
+            arun = await aclient.run(record["id"])
+            with pytest.raises(obd.ObdError, match="over its timeout"):
+                await arun.exec("sleep 60", timeout=1)
+            return await arun.exec(["sh", "-c", "echo async-$((40+2)); exit 4"])
+
+    assert anyio.run(in_async) == obd.ExecResult(4, b"async-42\n", b"")
+    # The commands the timeouts hung up on were ended there.
+    wait_for(lambda: "sleep 60" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout, 20)
+
+
 def test_a_run_that_is_not_running_is_refused_with_what_to_do(gpu_daemon: DaemonProc) -> None:
     out = gpu_daemon.cli("train", "start", "--", "true")
     run_id = out.stdout.strip()
