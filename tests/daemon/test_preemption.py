@@ -112,8 +112,9 @@ def test_an_urgent_run_takes_one_gpu_through_a_verified_snapshot_and_the_victim_
     status = d.record(resumed_id)
     assert status["pauses"]["preemptions"] == 1 and status["pauses"]["lost_steps"] == 0
     assert status["pauses"]["paused_seconds"] > 0
-    log = (Path(resumed["remote_dir"]) / "job.log").read_text()
-    assert f"resumed from step {victim['snapshot']['step']}" in log
+    said = f"resumed from step {victim['snapshot']['step']}"
+    job_log = Path(resumed["remote_dir"]) / "job.log"
+    wait_for(lambda: said in job_log.read_text(), 20, 0.1, said)  # running comes before the job's first line
     for rid in (first, resumed_id):
         d.call("cancel", id=rid)
 
