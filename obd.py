@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from daemon.cli.sdk import (
+from daemon.cli.sdk import Client, Run
+from daemon.cli.sdk_results import (
     BadRequest,
-    Client,
     DaemonBusy,
     DaemonUnreachable,
     Denied,
@@ -30,7 +30,6 @@ from daemon.cli.sdk import (
     Outputs,
     Progress,
     RequestFailed,
-    Run,
     RunError,
     RunStatus,
     Snapshot,

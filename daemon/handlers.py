@@ -4,6 +4,10 @@ The server (daemon/server.py) reads a line, looks the op up here, validates the 
 against its model and calls the handler with the caller (`Peer`, from SO_PEERCRED); whatever a
 handler raises as `ApiError` goes back to the caller as it is. Every handler that names a run
 finds it for that caller (`Daemon.find`): only the run's owner and root may act on it or read it.
+
+Over 600 lines on purpose: one short method per op, each checking its caller and handing the work
+to the part that owns it (launch, stop, sweeps, retention, exec_session...); kept together so the
+whole API surface, and who may call what, is read in one place.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Pod targets as the daemon serves them: one pod per run, created, watched, capped, emptied, ended.
 
+(A few lines over 600: a pod's life is one concern, and what a record keeps of its pod is already
+apart, in daemon/pod_record.py.)
+
 `RunpodDriver` (executors/runpod) knows the pods; `PodSupervision` decides when the daemon
 calls it. It overrides the hooks of `daemon/targets.Supervision`, so the launch and the follow
 treat a pod run like any other: it is followed through an SSH executor to its pod, with a lease

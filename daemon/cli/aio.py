@@ -21,7 +21,7 @@ import anyio
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from daemon.cli import sdk
+from daemon.cli import sdk, sdk_io, sdk_results
 from daemon.cli.client import BUSY_RETRY_FOR, IDEMPOTENT, MAX_REPLY, unreachable_message
 from daemon.wire import MAX_MESSAGE
 
@@ -48,7 +48,7 @@ class _Connection:
     async def call(self, op: str, **params: Any) -> Any:
         line = json.dumps({"op": op, **params}).encode() + b"\n"
         if len(line) > MAX_MESSAGE:
-            raise sdk.BadRequest(
+            raise sdk_results.BadRequest(
                 f"the request is {len(line) >> 10} KiB, over the daemon's limit of {MAX_MESSAGE >> 10} KiB "
                 "(large env values?); pass large values in a file instead",
                 "too_large",
@@ -63,14 +63,14 @@ class _Connection:
                     if reused and op in IDEMPOTENT:
                         reused = False
                         continue
-                    raise sdk.DaemonUnreachable(
+                    raise sdk_results.DaemonUnreachable(
                         f"obd: the daemon closed the connection ({exc}); check its log", "unreachable"
                     ) from None
                 decoded = json.loads(reply)
                 if decoded.get("kind") == "busy" and not decoded.get("ok"):
                     await self.aclose()
                     if time.monotonic() >= deadline:
-                        raise sdk.DaemonBusy(
+                        raise sdk_results.DaemonBusy(
                             f"obd: the daemon at {self.path} is busy with other callers: {decoded.get('error')}; "
                             "retry in a moment",
                             "busy",
@@ -79,7 +79,7 @@ class _Connection:
                     continue
                 break
         if not decoded.get("ok"):
-            raise sdk.error_for(decoded.get("error", "unknown error"), decoded.get("kind", "error"))
+            raise sdk_results.error_for(decoded.get("error", "unknown error"), decoded.get("kind", "error"))
         return decoded.get("result")
 
     async def _exchange(self, line: bytes) -> bytes:
@@ -87,7 +87,7 @@ class _Connection:
             try:
                 self._stream = await anyio.connect_unix(self.path)
             except OSError as exc:
-                raise sdk.DaemonUnreachable(unreachable_message(self.path, exc), "unreachable") from None
+                raise sdk_results.DaemonUnreachable(unreachable_message(self.path, exc), "unreachable") from None
             self._reader = BufferedByteReceiveStream(self._stream)
         stream, reader = self._stream, self._reader
         assert reader is not None
@@ -102,15 +102,15 @@ class _Connection:
             raise _Closed(str(exc) or "no reply") from None
         except anyio.DelimiterNotFound:
             await self.aclose()
-            raise sdk.DaemonUnreachable("obd: the daemon's reply is too large", "unreachable") from None
+            raise sdk_results.DaemonUnreachable("obd: the daemon's reply is too large", "unreachable") from None
         except TimeoutError:
             await self.aclose()
-            raise sdk.DaemonUnreachable(
+            raise sdk_results.DaemonUnreachable(
                 f"obd: the daemon at {self.path} did not answer within {self.timeout:g} s", "unreachable"
             ) from None
         except OSError as exc:
             await self.aclose()
-            raise sdk.DaemonUnreachable(f"obd: lost the daemon at {self.path}: {exc}", "unreachable") from None
+            raise sdk_results.DaemonUnreachable(f"obd: lost the daemon at {self.path}: {exc}", "unreachable") from None
         except BaseException:
             # Cancelled mid-request (the caller's timeout): its reply may still come and would be
             # read as the next request's, so this connection is closed, not kept.
@@ -156,11 +156,11 @@ class AsyncClient:
         while True:
             try:
                 return await self._request(call)
-            except sdk.ObdError as error:
+            except sdk_results.ObdError as error:
                 now = time.monotonic()
                 if not call.patient or not sdk.patience(error, lost_since, now):
                     raise
-                if isinstance(error, sdk.DaemonUnreachable | sdk.DaemonBusy):
+                if isinstance(error, sdk_results.DaemonUnreachable | sdk_results.DaemonBusy):
                     lost_since = lost_since or now
             await anyio.sleep(0.5)
 
@@ -221,7 +221,7 @@ class AsyncClient:
         grid: Mapping[str, Sequence[Any]] | None = None,
         file: str | os.PathLike[str] | None = None,
         **options: Any,
-    ) -> sdk.SweepStarted:
+    ) -> sdk_results.SweepStarted:
         """`Client.sweep`: one run per combination of `grid`."""
         steps = sdk.start_steps(command, file, sdk.with_grid(options, grid), "sweep")
         return sdk.sweep_started(await self._run(steps))
@@ -238,10 +238,10 @@ class AsyncClient:
         name: str | None = None,
         since: float | str | None = None,
         limit: int | None = None,
-    ) -> list[sdk.RunStatus]:
+    ) -> list[sdk_results.RunStatus]:
         """`obd train list`: by default your active runs and the 10 most recent that ended."""
         params = sdk.list_params(all, states, target, name, since, limit)
-        return [sdk.RunStatus.of(r) for r in await self._call(sdk._Call("list", params))]
+        return [sdk_results.RunStatus.of(r) for r in await self._call(sdk._Call("list", params))]
 
     async def targets(self) -> list[dict[str, Any]]:
         """The daemon's targets, with their GPUs and what holds each."""
@@ -260,18 +260,22 @@ class AsyncRun:
     def __repr__(self) -> str:
         return f"AsyncRun({self.id!r})"
 
-    async def status(self) -> sdk.RunStatus:
-        return sdk.RunStatus.of(await self.client._call(sdk._Call("status", {"id": self.id})))
+    async def status(self) -> sdk_results.RunStatus:
+        return sdk_results.RunStatus.of(await self.client._call(sdk._Call("status", {"id": self.id})))
 
-    async def wait(self, states: str | Iterable[str] | None = None, timeout: float | None = None) -> sdk.RunStatus:
+    async def wait(
+        self, states: str | Iterable[str] | None = None, timeout: float | None = None
+    ) -> sdk_results.RunStatus:
         """`Run.wait`: until it is in one of `states` (default: any final state)."""
         return await self.client._run(sdk.wait_steps(self.id, states, timeout))
 
-    async def stop(self, wait: bool = False, reason: str = "requested", timeout: float | None = None) -> sdk.RunStatus:
+    async def stop(
+        self, wait: bool = False, reason: str = "requested", timeout: float | None = None
+    ) -> sdk_results.RunStatus:
         """`Run.stop`: a snapshot at the end of its step, then stopped (recorded as asked through the API)."""
         return await self.client._run(sdk.stop_steps(self.id, reason, wait, timeout))
 
-    async def cancel(self, wait: bool = False, timeout: float | None = None) -> sdk.RunStatus:
+    async def cancel(self, wait: bool = False, timeout: float | None = None) -> sdk_results.RunStatus:
         return await self.client._run(sdk.cancel_steps(self.id, wait, timeout))
 
     async def resume(
@@ -297,19 +301,19 @@ class AsyncRun:
 
     async def exec(
         self, command: Sequence[str] | str, input: bytes | None = None, timeout: float | None = None
-    ) -> sdk.ExecResult:
+    ) -> sdk_results.ExecResult:
         """`Run.exec`, on a connection of its own; cancelled (or past `timeout`), it hangs up,
         which ends the command there."""
-        frames = sdk.exec_frames(self.id, command, input)
+        frames = sdk_io.exec_frames(self.id, command, input)
         path = self.client.socket
         try:
             stream = await anyio.connect_unix(path)
         except OSError as exc:
-            raise sdk.DaemonUnreachable(unreachable_message(path, exc), "unreachable") from None
+            raise sdk_results.DaemonUnreachable(unreachable_message(path, exc), "unreachable") from None
         async with stream:
             with contextlib.suppress(anyio.BrokenResourceError, ConnectionResetError):  # refused: its answer is read
                 await stream.send(frames)
-            gathered = sdk.ExecOutput()
+            gathered = sdk_io.ExecOutput()
             with anyio.move_on_after(timeout) as scope:
                 while True:
                     try:
@@ -320,7 +324,7 @@ class AsyncRun:
                     if done is not None:
                         return done
         assert scope.cancelled_caught
-        raise sdk.ObdError(f"exec(): the command ran over its timeout of {timeout} s; it was ended", "timeout")
+        raise sdk_results.ObdError(f"exec(): the command ran over its timeout of {timeout} s; it was ended", "timeout")
 
     async def prune(self, keep: int | None = None) -> dict[str, Any]:
         """`Run.prune`."""
@@ -329,7 +333,7 @@ class AsyncRun:
 
     async def outputs(
         self, to: str | os.PathLike[str] | None = None, checkpoint: str | int | None = None
-    ) -> sdk.Outputs:
+    ) -> sdk_results.Outputs:
         """`Run.outputs`: the copy runs in a worker thread, so the event loop goes on."""
         reply = await self.client._call(sdk._Call("outputs", {"id": self.id}))
-        return await anyio.to_thread.run_sync(sdk.copy_outputs, reply, to, checkpoint)
+        return await anyio.to_thread.run_sync(sdk_io.copy_outputs, reply, to, checkpoint)

@@ -434,7 +434,7 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     if action == "status":
         record = client.call("status", id=args.id)
         if sweeps.is_sweep(record) and args.as_file and record.get("members"):
-            from daemon.cli.runfile import sweep_as_file_text
+            from daemon.cli.runfile_record import sweep_as_file_text
 
             first = client.call("status", id=record["members"][0]["runs"][0])  # the member as it was started
             sys.stdout.write(sweep_as_file_text(first, record, args.json))
@@ -443,7 +443,7 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             _print_record(record, args.json, render.sweep_table(record, width=_width()))
             return 0
         if args.as_file:
-            from daemon.cli.runfile import as_file_text
+            from daemon.cli.runfile_record import as_file_text
 
             sys.stdout.write(as_file_text(record, args.json))
             return 0

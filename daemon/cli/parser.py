@@ -2,6 +2,10 @@
 
 Standard library only, like every module the client imports; the reason words of a stop come
 from the run directory's contract (`trainer_plugin/rundir.py`, standard library only too).
+
+Over 600 lines on purpose: it is one declaration, the whole command line in the order `obd --help`
+shows it; the commands' own code lives elsewhere (main.py, follow.py, sweeps.py, exec.py...), and
+the run file (runfile.py) and the completions read this parser as the one source of the flags.
 """
 
 from __future__ import annotations

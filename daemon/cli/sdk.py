@@ -28,239 +28,39 @@ client runs them with its own socket and its own sleep. Standard library only.
 from __future__ import annotations
 
 import base64
-import dataclasses
-import json
 import os
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from daemon.cli import client as wire_client
 from daemon.cli.common import (
-    EXIT_BUSY,
     EXIT_CANCELLED,
-    EXIT_DENIED,
     EXIT_ERROR,
     EXIT_NO_SNAPSHOT,
-    EXIT_UNREACHABLE,
-    EXIT_USAGE,
     LOCAL_TARGET,
     RECONNECT_FOR,
     STATE_EXIT,
 )
-from daemon.wire import FINAL, MAX_MESSAGE, MAX_OFFSET, READ_LIMIT, STATES
+from daemon.cli.sdk_io import copy_outputs, exec_in_run
+from daemon.cli.sdk_results import (
+    BadRequest,
+    DaemonBusy,
+    DaemonUnreachable,
+    ExecResult,
+    Outputs,
+    RequestFailed,
+    RunError,
+    RunStatus,
+    SweepStarted,
+    WaitTimeout,
+    translated,
+)
+from daemon.wire import FINAL, MAX_OFFSET, READ_LIMIT, STATES
 
 T = TypeVar("T")
-
-# --- errors: the exit codes of `obd` as attributes ----------------------------------------------
-
-
-class ObdError(Exception):
-    """Anything obd reports; `exit_code` is what `obd` would exit with, `kind` the daemon's word."""
-
-    exit_code: int = EXIT_ERROR
-
-    def __init__(self, message: str, kind: str = "error") -> None:
-        # Not super(): the next class may be the command client's RequestFailed, whose kind is required.
-        Exception.__init__(self, message)
-        self.kind = kind
-
-
-class DaemonUnreachable(ObdError, wire_client.DaemonUnreachable):
-    """No daemon answers at the socket (or it may not be opened); the message says how to start one."""
-
-    exit_code = EXIT_UNREACHABLE
-
-
-class DaemonBusy(ObdError, wire_client.DaemonBusy):
-    """The daemon turned this caller away (too many connections); retrying in a moment may work."""
-
-    exit_code = EXIT_BUSY
-
-
-class RequestFailed(ObdError, wire_client.RequestFailed):
-    """The daemon refused or failed a request (`kind`: state, unavailable, error...)."""
-
-
-class BadRequest(RequestFailed):
-    """Bad usage: an unknown or wrong option, a run file that is not valid, a request too large."""
-
-    exit_code = EXIT_USAGE
-
-    def __init__(self, message: str, kind: str = "usage") -> None:
-        super().__init__(message, kind)
-
-
-class Denied(RequestFailed):
-    """The run is another user's, or the caller may not do this."""
-
-    exit_code = EXIT_DENIED
-
-
-class NotFound(RequestFailed):
-    """No run by that id, prefix or name."""
-
-
-class RunError(ObdError):
-    """The run ended otherwise than asked: `status` is how it ended, `exit_code` the code `obd`
-    gives it (a stop --wait with no snapshot: 3 or 4; failed: 6; stopped: 5)."""
-
-    def __init__(self, message: str, status: RunStatus, exit_code: int) -> None:
-        super().__init__(message, "run")
-        self.status = status
-        self.exit_code = exit_code
-
-
-class WaitTimeout(ObdError, TimeoutError):
-    """A wait's `timeout` passed before the run reached a state it waited for; `status` is its last."""
-
-    def __init__(self, message: str, status: RunStatus) -> None:
-        super().__init__(message, "timeout")
-        self.status = status
-
-
-_BY_KIND: dict[str, type[RequestFailed]] = {
-    "usage": BadRequest,
-    "too_large": BadRequest,
-    "denied": Denied,
-    "not_found": NotFound,
-}
-
-
-def error_for(message: str, kind: str) -> ObdError:
-    """The exception of a daemon's answer that failed."""
-    if kind == "busy":
-        return DaemonBusy(message, kind)
-    return _BY_KIND.get(kind, RequestFailed)(message, kind)
-
-
-def translated(exc: Exception) -> Exception:
-    """The API's exception for one of the command's client (daemon/cli/client.py)."""
-    if isinstance(exc, ObdError):
-        return exc
-    if isinstance(exc, wire_client.DaemonUnreachable):
-        return DaemonUnreachable(str(exc), "unreachable")
-    if isinstance(exc, wire_client.DaemonBusy):
-        return DaemonBusy(str(exc), "busy")
-    if isinstance(exc, wire_client.RequestFailed):
-        return error_for(str(exc), exc.kind)
-    return exc
-
-
-# --- results ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Progress:
-    """How far a run is, from its metrics.jsonl."""
-
-    step: int | None = None
-    max_steps: int | None = None
-    loss: float | None = None
-    eta_seconds: float | None = None
-    last_checkpoint: str | None = None
-
-    @classmethod
-    def of(cls, data: Mapping[str, Any] | None) -> Progress:
-        data = data or {}
-        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls)})
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A verified snapshot: the checkpoint (relative to the run directory), its step, why."""
-
-    checkpoint: str
-    step: int
-    reason: str = "requested"
-    time: float | None = None
-
-    @classmethod
-    def of(cls, data: Mapping[str, Any] | None) -> Snapshot | None:
-        if not data:
-            return None
-        return cls(data["checkpoint"], data["step"], data.get("reason", "requested"), data.get("time"))
-
-
-@dataclass(frozen=True)
-class RunStatus:
-    """A run as the daemon answered for it: the fields most use, and the whole record (`record`:
-    history, stop, limits..., docs/contract.md). Entries of `Client.runs` come from the list,
-    which carries fewer fields (no remote_dir, no exit_code): those are None there."""
-
-    id: str
-    state: str
-    name: str | None = None
-    target: str = LOCAL_TARGET
-    message: str = ""
-    owner: str | None = None
-    created: float | None = None
-    progress: Progress = field(default_factory=Progress)
-    snapshot: Snapshot | None = None
-    resumed_from: str | None = None
-    exit_code: int | None = None
-    remote_dir: str | None = None
-    gpus: tuple[str, ...] = ()
-    record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @classmethod
-    def of(cls, record: Mapping[str, Any]) -> RunStatus:
-        return cls(
-            id=record["id"],
-            state=record["state"],
-            name=record.get("name"),
-            target=record.get("target") or LOCAL_TARGET,
-            message=record.get("message") or "",
-            owner=record.get("owner"),
-            created=record.get("created"),
-            progress=Progress.of(record.get("progress")),
-            snapshot=Snapshot.of(record.get("snapshot")),
-            resumed_from=record.get("resumed_from"),
-            exit_code=record.get("exit_code"),
-            remote_dir=record.get("remote_dir") or None,
-            gpus=tuple(record.get("gpus") or ()),
-            record=record,
-        )
-
-    @property
-    def final(self) -> bool:
-        """Whether the run has ended (stopped, succeeded, failed or cancelled)."""
-        return self.state in FINAL
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """What `Run.exec` ran where the run's job runs: its exit status, and what it wrote."""
-
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-
-
-@dataclass(frozen=True)
-class SweepStarted:
-    """What `Client.sweep` queued: the sweep's id (for `obd train status SWEEP`) and its runs'
-    ids, in the order of the grid's combinations."""
-
-    id: str
-    name: str
-    run_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Outputs:
-    """What `Run.outputs` copied: from where, to where, how many files and bytes; the symbolic
-    links it left out (never followed)."""
-
-    id: str
-    source: Path
-    to: Path
-    files: int
-    bytes: int
-    skipped_links: tuple[str, ...] = ()
-
 
 # --- what the clients do, as steps ----------------------------------------------------------------
 
@@ -563,155 +363,6 @@ def list_params(
         if value is not None:
             params[key] = value
     return params
-
-
-def copy_outputs(reply: Mapping[str, Any], to: str | os.PathLike[str] | None, which: str | int | None) -> Outputs:
-    """`obd train outputs`: the run's output/ (or one checkpoint of it) copied into `to` (new or
-    empty; default ./<name or id>), hard links where the filesystem allows. Root copying another
-    user's run copies as that user, in a child process, as the command does."""
-    owner = reply.get("owner_uid")
-    if os.geteuid() == 0 and isinstance(owner, int) and owner != 0:
-        return _as_owner(owner, lambda: _copy(reply, to, which))
-    return _copy(reply, to, which)
-
-
-def _copy(reply: Mapping[str, Any], to: str | os.PathLike[str] | None, which: str | int | None) -> Outputs:
-    from daemon.cli.outputs import OutputsError, copy_tree, pick_source
-
-    try:
-        src, leave_out = pick_source(dict(reply), None if which is None else str(which))
-        if not src.is_dir():
-            raise OutputsError(f"run {reply['id']} has no outputs yet ({reply['state']}); nothing in {src}")
-        dest = Path(to if to is not None else (reply.get("name") or reply["id"])).resolve()
-        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise OutputsError(f"{dest} exists and is not empty: choose a new directory with to=")
-        dest.mkdir(parents=True, exist_ok=True)
-        files, size, skipped = copy_tree(src, dest, leave_out)
-    except (OutputsError, PermissionError) as exc:
-        raise RequestFailed(f"cannot copy the outputs of run {reply['id']}: {exc}", "outputs") from None
-    return Outputs(str(reply["id"]), src, dest, files, size, tuple(skipped))
-
-
-def _as_owner(uid: int, copy: Callable[[], Outputs]) -> Outputs:
-    """`copy` in a child that is the run's owner for good; its result back through a pipe."""
-    import pwd
-
-    try:
-        pw = pwd.getpwuid(uid)
-    except KeyError:
-        raise RequestFailed(f"the run's owner (uid {uid}) has no account here; copy its files by hand") from None
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        try:
-            os.initgroups(pw.pw_name, pw.pw_gid)
-            os.setresgid(pw.pw_gid, pw.pw_gid, pw.pw_gid)
-            os.setresuid(uid, uid, uid)
-            answer: dict[str, Any]
-            try:
-                done = copy()
-                answer = {"ok": {**dataclasses.asdict(done), "source": str(done.source), "to": str(done.to)}}
-            except ObdError as exc:
-                answer = {"error": str(exc)}
-            os.write(write_end, json.dumps(answer).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        data = pipe.read()
-    os.waitpid(pid, 0)
-    answer = json.loads(data or b'{"error": "the copy as the run\'s owner ended with no answer"}')
-    if "error" in answer:
-        raise RequestFailed(f"{answer['error']} (root copies a run of {pw.pw_name}'s as {pw.pw_name})", "outputs")
-    done = answer["ok"]
-    return Outputs(
-        done["id"], Path(done["source"]), Path(done["to"]), done["files"], done["bytes"], tuple(done["skipped_links"])
-    )
-
-
-# --- a command in a run (`obd train exec`) ------------------------------------------------------
-
-EXEC_CHUNK = 65536  # the most of `input` sent in one message
-
-
-def exec_frames(run_id: str, command: Sequence[str] | str, input: bytes | None) -> bytes:
-    """The `exec` request (docs/exec-and-shell.md: no terminal), then `input` and its end, as
-    the lines the daemon reads."""
-    import shlex
-
-    words = shlex.split(command) if isinstance(command, str) else [str(word) for word in command]
-    if not words:
-        raise BadRequest("exec(): no command: give one (a list of words or a string)", "usage")
-    request = {"op": "exec", "id": run_id, "command": words, "tty": False, "term": "dumb", "rows": 24, "cols": 80}
-    first = json.dumps(request).encode() + b"\n"
-    if len(first) > MAX_MESSAGE:
-        raise BadRequest(
-            f"exec(): the command is over the daemon's limit of {MAX_MESSAGE >> 10} KiB; put it in a script"
-        )
-    data = input or b""
-    chunks = (data[i : i + EXEC_CHUNK] for i in range(0, len(data), EXEC_CHUNK))
-    rest = [{"in": base64.b64encode(chunk).decode()} for chunk in chunks] + [{"eof": True}]
-    return first + b"".join(json.dumps(frame).encode() + b"\n" for frame in rest)
-
-
-class ExecOutput:
-    """The daemon's frames of one command, gathered: its output, then its exit status."""
-
-    def __init__(self) -> None:
-        self.buf = b""
-        self.out = bytearray()
-        self.err = bytearray()
-
-    def feed(self, chunk: bytes) -> ExecResult | None:
-        """The result once the exit status came; an error the daemon answered is raised."""
-        if not chunk:
-            raise DaemonUnreachable("the daemon closed the connection before the command ended; check its log")
-        self.buf += chunk
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            frame = json.loads(line)
-            if "out" in frame:
-                self.out += base64.b64decode(frame["out"])
-            elif "err" in frame:
-                self.err += base64.b64decode(frame["err"])
-            elif "exit" in frame:
-                return ExecResult(int(frame["exit"]), bytes(self.out), bytes(self.err))
-            elif frame.get("ok") is False:
-                raise error_for(str(frame.get("error", "unknown error")), str(frame.get("kind", "error")))
-        return None
-
-
-def exec_in_run(
-    path: Path, run_id: str, command: Sequence[str] | str, input: bytes | None, timeout: float | None
-) -> ExecResult:
-    """`obd train exec RUN -- COMMAND` on a connection of its own (the op takes it over)."""
-    import contextlib
-    import socket
-
-    frames = exec_frames(run_id, command, input)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        try:
-            sock.connect(str(path))
-        except OSError as exc:
-            raise DaemonUnreachable(wire_client.unreachable_message(path, exc), "unreachable") from None
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused: its answer is read
-            sock.sendall(frames)
-        gathered = ExecOutput()
-        while True:
-            try:
-                chunk = sock.recv(1 << 20)
-            except TimeoutError:
-                raise ObdError(
-                    f"exec(): the command ran over its timeout of {timeout} s; it was ended", "timeout"
-                ) from None
-            done = gathered.feed(chunk)
-            if done is not None:
-                return done
-    finally:
-        sock.close()  # a command still running there is hung up on, and ended
 
 
 # --- the sync client ------------------------------------------------------------------------------
