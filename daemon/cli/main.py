@@ -44,6 +44,7 @@ from daemon.cli.follow import (
 )
 from daemon.cli.parser import (
     _parser,
+    command_parser,
 )
 from daemon.paths import client_socket
 
@@ -121,7 +122,7 @@ def _main(argv: list[str]) -> int:
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else 0
     try:
-        _check_command(args, head, command, unknown)
+        _check_command(parser, args, head, command, unknown)
         if args.cmd == "train" and args.action in ("start", "sweep") and (args.file or args.set or args.dry_run):
             from daemon.cli.runfile import resolve_start  # a run file, --set, --dry-run (docs/run-file.md)
 
@@ -178,13 +179,24 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def _check_command(args: argparse.Namespace, head: list[str], command: list[str], unknown: list[str]) -> None:
+def _check_command(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, head: list[str], command: list[str], unknown: list[str]
+) -> None:
     """A job's command given without `--` is taken only while none of its words looks like an option:
-    `obd train start python train.py --lr 2e-4` is refused with the line that works."""
+    `obd train start python train.py --lr 2e-4` is refused with the line that works. An option obd
+    does not know before the job's command is refused as obd's, with the flag it may have meant."""
     if args.cmd == "pods":
         return  # `obd pods` options (--help, --force...) are its own
     takes_command = args.cmd == "train" and args.action in ("start", "resume", "sweep", "exec")
     before = list(args.command) if takes_command else []
+    flags = [word for word in unknown if word.startswith("-")]
+    # start and sweep take every word from the command's first on as the command: an unknown
+    # option came before it. exec and resume take RUN first: one after the command may be the job's.
+    if flags and (command or not before or args.action in ("start", "sweep")):
+        raise UsageError(
+            f"unrecognized option {' '.join(flags)}{_meant(parser, args, flags)} "
+            f"(obd {_where(args)} --help lists the options)"
+        )
     if takes_command and before:
         if command:
             raise UsageError(
@@ -192,17 +204,33 @@ def _check_command(args: argparse.Namespace, head: list[str], command: list[str]
                 f"{' '.join(command)}); give it once, after --"
             )
         if unknown or any(word.startswith("-") for word in before[1:]):
-            obd_part = head[: len(head) - len(before)]
+            at = max(i for i in range(len(head) - len(before) + 1) if head[i : i + len(before)] == before)
             import shlex
 
-            line = shlex.join(["obd", *obd_part, "--", *before, *unknown])
+            line = shlex.join(["obd", *head[:at], "--", *before, *unknown])
             raise UsageError(f"put the job's command after `--`, so its options are not read as obd's:\n  {line}")
     if unknown:
-        flags = " ".join(unknown)
         hint = ""
         if takes_command:
-            hint = f"; if they are the job's, put the command after `--`: obd train {args.action} [OPTIONS] -- COMMAND"
-        raise UsageError(f"unrecognized arguments: {flags}{hint} (obd {_where(args)} --help lists the options)")
+            run = " RUN" if args.action in ("resume", "exec") else ""
+            hint = f"; if they are the job's, put the command after `--`: obd train {args.action}{run} [OPTIONS] -- COMMAND"
+        raise UsageError(
+            f"unrecognized arguments: {' '.join(unknown)}{hint} (obd {_where(args)} --help lists the options)"
+        )
+
+
+def _meant(parser: argparse.ArgumentParser, args: argparse.Namespace, flags: list[str]) -> str:
+    """`; did you mean --gpus?` for the flags that begin a flag of the command (or are close to one)."""
+    import difflib
+
+    own = command_parser(parser, [args.cmd, getattr(args, "action", None)])
+    known = [o for a in own._actions for o in a.option_strings if o.startswith("--")]
+    meant = []
+    for flag in flags:
+        name = flag.partition("=")[0]
+        found = [o for o in known if o.startswith(name)] or difflib.get_close_matches(name, known, 1)
+        meant += [o for o in found[:3] if o not in meant]
+    return f"; did you mean {' or '.join(meant)}? (obd takes no abbreviated option)" if meant else ""
 
 
 def _where(args: argparse.Namespace) -> str:

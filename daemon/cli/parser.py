@@ -315,12 +315,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _format_all(parser: argparse.ArgumentParser) -> None:
-    """Every command's help laid out alike (`_Formatter`), those of daemon/cli/view.py included."""
+    """Every command's help laid out alike (`_Formatter`), those of daemon/cli/view.py included; and
+    no parser takes an abbreviated flag (`--gpu` for `--gpus`), which run files and the API refuse."""
     parser.formatter_class = _Formatter
+    parser.allow_abbrev = False
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 _format_all(sub)
+
+
+def command_parser(parser: argparse.ArgumentParser, path: list[str | None]) -> argparse.ArgumentParser:
+    """The parser of `obd train start` (path ["train", "start"]): as deep as the path names one."""
+    for name in path:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or name not in subs[0].choices:
+            break
+        parser = subs[0].choices[name]
+    return parser
 
 
 def _run_arg(parser: argparse.ArgumentParser, what: str = "the run") -> None:
@@ -525,7 +537,11 @@ def _add_resume(train: Any) -> None:
     _add_limits(rs, for_resume=True)
     rs.add_argument("--json", action="store_true", help="print the new run's record, not just its id")
     rs.add_argument(
-        "command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="a new command, after --; default: RUN's"
+        # Not REMAINDER: the options after RUN (`resume sft --checkpoint 400`) are resume's own.
+        "command",
+        nargs="*",
+        metavar="-- COMMAND",
+        help="a new command, after --; default: RUN's",
     )
 
 

@@ -1,0 +1,121 @@
+"""What a new user hit with the `obd` command (issue 34), each as they met it: the installed
+command against a real daemon with real jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
+
+PY = sys.executable
+OBD = Path(sys.executable).with_name("obd")
+# A job that speaks the snapshot protocol: it announces the plugin, logs a step every 0.1 s and,
+# on a request, writes a complete checkpoint and its proof and exits 0.
+SNAPSHOT_JOB = r"""
+import json, os, sys, time
+env = os.environ
+def metric(**line):
+    with open(env["OBD_METRICS_FILE"], "a") as f:
+        f.write(json.dumps(line) + "\n")
+metric(event="begin", time=time.time(), max_steps=1000, snapshots=True, version="test")
+for step in range(1, 100000):
+    time.sleep(0.1)
+    print(f"step {step}", flush=True)
+    metric(event="log", step=step, loss=1.0 / step, time=time.time())
+    if os.path.exists(env["OBD_SNAPSHOT_REQUEST"]):
+        checkpoint = os.path.join(env["OBD_RUN_DIR"], "output", f"checkpoint-{step}")
+        os.makedirs(checkpoint)
+        with open(os.path.join(checkpoint, "model.safetensors"), "wb") as f:
+            f.write(b"w" * 1000)
+        with open(os.path.join(checkpoint, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": step}, f)
+        proof = {"checkpoint": f"output/checkpoint-{step}", "step": step, "time": time.time(), "reason": "requested"}
+        with open(env["OBD_SNAPSHOT_FILE"] + ".tmp", "w") as f:
+            json.dump(proof, f)
+        os.replace(env["OBD_SNAPSHOT_FILE"] + ".tmp", env["OBD_SNAPSHOT_FILE"])
+        sys.exit(0)
+"""
+
+
+@pytest.fixture
+def box(make_daemon) -> DaemonProc:
+    d = make_daemon(FAST_CONFIG)
+    d.start()
+    return d
+
+
+def obd(d: DaemonProc, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The installed `obd` command, talking to `d`."""
+    return subprocess.run([str(OBD), *args], env=d.env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def start(d: DaemonProc, *command: str, opts: tuple[str, ...] = ()) -> str:
+    out = obd(d, "train", "start", *opts, "--", *command)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def stopped_run(d: DaemonProc, tmp: Path) -> tuple[str, list[str]]:
+    """A run stopped with a verified snapshot, and its command."""
+    script = tmp / "snapshot_job.py"
+    script.write_text(SNAPSHOT_JOB)
+    command = [PY, str(script)]
+    rid = start(d, *command)
+    wait_for(lambda: (r := d.record(rid))["snapshots"] and (r["progress"]["step"] or 0) >= 1, 60, 0.1, "a step")
+    out = obd(d, "train", "stop", rid, "--wait")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return rid, command
+
+
+# --- 1: options after the run id are resume's own -------------------------------------------
+
+
+def test_options_after_the_run_id_of_a_resume_are_resumes_and_the_command_stays_the_runs(
+    box: DaemonProc, short_tmp: Path
+) -> None:
+    rid, command = stopped_run(box, short_tmp)
+
+    out = obd(box, "train", "resume", rid, "--checkpoint", "latest", "--json")
+    assert out.returncode == 0, out.stderr
+    by_checkpoint = json.loads(out.stdout)
+    assert by_checkpoint["command"] == command
+    assert by_checkpoint["resumed_from"] == rid and by_checkpoint["resume_checkpoint"]
+
+    out = obd(box, "train", "resume", rid, "--time-limit", "3m", "--json")
+    assert out.returncode == 0, out.stderr
+    limited = json.loads(out.stdout)
+    assert limited["command"] == command and limited["limits"]["time_limit"] == 180
+
+    out = obd(box, "train", "resume", rid, "--retry", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    retried = json.loads(out.stdout)
+    assert retried["command"] == command and retried["retries"] == 1
+
+    # A new command still goes after `--`; one without it is refused with the line that works.
+    out = obd(box, "train", "resume", rid, "--retry", "1", "--json", "--", "sh", "-c", "echo new")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["command"] == ["sh", "-c", "echo new"]
+    out = obd(box, "train", "resume", rid, "sh", "-c", "--flag")
+    assert out.returncode == 2
+    assert f"obd train resume {rid} -- sh -c --flag" in out.stderr
+
+    for run in (by_checkpoint, limited, retried):
+        obd(box, "train", "cancel", run["id"], "--wait")
+
+
+# --- 10: what a start accepted and ignored ---------------------------------------------------
+
+
+def test_an_abbreviated_option_is_refused_with_the_one_it_may_mean(box: DaemonProc) -> None:
+    out = obd(box, "train", "start", "--gpu", "1", "--", "true")
+    assert out.returncode == 2
+    assert "unrecognized option --gpu; did you mean --gpus?" in out.stderr
+    assert obd(box, "train", "list", "--all", "--json").stdout.strip() == "[]"  # nothing started
+    out = obd(box, "train", "list", "--al")
+    assert out.returncode == 2 and "did you mean --all?" in out.stderr
