@@ -143,11 +143,17 @@ def run_label(record: dict[str, Any]) -> str:
     return printable(f"{record['id']} ({name})" if name else record["id"])
 
 
-def load_chain(client: Caller, ref: str) -> tuple[list[dict[str, Any]], str]:
-    """The run `ref` names and the runs it was resumed from, oldest first, and why the chain stops short."""
+def is_sweep(answer: Any) -> bool:
+    """Whether `status` answered for a sweep (its members' table) rather than for a run."""
+    return isinstance(answer, dict) and "sweep" in answer and "members" in answer
+
+
+def load_chain(client: Caller, ref: str, record: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], str]:
+    """The run `ref` names (`record`, when already read) and the runs it was resumed from, oldest
+    first, and why the chain stops short."""
     from daemon.cli.client import RequestFailed
 
-    chain = [client.call("status", id=ref)]
+    chain = [record if record is not None else client.call("status", id=ref)]
     seen = {chain[0]["id"]}
     note = ""
     while chain[0].get("resumed_from") and len(chain) < MAX_CHAIN:
@@ -194,9 +200,39 @@ def _resume_step(child: RunMetrics, parent: dict[str, Any]) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def load_curve(client: Caller, ref: str, metric: str) -> Curve:
+def load_curves(client: Caller, ref: str, metric: str) -> tuple[list[Curve], list[str]]:
+    """The curves `ref` names: a run's (continued back through the runs it resumed), or one for
+    each member of a sweep that logged `metric`; and, for a sweep, a note for each member that has
+    nothing to plot yet (queued, or it logged no such value)."""
+    from daemon.cli.client import RequestFailed
+
+    answer = client.call("status", id=ref)
+    if not is_sweep(answer):
+        return [load_curve(client, ref, metric, answer)], []
+    curves, notes = [], []
+    title = printable(f"sweep {answer['sweep']}" + (f" ({answer['name']})" if answer.get("name") else ""))
+    for member in answer.get("members") or []:
+        values = " ".join(f"{k}={v}" for k, v in (member.get("values") or {}).items())
+        try:
+            curve = load_curve(client, member["id"], metric)
+        except (PlotError, RequestFailed):
+            notes.append(f"{title}: {member['id']} ({member.get('state')}) has no {metric!r} values yet; left out")
+            continue
+        if values:
+            curve.label = printable(f"{curve.label} {values}")
+        curves.append(curve)
+    if not curves:
+        members = ", ".join(m["id"] for m in answer.get("members") or []) or "none"
+        raise PlotError(
+            f"{title}: no member has {metric!r} values to plot yet (members: {members}); "
+            f"`obd train status {ref}` shows where each is"
+        )
+    return curves, notes
+
+
+def load_curve(client: Caller, ref: str, metric: str, record: dict[str, Any] | None = None) -> Curve:
     """The curve of `metric` for the run `ref` names, continued back through the runs it resumed."""
-    records, note = load_chain(client, ref)
+    records, note = load_chain(client, ref, record)
     chain = [(r, parse_metrics(read_file(client, r["id"])[0])) for r in records]
     curve = join_chain(chain, metric)
     curve.note = note

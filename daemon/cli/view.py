@@ -26,7 +26,9 @@ def add_commands(train: Any, top: Any) -> None:
         description="Plot a metric of one or more runs against the step. A resumed run continues the curve of "
         "the run it was resumed from; snapshots (S) and resumes (R) are marked.",
     )
-    p.add_argument("ids", nargs="+", metavar="RUN", help="run ids, prefixes, names or `last`")
+    p.add_argument(
+        "ids", nargs="+", metavar="RUN", help="run ids, prefixes, names or `last`; a sweep: each of its members"
+    )
     p.add_argument("--metric", default="loss", help="a key of the log lines: loss (default), learning_rate, grad_norm…")
     out = p.add_mutually_exclusive_group()
     out.add_argument(
@@ -57,7 +59,12 @@ def plot_command(args: argparse.Namespace, client: Any) -> int:
 
     try:
         metric = plot.safe_metric(args.metric)
-        curves = [plot.load_curve(client, ref, metric) for ref in args.ids]
+        curves = []
+        for ref in args.ids:  # a run, or a sweep: each of its members
+            found, notes = plot.load_curves(client, ref, metric)
+            curves += found
+            for note in notes:
+                print(f"obd: {note}", file=sys.stderr)
         if args.json:
             print(json.dumps([curve_json(c, metric) for c in curves], indent=1))
         elif args.svg:

@@ -119,3 +119,42 @@ def test_an_abbreviated_option_is_refused_with_the_one_it_may_mean(box: DaemonPr
     assert obd(box, "train", "list", "--all", "--json").stdout.strip() == "[]"  # nothing started
     out = obd(box, "train", "list", "--al")
     assert out.returncode == 2 and "did you mean --all?" in out.stderr
+
+
+# --- 2: plot of a sweep ----------------------------------------------------------------------
+
+# A job that logs a loss of LR/step for three steps, as the plugin would.
+LOSS_JOB = r"""
+import json, os, sys, time
+lr = float(sys.argv[1])
+with open(os.environ["OBD_METRICS_FILE"], "a") as f:
+    f.write(json.dumps({"event": "begin", "time": time.time(), "max_steps": 3}) + "\n")
+    for step in (1, 2, 3):
+        f.write(json.dumps({"event": "log", "step": step, "loss": lr / step, "time": time.time()}) + "\n")
+"""
+
+
+def test_plot_of_a_sweep_draws_each_member_and_refuses_a_metric_none_logged(box: DaemonProc, short_tmp: Path) -> None:
+    script = short_tmp / "loss_job.py"
+    script.write_text(LOSS_JOB)
+    out = obd(box, "train", "sweep", "--name", "lrs", "--grid", "lr=1,2", "--", PY, str(script), "{lr}")
+    assert out.returncode == 0, out.stderr
+    sweep = out.stdout.strip()
+    members = json.loads(obd(box, "train", "list", "--sweep", sweep, "--json").stdout)
+    for member in members:
+        box.wait_state(member["id"], "succeeded")
+
+    out = obd(box, "train", "plot", "lrs", "--json")
+    assert out.returncode == 0, out.stderr
+    curves = json.loads(out.stdout)
+    assert [c["run_id"] for c in curves] == [m["id"] for m in members]
+    assert [c["points"] for c in curves] == [[[1, 1.0], [2, 0.5], [3, 1 / 3]], [[1, 2.0], [2, 1.0], [3, 2 / 3]]]
+    assert "lr=2" in curves[1]["label"]
+
+    out = obd(box, "train", "plot", sweep, "--width", "80")
+    assert out.returncode == 0, out.stderr
+    assert all(m["id"] in out.stdout for m in members)  # each member in the chart's legend
+
+    out = obd(box, "train", "plot", sweep, "--metric", "accuracy")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"sweep {sweep} (lrs): no member has 'accuracy' values to plot" in out.stderr
