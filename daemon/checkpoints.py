@@ -12,12 +12,12 @@ bad (`failed_at_load`): no attempt resumes from it again.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
+import anyio.to_thread
 import structlog
 
 from daemon.api import ApiError
@@ -59,6 +59,19 @@ class Checkpoint:
     source: str | None = None
 
 
+# (run, checkpoint) whose trainer_state.json was found unreadable: said once in the log, not at
+# every `status` and retention pass that reads it again (a checkpoint is never rewritten).
+_said_unreadable: set[tuple[str, str]] = set()
+
+
+def unreadable_once(run_id: str, name: str, exc: ValueError) -> None:
+    """Log that a checkpoint's trainer_state.json does not parse, the first time only."""
+    if (run_id, name) in _said_unreadable:
+        return
+    _said_unreadable.add((run_id, name))
+    log.warning("checkpoint_state_unreadable", run_id=run_id, checkpoint=name, error=str(exc)[:200])
+
+
 class Checkpoints:
     """Reads a run's checkpoints where they are: its target, or the copy obd retrieved."""
 
@@ -88,8 +101,10 @@ class Checkpoints:
         step = rundir.checkpoint_step(name)
         state_raw = await self.read(f"{rundir.OUTPUT}/{name}/trainer_state.json", 16 << 20)
         try:
-            state = json.loads(state_raw)
-        except ValueError:
+            state = await anyio.to_thread.run_sync(rundir.load_json, state_raw)
+        except ValueError as exc:  # not JSON, or nested past the limit: a save cut short, or planted
+            if state_raw:
+                unreadable_once(self.record.id, name, exc)
             return None
         if not isinstance(state, dict) or state.get("global_step") != step:
             return None

@@ -18,7 +18,6 @@ sweep's id or name act on every member (`Sweeps`).
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 import secrets as pysecrets
@@ -47,6 +46,7 @@ GRID_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 STOPPED_QUEUED = "cancelled while queued: its sweep was stopped (`obd train resume SWEEP` starts it again)"
 METRICS_CHUNK = 4 << 20  # one read of a member's metrics.jsonl
 METRICS_CHUNKS = 16  # at most this many reads a look (what is left is read by the next look)
+MEMBERS_AT_ONCE = 64  # members a stop or cancel acts on together (their saves share the writer's trips)
 
 
 # --- the grid (pure) ---------------------------------------------------------------------------
@@ -131,8 +131,8 @@ def fold_best(data: bytes, best: tuple[float | None, int | None]) -> tuple[float
         if b'"log"' not in line:
             continue
         try:
-            event = json.loads(line)
-        except (ValueError, RecursionError):
+            event = rundir.load_json(line)
+        except ValueError:
             continue
         if not isinstance(event, dict) or event.get("event") != "log":
             continue
@@ -223,8 +223,35 @@ class Acted:
     def answer(self) -> dict[str, Any]:
         return {"sweep": self.sweep.id, "name": self.sweep.name, "runs": self.runs, "notes": self.notes}
 
+    def take(self, done: list[tuple[str, dict[str, Any] | ApiError]]) -> None:
+        """The outcome of an operation on each member: its record, or a note of why not."""
+        for rid, result in done:
+            if isinstance(result, ApiError):
+                self.notes.append(f"{rid}: {result}")
+            else:
+                self.runs.append(result)
+
 
 RunOp = Callable[[str], Awaitable[dict[str, Any]]]
+
+
+async def each(records: list[RunRecord], op: RunOp) -> list[tuple[str, dict[str, Any] | ApiError]]:
+    """`op` on every record, MEMBERS_AT_ONCE at a time, so that their saves share the store's
+    trips (one at a time, a sweep of 1,000 is 1,000 trips); each outcome in the records' order."""
+    done: dict[str, dict[str, Any] | ApiError] = {}
+    limiter = anyio.CapacityLimiter(MEMBERS_AT_ONCE)
+
+    async def one(rid: str) -> None:
+        async with limiter:
+            try:
+                done[rid] = await op(rid)
+            except ApiError as exc:
+                done[rid] = exc
+
+    async with anyio.create_task_group() as tg:
+        for record in records:
+            tg.start_soon(one, record.id)
+    return [(r.id, done[r.id]) for r in records]
 
 
 class Sweeps:
@@ -289,6 +316,8 @@ class Sweeps:
         """The sweep `ref` names for this caller: its id, else (when `ref` names no run of theirs)
         the name of their newest sweep of that name. None: it names a run, or nothing."""
         daemon = self.daemon
+        if ref in daemon.records:
+            return None  # a run's id (a sweep's is `sweep-...`): asked once per member of a sweep's cancel
         runs = [r for r in daemon.records.values() if r.sweep is not None and r.sweep.id == ref]
         if not runs:
             try:
@@ -402,12 +431,16 @@ class Sweeps:
             if record.state.final and self.daemon.recovery.attempt_to_come(record):
                 await self.daemon.recovery.end_chain(record, "its sweep was stopped")
                 acted.notes.append(f"{record.id}: its retry will not be made")
-            elif record.in_queue:
-                async with self.daemon.editing(record):
-                    if record.in_queue:
-                        record.stop.cancel_by = "user"
-                        record.transition(RunState.cancelled, STOPPED_QUEUED)
-                acted.runs.append(record.public())
+
+        async def take_out(rid: str) -> dict[str, Any]:
+            record = self.daemon.records[rid]
+            async with self.daemon.editing(record):
+                if record.in_queue:
+                    record.stop.cancel_by = "user"
+                    record.transition(RunState.cancelled, STOPPED_QUEUED)
+            return record.public()
+
+        acted.take(await each([r for r in newest if r.in_queue], take_out))
         for record in newest:
             if record.state.final:
                 continue
@@ -421,14 +454,13 @@ class Sweeps:
         """`obd train cancel SWEEP`: every member cancelled as `obd train cancel` does it (a queued
         one leaves the queue, a running one is ended, a retry still to come is not made)."""
         acted = Acted(sweep)
+        newest = self._newest(sweep)
+        queued = [r for r in newest if r.in_queue]
+        rest = [r for r in newest if not r.in_queue]
+        rest = [r for r in rest if not r.state.final or self.daemon.recovery.attempt_to_come(r)]
         # The queued first: a member cancelled frees its GPUs, which a queued one would take.
-        for record in sorted(self._newest(sweep), key=lambda r: not r.in_queue):
-            if record.state.final and not self.daemon.recovery.attempt_to_come(record):
-                continue
-            try:
-                acted.runs.append(await cancel_one(record.id))
-            except ApiError as exc:
-                acted.notes.append(f"{record.id}: {exc}")
+        acted.take(await each(queued, cancel_one))
+        acted.take(await each(rest, cancel_one))
         return acted.answer()
 
     async def resume(

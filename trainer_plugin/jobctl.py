@@ -169,8 +169,8 @@ def read_handle(run_dir: str, facts: str | None = None) -> dict[str, Any] | None
     if not data:
         return None
     try:
-        handle = json.loads(data)
-    except (ValueError, RecursionError):
+        handle = rundir.load_json(data)
+    except ValueError:
         return None
     return handle if isinstance(handle, dict) else None
 
@@ -457,8 +457,8 @@ def cancel(
 
 def _parse_json_line(line: bytes) -> dict[str, Any] | None:
     try:
-        value = json.loads(line)
-    except (ValueError, RecursionError):
+        value = rundir.load_json(line)
+    except ValueError:
         return None
     return value if isinstance(value, dict) else None
 

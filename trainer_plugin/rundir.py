@@ -414,8 +414,8 @@ def parse_proof(data: bytes) -> Proof | InvalidProof:
     except UnicodeDecodeError:
         return InvalidProof(f"{SNAPSHOT_PROOF} is not UTF-8 text")
     try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
+        value = load_json(text)
+    except ValueError:
         return InvalidProof(f"{SNAPSHOT_PROOF} is not valid JSON")
     if not isinstance(value, dict):
         return InvalidProof(f"{SNAPSHOT_PROOF} is not a JSON object")
@@ -447,6 +447,47 @@ def proof_bytes(step: int, reason: str, when: float) -> bytes:
         "reason": normalise_reason(reason) or DEFAULT_REASON,
     }
     return (json.dumps(proof) + "\n").encode()
+
+
+# --- JSON that others may have written -------------------------------------------------------
+
+JSON_DEPTH_LIMIT = 64  # arrays and objects nested deeper than this are refused unparsed
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a string, its escapes included
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class JsonTooDeep(ValueError):
+    """JSON nested deeper than the limit: refused before it is parsed (Python's parser recurses,
+    and a file of 200,000 nested lists ends in a RecursionError)."""
+
+
+def too_deep(data: bytes, limit: int) -> bool:
+    """Whether `data`'s arrays and objects nest deeper than `limit` (brackets inside strings are
+    not counted). Each pass drops the innermost pairs, so the work is the depth's, at most `limit`
+    passes over the brackets alone; brackets that do not pair are left to the parser to refuse."""
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return False  # it cannot nest deeper than the brackets it has
+    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    for _ in range(limit):
+        inner = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if len(inner) == len(brackets):
+            return False  # nothing pairs any more: not JSON, which the parser says
+        brackets = inner
+        if not brackets:
+            return False
+    return True
+
+
+def load_json(data: bytes | str, limit: int = JSON_DEPTH_LIMIT) -> object:
+    """Parse JSON written by a job or anyone else who can write where it lies, nesting at most
+    `limit` deep: a ValueError (JsonTooDeep) for deeper, as for any JSON that does not parse."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if too_deep(raw, limit):
+        raise JsonTooDeep(f"JSON nested more than {limit} deep")
+    try:
+        return json.loads(raw)
+    except RecursionError as exc:  # a limit above what the interpreter's stack takes
+        raise JsonTooDeep(f"JSON nested too deep to parse: {exc}") from exc
 
 
 # --- reading and writing files that others may tamper with ------------------------------------

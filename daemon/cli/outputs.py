@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer_plugin import rundir
+
 CHECKPOINT_PREFIX = "checkpoint-"
 # A checkpoint's trainer_state.json is read for its max_steps only up to this size (its log
 # history grows with the run); past it the total is left unsaid.
@@ -91,7 +93,8 @@ def _max_steps(checkpoint: Path) -> int | None:
             data = f.read(STATE_READ_LIMIT + 1)
         if len(data) > STATE_READ_LIMIT:
             return None
-        value = json.loads(data).get("max_steps")
+        state = rundir.load_json(data)
+        value = state.get("max_steps") if isinstance(state, dict) else None
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -340,3 +340,34 @@ def test_an_ssh_target_s_default_keeps_one_checkpoint_and_the_rest_are_removed_o
     assert d.record(rid)["pruned"] == ["checkpoint-5", "checkpoint-10", "checkpoint-15"]  # the oldest first
     assert list(on_disk(d, [rid])) == [(rid, "checkpoint-20")]
     assert "keeping the newest 1 complete" in d.cli("train", "status", rid).stdout
+
+
+# --- hostile JSON and odd directories in a checkpoint (issue 33 items 4, 5) -----------------------
+
+DEEP = b"[" * 200_000 + b"]" * 200_000  # nested past any parser's stack
+
+
+def test_a_trainer_state_nested_200000_deep_is_an_incomplete_checkpoint_and_said_once(make_daemon) -> None:
+    d = make_daemon(CONFIG)
+    d.start()
+    out = d.cli("train", "start", "--keep-checkpoints", "1", "--", "true")
+    assert out.returncode == 0, out.stderr
+    rid = out.stdout.strip()
+    run_dir = Path(d.wait_state(rid, "succeeded")["remote_dir"])
+    make_checkpoint(run_dir, 5)
+    deep = make_checkpoint(run_dir, 10)
+    (deep / "trainer_state.json").write_bytes(DEEP)
+    for _ in range(3):  # status reads every checkpoint of the chain each time
+        status = d.cli("train", "status", rid, "--json")
+        assert status.returncode == 0, status.stderr
+    shown = {c["name"]: c["complete"] for c in json.loads(status.stdout)["checkpoints"]["checkpoints"]}
+    assert shown == {"checkpoint-5": True, "checkpoint-10": False}
+    pruned = d.cli("train", "prune", rid, "--keep", "1", "--json")
+    assert pruned.returncode == 0, pruned.stderr
+    assert json.loads(pruned.stdout)["removed"] == []  # the newest complete is 5; 10 may still be being written
+    resumed = d.cli("train", "resume", rid)  # a resume reads the same file: it takes the newest complete one
+    assert resumed.returncode == 0, resumed.stderr
+    assert d.record(resumed.stdout.strip())["resume_checkpoint"].endswith("checkpoint-5")
+    log = d.log_path.read_text()
+    assert log.count("checkpoint_state_unreadable") == 1, log[-3000:]
+    assert "RecursionError" not in log and "Traceback" not in log, log[-3000:]
