@@ -32,6 +32,7 @@ import structlog
 
 from daemon.follow import Follower
 from daemon.gpus import Inventory
+from daemon.launch import Launcher
 from daemon.models import Preemption, RunRecord, RunState
 from daemon.ports import Runs
 from daemon.stop import request_snapshot
@@ -54,6 +55,9 @@ class PreemptHost(Runs, Protocol):
 
     @property
     def follow(self) -> Follower: ...
+
+    @property
+    def launcher(self) -> Launcher: ...
 
 
 # --- the rule ------------------------------------------------------------------------------------
@@ -166,6 +170,18 @@ class Preemptor:
         config = self.daemon.targets.get(target).config
         return bool(getattr(config, "preemptible", False)), float(getattr(config, "min_runtime", 600.0))
 
+    def may_snapshot(self, record: RunRecord) -> bool:
+        """Whether a run can be paused through a snapshot: its job announced obd's plugin, or has
+        not yet (still loading) while an earlier attempt of its chain, or the run it was resumed
+        from, did: the plugin takes a request at its first step, as it takes a stop's."""
+        if record.snapshots:
+            return True
+        chain = record.chain or record.id
+        return any(
+            r.snapshots and r.id != record.id and ((r.chain or r.id) == chain or r.id == record.resumed_from)
+            for r in self.daemon.records.values()
+        )
+
     def candidates(self, target: str, below: int | None, now: float) -> list[Candidate]:
         """The running runs of `target` that may be paused (of a priority below `below`, when given)."""
         default, min_runtime = self.settings(target)
@@ -176,7 +192,7 @@ class Preemptor:
                 r.target != target
                 or r.state != RunState.running
                 or not r.gpus
-                or not r.snapshots
+                or not self.may_snapshot(r)
                 or not (r.preemptible if r.preemptible is not None else default)
                 or (below is not None and r.priority >= below)
                 or r.preempt is not None
@@ -211,31 +227,46 @@ class Preemptor:
         return [v.run_id for v in victims]
 
     async def drain(self, target: str, cancel: bool) -> dict[str, list[str]]:
-        """Drain a target: nothing starts on it any more, every run of it that can snapshot is
-        paused (and requeued), the others are named, and cancelled with `cancel`."""
+        """Drain a target: nothing starts on it any more, and every run of it that runs or is being
+        started is paused through a snapshot (and requeued). A job that has not announced obd's
+        plugin yet (still loading) is asked all the same, as `obd train stop` asks: the plugin takes
+        the request at its first step, and the stop fallback ends a job that never announces it
+        `proof_timeout` after the drain (it is requeued from its newest checkpoint). `cancel`
+        cancels those not announced instead. Runs already being stopped or cancelled are named."""
         self.drains.set(target, True)
-        paused, left = [], []
+        paused: list[str] = []
+        unannounced: list[str] = []
+        cancelled: list[str] = []
+        stopping: list[str] = []
         for r in list(self.daemon.records.values()):
-            if r.target != target or not r.has_job:
+            if r.target != target or not (r.has_job or r.state == RunState.preparing):
                 continue
             if r.preempt is not None:
                 paused.append(r.id)  # a pause already under way
-            elif r.snapshots and r.stop.requested_at is None:
+            elif r.stop.requested_at is not None or r.stop.cancel_by is not None:
+                stopping.append(r.id)  # its own stop or cancel is under way: it ends on its own
+            elif cancel and not r.snapshots:
+                cancelled.append(r.id)
+                await self._cancel(
+                    r, f"cancelled: target {target} drained, and it has not announced obd's snapshot plugin"
+                )
+            else:
                 await self._pause(r, Preemption(why=f"target {target} drained"))
                 paused.append(r.id)
-            else:
-                left.append(r.id)
-                if cancel:
-                    await self._cancel(r, f"cancelled: target {target} drained, and it cannot snapshot")
-        log.info("target_drained", target=target, paused=paused, left=left, cancelled=cancel)
-        return {"paused": paused, "left": left, "cancelled": left if cancel else []}
+                if not r.snapshots:
+                    unannounced.append(r.id)
+        log.info("target_drained", target=target, paused=paused, unannounced=unannounced, cancelled=cancelled)
+        return {"paused": paused, "unannounced": unannounced, "cancelled": cancelled, "stopping": stopping}
 
     async def _cancel(self, record: RunRecord, why: str) -> None:
         async with self.daemon.editing(record):
             if record.stop.cancel_by is None:
                 record.stop.cancel_by = "user"
                 record.note(why)
-        self.daemon.follow.start_cancel(record)
+        if record.has_job:
+            self.daemon.follow.start_cancel(record)
+        else:  # still being started: its preparation is ended, and its job never starts
+            self.daemon.launcher.cancel_preparation(record)
 
     def undrain(self, target: str) -> None:
         self.drains.set(target, False)

@@ -317,25 +317,29 @@ def _drain(args: argparse.Namespace) -> int:
             print(json.dumps(answer) if args.json else f"target {args.name}: undrained; its queue starts runs again")
             return EXIT_OK
         answer = client.call("drain", target=args.name, cancel=args.cancel)
-        if args.wait:
-            for rid in answer.get("paused", []) + answer.get("cancelled", []):
+        if args.wait:  # every run the drain found ends (paused, cancelled, or its own stop) before this returns
+            for rid in answer.get("unannounced", []):
+                print(
+                    f"obd: waiting for {rid}: its job has not announced obd's snapshot plugin yet; it snapshots at its "
+                    f"first step, or the stop fallback ends it (`obd targets drain {args.name} --cancel` ends it now)",
+                    file=sys.stderr,
+                )
+            for rid in answer.get("paused", []) + answer.get("cancelled", []) + answer.get("stopping", []):
                 _wait(Patient(client), client.call("status", id=rid), _Feedback.for_terminal())
     finally:
         client.close()
     if args.json:
         print(json.dumps(answer))
         return EXIT_OK
-    paused, left, cancelled = answer.get("paused", []), answer.get("left", []), answer.get("cancelled", [])
+    unannounced = answer.get("unannounced", [])
     print(f"target {args.name}: drained; nothing starts on it until `obd targets undrain {args.name}`")
-    for rid in paused:
-        print(f"  paused through a snapshot, back in the queue: {rid}")
-    for rid in left:
-        said = (
-            "cancelled (it cannot snapshot)"
-            if rid in cancelled
-            else "left running (it cannot snapshot; --cancel ends it)"
-        )
-        print(f"  {said}: {rid}")
+    for rid in answer.get("paused", []):
+        more = " (asked before its job announced obd's plugin: it snapshots at its first step)"
+        print(f"  paused through a snapshot, back in the queue: {rid}{more if rid in unannounced else ''}")
+    for rid in answer.get("cancelled", []):
+        print(f"  cancelled (it had not announced obd's snapshot plugin): {rid}")
+    for rid in answer.get("stopping", []):
+        print(f"  already being stopped or cancelled: {rid}")
     return EXIT_OK
 
 

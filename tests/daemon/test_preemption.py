@@ -9,6 +9,7 @@ steps; the bitwise resume with a real Trainer is in test_preemption_trainer.py).
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -178,7 +179,7 @@ def test_a_victim_that_ignores_the_request_is_cancelled_and_requeued_with_its_lo
 
 
 def test_a_drain_pauses_every_run_that_can_snapshot_starts_nothing_and_survives_a_restart(make_daemon) -> None:
-    d = make_daemon(config())
+    d = make_daemon(config(proof_timeout="3s"))
     d.start()
     pausable = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
     stuck = start(d, PY, FAKE, "no-plugin", opts=("--gpus", "1"))
@@ -187,23 +188,99 @@ def test_a_drain_pauses_every_run_that_can_snapshot_starts_nothing_and_survives_
     out = d.cli("targets", "drain", "local", "--wait", "--json", timeout=120)
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
-    assert answer["paused"] == [pausable] and answer["left"] == [stuck]
+    # A job that never announces the plugin is asked all the same; the stop fallback ends it.
+    assert sorted(answer["paused"]) == sorted([pausable, stuck]) and answer["unannounced"] == [stuck]
+    assert f"waiting for {stuck}: its job has not announced" in out.stderr
     paused = d.record(pausable)
     assert paused["state"] == "stopped" and paused["snapshot"]["reason"] == "preempted"
     assert any(h["reason"] == "target local drained" for h in paused["history"])
+    ended = d.record(stuck)  # --wait returned once nothing ran on the target
+    assert ended["state"] == "cancelled" and "no snapshot within 3 s" in ended["message"]
+    ended = wait_for(lambda: (r := d.record(stuck))["retried_by"] and r, 30, 0.05, "the stuck run requeued")
+    paused = wait_for(lambda: (r := d.record(pausable))["retried_by"] and r, 30, 0.05, "the paused run requeued")
     later = start(d, "sh", "-c", "echo later", opts=("--gpus", "1"))
 
     d.kill()  # a drain survives the daemon
     d.start()
     time.sleep(2)
     assert d.record(later)["state"] == "queued" and d.record(paused["retried_by"])["state"] == "queued"
+    assert d.record(ended["retried_by"])["state"] == "queued"
     assert d.call("targets")[0]["drained"] is True
     listed = {r["id"]: r for r in d.call("list")}  # what the list and the web view show
     assert listed[paused["retried_by"]]["paused"]["by"] is None and listed[later].get("paused") is None
     assert d.cli("targets", "undrain", "local").returncode == 0
     assert d.wait_state(paused["retried_by"], "running", timeout=30)["paused"]["by"] is None
-    for rid in (stuck, paused["retried_by"], later):
+    for rid in (ended["retried_by"], paused["retried_by"], later):
         d.call("cancel", id=rid)
+
+
+def gated(gate: Path, *command: str) -> tuple[str, ...]:
+    """A job that loads until `gate` exists (a model still loading: no plugin announced), then runs `command`."""
+    return ("sh", "-c", f'while [ ! -e "{gate}" ]; do sleep 0.05; done; exec "$@"', "gated", *command)
+
+
+def test_a_drain_pauses_a_just_started_job_at_its_first_step_and_wait_returns_only_once_it_ended(
+    make_daemon, tmp_path: Path
+) -> None:
+    d = make_daemon(config())
+    d.start()
+    gate = tmp_path / "loaded"
+    loading = start(d, *gated(gate, PY, FAKE, "snapshot"), opts=("--gpus", "1"))
+    d.wait_state(loading, "running")
+    assert not d.record(loading)["snapshots"]
+    drain = subprocess.Popen(
+        [PY, "-m", "daemon.cli", "targets", "drain", "local", "--wait"],
+        env=d.env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: d.record(loading).get("preempt"), 30, 0.05, "the drain to ask the loading run")
+        assert drain.poll() is None  # its job cannot end before the gate: --wait must still wait
+        gate.touch()  # the model loaded: the plugin announces itself and takes the request at its first step
+        out, err = drain.communicate(timeout=60)
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+            drain.communicate()
+    assert drain.returncode == 0, err
+    assert f"paused through a snapshot, back in the queue: {loading}" in out
+    ended = d.record(loading)
+    assert ended["state"] == "stopped" and ended["snapshot"]["reason"] == "preempted", ended["message"]
+    assert ended["snapshot"]["step"] == 1  # at its first step
+    again = wait_for(lambda: d.record(loading)["retried_by"], 30, 0.05, "the paused run to be requeued")
+    assert d.wait_state(again, "queued")["paused"]["by"] is None
+    d.call("cancel", id=again)
+
+
+def test_an_urgent_run_pauses_a_resumed_run_still_loading_whose_chain_snapshotted_before(
+    make_daemon, tmp_path: Path
+) -> None:
+    d = make_daemon(config(gpus=1))
+    d.start()
+    gate = tmp_path / "loaded"
+    gate.touch()
+    first = start(d, *gated(gate, PY, FAKE, "snapshot"), opts=("--gpus", "1"))
+    snapshotting(d, first)
+    assert d.cli("train", "stop", first, "--wait").returncode == 0
+    gate.unlink()  # the resumed job loads until the test says so
+    out = d.cli("train", "resume", first)
+    assert out.returncode == 0, out.stderr
+    resumed = out.stdout.strip()
+    d.wait_state(resumed, "running")
+    time.sleep(1.2)  # the tests' min_runtime
+    urgent = start(d, "sh", "-c", "echo urgent", opts=("--gpus", "1", "--priority", "5"))
+    asked = wait_for(lambda: d.record(resumed).get("preempt"), 30, 0.05, "the loading run to be asked")
+    assert asked["for_run"] == urgent and not d.record(resumed)["snapshots"]
+    gate.touch()
+    assert d.wait_state(urgent, "succeeded", timeout=60)["state"] == "succeeded"
+    victim = d.record(resumed)
+    assert victim["state"] == "stopped" and victim["snapshot"]["reason"] == "preempted", victim["message"]
+    victim = wait_for(lambda: (r := d.record(resumed))["retried_by"] and r, 30, 0.05, "the victim requeued")
+    d.wait_state(victim["retried_by"], "running", timeout=30)
+    d.call("cancel", id=victim["retried_by"])
 
 
 def test_only_root_or_the_daemons_user_may_drain(make_daemon) -> None:
