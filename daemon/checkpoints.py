@@ -4,7 +4,8 @@ A run resumes from its proven snapshot when it has one; otherwise from its newes
 checkpoint: `output/checkpoint-<step>` (a real directory) whose `trainer_state.json` reads as
 the Trainer wrote it, at that step, beside the model's weights. A half-written checkpoint (a
 job killed while saving) fails that test and is skipped for the one before it. The next attempt
-of a `--retry` chain resumes from the newest trusted checkpoint of the whole chain
+of a `--retry` chain resumes from the newest trusted checkpoint of the whole chain, and of
+the run the chain was resumed from, up to the checkpoint it was resumed from
 (`chain_resume_point`); a stop or a cancel of any attempt's id acts on the chain's newest
 attempt (`latest_attempt`). An attempt that failed to load the checkpoint it resumed from marks it
 bad (`failed_at_load`): no attempt resumes from it again.
@@ -231,6 +232,7 @@ async def chain_resume_point(daemon: ChainHost, record: RunRecord) -> Checkpoint
     for attempt in chain_attempts(daemon, record):
         if attempt.attempt <= record.attempt and attempt.state.final:
             candidates += await _candidates(daemon, attempt)
+    candidates += await _parent_candidates(daemon, record)
     bad = bad_checkpoints(daemon.records.values())
     for candidate in sorted(candidates, key=lambda c: c.order, reverse=True):
         name, step = rundir.checkpoint_name(candidate.step), candidate.step
@@ -252,8 +254,26 @@ async def chain_resume_point(daemon: ChainHost, record: RunRecord) -> Checkpoint
         if candidate.attempt.id == record.id:
             return Checkpoint(name, step, why)
         source = candidate.attempt
+        if (source.chain or source.id) != (record.chain or record.id):
+            return Checkpoint(name, step, f"{why}, of run {source.id}, which its chain was resumed from", source.id)
         return Checkpoint(name, step, f"{why}, of attempt {source.attempt} ({source.id})", source.id)
     return None
+
+
+async def _parent_candidates(daemon: ChainHost, record: RunRecord) -> list[_Candidate]:
+    """What the run a chain was resumed from (`obd train resume`) offers its retries: its checkpoints
+    up to the one the chain's first attempt resumed from, so that a retry after that checkpoint
+    proved bad goes back to the parent's next older one, never past what the user resumed from
+    to step 0, and never forward past the user's choice. None for a chain that started from the
+    beginning or from a path given by hand."""
+    first = chain_attempts(daemon, record)[0]
+    parent = daemon.records.get(first.resumed_from) if first.resumed_from else None
+    if parent is None or (parent.chain or parent.id) == (record.chain or record.id) or not first.resume_checkpoint:
+        return []
+    upto = rundir.checkpoint_step(first.resume_checkpoint.rstrip("/").rsplit("/", 1)[-1])
+    if upto is None:
+        return []
+    return [c for c in await _candidates(daemon, parent) if c.step <= upto]
 
 
 def bad_checkpoints(records: Iterable[RunRecord]) -> dict[tuple[str, str], BadCheckpoint]:

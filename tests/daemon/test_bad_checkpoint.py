@@ -110,6 +110,34 @@ def test_a_chain_resumes_from_the_next_older_checkpoint_never_a_bad_one(tmp_path
 
 
 @pytest.mark.parametrize(
+    ("resumed_at", "then"),
+    [
+        (20, "checkpoint-15"),  # its snapshot, bad: the parent's next older complete one
+        (10, "checkpoint-5"),  # a checkpoint the user chose: never forward past it
+    ],
+)
+def test_a_resumed_runs_retry_after_a_bad_checkpoint_resumes_from_the_parents_next_older_one_not_step_0(
+    tmp_path: Path, resumed_at: int, then: str
+) -> None:
+    from daemon.models import Snapshot
+
+    for step in (5, 10, 15, 20):
+        checkpoint(tmp_path, "bad", step)
+    parent = RunRecord(
+        id="bad",
+        state=RunState.stopped,
+        snapshot=Snapshot(checkpoint="output/checkpoint-20", step=20, reason="requested", time=1.0),
+    )
+    resumed = attempt(id="r", resumed_from="bad", resume_checkpoint=f"/w/bad/output/checkpoint-{resumed_at}")
+    resumed.bad_checkpoint = failed_at_load(resumed)  # attempt 1 failed loading it
+    assert resumed.bad_checkpoint is not None and resumed.bad_checkpoint.name == f"checkpoint-{resumed_at}"
+    (tmp_path / "r" / "retrieved" / "output").mkdir(parents=True)
+    point = anyio.run(chain_resume_point, Chain(tmp_path, [parent, resumed]), resumed)
+    assert point is not None and (point.source, point.name) == ("bad", then)
+    assert "of run bad, which its chain was resumed from" in point.reason
+
+
+@pytest.mark.parametrize(
     ("log", "attempted"),
     [
         (b"loading data\nobd: resuming from /w/a1/output/checkpoint-20\nTraceback ...\n", True),
