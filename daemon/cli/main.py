@@ -123,10 +123,13 @@ def _main(argv: list[str]) -> int:
         return EXIT_USAGE if exc.code else 0
     try:
         _check_command(parser, args, head, command, unknown)
-        if args.cmd == "train" and args.action in ("start", "sweep") and (args.file or args.set or args.dry_run):
+        if args.cmd == "train" and args.action in ("start", "sweep") and not (args.file or args.set or args.dry_run):
+            _check_start(args, list(args.command) + command)
+        elif args.cmd == "train" and args.action in ("start", "sweep"):
             from daemon.cli.runfile import resolve_start  # a run file, --set, --dry-run (docs/run-file.md)
 
             command, dry_run = resolve_start(args, head, list(args.command) + command)
+            _check_start(args, command)
             if dry_run is not None:
                 sys.stdout.write(dry_run)
                 return EXIT_OK
@@ -217,6 +220,18 @@ def _check_command(
         raise UsageError(
             f"unrecognized arguments: {' '.join(unknown)}{hint} (obd {_where(args)} --help lists the options)"
         )
+
+
+def _check_start(args: argparse.Namespace, command: list[str]) -> None:
+    """What a start or a sweep would take and ignore: `--checkpoint` with no `--resume-from`, and a
+    sweep's `{NAME}` that names no key of its grid (every run the same)."""
+    if args.checkpoint is not None and not args.resume_from:
+        raise UsageError(
+            f"--checkpoint {args.checkpoint} picks a checkpoint of the run given by --resume-from, and none is "
+            f"given: add --resume-from RUN (or run `obd train resume RUN --checkpoint {args.checkpoint}`)"
+        )
+    if args.action == "sweep" and args.grid:
+        sweeps.check_placeholders(command, sweeps.parse_grid(args.grid))
 
 
 def _meant(parser: argparse.ArgumentParser, args: argparse.Namespace, flags: list[str]) -> str:

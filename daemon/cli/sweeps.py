@@ -6,6 +6,7 @@ like every module the client imports; docs/dependencies-and-sweeps.md says what 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Any
 
@@ -25,6 +26,27 @@ def parse_grid(texts: list[str]) -> list[dict[str, Any]]:
             raise UsageError(f"--grid {text!r}: expected NAME=V1,V2 (e.g. --grid lr=1e-4,2e-4)")
         grid.append({"name": name.strip(), "values": values.split(",")})
     return grid
+
+
+# `{NAME}` in a word of the command: a placeholder, unless a shell's `${NAME}`.
+_PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def check_placeholders(command: list[str], grid: list[dict[str, Any]]) -> None:
+    """Refuse a `{NAME}` that names no grid key (`{lrr}` for `{lr}`): every member would run the
+    same command. Only in a word without spaces, as an argument is (`--lr={lrr}`, `out/{lrr}`): a
+    script given whole (`python -c '...{x}...'`, `sh -c`) keeps its own braces."""
+    names = [axis["name"] for axis in grid]
+    for word in command:
+        if any(space in word for space in " \t\n"):
+            continue
+        for found in _PLACEHOLDER.findall(word):
+            if found not in names:
+                keys = ", ".join("{" + n + "}" for n in names)
+                raise UsageError(
+                    f"the command's {{{found}}} names no key of the grid ({keys}): every run would get the same "
+                    f"command; write one of the grid's keys, or add --grid {found}=V1,V2"
+                )
 
 
 def title(answer: dict[str, Any]) -> str:

@@ -121,6 +121,30 @@ def test_an_abbreviated_option_is_refused_with_the_one_it_may_mean(box: DaemonPr
     assert out.returncode == 2 and "did you mean --all?" in out.stderr
 
 
+def test_a_checkpoint_without_resume_from_is_refused_saying_what_to_add(box: DaemonProc, short_tmp: Path) -> None:
+    out = obd(box, "train", "start", "--checkpoint", "5", "--", "true")
+    assert out.returncode == 2
+    assert "--checkpoint 5 picks a checkpoint of the run given by --resume-from" in out.stderr
+    assert "add --resume-from RUN" in out.stderr
+    run_file = short_tmp / "run.toml"
+    run_file.write_text('command = ["true"]\ncheckpoint = "latest"\n')
+    out = obd(box, "train", "start", "-f", str(run_file))
+    assert out.returncode == 2 and "add --resume-from RUN" in out.stderr
+    assert obd(box, "train", "list", "--all", "--json").stdout.strip() == "[]"  # nothing started
+
+
+def test_a_sweep_placeholder_that_names_no_grid_key_is_refused_with_the_grids_keys(box: DaemonProc) -> None:
+    grid = ("--grid", "lr=1,2", "--grid", "seed=1,2")
+    out = obd(box, "train", "sweep", *grid, "--", "echo", "--lr", "{lrr}", "--seed={seed}")
+    assert out.returncode == 2
+    assert "{lrr} names no key of the grid ({lr}, {seed})" in out.stderr
+    assert obd(box, "train", "list", "--all", "--json").stdout.strip() == "[]"  # no sweep made
+    # A shell's braces, and a script given whole, are the job's own.
+    out = obd(box, "train", "sweep", *grid, "--", "sh", "-c", "echo ${HOME} {x} {lr}", "${seed}")
+    assert out.returncode == 0, out.stderr
+    obd(box, "train", "cancel", out.stdout.strip(), "--wait")
+
+
 # --- 2: plot of a sweep ----------------------------------------------------------------------
 
 # A job that logs a loss of LR/step for three steps, as the plugin would.
