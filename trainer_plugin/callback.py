@@ -8,6 +8,7 @@ writes `snapshot.json`. It also writes `metrics.jsonl`. Outside obd every hook r
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -18,6 +19,7 @@ from transformers import TrainerCallback
 
 from . import inject
 from .dist import Ranks, tear_down_at_exit
+from .interrupt import AFTER_TRAIN, EVALUATING, INTERRUPTED_MARKER, SAVING, TRAINING, StopAtBoundary, StopPoints
 from .metrics_file import MetricsWriter
 from .request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
 from .rundir import PREEMPTED, checkpoint_name, checkpoint_relpath
@@ -49,6 +51,10 @@ REQUIRED_FILES = ("trainer_state.json",)
 # (By default the job ends when the training that wrote the proof returns, see inject.py; a
 # later training happens only in a script that opted out, or that caught the SystemExit.)
 _process_snapshot: StoppedForSnapshot | None = None
+
+# The stop points of a training that ended (not for a snapshot): they watch the script's code
+# after train() until the next training begins or the process ends.
+_after_train: StopPoints | None = None
 
 # Bound once: the step end with no request is at most these two calls and nothing else.
 _access = os.access
@@ -103,6 +109,8 @@ class SnapshotCallback(TrainerCallback):
         # time.monotonic() when the Trainer's checkpoint save under way began (set by inject's
         # wrapper of Trainer._save_checkpoint); its `on_save` writes the save's duration.
         self.save_began: float | None = None
+        # Where a stop is taken between two step ends (interrupt.py); one process only.
+        self._points: StopPoints | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -152,6 +160,8 @@ class SnapshotCallback(TrainerCallback):
         self._quick_request = self._open_quick_check() if quick else None
         if self.env.snapshot_on_sigterm:  # after the quick check is set: a SIGTERM from now on leaves it
             self._sigterm.install(on_signal=self._leave_quick_path)
+        self._start_points(state)
+        self._redo_interrupted_evaluation()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.env.active:
@@ -176,6 +186,7 @@ class SnapshotCallback(TrainerCallback):
             self._profiler = None
             self.__dict__.pop("on_step_begin", None)  # TrainerCallback's no-op again
         self._sigterm.restore()
+        self._end_points(state)
         if self._pending is not None and not self._proven:
             # Training stopped for a snapshot that was never saved: exiting 0 would read as
             # "succeeded", so fail loudly instead.
@@ -197,6 +208,9 @@ class SnapshotCallback(TrainerCallback):
             self._profiler.step_begin(state.global_step + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        points = self._points
+        if points is not None:  # the state of this step is what a stop before the next one saves
+            points.boundary(state.global_step, self._counters(state))
         # Almost every step end is one of the two quick checks and one clock read that says
         # nothing is due (the recheck of the name, step logs to write, a heartbeat). With one
         # process there is no decision to share and the token count goes straight into the
@@ -289,6 +303,8 @@ class SnapshotCallback(TrainerCallback):
         if code == 0 and self._ranks.is_zero:
             write_request(self.env, PREEMPTED)  # so the daemon sees the preemption too
         self._pending = (state.global_step, reason)
+        if self._points is not None:
+            self._points.take()
         control.should_log = True  # the last log line is then the snapshot's step
         control.should_save = True
         control.should_training_stop = True
@@ -304,6 +320,7 @@ class SnapshotCallback(TrainerCallback):
         if not self.env.active:
             return
         self._report_save(state)
+        self._save_is_snapshot(state, control)
         if self._pending is None or self._proven:
             return
         step, reason = self._pending
@@ -353,6 +370,139 @@ class SnapshotCallback(TrainerCallback):
             raise IncompleteCheckpoint(
                 f"obd: the Trainer saved to {actual}, not the run's {expected}; no snapshot proof written"
             )
+
+    # --- stop anywhere (interrupt.py) ------------------------------------------------------
+
+    def _start_points(self, state: Any) -> None:
+        """Where a stop between two step ends is taken: one process, and not after this process's snapshot."""
+        global _after_train
+        if _after_train is not None:
+            _after_train.close()
+            _after_train = None
+        if self._points is not None:
+            self._points.close()
+        self._points = None
+        if self._ranks.distributed or _process_snapshot is not None or not self.env.request_path:
+            return
+        self._points = StopPoints(self.env.request_path, self._write_phase).start()
+
+    def _end_points(self, state: Any) -> None:
+        """Training ended: after a full training the points watch the script's code after train()."""
+        global _after_train
+        points, self._points = self._points, None
+        if points is None:
+            return
+        if self._pending is not None or state.global_step < state.max_steps:
+            points.close()
+            return
+        points.take()
+        points.taken = False  # after training a request is still said (interrupt.StopPoints._say_cut)
+        points.enter(AFTER_TRAIN)
+        _after_train = points
+
+    def _write_phase(self, phase: str, step: int | None, **fields: Any) -> None:
+        self._metrics.write("phase", phase=phase, step=step, **fields)
+
+    @staticmethod
+    def _counters(state: Any) -> dict[str, Any]:
+        return {"num_input_tokens_seen": state.num_input_tokens_seen, "total_flos": state.total_flos}
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        points = self._points
+        if points is not None and points.reason is not None:  # one attribute read a micro-batch
+            points.check()
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        points = self._points
+        if points is not None and points.reason is not None:
+            points.check()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._points is not None:
+            self._points.unsafe()
+
+    def evaluating(self, begun: bool) -> None:
+        """From inject's wrapper of Trainer.evaluate: an evaluation begins (True) or ended (False)."""
+        if self._points is not None:
+            self._points.enter(EVALUATING if begun else TRAINING)
+
+    def saving(self, begun: bool, step: int | None = None) -> None:
+        """From inject's wrapper of Trainer._save_checkpoint: a save is never interrupted; after it,
+        the state is still the boundary's (a save at step `step`)."""
+        points = self._points
+        if points is None:
+            return
+        if begun:
+            points.unsafe()
+            points.enter(SAVING)
+        else:
+            points.enter(TRAINING)
+            points.safe = not points.taken and points.last is not None and points.last.step == step
+
+    def _save_is_snapshot(self, state: Any, control: Any) -> None:
+        """A save the Trainer made while a request waited: that save, once complete, is the snapshot."""
+        if self._pending is not None or self._proven or _process_snapshot is not None:
+            return
+        if state.global_step >= state.max_steps:
+            return
+        points = self._points
+        reason = points.reason if points is not None else None
+        if reason is None and self._ranks.is_zero and not self._ranks.distributed:
+            reason = read_request(self.env.request_path)
+        if reason is None:
+            return
+        self._pending = (state.global_step, reason)
+        if points is not None:
+            points.take()
+        control.should_training_stop = True
+
+    def snapshot_at_boundary(self, trainer: Any, stop: StopAtBoundary) -> None:
+        """The main thread was stopped at a safe point: save the last boundary's state as the snapshot, prove it, end training.
+
+        The model, optimizer and scheduler are still that step's (no optimizer step since); what
+        moved is put back: the RNG states and the counters. The Trainer's own `_save_checkpoint`
+        then writes the usual checkpoint, which a resume takes as it takes any other.
+        """
+        points = self._points
+        boundary = points.last if points is not None else None
+        state = trainer.state
+        if boundary is None or boundary.step != state.global_step:
+            raise RuntimeError(f"obd: a stop at step {stop.step} found the training at step {state.global_step}")
+        boundary.restore_rng()
+        for name, value in boundary.counters.items():
+            setattr(state, name, value)
+        trainer.current_flos = 0  # the FLOPs of the abandoned micro-batches
+        self._pending = (state.global_step, stop.reason)
+        self.saving(True)
+        trainer._save_checkpoint(trainer.model, trial=None)
+        self._mark_interrupted(state.global_step, stop)
+        self.on_save(trainer.args, state, trainer.control)
+        log_error(f"obd: the stop came during {stop.phase}; the snapshot is the state at the end of step {stop.step}")
+        self.on_train_end(trainer.args, state, trainer.control)
+
+    def _mark_interrupted(self, step: int, stop: StopAtBoundary) -> None:
+        """Say in the checkpoint what the stop cut short: a resumed run performs an interrupted evaluation first."""
+        path = os.path.join(str(self.env.output_dir), checkpoint_name(step), INTERRUPTED_MARKER)
+        with open(path, "w") as f:
+            json.dump({"phase": stop.phase, "step": step, "reason": stop.reason}, f)
+
+    def _redo_interrupted_evaluation(self) -> None:
+        """A run resumed from a snapshot taken during an evaluation performs that evaluation first, at the same step."""
+        source = self.env.resume_from
+        trainer = self.trainer() if self.trainer is not None else None
+        if not source or trainer is None or not inject.resumed_from_obd():
+            return
+        try:
+            with open(os.path.join(source, INTERRUPTED_MARKER)) as f:
+                marker = json.load(f)
+        except (OSError, ValueError):
+            return
+        if not isinstance(marker, dict) or marker.get("phase") != EVALUATING:
+            return
+        if getattr(trainer, "eval_dataset", None) is None:
+            return
+        log_error(f"obd: the snapshot cut short the evaluation at step {marker.get('step')}; performing it first")
+        trainer.evaluate()
 
     # --- metrics ------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from .dist import Ranks
+from .interrupt import StopAtBoundary
 from .runtime import SNAPSHOT_RETURNS, RunEnv, log_error, stopped_for_snapshot
 from .trackers import continue_in_args
 
@@ -29,6 +30,17 @@ MARKER = "_obd_patched"  # set on the patched functions, so patching twice is a 
 CALLBACK_MARKER = "obd_snapshot_callback"  # class attribute of SnapshotCallback, whichever copy defines it
 
 _resume_used = False  # OBD_RESUME_FROM applies to the first train() call of the process only
+_resumed_now = False  # the train() under way resumed from OBD_RESUME_FROM
+
+
+def _train_returned() -> None:
+    global _resumed_now
+    _resumed_now = False
+
+
+def resumed_from_obd() -> bool:
+    """Whether the train() under way resumed from the checkpoint obd named (OBD_RESUME_FROM)."""
+    return _resumed_now
 
 
 _snapshot_exit = False  # train() ended the job for a snapshot: the interpreter's teardown is skipped
@@ -147,6 +159,9 @@ def patch_trainer_class(cls: Any) -> None:
         cls.__init__ = _wrap_init(cls.__init__)
     if not getattr(cls.train, MARKER, False):
         cls.train = _wrap_train(cls.train)
+    evaluate = getattr(cls, "evaluate", None)
+    if evaluate is not None and not getattr(evaluate, MARKER, False):
+        cls.evaluate = _wrap_evaluate(evaluate)
     save = getattr(cls, "_save_checkpoint", None)
     if save is not None and not getattr(save, MARKER, False):
         cls._save_checkpoint = _wrap_save(save)
@@ -178,7 +193,13 @@ def _wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
             for callback in _snapshot_callbacks(self):
                 callback.trainer = weakref.ref(self)  # it counts tokens in this Trainer's loop
             args, kwargs = _with_resume(args, kwargs, env)
-        result = original(self, *args, **kwargs)
+        try:
+            result = original(self, *args, **kwargs)
+        except StopAtBoundary as stop:  # a stop between two step ends (interrupt.py)
+            _snapshot_at_boundary(self, stop)
+            raise  # not reached: the job ends at its snapshot, or the save failed
+        finally:
+            _train_returned()
         if env.active:
             _end_job_if_stopped(self)
         return result
@@ -195,12 +216,46 @@ def _wrap_save(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         began = time.monotonic()
-        for callback in _snapshot_callbacks(self):
+        callbacks = _snapshot_callbacks(self)
+        for callback in callbacks:
             callback.save_began = began
-        return original(self, *args, **kwargs)
+            callback.saving(True)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for callback in callbacks:
+                callback.saving(False, self.state.global_step)
 
     setattr(_save_checkpoint, MARKER, True)
     return _save_checkpoint
+
+
+def _wrap_evaluate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Say the evaluation's phase on the SnapshotCallback: `status` shows it, and a stop during it is
+    taken between two evaluation batches (interrupt.py)."""
+
+    @functools.wraps(original)
+    def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        callbacks = _snapshot_callbacks(self)
+        for callback in callbacks:
+            callback.evaluating(True)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for callback in callbacks:
+                callback.evaluating(False)
+
+    setattr(evaluate, MARKER, True)
+    return evaluate
+
+
+def _snapshot_at_boundary(trainer: Any, stop: StopAtBoundary) -> None:
+    """A stop taken between two step ends: the boundary's state saved and proven, then the job's end as after any snapshot."""
+    callbacks = _snapshot_callbacks(trainer)
+    if not callbacks:
+        return
+    callbacks[0].snapshot_at_boundary(trainer, stop)
+    _end_job_if_stopped(trainer)
 
 
 def _end_job_if_stopped(trainer: Any) -> None:
@@ -322,4 +377,6 @@ def _with_resume(args: tuple, kwargs: dict, env: RunEnv) -> tuple[tuple, dict]:
     else:
         kwargs = {**kwargs, "resume_from_checkpoint": env.resume_from}
     log_error(f"obd: resuming from {env.resume_from}")
+    global _resumed_now
+    _resumed_now = True
     return args, kwargs

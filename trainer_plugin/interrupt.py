@@ -1,0 +1,277 @@
+"""Stop anywhere: a stop request noticed within about a second whatever the job is doing, and taken
+at the nearest safe point with the state of the last completed optimizer step (issue 32).
+
+A Trainer step end takes a request as it always did (callback.py). What this adds is for the time
+between two step ends that is not a short training step: an evaluation, a long gradient
+accumulation, a data loader stalled in one sample, the script's code after `train()`.
+
+- `StopPoints` follows which *phase* the job is in and whether it is *safe*: between the end of
+  optimizer step N (the *boundary*, whose state the Trainer would have saved) and the start of
+  step N+1's optimizer step, the model, optimizer and scheduler are still exactly step N's, so
+  abandoning what runs then loses nothing but work that is simply done again. The Trainer's own
+  checkpoint save and the optimizer step are never safe.
+- At each boundary it keeps what moves before the next one although it belongs to step N: the
+  RNG states (torch's always, a microsecond or two; numpy's and Python's when a step takes longer
+  than `FULL_RNG_STEP_SECONDS`, where their ~50 µs cost nothing), the token and FLOP counts.
+- A thread looks for the request every `POLL_SECONDS`. Once one is there and no safe point of the
+  main thread (a step end, a micro-batch end, an evaluation batch) took it within `GRACE_SECONDS`,
+  it interrupts the main thread with a real signal (`INTERRUPT_SIGNAL`), so a blocking read or
+  sleep in a data loader returns too; the handler raises `StopAtBoundary` only while safe.
+- `StopAtBoundary` is a BaseException: the script's and the libraries' `except Exception` let it
+  through to obd's patched `train()`, which puts the boundary's state back and saves it as the
+  snapshot (callback.py `snapshot_at_boundary`).
+- After `train()` returned no snapshot can come: on a request the thread writes an `after_train`
+  line naming the code the stop cuts short, and the daemon ends the job at once.
+
+One process only: under torch.distributed every rank must stop at the same step, which only the
+step end's collective decides (dist.py), so there the request waits for the next step end as
+before. Standard library only; torch, numpy and Python's `random` are read only if imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from .runtime import log_error, read_request
+
+# How often the thread looks for a request (an access() each time; the GIL is released between).
+POLL_SECONDS = 0.2
+# How long a request may wait for a safe point of the main thread's own before it is interrupted.
+GRACE_SECONDS = 0.8
+# Steps at least this long keep numpy's and Python's RNG states at every boundary too.
+FULL_RNG_STEP_SECONDS = 0.02
+# A real-time signal, never sent by anyone else, so the job's own handlers (SIGUSR1 from Slurm's
+# --signal, SIGTERM) are left alone. Its default action would end the process: it is sent only
+# while obd's handler is installed.
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
+
+TRAINING, EVALUATING, SAVING, LOADING_DATA, AFTER_TRAIN = (
+    "training",
+    "evaluating",
+    "saving",
+    "loading_data",
+    "after_train",
+)
+# What the marker file in an interrupted snapshot's checkpoint is called: the phase that was cut
+# short, so a resumed run performs an interrupted evaluation first.
+INTERRUPTED_MARKER = "obd-interrupted.json"
+
+
+class StopAtBoundary(BaseException):
+    """Raised in the main thread at a safe point: the work since the last optimizer step is
+    abandoned and that step's state becomes the snapshot."""
+
+    def __init__(self, reason: str, phase: str, step: int) -> None:
+        super().__init__(f"obd: stop ({reason}) during {phase}: the snapshot is the state at step {step}")
+        self.reason, self.phase, self.step = reason, phase, step
+
+
+@dataclass
+class Boundary:
+    """What a checkpoint at the end of optimizer step `step` holds that moves before the next one."""
+
+    step: int
+    torch_rng: Any = None
+    cuda_rng: Any = None
+    numpy_rng: Any = None
+    python_rng: Any = None
+    counters: dict[str, Any] = field(default_factory=dict)
+    at: float = 0.0  # time.monotonic() when it was taken
+
+    @classmethod
+    def take(cls, step: int, full: bool, counters: dict[str, Any]) -> Boundary:
+        now = time.monotonic()
+        torch = sys.modules.get("torch")
+        b = cls(step, counters=counters, at=now)
+        if torch is not None:
+            b.torch_rng = torch.random.default_generator.get_state()
+            cuda = getattr(torch, "cuda", None)
+            if cuda is not None and cuda.is_initialized():
+                b.cuda_rng = cuda.get_rng_state_all()
+        if full:
+            numpy = sys.modules.get("numpy")
+            if numpy is not None:
+                b.numpy_rng = numpy.random.get_state()
+            random = sys.modules.get("random")
+            if random is not None:
+                b.python_rng = random.getstate()
+        return b
+
+    def restore_rng(self) -> None:
+        """Put the RNG states back as they were at the boundary (those that were kept)."""
+        torch = sys.modules.get("torch")
+        if torch is not None and self.torch_rng is not None:
+            torch.random.default_generator.set_state(self.torch_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state_all(self.cuda_rng)
+        if self.numpy_rng is not None:
+            sys.modules["numpy"].random.set_state(self.numpy_rng)
+        if self.python_rng is not None:
+            sys.modules["random"].setstate(self.python_rng)
+
+
+class StopPoints:
+    """One training's phase, safety and last boundary, and the thread that interrupts it for a stop.
+
+    The main thread calls `boundary()` at each step end, `unsafe()` before an optimizer step or a
+    save, `enter(phase)` as phases change, and `check()` at its own safe points (a micro-batch's
+    end, an evaluation batch's). `taken` is set once the request is being acted on, by a step end
+    or here, so it is acted on once.
+    """
+
+    def __init__(self, request_path: str | None, write_phase: Any = None) -> None:
+        self.request_path = request_path
+        self.write_phase = write_phase  # callable(phase, step, **fields): a metrics line, or None
+        self.phase = TRAINING
+        self.safe = False
+        self.taken = False
+        self.reason: str | None = None
+        self.last: Boundary | None = None
+        self.step_seconds = 0.0
+        self._seen_at = 0.0
+        self._signalled_at = 0.0
+        self._main = threading.main_thread().ident
+        self._previous_handler: Any = None
+        self._handler_installed = False
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._cut_written = False
+
+    # --- started and stopped with a training --------------------------------------------------
+
+    def start(self) -> StopPoints:
+        """Install the signal handler (main thread, signal free) and start the watching thread."""
+        if self.request_path is None:
+            return self
+        if INTERRUPT_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+            current = signal.getsignal(INTERRUPT_SIGNAL)
+            if current in (signal.SIG_DFL, None):
+                self._previous_handler = signal.signal(INTERRUPT_SIGNAL, self._handler)
+                self._handler_installed = True
+            else:
+                log_error(f"obd: signal {INTERRUPT_SIGNAL} is the job's own; a stop waits for a safe point of the loop")
+        self._thread = threading.Thread(target=self._watch, name="obd-stop-points", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread and give the signal back (after training, or once the snapshot is proven)."""
+        self._closing.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+        if self._handler_installed and threading.current_thread() is threading.main_thread():
+            signal.signal(INTERRUPT_SIGNAL, self._previous_handler or signal.SIG_DFL)  # type: ignore[arg-type]
+            self._handler_installed = False
+
+    # --- the main thread's marks -------------------------------------------------------------
+
+    def boundary(self, step: int, counters: dict[str, Any]) -> None:
+        """Optimizer step `step` ended: its state is the one to save from now until the next one."""
+        last = self.last
+        now = time.monotonic()
+        if last is not None:
+            self.step_seconds = now - last.at
+        self.last = Boundary.take(step, self.step_seconds >= FULL_RNG_STEP_SECONDS, counters)
+        if self.phase != TRAINING:
+            self.enter(TRAINING)
+        self.safe = not self.taken
+
+    def unsafe(self) -> None:
+        self.safe = False
+
+    def enter(self, phase: str, **fields: Any) -> None:
+        """A new phase; said in metrics.jsonl for `status` (evaluating, saving, after_train, training)."""
+        if phase == self.phase:
+            return
+        self.phase = phase
+        if self.write_phase is not None:
+            step = self.last.step if self.last is not None else None
+            with contextlib.suppress(Exception):
+                self.write_phase(phase, step, **fields)
+
+    def check(self) -> None:
+        """At one of the main thread's own safe points: act on a request seen, if it is safe now."""
+        if self.reason is not None and self.safe and not self.taken:
+            self._raise()
+
+    def take(self) -> None:
+        """The request is being acted on elsewhere (a step end's snapshot): nothing more to do here."""
+        self.taken = True
+        self.safe = False
+
+    def _raise(self) -> None:
+        last = self.last
+        if last is None or self.reason is None:
+            return
+        self.taken = True
+        self.safe = False
+        raise StopAtBoundary(self.reason, self.phase, last.step)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.check()
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._closing.wait(POLL_SECONDS):
+            try:
+                self._turn(time.monotonic())
+            except Exception as exc:  # the thread must never take the job down
+                log_error(f"obd: the stop watch failed ({exc!r}); stops wait for the next step end")
+                return
+
+    def _turn(self, now: float) -> None:
+        if self.taken and self.phase != AFTER_TRAIN:
+            return
+        if self.reason is None:
+            self.reason = read_request(self.request_path)
+            if self.reason is None:
+                return
+            self._seen_at = now
+        if self.phase == AFTER_TRAIN:
+            self._say_cut()
+            return
+        if not self.safe or now - self._seen_at < GRACE_SECONDS or now - self._signalled_at < GRACE_SECONDS:
+            return
+        self._signalled_at = now
+        if self._handler_installed and self._main is not None:
+            signal.pthread_kill(self._main, INTERRUPT_SIGNAL)  # type: ignore[arg-type]
+
+    def _say_cut(self) -> None:
+        """After train(): say once what the stop cuts short (the script's line and the call it is in)."""
+        if self._cut_written:
+            return
+        self._cut_written = True
+        where = _main_thread_place(self._main)
+        log_error(f"obd: stop asked after training ended; the daemon ends the job, cutting short {where}")
+        if self.write_phase is not None:
+            step = self.last.step if self.last is not None else None
+            with contextlib.suppress(Exception):
+                self.write_phase(AFTER_TRAIN, step, cut=where, stop=self.reason)
+
+
+def _main_thread_place(ident: int | None) -> str:
+    """`train.py:88 in save_model`: the script's line the main thread is at, and the innermost call."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    if frame is None:
+        return "the script's code after train()"
+    innermost = frame.f_code.co_name
+    script = None
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "__main__":
+            script = frame
+            break
+        frame = frame.f_back
+    if script is None:
+        return f"the script's code after train() (in {innermost})"
+    place = f"{os.path.basename(script.f_code.co_filename)}:{script.f_lineno}"
+    return place if innermost == script.f_code.co_name else f"{place} in {innermost}"
