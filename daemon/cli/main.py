@@ -441,6 +441,14 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
         return _start(args, list(args.command) + command, client, "sweep", grid=sweeps.parse_grid(args.grid))
     if action == "resume":
         source = sweeps.resume_source(client, args.id)  # its record at once (no wait): its target
+        if _finished(source) and not args.again and "named_sweep" not in source:
+            print(
+                f"obd: run {source['id']} already ended (succeeded): it finished its training, so there is "
+                f"nothing to resume; `obd train resume {source['id']} --again` starts it again from its last "
+                "checkpoint (its after-train code runs again)",
+                file=sys.stderr,
+            )
+            return EXIT_ERROR
         if source.get("env_names") and not args.env:
             print(
                 f"obd: note: {source['id']} was started with --env {', '.join(source['env_names'])}; a resume never "
@@ -511,6 +519,15 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     if action == "cancel":
         return _cancel(args, client)
     raise UsageError(f"unknown action {action}")
+
+
+def _finished(record: dict[str, Any]) -> bool:
+    """A run that succeeded, short of its max steps only if its progress says so (a job that
+    transformers' own SIGTERM handler saved and ended is `succeeded` mid-training: it resumes)."""
+    progress = record.get("progress") or {}
+    step, most = progress.get("step"), progress.get("max_steps")
+    short = isinstance(step, int) and isinstance(most, int) and step < most
+    return record.get("state") == "succeeded" and not short
 
 
 def _start(args: argparse.Namespace, command: list[str], client: Client, op: str = "start", **extra: Any) -> int:

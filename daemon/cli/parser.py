@@ -535,6 +535,11 @@ def _add_resume(train: Any) -> None:
         "--retry", type=_count(0, 100), metavar="N", help="start it again up to N times if it fails or is preempted"
     )
     _add_limits(rs, for_resume=True)
+    rs.add_argument(
+        "--again",
+        action="store_true",
+        help="resume RUN even though it succeeded (its script's after-train code runs again)",
+    )
     rs.add_argument("--json", action="store_true", help="print the new run's record, not just its id")
     rs.add_argument(
         # Not REMAINDER: the options after RUN (`resume sft --checkpoint 400`) are resume's own.

@@ -76,7 +76,7 @@ def print_created(answer: dict[str, Any], as_json: bool) -> int:
 
 def resume_source(client: Client, ref: str) -> dict[str, Any]:
     """What `obd train resume` needs of what it resumes, at once (its target, the names of its
-    --env values): a run's record, or for a sweep its first member's."""
+    --env values): a run's record, or for a sweep its first member's (with `named_sweep`)."""
     try:
         return dict(client.call("wait", id=ref, timeout=0.0))
     except RequestFailed as exc:
@@ -87,6 +87,7 @@ def resume_source(client: Client, ref: str) -> dict[str, Any]:
             raise
         first = dict(view["members"][0])
         first.setdefault("env_names", [])
+        first["named_sweep"] = view["sweep"]  # `ref` named the sweep, not this run
         return first
 
 

@@ -182,3 +182,48 @@ def test_plot_of_a_sweep_draws_each_member_and_refuses_a_metric_none_logged(box:
     out = obd(box, "train", "plot", sweep, "--metric", "accuracy")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"sweep {sweep} (lrs): no member has 'accuracy' values to plot" in out.stderr
+
+
+# --- 11: resume of a run that succeeded -------------------------------------------------------
+
+
+# A job that saves a complete checkpoint at step 3 and ends well.
+SAVES_AND_ENDS = r"""
+import json, os
+checkpoint = os.path.join(os.environ["OBD_RUN_DIR"], "output", "checkpoint-3")
+os.makedirs(checkpoint, exist_ok=True)
+with open(os.path.join(checkpoint, "model.safetensors"), "wb") as f:
+    f.write(b"w" * 1000)
+with open(os.path.join(checkpoint, "trainer_state.json"), "w") as f:
+    json.dump({"global_step": 3}, f)
+"""
+
+
+# Its metrics: the plugin's `begin` with 10 steps to go, and a log line at step 3.
+SHORT_OF_MAX = r"""import json, os, time
+with open(os.environ["OBD_METRICS_FILE"], "a") as f:
+    f.write(json.dumps({"event": "begin", "time": time.time(), "max_steps": 10}) + "\n")
+    f.write(json.dumps({"event": "log", "step": 3, "loss": 1.0, "time": time.time()}) + "\n")
+"""
+
+
+def test_a_resume_of_a_run_that_succeeded_is_refused_unless_asked_again(box: DaemonProc) -> None:
+    rid = start(box, PY, "-c", SAVES_AND_ENDS)
+    box.wait_state(rid, "succeeded")
+    out = obd(box, "train", "resume", rid)
+    assert out.returncode == 1
+    assert f"run {rid} already ended (succeeded)" in out.stderr
+    assert f"obd train resume {rid} --again" in out.stderr
+    assert [r["id"] for r in json.loads(obd(box, "train", "list", "--all", "--json").stdout)] == [rid]
+
+    out = obd(box, "train", "resume", rid, "--again")
+    assert out.returncode == 0, out.stderr
+    again = box.wait_state(out.stdout.strip(), "succeeded")
+    assert again["resumed_from"] == rid and again["resume_checkpoint"].endswith("checkpoint-3")
+
+    # One that succeeded short of its max steps (transformers' own SIGTERM handler saved and ended it) resumes.
+    short = start(box, PY, "-c", SAVES_AND_ENDS.replace("import json, os", SHORT_OF_MAX))
+    assert box.wait_state(short, "succeeded")["progress"]["step"] == 3
+    out = obd(box, "train", "resume", short)
+    assert out.returncode == 0, out.stderr
+    box.wait_state(out.stdout.strip(), "succeeded")

@@ -18,7 +18,7 @@ _obd_options() {
         "train") echo "-h --help" ;;
         "train start") echo "-h --help --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --keep-checkpoints --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm -f --file --set --dry-run --after --after-any --json" ;;
         "train sweep") echo "-h --help --grid --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --keep-checkpoints --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm -f --file --set --dry-run --after --after-any --json" ;;
-        "train resume") echo "-h --help --checkpoint --env --secret --env-clear --retry --time-limit --deadline --max-gpu-hours --max-cost-usd --json" ;;
+        "train resume") echo "-h --help --checkpoint --env --secret --env-clear --retry --time-limit --deadline --max-gpu-hours --max-cost-usd --again --json" ;;
         "train stop") echo "-h --help --reason --wait --json" ;;
         "train cancel") echo "-h --help --wait --json" ;;
         "train status") echo "-h --help --json --as-file" ;;

@@ -327,6 +327,7 @@ complete -c obd -n '__obd_at \'train resume\'' -l time-limit -x -d 'stop it with
 complete -c obd -n '__obd_at \'train resume\'' -l deadline -x -d 'stop it with a snapshot before this clock time: HH:MM (the next one) or 2025-06-01T14:00'
 complete -c obd -n '__obd_at \'train resume\'' -l max-gpu-hours -x -d 'stop it with a snapshot before its GPUs × running hours reach H, over all its attempts'
 complete -c obd -n '__obd_at \'train resume\'' -l max-cost-usd -x -d 'stop it with a snapshot before it costs D dollars (a pod\'s rate, or the target\'s price_per_gpu_hour)'
+complete -c obd -n '__obd_at \'train resume\'' -l again -d 'resume RUN even though it succeeded (its script\'s after-train code runs again)'
 complete -c obd -n '__obd_at \'train resume\'' -l json -d 'print the new run\'s record, not just its id'
 complete -c obd -n '__obd_at \'train resume\'' -a '(__obd_runs)'
 complete -c obd -n '__obd_at \'train stop\'' -s h -l help -d 'show this help message and exit'
