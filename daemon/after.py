@@ -217,6 +217,8 @@ def resolve(daemon: FindHost, req: StartRequest, peer: Peer, own: str) -> list[D
         given[chain] = text
         first = daemon.records.get(chain, found)
         deps.append(Dependency(run=chain, given=ref, name=first.name, states=states))
+    if not deps:
+        return deps  # nothing to look through (a look at every run's waits, for each member of a sweep)
     loop = cycle(own, [d.run for d in deps], chain_waits(daemon.records))
     if loop is not None:
         raise ApiError(

@@ -108,15 +108,16 @@ class Inventory:
             return list(wanted) if all(w in free for w in wanted) else None
         return free[:wanted] if len(free) >= wanted else None
 
-    def waiting_for(self, record: RunRecord, now: float | None = None) -> str:
+    def waiting_for(self, record: RunRecord, now: float | None = None, held: dict[str, str] | None = None) -> str:
         """What a queued run waits for now, in words: the end of its retry's backoff, else its
-        GPUs, naming the runs that hold them now (never one that has ended)."""
+        GPUs, naming the runs that hold them now (never one that has ended); `held`: the target's
+        holders when the caller has them (a pass of the queue looks them up once, not per run)."""
         now = time.time() if now is None else now
         if record.not_before is not None and record.not_before > now:
             when = time.strftime("%H:%M:%S", time.localtime(record.not_before))
             return f"waiting until {when} (backoff)"
         wanted = self.wanted(record)
-        held = self.held(record.target)
+        held = self.held(record.target) if held is None else held
         total = len(self.of(record.target))
         free = total - len(held)
         what = f"GPUs {','.join(wanted)}" if isinstance(wanted, list) else f"{wanted} GPU{'s' if wanted != 1 else ''}"

@@ -160,7 +160,9 @@ class Handlers:
     # --- reading -------------------------------------------------------------------------
 
     async def ping(self, req: ListRequest, peer: Peer) -> dict[str, Any]:
-        return {"pid": os.getpid(), "runs": len(self.daemon.visible(peer)), "uid": os.geteuid()}
+        records = self.daemon.records.values()  # counted, not sorted: ping stays cheap with 5,000 queued
+        runs = len(records) if peer.is_root else sum(1 for r in records if r.owner_uid == peer.uid)
+        return {"pid": os.getpid(), "runs": runs, "uid": os.geteuid()}
 
     async def list_runs(self, req: ListRunsRequest, peer: Peer) -> RawJSON | list[dict[str, Any]]:
         d = self.daemon
@@ -366,7 +368,8 @@ class Handlers:
         """`obd train sweep`: every run of the grid made, queued, or none (daemon/sweeps.py)."""
         if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
             req.environ = None  # as for a start: never kept where its jobs do not start from it
-        return await self.sweeps.create(req, peer)
+        with self.daemon.scheduler.holding():  # one pass of the queue once every member is saved
+            return await self.sweeps.create(req, peer)
 
     async def _start_member(self, req: StartRequest, tag: SweepTag, peer: Peer) -> dict[str, Any]:
         """A sweep's member started again from the beginning (`obd train resume SWEEP`)."""
@@ -421,7 +424,8 @@ class Handlers:
 
     async def stop(self, req: StopRequest, peer: Peer) -> dict[str, Any]:
         if (sweep := self.sweeps.named(req.id, peer)) is not None:  # every member that runs
-            return await self.sweeps.stop(sweep, lambda rid: self.stop(req.model_copy(update={"id": rid}), peer))
+            with self.daemon.scheduler.holding():
+                return await self.sweeps.stop(sweep, lambda rid: self.stop(req.model_copy(update={"id": rid}), peer))
         record = latest_attempt(self.daemon, self.daemon.find(req.id, peer))
         reason = normalise_reason(req.reason) or rundir.DEFAULT_REASON
         if record.state.final:
@@ -461,26 +465,27 @@ class Handlers:
 
     async def cancel(self, req: IdRequest, peer: Peer) -> dict[str, Any]:
         daemon = self.daemon
-        if (sweep := self.sweeps.named(req.id, peer)) is not None:  # every member
-            return await self.sweeps.cancel(sweep, lambda rid: self.cancel(req.model_copy(update={"id": rid}), peer))
+        if (sweep := self.sweeps.named(req.id, peer)) is not None:  # every member, one pass of the queue after
+            with daemon.scheduler.holding():
+                return await self.sweeps.cancel(
+                    sweep, lambda rid: self.cancel(req.model_copy(update={"id": rid}), peer)
+                )
         # Any attempt's id reaches the chain: the id `start` printed cancels the attempt now
         # queued or running, or, when the newest attempt has ended, the retry still to come.
         record = latest_attempt(daemon, daemon.find(req.id, peer))
         if record.state.final:
             await daemon.recovery.end_chain(record, "cancelled by the user")
             return record.public()  # idempotent: a run that ended is never signalled
-        async with daemon.editing(record):
+        async with daemon.editing(record):  # one save, a queued run's cancel included
             if record.stop.cancel_by is None:
                 record.stop.cancel_by = "user"
                 record.note("cancel requested by the user")
+            if record.in_queue:  # never started, and now never will
+                record.transition(RunState.cancelled, "cancelled by the user while queued")
         log.info("cancel_requested", run_id=record.id)
-        if record.in_queue:
-            async with daemon.editing(record):
-                if record.state == RunState.queued:  # never started, and now never will
-                    record.transition(RunState.cancelled, "cancelled by the user while queued")
-        elif record.has_job:
+        if record.has_job:
             daemon.follow.start_cancel(record)
-        else:
+        elif not record.state.final:  # preparing (a queued one was cancelled above)
             daemon.launcher.cancel_preparation(record)
         return record.public()
 

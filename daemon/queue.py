@@ -9,7 +9,13 @@ the queue until its backoff is over, without holding up the runs behind it.
 A queued run's message says what it waits for now: the end of its backoff, or its GPUs and the
 runs that hold them. It is brought up to date on every pass of the queue (a holder that ended is
 never named), as the message only: the history keeps the entry the run was queued with, true
-when it was written, and gets no new line each time a holder changes.
+when it was written, and gets no new line each time a holder changes. The messages a pass changes
+are saved together, off the event loop (one trip of the store's writer, not a save each).
+
+A pass costs a look at each queued run, never a look at every run for each (the GPUs' holders
+and how much of each sweep is made are looked up once a pass), and an operation on many runs (a
+sweep made, cancelled or stopped) holds the queue (`holding`) so that it gets one pass when it
+ends, not one per run: 5,000 runs queued never hold the daemon up.
 
 A run may also wait for other runs (`--after`, daemon/after.py) or for the rest of its sweep to
 be made (daemon/sweeps.py): `gate` says so on every pass, from the records alone, and such a run
@@ -26,7 +32,9 @@ chain may still start from it: the file is deleted when the chain ends (daemon/r
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import anyio
@@ -69,6 +77,17 @@ SAFETY_POLL = 30.0  # the queue is looked at this often even when nothing says i
 SOON = 1.0  # ... and this often while a run it waits for is between two attempts (no record changes then)
 
 
+def queued_why(record: RunRecord) -> str | None:
+    """Why a queued run is queued, when that is more than waiting: a paused run's pause, or a
+    retry's attempt among all its chain may make (a pause's attempt uses no retry)."""
+    if record.paused is not None:
+        since = time.strftime("%H:%M:%S", time.localtime(record.paused.since))
+        return f"paused ({record.paused.why}) since {since}"
+    if record.attempt > 1:
+        return f"attempt {record.attempt} of {record.retries + 1 + record.preemptions}"
+    return None
+
+
 class Scheduler:
     """Starts queued runs when their GPUs are free and their backoff is over."""
 
@@ -77,7 +96,10 @@ class Scheduler:
         self._kick = anyio.Event()
         self._started = process_started()  # a sweep member made before it, its sweep not whole: cut short
         self._whole: set[str] = set()  # sweeps every member of which is saved
+        self._made: dict[str, int] | None = None  # during a pass: how many members of each sweep are saved
         self._soon = False
+        self._holds = 0  # operations on many runs under way (`holding`)
+        self._kicked_while_held = False
 
     def on_change(self, record: RunRecord) -> None:
         """A listener of the daemon's changes: a run that ended frees GPUs; a queued one may start."""
@@ -85,7 +107,23 @@ class Scheduler:
             self.kick()
 
     def kick(self) -> None:
+        if self._holds:
+            self._kicked_while_held = True  # one pass when the operation ends
+            return
         self._kick.set()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold the queue's passes while an operation changes many runs (a sweep made, cancelled or
+        stopped): the changes are taken by one pass when it ends, not by one pass per run."""
+        self._holds += 1
+        try:
+            yield
+        finally:
+            self._holds -= 1
+            if not self._holds and self._kicked_while_held:
+                self._kicked_while_held = False
+                self.kick()
 
     def queued(self, target: str | None = None) -> list[RunRecord]:
         """The runs waiting to start (not those a scheduler of their target holds), oldest first."""
@@ -109,9 +147,21 @@ class Scheduler:
 
     async def schedule(self) -> None:
         self._soon = False
-        for target in sorted({r.target for r in self.queued()}):
-            await self._schedule_target(target)
-            await self._refresh_messages(target)
+        self._made = self._sweeps_made()
+        try:
+            for target in sorted({r.target for r in self.queued()}):
+                await self._schedule_target(target)
+                await self._refresh_messages(target)
+        finally:
+            self._made = None
+
+    def _sweeps_made(self) -> dict[str, int]:
+        """How many members of each sweep are saved (a member may start once all are)."""
+        indices: dict[str, set[int]] = {}
+        for r in self.daemon.records.values():
+            if r.sweep is not None and r.sweep.id not in self._whole:
+                indices.setdefault(r.sweep.id, set()).add(r.sweep.index)
+        return {sweep: len(made) for sweep, made in indices.items()}
 
     async def _refresh_messages(self, target: str) -> None:
         """Bring the message of every run still queued on `target` up to date (see the module's
@@ -119,13 +169,22 @@ class Scheduler:
         pass that changes nothing saves nothing."""
         daemon = self.daemon
         now = time.time()
+        held = daemon.inventory.held(target)
+        changed = []
         for record in self.queued(target):
-            waiting = self.waiting_for(record, now)
+            if daemon.lock(record.id).locked():
+                continue  # an edit of it is under way (a cancel, its start): the next pass looks
+            waiting = self.waiting_for(record, now, held)
             if record.message.endswith(waiting):
                 continue
-            async with daemon.editing(record):
-                if record.in_queue:  # not started or cancelled meanwhile
-                    record.message = queue_message(daemon.inventory, record, waiting=waiting)
+            # No await between the look and the change: no edit of it comes in between.
+            record.message = queue_message(daemon.inventory, record, queued_why(record), waiting)
+            daemon.store.save_later(record)
+            changed.append(record)
+        if changed:
+            await daemon.store.flush()  # one trip of the writer for them all
+            for record in changed:
+                daemon.touch(record)
 
     def gate(self, record: RunRecord) -> Verdict | None:
         """Whether a queued run may leave the queue as far as the runs it waits for and its sweep go
@@ -135,8 +194,8 @@ class Scheduler:
         if late is not None:
             return Verdict("cancel", late)
         if record.sweep is not None and record.sweep.id not in self._whole:
-            made = {r.sweep.index for r in self.daemon.records.values() if r.sweep and r.sweep.id == record.sweep.id}
-            held = sweeps.gate(record, len(made), self._started)
+            made = (self._made if self._made is not None else self._sweeps_made()).get(record.sweep.id, 0)
+            held = sweeps.gate(record, made, self._started)
             if held is not None:
                 return held
             self._whole.add(record.sweep.id)
@@ -147,12 +206,18 @@ class Scheduler:
             self._soon = True
         return verdict
 
-    def waiting_for(self, record: RunRecord, now: float | None = None) -> str:
-        """What a queued run waits for now, in words: the runs it waits for, else its backoff or GPUs."""
+    def waiting_for(self, record: RunRecord, now: float | None = None, held: dict[str, str] | None = None) -> str:
+        """What a queued run waits for now, in words: the runs it waits for, else its target's drain,
+        else its backoff or GPUs."""
         verdict = self.gate(record)
         if verdict is not None and verdict.action == "wait":
             return verdict.why
-        return self.daemon.inventory.waiting_for(record, now)
+        if record.target in self.daemon.preemptor.drains.targets:
+            return (
+                f"waiting: target {record.target} is drained, nothing starts on it until "
+                f"`obd targets undrain {record.target}`"
+            )
+        return self.daemon.inventory.waiting_for(record, now, held)
 
     async def _held_back(self, target: str) -> set[str]:
         """The queued runs of `target` that may not start yet (`gate`); those that never will are

@@ -294,6 +294,9 @@ class Retention:
                     freed = await daemon.targets.executor(owner).remove_checkpoint(owner.remote_dir, h.name)
             except (ExecutorError, TimeoutError, OSError) as exc:
                 if not await self._gone(owner, h.name):
+                    # What could not be removed is said, and stays on the record as it is on disk
+                    # (a removal cut short leaves it incomplete: judged again, never trusted).
+                    self._complete.discard(h.key)
                     done.errors.append(f"{h.run}/{rundir.OUTPUT}/{h.name}: {exc or 'timed out'}")
                     log.warning("prune_refused", run_id=h.run, checkpoint=h.name, error=str(exc))
                     continue

@@ -97,12 +97,13 @@ class Daemon:
 
     @contextlib.asynccontextmanager
     async def editing(self, record: RunRecord) -> AsyncIterator[RunRecord]:
-        """Change a record under its lock; it is saved when the block ends (kept in memory and
-        retried on the next poll if the disk is full), and a final state wakes its waiters."""
+        """Change a record under its lock; it is saved when the block ends, off the event loop and
+        durable before the block returns (kept in memory and retried on the next poll if the disk
+        is full), and a final state wakes its waiters."""
         async with self.lock(record.id):
             was_final = record.state.final
             yield record
-            self.save_quietly(record)
+            await self.save_async_quietly(record)
         self.touch(record)
         if record.state.final:
             self.final_event(record.id).set()
@@ -155,6 +156,15 @@ class Daemon:
     def save_quietly(self, record: RunRecord) -> None:
         with contextlib.suppress(StoreError):
             self.save(record)
+
+    async def save_async_quietly(self, record: RunRecord) -> None:
+        """`save_quietly` off the event loop (daemon/store.py: saves made meanwhile share a trip)."""
+        try:
+            await self.store.save_async(record)
+            self._dirty.discard(record.id)
+        except StoreError as exc:
+            self._dirty.add(record.id)
+            log.error("record_save_failed", run_id=record.id, error=str(exc))
 
     @property
     def unsaved(self) -> set[str]:

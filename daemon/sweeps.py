@@ -21,6 +21,7 @@ import itertools
 import math
 import re
 import secrets as pysecrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -119,7 +120,12 @@ def gate(record: RunRecord, made: int, started: float) -> Verdict | None:
             f"cancelled while queued: the daemon stopped while sweep {tag.id} was being made ({made} of its "
             f"{tag.size} runs saved), so none of it runs; start the sweep again with `obd train sweep`",
         )
-    return Verdict("wait", f"waiting for the rest of sweep {tag.id} to be made")
+    return Verdict("wait", being_made(record) or "")
+
+
+def being_made(record: RunRecord) -> str | None:
+    """What a member of a sweep being made waits for (None: a run of no sweep)."""
+    return f"waiting for the rest of sweep {record.sweep.id} to be made" if record.sweep is not None else None
 
 
 def fold_best(data: bytes, best: tuple[float | None, int | None]) -> tuple[float | None, int | None]:
@@ -166,7 +172,9 @@ class Continuing(Protocol):
 class Starts(Protocol):
     """The launcher as a sweep sees it: a run started, tagged as a member of a sweep."""
 
-    async def start(self, req: StartRequest, peer: Peer, sweep: SweepTag | None = None) -> RunRecord: ...
+    async def start(
+        self, req: StartRequest, peer: Peer, sweep: SweepTag | None = None, created: float | None = None
+    ) -> RunRecord: ...
 
 
 class SweepHost(Runs, Protocol):
@@ -276,30 +284,62 @@ class Sweeps:
         if len(f"{name}-{len(combos)}") > 100:
             raise ApiError(f"--name {name[:40]}...: too long for its runs' names (<name>-<n>, 100 at most)", "usage")
         base = req.model_dump(exclude={"op", "grid"})
-        made: list[RunRecord] = []
-        try:
-            for index, values in enumerate(combos, 1):
-                member = StartRequest.model_validate(
+        members = [
+            (
+                StartRequest.model_validate(
                     {**base, "op": "start", "command": substitute(req.command, values), "name": f"{name}-{index}"}
-                )
-                tag = SweepTag(
+                ),
+                SweepTag(
                     id=sweep_id, name=name, index=index, size=len(combos), values=values, template=list(req.command)
-                )
-                made.append(await self.daemon.launcher.start(member, peer, sweep=tag))
+                ),
+            )
+            for index, values in enumerate(combos, 1)
+        ]
+        made: dict[int, RunRecord] = {}
+        try:
+            await self._make(members, peer, made)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
-                await self._undo(made, exc)
+                await self._undo(list(made.values()), exc)
             raise
-        log.info("sweep_created", sweep=sweep_id, runs=len(made))
+        made_runs = [made[index] for index in sorted(made)]
+        log.info("sweep_created", sweep=sweep_id, runs=len(made_runs))
         return {
             "sweep": sweep_id,
             "name": name,
             "size": len(made),
             "runs": [
                 {"id": r.id, "name": r.name, "state": r.state.value, "command": r.command, "values": tag_values(r)}
-                for r in made
+                for r in made_runs
             ],
         }
+
+    async def _make(self, members: list[tuple[StartRequest, SweepTag]], peer: Peer, made: dict[int, RunRecord]) -> None:
+        """Start every member, into `made`: the first alone (a start refused for a bad option is
+        refused once, before any other is made), then MEMBERS_AT_ONCE at a time, so that their saves
+        share the store's trips; each keeps its place in the queue (`created`, in the grid's order).
+        The first refusal stops the rest and is raised."""
+        launcher = self.daemon.launcher
+        first = time.time()
+        (req, tag), rest = members[0], members[1:]
+        made[tag.index] = await launcher.start(req, peer, sweep=tag, created=first)
+        refused: list[Exception] = []
+        limiter = anyio.CapacityLimiter(MEMBERS_AT_ONCE)
+
+        async def one(req: StartRequest, tag: SweepTag) -> None:
+            async with limiter:
+                if refused:
+                    return
+                try:
+                    made[tag.index] = await launcher.start(req, peer, sweep=tag, created=first + tag.index * 1e-5)
+                except Exception as exc:
+                    refused.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for req, tag in rest:
+                tg.start_soon(one, req, tag)
+        if refused:
+            raise refused[0]
 
     async def _undo(self, made: list[RunRecord], exc: BaseException) -> None:
         """A sweep that could not be made whole: the members made are cancelled before any starts."""

@@ -564,16 +564,56 @@ def _open_output(run_dir: str) -> int:
 
 
 def _tree_bytes(dir_fd: int) -> int:
-    """The bytes of the regular files under a directory descriptor; links are never followed."""
+    """The bytes of the regular files under a directory descriptor; links are never followed, and
+    a directory that cannot be entered (mode 0) counts for nothing rather than hiding the rest."""
     total = 0
     for entry in os.scandir(dir_fd):
         st = entry.stat(follow_symlinks=False)
         if stat.S_ISREG(st.st_mode):
             total += st.st_size
         elif stat.S_ISDIR(st.st_mode):
-            sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            try:
+                sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            except PermissionError:
+                continue
             try:
                 total += _tree_bytes(sub)
+            finally:
+                os.close(sub)
+    return total
+
+
+def _open_dir(parent: int, name: str, owner: int, where: str) -> int:
+    """Open `name` (a real directory under `parent`, never a link) to empty it: one of `owner`'s
+    that its owner could not enter, list or write (mode 0, read-only) is first given u+rwx, as
+    its owner may; a directory of anyone else's is refused, naming it (nothing is removed)."""
+    fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != owner:
+            raise CheckpointRefused(
+                f"{where} is a directory of uid {st.st_uid}, not of the run directory's owner (uid {owner}), "
+                "who cannot empty it: nothing was removed; its owner (or root) may remove it"
+            )
+        if st.st_mode & 0o700 != 0o700:
+            os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(st.st_mode) | 0o700)  # the very directory opened
+        return os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _removable(fd: int, owner: int, where: str) -> int:
+    """Make every directory under `fd` one its owner can empty (see `_open_dir`), refusing before
+    anything is removed; the bytes of its regular files."""
+    total = 0
+    for entry in os.scandir(fd):
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+        elif stat.S_ISDIR(st.st_mode):
+            sub = _open_dir(fd, entry.name, owner, f"{where}/{entry.name}")
+            try:
+                total += _removable(sub, owner, f"{where}/{entry.name}")
             finally:
                 os.close(sub)
     return total
@@ -594,7 +634,8 @@ def _remove_tree(parent: int, name: str) -> None:
 
 
 def checkpoint_sizes(run_dir: str) -> dict[str, int]:
-    """The bytes each real `output/checkpoint-<step>` of a run directory holds ({} when none)."""
+    """The bytes each real `output/checkpoint-<step>` of a run directory holds ({} when none); one
+    holding a directory that cannot be entered is listed too, with what could be counted."""
     try:
         out = _open_output(run_dir)
     except (OSError, CheckpointRefused):
@@ -605,8 +646,17 @@ def checkpoint_sizes(run_dir: str) -> dict[str, int]:
             if rundir.checkpoint_step(name) is None:
                 continue
             try:
+                st = os.stat(name, dir_fd=out, follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                continue  # a link, a file
+            try:
                 sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=out)
-            except OSError:  # a link, a file, gone
+            except PermissionError:
+                sizes[name] = 0  # its owner made it unreadable: still a checkpoint retention judges
+                continue
+            except OSError:  # gone
                 continue
             try:
                 sizes[name] = _tree_bytes(sub)
@@ -620,29 +670,56 @@ def checkpoint_sizes(run_dir: str) -> dict[str, int]:
 
 
 def remove_checkpoint(run_dir: str, name: str) -> dict[str, Any]:
-    """Delete the run directory's `output/<name>` (a `checkpoint-<step>` that is a real directory):
-    first renamed out of the checkpoint names in one step, so no half-deleted copy ever looks like
-    a checkpoint, then removed without following a link. {"name", "freed": bytes, "removed": bool}."""
+    """Delete the run directory's `output/<name>` (a `checkpoint-<step>` that is a real directory).
+
+    First every directory in it is made one the run directory's owner can empty (u+rwx: a mode-0
+    or read-only directory of theirs), and one of anyone else's refuses the removal before
+    anything is removed. Then it is renamed out of the checkpoint names in one step, so no
+    half-deleted copy ever looks like a checkpoint, and removed without following a link. Should
+    the removal still fail, what is left is renamed back with its trainer_state.json removed
+    first (never again a complete checkpoint), and the error says what is left.
+    {"name", "freed": bytes, "removed": bool}."""
     if rundir.checkpoint_step(name) is None:
         raise CheckpointRefused(f"{name!r} is not a checkpoint-<step> name")
+    owner = os.stat(run_dir, follow_symlinks=False).st_uid
+    where = f"{rundir.OUTPUT}/{name}"
     out = _open_output(run_dir)
     try:
         try:
-            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=out)
+            sub = _open_dir(out, name, owner, where)
         except FileNotFoundError:
             return {"name": name, "freed": 0, "removed": False}
         except OSError as exc:
-            raise CheckpointRefused(f"{rundir.OUTPUT}/{name} is not a real directory ({exc.strerror})") from exc
+            raise CheckpointRefused(f"{where} is not a real directory ({exc.strerror})") from exc
         try:
-            freed = _tree_bytes(sub)
+            freed = _removable(sub, owner, where)
         finally:
             os.close(sub)
         trash = f".obd-pruned-{name}-{os.getpid()}"
         os.rename(name, trash, src_dir_fd=out, dst_dir_fd=out)
-        _remove_tree(out, trash)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{trash}/trainer_state.json", dir_fd=out)
+            _remove_tree(out, trash)
+        except OSError as exc:
+            left = _put_back(out, trash, name)
+            raise CheckpointRefused(
+                f"{where} could not be removed whole ({exc.strerror or exc}: {exc.filename or ''}); "
+                f"what is left is {left}, no longer a complete checkpoint"
+            ) from exc
         return {"name": name, "freed": freed, "removed": True}
     finally:
         os.close(out)
+
+
+def _put_back(out: int, trash: str, name: str) -> str:
+    """After a removal that failed part way: the leftover back under its checkpoint name (unless
+    a new one took it meanwhile); where it is now, for the error."""
+    try:
+        os.rename(trash, name, src_dir_fd=out, dst_dir_fd=out)
+    except OSError:
+        return f"{rundir.OUTPUT}/{trash}"
+    return f"{rundir.OUTPUT}/{name}"
 
 
 def main(argv: list[str]) -> int:

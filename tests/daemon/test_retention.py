@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,12 +184,49 @@ async def test_under_root_a_checkpoint_is_removed_with_the_run_owner_s_rights_on
     (path / "roots").mkdir()  # something in it the user could not delete (root's, in a directory of root's)
     (path / "roots" / "file").write_bytes(b"r")
     executor = LocalExecutor("local", workdir)
-    with pytest.raises(ExecutorError):  # root could; the run's owner cannot: nothing is removed as root
-        await executor.remove_checkpoint(str(run_dir), "checkpoint-5")
-    assert list(run_dir.glob("output/*/roots/file"))  # it is still there: root's rights were never used
-    assert await executor.checkpoint_sizes(str(run_dir)) == {"checkpoint-10": 1000 + len('{"global_step": 10}')}
+    with pytest.raises(ExecutorError, match="checkpoint-5/roots is a directory of uid 0"):
+        await executor.remove_checkpoint(str(run_dir), "checkpoint-5")  # root could; the run's owner cannot
+    assert sorted(os.listdir(run_dir / "output")) == ["checkpoint-10", "checkpoint-5"]  # refused whole, nothing moved
+    assert (path / "roots" / "file").exists() and (path / "trainer_state.json").exists()
     with pytest.raises(ExecutorError):  # never outside its workdir
         await executor.remove_checkpoint(str(short_tmp / "elsewhere"), "checkpoint-5")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the run's owner, and a mount point in a checkpoint")
+async def test_an_odd_directory_is_removed_as_its_owner_may_and_a_removal_cut_short_is_put_back_and_said(
+    short_tmp: Path,
+) -> None:
+    from executors.local import LocalExecutor
+
+    short_tmp.chmod(0o755)
+    workdir = short_tmp / "wd"
+    run_dir = workdir / "run-1"
+    locked, read_only, stuck = (make_checkpoint(run_dir, step) for step in (1, 2, 3))
+    for path in (locked, read_only):
+        (path / "d").mkdir()
+        (path / "d" / "f").write_bytes(b"x")
+    (stuck / "mnt").mkdir()
+    for root, dirs, files in os.walk(run_dir):
+        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+            os.lchown(name, NOBODY, NOBODY)
+    (locked / "d").chmod(0)  # its owner cannot enter it, but may chmod it
+    (read_only / "d").chmod(0o555)
+    workdir.chmod(0o755)
+    executor = LocalExecutor("local", workdir)
+    assert set(await executor.checkpoint_sizes(str(run_dir))) == {locked.name, read_only.name, stuck.name}
+    assert await executor.remove_checkpoint(str(run_dir), locked.name) == 1000 + 18 + 1
+    assert await executor.remove_checkpoint(str(run_dir), read_only.name) == 1000 + 18 + 1
+    assert os.listdir(run_dir / "output") == [stuck.name]  # nothing half-removed under another name
+    # A removal that fails part way (a mount point cannot be removed): put back, no longer complete.
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"uid={NOBODY},gid={NOBODY}", "obd-test", str(stuck / "mnt")], check=True
+    )
+    try:
+        with pytest.raises(ExecutorError, match="what is left is output/checkpoint-3, no longer a complete"):
+            await executor.remove_checkpoint(str(run_dir), stuck.name)
+    finally:
+        subprocess.run(["umount", str(stuck / "mnt")], check=True)
+    assert os.listdir(run_dir / "output") == [stuck.name] and not (stuck / "trainer_state.json").exists()
 
 
 # --- a real daemon, a real Trainer script -----------------------------------------------------
