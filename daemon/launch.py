@@ -373,7 +373,8 @@ class Launcher:
             times = f"{record.preemptions} time{'s' if record.preemptions != 1 else ''}"
             why = f"paused ({paused.why}) since {time.strftime('%H:%M:%S', time.localtime(paused.since))}, {times}"
         else:
-            why = f"attempt {record.attempt} of {record.retries + 1} after {prev.id} ended ({cause})"
+            total = record.retries + 1 + record.preemptions  # a pause's attempt uses no retry
+            why = f"attempt {record.attempt} of {total} after {prev.id} ended ({cause})"
         return self._admit(record, req, run_as, prev, why)
 
     # --- the job -------------------------------------------------------------------------

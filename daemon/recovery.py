@@ -257,7 +257,7 @@ class Recovery:
             else:
                 start = f"from {point.name}" + (f" of {point.source}" if point.source else "")
             record.note(
-                f"retrying ({cause}): attempt {new.attempt} of {record.retries + 1} is {new.id}, {start}, in {delay:g} s"
+                f"retrying ({cause}): attempt {new.attempt} of {new.retries + 1 + new.preemptions} is {new.id}, {start}, in {delay:g} s"
             )
         self._settle(record)  # the next attempt keeps its own copy of the settings
         log.info("run_retried", run_id=record.id, next_run=new.id, cause=cause, attempt=new.attempt, delay_s=delay)

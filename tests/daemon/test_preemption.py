@@ -283,6 +283,41 @@ def test_an_urgent_run_pauses_a_resumed_run_still_loading_whose_chain_snapshotte
     d.call("cancel", id=victim["retried_by"])
 
 
+def test_the_queue_of_a_drained_target_says_the_drain_and_the_command_that_undrains_it(make_daemon) -> None:
+    d = make_daemon(config())
+    d.start()
+    pausable = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
+    snapshotting(d, pausable)
+    assert d.cli("targets", "drain", "local", "--wait").returncode == 0
+    paused = wait_for(lambda: d.record(pausable)["retried_by"], 30, 0.05, "the paused run requeued")
+    later = start(d, "sh", "-c", "echo later", opts=("--gpus", "1"))
+    said = "target local is drained, nothing starts on it until `obd targets undrain local`"
+    for rid in (paused, later):
+        record = wait_for(lambda rid=rid: (r := d.record(rid))["message"].endswith(said) and r, 30, 0.05, said)
+        assert "free" not in record["message"] and "of 1" not in record["message"], record["message"]
+    assert d.record(paused)["message"].startswith("paused (target local drained) since ")
+    assert said in d.cli("train", "status", later).stdout
+    for rid in (paused, later):
+        d.call("cancel", id=rid)
+
+
+@pytest.mark.parametrize(
+    ("attempt", "retries", "preemptions", "said"),
+    [
+        (2, 1, 0, "attempt 2 of 2"),
+        (3, 1, 1, "attempt 3 of 3"),  # a pause's attempt uses no retry: counted among the attempts
+        (1, 1, 0, None),
+    ],
+)
+def test_a_queued_attempt_is_counted_among_every_attempt_its_chain_may_make(
+    attempt: int, retries: int, preemptions: int, said: str | None
+) -> None:
+    from daemon.models import RunRecord
+    from daemon.queue import queued_why
+
+    assert queued_why(RunRecord(id="r", attempt=attempt, retries=retries, preemptions=preemptions)) == said
+
+
 def test_only_root_or_the_daemons_user_may_drain(make_daemon) -> None:
     d = make_daemon(config())
     d.start()
