@@ -36,7 +36,7 @@ from daemon.ports import Runs
 from daemon.specs import load_spec, save_spec
 from daemon.stop import write_pending_request
 from daemon.store import StoreError
-from daemon.sweeps import sweep_env
+from daemon.sweeps import being_made, sweep_env
 from daemon.targets import Targets
 from daemon.trackers import chain_tensorboard_dir, continued, tracker_env
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
@@ -195,6 +195,7 @@ class Launcher:
     def __init__(self, daemon: LaunchHost) -> None:
         self.daemon = daemon
         self.launching: set[str] = set()  # runs this daemon is launching right now
+        self._admitting: set[str] = set()  # ids of runs being made, not yet in the records
         # A cancel while a run prepares (a pod booting, an upload) ends the preparation at once.
         self._preparing: dict[str, anyio.CancelScope] = {}
 
@@ -205,9 +206,12 @@ class Launcher:
 
     # --- the record ----------------------------------------------------------------------
 
-    async def start(self, req: StartRequest, peer: Peer, sweep: SweepTag | None = None) -> RunRecord:
+    async def start(
+        self, req: StartRequest, peer: Peer, sweep: SweepTag | None = None, created: float | None = None
+    ) -> RunRecord:
         """Check the request, save the run (`queued` when it waits for GPUs, for runs (`--after`) or
-        as a sweep's member, else `preparing`), and launch it in the background when it can start."""
+        as a sweep's member, else `preparing`), and launch it in the background when it can start.
+        `created`: its place in the queue, for the members of a sweep made together, in their order."""
         daemon = self.daemon
         supervision = daemon.targets.get(req.target)
         check_names(req.env, req.secrets)
@@ -230,6 +234,8 @@ class Launcher:
             # On a local target it is where the job runs; elsewhere the directory uploaded as the job's src/.
             await anyio.to_thread.run_sync(check_cwd, req.cwd, run_as)
         record = self._new_record(req, peer.uid)
+        if created is not None:
+            record.created = created
         record.after, record.after_any = resolve_after(daemon, req, peer, record.id), req.after_any
         record.sweep = sweep or (source.sweep if source is not None else None)  # a member's resume is one
         record.gpus_wanted = wanted
@@ -246,13 +252,17 @@ class Launcher:
             record.cwd = req.cwd  # uploaded into the run directory (src/); a target may require it
         if source is not None and point is not None:
             record.resumed_from, record.resume_checkpoint, record.resume_reason = source.id, point.name, point.reason
-        return self._admit(record, req, run_as, source)
+        # A member of a sweep being made waits for the rest of it (said without a look at the GPUs'
+        # holders, a look at every run: the queue's pass once it is whole says what it waits for then).
+        making = being_made(record) if created is not None else None
+        return await self._admit(record, req, run_as, source, waiting=making)
 
     def _new_record(self, req: StartRequest, owner_uid: int) -> RunRecord:
         daemon = self.daemon
         run_id = new_run_id()
-        while run_id in daemon.records:
+        while run_id in daemon.records or run_id in self._admitting:
             run_id = new_run_id()
+        self._admitting.add(run_id)  # taken until its record is saved (starts made together)
         return RunRecord(
             id=run_id,
             name=req.name,
@@ -271,13 +281,14 @@ class Launcher:
             limits=from_request(req),
         )
 
-    def _admit(
+    async def _admit(
         self,
         record: RunRecord,
         req: StartRequest,
         run_as: RunAs | None,
         source: RunRecord | None,
         why: str | None = None,
+        waiting: str | None = None,
     ) -> RunRecord:
         """Save a new run, and its launch settings; launch it now, or queue it (saying `why`, when
         that is more than waiting: a retry's attempt, in the one history entry it starts with)."""
@@ -287,18 +298,22 @@ class Launcher:
         waits = bool(daemon.inventory.wanted(record)) or record.not_before is not None
         waits = waits or bool(record.after) or record.sweep is not None  # the queue decides when
         if waits:
-            record.transition(RunState.queued, queue_message(daemon.inventory, record, why, announced(record)))
+            record.transition(
+                RunState.queued, queue_message(daemon.inventory, record, why, waiting or announced(record))
+            )
         else:
             record.transition(RunState.preparing, "created")
         workdir = supervision.workdir(record)
         # An SSH workdir like ~/obd is resolved on the target when the launch connects.
         if workdir.startswith("/"):
             record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
-        try:
-            save_spec(daemon, record.id, req, run_as)
-            daemon.save(record)
+        try:  # off the event loop (each save fsyncs), durable before anyone is told of the run
+            await anyio.to_thread.run_sync(save_spec, daemon, record.id, req, run_as)
+            await daemon.store.save_async(record)
         except (StoreError, OSError) as exc:
             raise ApiError(str(exc)) from exc
+        finally:
+            self._admitting.discard(record.id)
         daemon.records[record.id] = record
         log.info(
             "run_created", run_id=record.id, target=record.target, command=record.command[:1], state=record.state.value
@@ -375,7 +390,7 @@ class Launcher:
         else:
             total = record.retries + 1 + record.preemptions  # a pause's attempt uses no retry
             why = f"attempt {record.attempt} of {total} after {prev.id} ended ({cause})"
-        return self._admit(record, req, run_as, prev, why)
+        return await self._admit(record, req, run_as, prev, why)
 
     # --- the job -------------------------------------------------------------------------
 
