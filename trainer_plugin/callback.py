@@ -421,10 +421,18 @@ class SnapshotCallback(TrainerCallback):
         if self._points is not None:
             self._points.unsafe()
 
-    def evaluating(self, begun: bool) -> None:
-        """From inject's wrapper of Trainer.evaluate: an evaluation begins (True) or ended (False)."""
-        if self._points is not None:
-            self._points.enter(EVALUATING if begun else TRAINING)
+    def evaluating(self, begun: bool, completed: bool = False) -> None:
+        """From inject's wrapper of Trainer.evaluate: an evaluation begins (True) or ended (False).
+
+        A completed one moved the RNG (its DataLoader drew a seed): the boundary's RNG is taken
+        again, so a stop before the next step saves what an uninterrupted run's next step sees.
+        """
+        points = self._points
+        if points is None:
+            return
+        points.enter(EVALUATING if begun else TRAINING)
+        if completed and points.last is not None:
+            points.last.take_rng(points.step_seconds)
 
     def saving(self, begun: bool, step: int | None = None) -> None:
         """From inject's wrapper of Trainer._save_checkpoint: a save is never interrupted; after it,
@@ -501,8 +509,21 @@ class SnapshotCallback(TrainerCallback):
             return
         if getattr(trainer, "eval_dataset", None) is None:
             return
-        log_error(f"obd: the snapshot cut short the evaluation at step {marker.get('step')}; performing it first")
-        trainer.evaluate()
+        # At the first step begin, not now: the Trainer puts the checkpoint's RNG state back just
+        # before it, and an evaluation draws from that RNG (each DataLoader iterator takes a seed),
+        # so the step after it sees the RNG an uninterrupted run's step saw.
+        previous = self.__dict__.get("on_step_begin")
+
+        def redo_first(args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if previous is not None:
+                self.__dict__["on_step_begin"] = previous
+                previous(args, state, control, **kwargs)
+            else:
+                self.__dict__.pop("on_step_begin", None)
+            log_error(f"obd: the snapshot cut short the evaluation at step {marker.get('step')}; performing it first")
+            trainer.evaluate()
+
+        self.__dict__["on_step_begin"] = redo_first
 
     # --- metrics ------------------------------------------------------------------------
 

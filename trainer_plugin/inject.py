@@ -239,11 +239,14 @@ def _wrap_evaluate(original: Callable[..., Any]) -> Callable[..., Any]:
         callbacks = _snapshot_callbacks(self)
         for callback in callbacks:
             callback.evaluating(True)
+        completed = False
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            completed = True
+            return result
         finally:
             for callback in callbacks:
-                callback.evaluating(False)
+                callback.evaluating(False, completed)
 
     setattr(evaluate, MARKER, True)
     return evaluate

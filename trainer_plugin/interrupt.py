@@ -88,22 +88,25 @@ class Boundary:
 
     @classmethod
     def take(cls, step: int, full: bool, counters: dict[str, Any]) -> Boundary:
-        now = time.monotonic()
+        b = cls(step, counters=counters, at=time.monotonic())
+        b.take_rng(FULL_RNG_STEP_SECONDS if full else 0.0)
+        return b
+
+    def take_rng(self, step_seconds: float) -> None:
+        """Keep the RNG states as they are now: torch's always, numpy's and Python's for slow steps."""
         torch = sys.modules.get("torch")
-        b = cls(step, counters=counters, at=now)
         if torch is not None:
-            b.torch_rng = torch.random.default_generator.get_state()
+            self.torch_rng = torch.random.default_generator.get_state()
             cuda = getattr(torch, "cuda", None)
             if cuda is not None and cuda.is_initialized():
-                b.cuda_rng = cuda.get_rng_state_all()
-        if full:
+                self.cuda_rng = cuda.get_rng_state_all()
+        if step_seconds >= FULL_RNG_STEP_SECONDS:
             numpy = sys.modules.get("numpy")
             if numpy is not None:
-                b.numpy_rng = numpy.random.get_state()
+                self.numpy_rng = numpy.random.get_state()
             random = sys.modules.get("random")
             if random is not None:
-                b.python_rng = random.getstate()
-        return b
+                self.python_rng = random.getstate()
 
     def restore_rng(self) -> None:
         """Put the RNG states back as they were at the boundary (those that were kept)."""

@@ -1,0 +1,163 @@
+"""A stop honoured wherever the job's time goes (issue 32), with real Trainer processes in a run
+directory laid out as obd lays it out: inside an evaluation, inside a long gradient accumulation,
+inside a data-loader fetch that does not return, and after train(). Each stop gives a proof of the
+last completed optimizer step, and the run resumed from it trains every later step bitwise as a
+run never stopped (CPU), the interrupted evaluation performed first.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.trainer_plugin.conftest import JOB_TIMEOUT, SCRIPTS, RunDir, read_jsonl
+
+pytest.importorskip("transformers")
+
+SCRIPT = str(SCRIPTS / "phases_trainer.py")
+STEPS, ACCUMULATION, EVAL_STEPS = 12, 20, 5
+BASE = ["--max_steps", str(STEPS), "--accumulation", str(ACCUMULATION), "--eval_steps", str(EVAL_STEPS)]
+
+
+class Job:
+    """One run of the script in its own run directory, its output in job.log."""
+
+    def __init__(self, root: Path, *args: str, resume_from: Path | None = None) -> None:
+        self.run = RunDir(root)
+        self._log = open(self.run.log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, SCRIPT, *BASE, *args],
+            env=self.run.env(resume_from),
+            cwd=root,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def log(self) -> str:
+        return self.run.log.read_text(errors="replace")
+
+    def wait_line(self, text: str) -> None:
+        def seen() -> bool:
+            assert self.proc.poll() is None or text in self.log(), f"the job ended first:\n{self.log()[-3000:]}"
+            return text in self.log()
+
+        wait_for(seen, JOB_TIMEOUT, 0.1, repr(text))
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(JOB_TIMEOUT)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._log.close()
+
+    def lines(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.run.metrics_path)
+
+    def steps(self) -> dict[int, tuple[float, float]]:
+        return {x["step"]: (x["loss"], x["grad_norm"]) for x in self.lines() if x["event"] == "log" and "loss" in x}
+
+    def evaluations(self) -> dict[int, float]:
+        return {x["step"]: x["eval_loss"] for x in self.lines() if x["event"] == "metrics" and "eval_loss" in x}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The same training never stopped."""
+    job = Job(tmp_path_factory.mktemp("reference"))
+    assert job.finish() == 0, job.log()[-3000:]
+    assert max(job.steps()) == STEPS
+    return job
+
+
+def stop_and_resume(job: Job, root: Path, reference: Job, *, cut: str) -> tuple[dict, Job]:
+    """Ask the job for a snapshot now; then resume from it, and check every later step against the reference."""
+    job.run.request.write_text("requested")
+    assert job.finish() == 0, job.log()[-3000:]
+    proof = job.run.proof()
+    step = proof["step"]
+    assert f"the stop came during {cut}" in job.log()
+    assert max(job.steps()) == step  # the snapshot is the last completed step, none begun after it
+    checkpoint = job.run.output / f"checkpoint-{step}"
+    resumed = Job(root, resume_from=checkpoint)
+    assert resumed.finish() == 0, resumed.log()[-3000:]
+    after = resumed.steps()
+    assert min(after) == step + 1 and max(after) == STEPS
+    assert after == {s: reference.steps()[s] for s in after}  # bitwise: losses and gradient norms
+    return proof, resumed
+
+
+def test_a_stop_during_an_evaluation_is_taken_between_two_batches_and_the_resumed_run_evaluates_first(
+    tmp_path: Path, reference: Job
+) -> None:
+    slow = tmp_path / "slow-eval"
+    slow.write_text("")
+    job = Job(tmp_path / "a", "--slow-eval", str(slow))
+    job.wait_line("slow evaluation began")  # at step 5: 40 samples of 0.3 s each
+    phases = [x for x in job.lines() if x["event"] == "phase"]
+    assert phases[-1]["phase"] == "evaluating" and phases[-1]["step"] == EVAL_STEPS
+    proof, resumed = stop_and_resume(job, tmp_path / "b", reference, cut="evaluating")
+    assert proof["step"] == EVAL_STEPS
+    assert EVAL_STEPS not in job.evaluations()  # cut short: no point from the stopped run
+    # ...and performed first by the resumed run, on the same model: the same number.
+    assert resumed.evaluations() == reference.evaluations()
+    assert "performing it first" in resumed.log()
+
+
+def test_a_stop_inside_a_long_gradient_accumulation_saves_the_last_completed_step(
+    tmp_path: Path, reference: Job
+) -> None:
+    slow = tmp_path / "slow-micro"
+    job = Job(tmp_path / "a", "--slow-micro", str(slow))
+    wait_for(lambda: len(job.steps()) >= 2 or job.proc.poll() is not None, JOB_TIMEOUT, 0.1, "two logged steps")
+    slow.write_text("")  # from now on a step is 20 micro-batches of 0.4 s
+    job.wait_line("slow micro-batches began")
+    proof, _ = stop_and_resume(job, tmp_path / "b", reference, cut="training")
+    assert 2 <= proof["step"] < STEPS
+
+
+def test_a_stop_inside_a_data_loader_fetch_that_never_returns_interrupts_it(tmp_path: Path, reference: Job) -> None:
+    stall = tmp_path / "stall"
+    stall.write_text("")
+    fetch = ACCUMULATION * 2 * 3 + 7  # a sample of step 4's accumulation
+    job = Job(tmp_path / "a", "--stall-fetch", str(fetch), "--stall-file", str(stall))
+    job.wait_line("stalled in sample")
+    job.run.request.write_text("requested")
+    assert job.finish() == 0, job.log()[-3000:]
+    assert "the stop came during training" in job.log()
+    stall.unlink()  # the resumed run passes that sample
+    proof = job.run.proof()
+    assert proof["step"] == 3 and max(job.steps()) == 3
+    resumed = Job(
+        tmp_path / "b",
+        "--stall-fetch",
+        str(fetch),
+        "--stall-file",
+        str(stall),
+        resume_from=job.run.output / "checkpoint-3",
+    )
+    assert resumed.finish() == 0, resumed.log()[-3000:]
+    after = resumed.steps()
+    assert min(after) == 4 and after == {s: reference.steps()[s] for s in after}
+
+
+def test_a_stop_after_train_returned_says_which_code_it_cuts_short(tmp_path: Path) -> None:
+    job = Job(tmp_path, "--max_steps", "3", "--after-train", "600")
+    job.wait_line("after-train code began")
+    job.run.request.write_text("requested")
+    line = wait_for(
+        lambda: next((x for x in job.lines() if x["event"] == "phase" and x.get("cut")), None),
+        JOB_TIMEOUT,
+        0.1,
+        "the after-train line",
+    )
+    assert line["phase"] == "after_train" and line["step"] == 3 and "phases_trainer.py:" in line["cut"]
+    assert not job.run.proof_path.exists()  # training had finished: there is nothing to snapshot
+    job.proc.kill()
+    job.finish()
