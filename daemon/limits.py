@@ -305,6 +305,24 @@ def asked_by(item: Left, limits: Limits, use: Use) -> str:
     return f"its deadline ({words(max(0.0, item.seconds))} away)"
 
 
+def capped_lead(item: Left, save_seconds: float | None, save_floor: float, margin: float) -> str:
+    """Why a snapshot was asked earlier or later than its lead says, when the lead was capped at
+    half the limit (a short limit): `; asked 10s before it, half the limit: ...`; "" otherwise."""
+    full = lead(save_seconds, save_floor, margin)
+    asked = ahead(item, full)
+    if asked >= full:
+        return ""
+    if save_seconds is not None and save_seconds > save_floor:
+        source = f"the chain's last measured save, {words(save_seconds)}"
+    else:
+        source = f"the save floor, {words(save_floor)} ([limits] save_floor)"
+    return (
+        f"; asked {words(asked)} before it, at half the limit: its lead of {words(full)} ({source}, "
+        f"plus a margin of {words(margin)}) is more than half the limit, and the lead is capped at half "
+        "so that a short limit still trains"
+    )
+
+
 def report(record: RunRecord, rate: Rate, now: float, save_floor: float, margin: float) -> dict[str, Any] | None:
     """The chain's limits, used and left, as `obd train status --json` has them (`usage`); None
     without limits. `record` is the chain's newest attempt."""
@@ -423,8 +441,12 @@ def check_of(daemon: Runs, record: RunRecord, now: float) -> tuple[Left, str] | 
     if record.limits is None:
         return None
     rate = rate_of(daemon, record, now)
-    item = check(record, rate, now, *settings(daemon))
-    return (item, asked_by(item, record.limits, chain_use(record, rate, now))) if item is not None else None
+    floor, margin = settings(daemon)
+    item = check(record, rate, now, floor, margin)
+    if item is None:
+        return None
+    said = asked_by(item, record.limits, chain_use(record, rate, now))
+    return item, said + capped_lead(item, record.limits.save_seconds, floor, margin)
 
 
 def report_of(daemon: Runs, record: RunRecord, now: float) -> dict[str, Any] | None:

@@ -29,8 +29,10 @@ from daemon.limits import (
     DEADLINE_LIMIT,
     GPU_BUDGET,
     TIME_LIMIT,
+    Left,
     Rate,
     Use,
+    capped_lead,
     carried,
     check,
     due,
@@ -390,6 +392,33 @@ def test_a_trainer_script_with_a_time_limit_stops_with_a_deadline_snapshot_befor
     assert final["state"] == "succeeded", final["message"]
     lines = [json.loads(x) for x in (Path(final["remote_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["start_step"] == step and lines[-1]["event"] == "end"
+
+
+@pytest.mark.parametrize(
+    ("item", "save", "said"),
+    [
+        # A 20 s limit, the default 60 s floor and 30 s margin: asked 10 s before it, and why.
+        (Left(TIME_LIMIT, "deadline", 10, 20), None, "asked 10s before it, at half the limit: its lead of 1m30s"),
+        (Left(TIME_LIMIT, "deadline", 10, 20), None, "(the save floor, 1m00s ([limits] save_floor), plus a margin"),
+        (Left(TIME_LIMIT, "deadline", 10, 20), 120.0, "its lead of 2m30s (the chain's last measured save, 2m00s, "),
+        (Left(TIME_LIMIT, "deadline", 90, 3600), None, ""),  # a lead that fits: nothing more to say
+    ],
+)
+def test_a_snapshot_asked_at_half_a_short_limit_says_its_lead_was_capped_and_why(
+    item: Left, save: float | None, said: str
+) -> None:
+    text = capped_lead(item, save, 60, 30)
+    assert said in text if said else text == ""
+
+
+def test_a_short_time_limit_s_history_says_the_snapshot_came_at_half_the_limit_and_why(make_daemon) -> None:
+    d = make_daemon(FAST_CONFIG)  # the default lead: a 60 s floor plus a 30 s margin, more than the limit
+    d.start()
+    rid = start(d, PY, FAKE, "snapshot", opts=("--time-limit", "6s"))
+    stopped_at_limit(d, rid, "deadline", "time limit", timeout=60)
+    status = d.cli("train", "status", rid).stdout
+    assert "asked 3s before it, at half the limit: its lead of 1m30s" in status, status
+    assert "the lead is capped at half so that a short limit still trains" in status, status
 
 
 def test_a_run_with_a_deadline_stops_with_a_deadline_snapshot_before_it_even_across_a_daemon_restart(
