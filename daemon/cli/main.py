@@ -47,6 +47,7 @@ from daemon.cli.parser import (
     command_parser,
 )
 from daemon.paths import client_socket
+from daemon.wire import FINAL
 
 # Fields of the control API, as the flags that set them: a daemon's usage error names the flag.
 FIELD_FLAGS = {
@@ -593,15 +594,41 @@ def _stop(args: argparse.Namespace, client: Client) -> int:
 
 
 def _cancel(args: argparse.Namespace, client: Client) -> int:
+    ended = _chain_ended(client, args.id)
+    if ended is not None:  # as `obd train stop` says it: nothing to cancel
+        print(
+            render.printable_lines(f"obd: run {ended['id']} already ended ({ended['state']}): {ended.get('message')}"),
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     record = client.call("cancel", id=args.id)
     if sweeps.is_sweep(record):  # every member
         return sweeps.acted(client, record, args.json, args.wait, "cancelled")
     if not args.wait:
-        _print_record(record, args.json, render.outcome(record))
+        said = render.outcome(record)
+        if record["state"] not in FINAL:  # asked: its job is being ended
+            said = render.printable(
+                f"{record['id']}: cancelling (TERM to its processes, KILL after the grace); "
+                f"`obd train cancel {record['id']} --wait` waits until it ended"
+            )
+        _print_record(record, args.json, said)
         return 0
     record = _wait(Patient(client), record, _Feedback.for_terminal(lambda: client.call("targets")))
     _print_record(record, args.json, render.outcome(record))
     return EXIT_OK if record["state"] == "cancelled" else STATE_EXIT.get(record["state"], EXIT_ERROR)
+
+
+def _chain_ended(client: Client, ref: str) -> dict[str, Any] | None:
+    """The run `ref` names when it and its chain have ended (no retry or way back to come), so a
+    cancel has nothing to act on; None otherwise, and for a sweep (each member is its own)."""
+    try:
+        record = client.call("wait", id=ref, timeout=0.0)
+    except RequestFailed as exc:
+        if exc.kind == "not_found":
+            return None  # a sweep's name, or no such run: the cancel says which
+        raise
+    ended = record.get("state") in FINAL and not record.get("attempt_to_come")
+    return dict(record) if ended else None
 
 
 def _list(args: argparse.Namespace, client: Client) -> int:

@@ -572,7 +572,7 @@ def _add_stop_and_cancel(train: Any) -> None:
         "cancel",
         help="end the run now: TERM to its processes, KILL after the grace",
         description="Cancel the run: TERM to the job's process group, KILL after cancel_grace. A queued run "
-        "leaves the queue. A run that ended is left as it is.",
+        "leaves the queue. A run that ended is left as it is: said as by stop (`already ended`, exit 1).",
     )
     _run_arg(c)
     c.add_argument("--wait", action="store_true", help="wait until the run ended")

@@ -153,7 +153,9 @@ def test_logs_follow_exits_with_the_code_of_the_state_the_run_ended_in(fast: Dae
     assert b"proof written" in follow.communicate()[0]
 
 
-def test_cancel_wait_exits_0_once_cancelled_and_with_the_state_of_a_run_that_ended_first(fast: DaemonProc) -> None:
+def test_cancel_wait_exits_0_once_cancelled_and_a_run_that_ended_first_is_refused_as_stop_refuses_it(
+    fast: DaemonProc,
+) -> None:
     slow = start(fast, "sleep", "60")
     fast.wait_state(slow, "running")
     out = obd(fast, "train", "cancel", slow, "--wait")
@@ -162,10 +164,14 @@ def test_cancel_wait_exits_0_once_cancelled_and_with_the_state_of_a_run_that_end
 
     done = start(fast, "true")
     fast.wait_state(done, "succeeded")
-    assert obd(fast, "train", "cancel", done, "--wait").returncode == 0
     failed = start(fast, "false")
     fast.wait_state(failed, "failed")
-    assert obd(fast, "train", "cancel", failed, "--wait").returncode == 6
+    for rid, state in ((done, "succeeded"), (failed, "failed"), (slow, "cancelled")):
+        stop = obd(fast, "train", "stop", rid)
+        assert stop.returncode == 1 and f"run {rid} already ended ({state})" in stop.stderr
+        for wait in ((), ("--wait",)):
+            out = obd(fast, "train", "cancel", rid, *wait)
+            assert (out.returncode, out.stdout, out.stderr.splitlines()) == (1, "", stop.stderr.splitlines())
 
 
 def test_logs_follow_waits_out_a_daemon_restart_and_goes_on_where_it_was(fast: DaemonProc) -> None:

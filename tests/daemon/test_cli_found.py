@@ -227,3 +227,16 @@ def test_a_resume_of_a_run_that_succeeded_is_refused_unless_asked_again(box: Dae
     out = obd(box, "train", "resume", short)
     assert out.returncode == 0, out.stderr
     box.wait_state(out.stdout.strip(), "succeeded")
+
+
+# --- 12: what cancel says ----------------------------------------------------------------------
+
+
+def test_cancel_without_wait_says_the_cancel_was_asked_not_that_the_run_started(box: DaemonProc) -> None:
+    rid = start(box, "sleep", "60")
+    box.wait_state(rid, "running")
+    out = obd(box, "train", "cancel", rid)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"{rid}: cancelling (TERM to its processes")
+    assert "started" not in out.stdout
+    box.wait_state(rid, "cancelled")
