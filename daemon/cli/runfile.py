@@ -262,17 +262,30 @@ def check(
     raw: dict[str, Any], origin: Origin, keys: dict[str, Key] | None = None, whole: bool = True
 ) -> dict[str, Any]:
     """The values of a run file (or of the API's options), each checked for its key; an unknown
-    key or a wrong value is an error naming where it is and what is expected. `whole`: the
+    key or a wrong value is an error naming where it is and what is expected, every one of them
+    in one RunFileError (a line each). `whole`: the
     values are a whole run, whose command keys go together (not options laid over a file)."""
     keys = schema() if keys is None else keys
     values: dict[str, Any] = {}
+    errors: list[RunFileError] = []
     for name, value in raw.items():
         key = keys.get(name)
-        if key is None:
-            raise origin.error((name,), _unknown(name, keys))
-        values[name] = _checked(key, value, origin)
+        try:
+            if key is None:
+                raise origin.error((name,), _unknown(name, keys))
+            values[name] = _checked(key, value, origin)
+        except RunFileError as exc:
+            errors.append(exc)  # and the next key: every error of the file is said at once
     if whole:
-        check_command_keys(values, origin)
+        try:
+            check_command_keys(values, origin)
+        except RunFileError as exc:
+            errors.append(exc)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        said = "\n".join(f"  {exc}" for exc in errors)
+        raise RunFileError(f"{origin.label}: {len(errors)} errors, each to fix:\n{said}")
     return values
 
 

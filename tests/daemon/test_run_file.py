@@ -221,6 +221,26 @@ def test_an_unknown_key_or_a_wrong_value_is_a_usage_error_naming_the_line_and_th
     assert box.call("list", all=True) == [], "nothing was started"
 
 
+def test_every_error_of_a_run_file_is_said_at_once_with_its_line_and_key(box: DaemonProc, short_tmp: Path) -> None:
+    (short_tmp / "run.toml").write_text(
+        'command = ["true"]\nscript = "t.py"\ngpu = 2\npriority = 500\nprofile = "yes"\n\n[env]\nA = "1"\nB = true\n'
+    )
+    out = obd(box, "train", "start", "-f", "run.toml", "--set", "retry=many", cwd=short_tmp)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0] == "obd: run.toml: 6 errors, each to fix:"
+    assert [line.split(": ")[:2] for line in lines[1:]] == [
+        ["  run.toml:3", "gpu"],
+        ["  run.toml:4", "priority"],
+        ["  run.toml:5", "profile"],
+        ["  run.toml:9", "env.B"],
+        ["  --set retry=many", "retry"],
+        ["  run.toml:2", "script"],
+    ]
+    assert "did you mean gpus?" in lines[1] and "from -100 to 100, not 500" in lines[2]
+    assert box.call("list", all=True) == [], "nothing was started"
+
+
 def test_a_wrong_set_is_named_as_it_was_given(box: DaemonProc, short_tmp: Path) -> None:
     (short_tmp / "run.toml").write_text('command = ["true"]\n')
     out = obd(box, "train", "start", "-f", "run.toml", "--set", "priority=high", cwd=short_tmp)
