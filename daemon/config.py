@@ -88,6 +88,26 @@ class LimitsSection(StrictModel):
     margin: Margin = 30.0
 
 
+class PolicySection(StrictModel):
+    """What each user of a shared daemon may ask (docs/security.md): how many runs they may have
+    queued, and the highest `--priority` they may give. Root, the daemon's own user and the members
+    of `admin_group` are not limited."""
+
+    admin_group: str | None = None  # its members may give any priority and queue any number of runs
+    max_queued_runs_per_user: int = Field(default=1000, ge=1, le=10_000_000)
+    max_priority: int = Field(default=0, ge=0, le=100)  # for every user not named below (any lower one too)
+    max_priority_users: dict[str, int] = Field(default_factory=dict)  # user name -> their highest
+    max_priority_groups: dict[str, int] = Field(default_factory=dict)  # group name -> its members' highest
+
+    @field_validator("max_priority_users", "max_priority_groups")
+    @classmethod
+    def _priorities(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, limit in value.items():
+            if not 0 <= limit <= 100:
+                raise ValueError(f"{name} = {limit}: the highest priority a user may give is 0 to 100")
+        return value
+
+
 RetryCause = Literal["exit", "lost", "launch", "preempted", "deadline"]
 RETRY_CAUSES: tuple[RetryCause, ...] = get_args(RetryCause)
 
@@ -213,6 +233,7 @@ class Config(StrictModel):
     stop: StopSection = Field(default_factory=StopSection)
     retry: RetrySection = Field(default_factory=RetrySection)
     limits: LimitsSection = Field(default_factory=LimitsSection)
+    policy: PolicySection = Field(default_factory=PolicySection)
     targets: dict[str, Target] = Field(default_factory=dict)
     notify: list[NotifyEntry] = Field(default_factory=list)  # `[[notify]]` entries (daemon/notify.py)
 
@@ -253,6 +274,7 @@ __all__ = [
     "Duration",
     "LocalTarget",
     "NotifyEntry",
+    "PolicySection",
     "RunpodTarget",
     "SshTarget",
     "StopSection",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import shutil
 import time
@@ -50,6 +51,7 @@ from daemon.gpus import Inventory
 from daemon.launch import Launcher
 from daemon.limits import report_of
 from daemon.models import RunRecord, RunState, SweepTag
+from daemon.policy import admit
 from daemon.ports import Runs
 from daemon.preempt import Preemptor
 from daemon.queue import Scheduler
@@ -57,7 +59,7 @@ from daemon.recovery import Recovery
 from daemon.retention import Retention, holding
 from daemon.specs import uses_caller_environment
 from daemon.stop import ASKED_VIA, request_snapshot
-from daemon.sweeps import Sweeps
+from daemon.sweeps import MAX_MEMBERS, Sweeps
 from daemon.targets import Targets
 from executors.base import Executor, ExecutorError
 from executors.factory import is_this_machine, makes_pods
@@ -366,6 +368,8 @@ class Handlers:
 
     async def sweep(self, req: SweepRequest, peer: Peer) -> dict[str, Any]:
         """`obd train sweep`: every run of the grid made, queued, or none (daemon/sweeps.py)."""
+        size = math.prod(len(axis.values) for axis in req.grid)
+        admit(self.daemon, peer, req.priority, size if size <= MAX_MEMBERS else 0, "obd train sweep")
         if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
             req.environ = None  # as for a start: never kept where its jobs do not start from it
         with self.daemon.scheduler.holding():  # one pass of the queue once every member is saved
@@ -373,11 +377,13 @@ class Handlers:
 
     async def _start_member(self, req: StartRequest, tag: SweepTag, peer: Peer) -> dict[str, Any]:
         """A sweep's member started again from the beginning (`obd train resume SWEEP`)."""
+        admit(self.daemon, peer, req.priority, 1, "obd train resume")
         if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
             req.environ = None
         return (await self.daemon.launcher.start(req, peer, sweep=tag)).public()
 
-    async def start(self, req: StartRequest, peer: Peer) -> dict[str, Any]:
+    async def start(self, req: StartRequest, peer: Peer, what: str = "obd train start") -> dict[str, Any]:
+        admit(self.daemon, peer, req.priority, 1, what)  # the box's [policy] (daemon/policy.py)
         if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
             req.environ = None  # its jobs never start from the caller's environment: not kept, not even here
         return (await self.daemon.launcher.start(req, peer)).public()
@@ -420,7 +426,7 @@ class Handlers:
             max_cost_usd=req.max_cost_usd,
             keep_checkpoints=source.keep_checkpoints,
         )
-        return await self.start(start, peer)
+        return await self.start(start, peer, "obd train resume")
 
     async def stop(self, req: StopRequest, peer: Peer) -> dict[str, Any]:
         if (sweep := self.sweeps.named(req.id, peer)) is not None:  # every member that runs

@@ -10,7 +10,8 @@ A queued run's message says what it waits for now: the end of its backoff, or it
 runs that hold them. It is brought up to date on every pass of the queue (a holder that ended is
 never named), as the message only: the history keeps the entry the run was queued with, true
 when it was written, and gets no new line each time a holder changes. The messages a pass changes
-are saved together, off the event loop (one trip of the store's writer, not a save each).
+are saved together, off the event loop (one trip of the store's writer, not a save each), and
+the pass does not wait for it: a message is said again by the first pass after a restart.
 
 A pass costs a look at each queued run, never a look at every run for each (the GPUs' holders
 and how much of each sweep is made are looked up once a pass), and an operation on many runs (a
@@ -181,10 +182,10 @@ class Scheduler:
             record.message = queue_message(daemon.inventory, record, queued_why(record), waiting)
             daemon.store.save_later(record)
             changed.append(record)
-        if changed:
-            await daemon.store.flush()  # one trip of the writer for them all
-            for record in changed:
-                daemon.touch(record)
+        for record in changed:
+            daemon.touch(record)
+        if changed:  # one trip of the writer for them all, not awaited: the queue goes on meanwhile
+            daemon.start_soon(daemon.store.flush)
 
     def gate(self, record: RunRecord) -> Verdict | None:
         """Whether a queued run may leave the queue as far as the runs it waits for and its sweep go
