@@ -514,7 +514,12 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     if action == "metrics":
         return _metrics(client.call("metrics", id=args.id), args.json)
     if action == "logs":
-        return _logs(client, args.id, args.follow, args.tail, args.json)
+        try:
+            return _logs(client, args.id, args.follow, args.tail, args.json)
+        except RequestFailed as exc:
+            if exc.kind != "not_found":
+                raise
+            return _sweep_logs(client, args.id, exc)
     if action == "stop":
         return _stop(args, client)
     if action == "cancel":
@@ -529,6 +534,22 @@ def _finished(record: dict[str, Any]) -> bool:
     step, most = progress.get("step"), progress.get("max_steps")
     short = isinstance(step, int) and isinstance(most, int) and step < most
     return record.get("state") == "succeeded" and not short
+
+
+def _sweep_logs(client: Client, ref: str, exc: RequestFailed) -> int:
+    """`obd train logs SWEEP`: a sweep has no log of its own; each of its members has one. Say so,
+    with the command for each member (exit 2); a reference that names no sweep either is the
+    daemon's `no run` error as it was."""
+    view = client.call("status", id=ref)  # a sweep's name or id; else `no run`, as the read said
+    if not sweeps.is_sweep(view):
+        raise exc
+    members = view.get("members") or []
+    lines = [f"obd: {sweeps.title(view)} has no log of its own: each of its {len(members)} runs has one:"]
+    for member in members:
+        values = " ".join(f"{k}={v}" for k, v in (member.get("values") or {}).items())
+        lines.append(f"  obd train logs {member['id']}    # {member.get('name') or '-'} {values} ({member['state']})")
+    print(render.printable_lines("\n".join(lines)), file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _start(args: argparse.Namespace, command: list[str], client: Client, op: str = "start", **extra: Any) -> int:

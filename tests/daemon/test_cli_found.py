@@ -240,3 +240,25 @@ def test_cancel_without_wait_says_the_cancel_was_asked_not_that_the_run_started(
     assert out.stdout.startswith(f"{rid}: cancelling (TERM to its processes")
     assert "started" not in out.stdout
     box.wait_state(rid, "cancelled")
+
+
+# --- 15: logs of a sweep -----------------------------------------------------------------------
+
+
+def test_logs_of_a_sweep_lists_the_logs_command_of_each_member(box: DaemonProc) -> None:
+    out = obd(box, "train", "sweep", "--name", "echoes", "--grid", "word=hi,ho", "--", "echo", "{word}")
+    assert out.returncode == 0, out.stderr
+    sweep = out.stdout.strip()
+    members = json.loads(obd(box, "train", "list", "--sweep", sweep, "--json").stdout)
+    for member in members:
+        box.wait_state(member["id"], "succeeded")
+    for ref in (sweep, "echoes"):
+        out = obd(box, "train", "logs", ref)
+        assert out.returncode == 2 and out.stdout == ""
+        lines = out.stderr.splitlines()
+        assert lines[0] == f"obd: sweep {sweep} (echoes) has no log of its own: each of its 2 runs has one:"
+        assert lines[1].startswith(f"  obd train logs {members[0]['id']}    # echoes-1 word=hi (succeeded)")
+        assert lines[2].startswith(f"  obd train logs {members[1]['id']}    # echoes-2 word=ho (succeeded)")
+    assert obd(box, "train", "logs", members[1]["id"]).stdout == "ho\n"  # the command it said, as said
+    out = obd(box, "train", "logs", "nothing-of-that-name")
+    assert out.returncode == 1 and "no run" in out.stderr
