@@ -148,7 +148,10 @@ def _main(argv: list[str]) -> int:
     if args.cmd == "targets" and args.action == "list":
         return _targets_list(args)
     if args.cmd == "targets" and args.action in ("drain", "undrain"):
-        return _drain(args)
+        try:
+            return _drain(args)
+        except (DaemonUnreachable, DaemonBusy, RequestFailed) as exc:  # a denied drain: exit 77
+            return _said(exc)
     if args.cmd in ("targets", "pods"):
         from daemon.cli.admin import admin_main
 
@@ -159,21 +162,26 @@ def _main(argv: list[str]) -> int:
         if getattr(args, "view", None) is not None:
             return int(args.view(args, client))
         return _train(args, command, client)
-    except UsageError as exc:
-        print(f"obd: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except DaemonUnreachable as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except DaemonBusy as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_BUSY
-    except RequestFailed as exc:
-        text = flag_names(str(exc)) if exc.kind == "usage" else str(exc)
-        print(render.printable_lines(f"obd: {text}"), file=sys.stderr)
-        return {"usage": EXIT_USAGE, "too_large": EXIT_USAGE, "denied": EXIT_DENIED}.get(exc.kind, EXIT_ERROR)
+    except (UsageError, DaemonUnreachable, DaemonBusy, RequestFailed) as exc:
+        return _said(exc)
     finally:
         client.close()
+
+
+def _said(exc: UsageError | DaemonUnreachable | DaemonBusy | RequestFailed) -> int:
+    """A command's error as `obd: ...` on stderr (never a traceback), and its exit code."""
+    if isinstance(exc, UsageError):
+        print(f"obd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(exc, DaemonUnreachable):
+        print(exc, file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if isinstance(exc, DaemonBusy):
+        print(exc, file=sys.stderr)
+        return EXIT_BUSY
+    text = flag_names(str(exc)) if exc.kind == "usage" else str(exc)
+    print(render.printable_lines(f"obd: {text}"), file=sys.stderr)
+    return {"usage": EXIT_USAGE, "too_large": EXIT_USAGE, "denied": EXIT_DENIED}.get(exc.kind, EXIT_ERROR)
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -611,7 +619,9 @@ def _stop(args: argparse.Namespace, client: Client) -> int:
     _print_record(final, args.json, render.status(final))
     if final["state"] == "stopped" and final.get("snapshot"):
         return 0
-    return EXIT_CANCELLED if final["state"] == "cancelled" else EXIT_NO_SNAPSHOT
+    if final["state"] == "cancelled" and not (final.get("stop") or {}).get("after_train"):
+        return EXIT_CANCELLED
+    return EXIT_NO_SNAPSHOT  # it finished (also: its training had, and the stop cut the code after it) or failed
 
 
 def _cancel(args: argparse.Namespace, client: Client) -> int:
