@@ -17,7 +17,7 @@ import anyio
 import structlog
 
 from daemon.api import ApiError
-from daemon.hints import hint, last_lines
+from daemon.hints import hint, last_lines, oom_finding, scope_events, signal_name
 from daemon.limits import Left, check_of
 from daemon.models import RunRecord, RunState
 from daemon.ports import Launching, Runs, Wakes
@@ -338,7 +338,8 @@ class Follower:
         if status.state == JobState.lost:
             message = supervision.explain_lost(record, message)
         if status.state == JobState.exited:
-            message += await self._exit_detail(executor, record, status, probe, state == RunState.failed)
+            here = supervision.answers_at_once()  # the job ran on this machine: its OOM kills can be looked for
+            message += await self._exit_detail(executor, record, status, probe, state == RunState.failed, here)
         if record.profile:
             await self._collect_metrics(record, executor)
         end_message = await supervision.on_end(record)
@@ -357,10 +358,11 @@ class Follower:
 
     @staticmethod
     async def _exit_detail(
-        executor: Executor, record: RunRecord, status: JobStatus, probe: RunProbe, failed: bool
+        executor: Executor, record: RunRecord, status: JobStatus, probe: RunProbe, failed: bool, here: bool = False
     ) -> str:
         """What the log's end adds to the message: processes the job left behind (which may hold a
-        GPU), and for a failed run a hint from the exit code and its last lines."""
+        GPU), and for a failed run a hint from the exit code and its last lines; for a job killed by
+        SIGKILL on this machine (`here`), what a look for an OOM kill found."""
         tail = b""
         with contextlib.suppress(*_TARGET_FAULTS), anyio.fail_after(10):
             size = probe.log_size
@@ -371,7 +373,12 @@ class Follower:
         if not failed:
             return detail
         lines = [line for line in last_lines(tail) if not line.startswith(jobctl.LEFT_BEHIND)]
-        extra = hint(status.exit_code, "\n".join(lines))
+        oom = None
+        if here and signal_name(status.exit_code or 0) == "SIGKILL":
+            since = next((h.time for h in record.history if h.state == RunState.running), record.created)
+            with contextlib.suppress(Exception):  # a look that fails says "may be"
+                oom = await anyio.to_thread.run_sync(oom_finding, since, time.time(), scope_events(record.id))
+        extra = hint(status.exit_code, "\n".join(lines), oom)
         if extra:
             detail += f"; {extra}"
         if lines:

@@ -29,6 +29,7 @@ from typing import Protocol
 import structlog
 
 from daemon.checkpoints import chain_resume_point, failed_at_load, load_attempted
+from daemon.hints import signal_name
 from daemon.launch import Launcher
 from daemon.limits import spent_of
 from daemon.models import Paused, RunRecord, RunState
@@ -68,6 +69,14 @@ def retry_cause(record: RunRecord) -> str | None:
     if record.exit_code not in (None, 0):
         return "exit"
     return "lost"
+
+
+def cause_words(record: RunRecord, cause: str) -> str:
+    """A retry's cause as its messages say it: `exit 1`, `exit 137, killed by SIGKILL`, `lost`..."""
+    if cause != "exit" or record.exit_code is None:
+        return cause
+    name = signal_name(record.exit_code)
+    return f"exit {record.exit_code}" + (f", killed by {name}" if name else "")
 
 
 class Recovery:
@@ -249,7 +258,8 @@ class Recovery:
             return
         cfg = daemon.config.retry
         delay = min(cfg.backoff * 2 ** (record.attempt - 1 - record.preemptions), cfg.max_backoff)
-        new = await daemon.launcher.next_attempt(record, req, run_as, point, time.time() + delay, cause)
+        said = cause_words(record, cause)
+        new = await daemon.launcher.next_attempt(record, req, run_as, point, time.time() + delay, said)
         async with daemon.editing(record):
             record.retried_by = new.id
             if point is None:
@@ -257,7 +267,7 @@ class Recovery:
             else:
                 start = f"from {point.name}" + (f" of {point.source}" if point.source else "")
             record.note(
-                f"retrying ({cause}): attempt {new.attempt} of {new.retries + 1 + new.preemptions} is {new.id}, {start}, in {delay:g} s"
+                f"retrying ({said}): attempt {new.attempt} of {new.retries + 1 + new.preemptions} is {new.id}, {start}, in {delay:g} s"
             )
         self._settle(record)  # the next attempt keeps its own copy of the settings
         log.info("run_retried", run_id=record.id, next_run=new.id, cause=cause, attempt=new.attempt, delay_s=delay)

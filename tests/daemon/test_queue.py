@@ -183,13 +183,18 @@ def test_a_queued_runs_message_names_only_the_runs_that_still_hold_its_gpus(box:
 def test_a_retry_waiting_out_its_backoff_says_so_once_in_its_history_and_queue(make_daemon) -> None:
     d = make_daemon(FAST_CONFIG + '\n[retry]\nbackoff = "30s"\n')
     d.start()
-    first = start(d, "sh", "-c", "exit 3", opts=("--retry", "1"))
+    # A progress bar's last state, drawn with carriage returns and colours, then a failure.
+    bar = r"printf '\033[32m 50%%|#####     | 5/10\r100%%|##########| 10/10\033[0m\n'; exit 3"
+    first = start(d, "sh", "-c", bar, opts=("--retry", "1"))
     retry = wait_for(lambda: d.record(first)["retried_by"], 20, 0.1, "the next attempt")
+    failed = d.record(first)
+    assert failed["message"].endswith("; last lines: 100%|##########| 10/10"), failed["message"]
+    assert any(h["reason"].startswith("retrying (exit 3): attempt 2 of 2 is ") for h in failed["history"])
     record = d.record(retry)
     assert record["state"] == "queued" and record["not_before"]
     [entry] = record["history"]  # one line: queued, why and until when; never a `preparing` it was not in
     assert entry["state"] == "queued"
-    assert entry["reason"].startswith(f"attempt 2 of 2 after {first} ended (exit): waiting until ")
+    assert entry["reason"].startswith(f"attempt 2 of 2 after {first} ended (exit 3): waiting until ")
     assert entry["reason"].endswith("(backoff)")
     assert record["queue"]["waiting_for"].startswith("waiting until ")  # the backoff, not GPUs
     text = d.cli("train", "status", retry).stdout

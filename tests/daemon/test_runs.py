@@ -96,11 +96,18 @@ def test_a_command_that_does_not_exist_fails_with_a_clear_message(daemon: Daemon
     assert "obd-no-such-command-xyz" in record["message"]
 
 
-def test_a_job_killed_by_sigkill_gets_the_oom_killer_hint(daemon: DaemonProc) -> None:
+def test_a_job_killed_by_sigkill_is_blamed_on_the_oom_killer_only_as_far_as_the_kernel_says(
+    daemon: DaemonProc,
+) -> None:
     rid = start(daemon, "sh", "-c", "kill -9 $$")
     record = daemon.wait_state(rid, "failed", "succeeded")
     assert record["exit_code"] == 128 + 9
-    assert "SIGKILL" in record["message"] and "OOM" in record["message"]
+    message = record["message"]
+    assert "exit 137" in message and "killed by SIGKILL: " in message and "often" not in message
+    # Here the kernel's log is read when it can be (no OOM kill in it: a kill -9), else "may be".
+    readable = os.access("/dev/kmsg", os.R_OK)
+    said = "not the kernel's OOM killer, as far as its log goes" if readable else "it may be the kernel's OOM killer"
+    assert said in message, message
 
 
 def test_logs_follow_streams_new_output_until_the_job_ends(daemon: DaemonProc) -> None:
