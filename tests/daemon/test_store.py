@@ -9,10 +9,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from daemon.models import RunRecord, RunState
 from daemon.store import RunStore, StoreError
+from tests.conftest import FAST_CONFIG
 
 
 def _record(rid: str = "20260101-000000-aaaaaa") -> RunRecord:
@@ -156,3 +158,57 @@ def test_a_record_larger_than_the_limit_is_reported_and_one_at_the_limit_loads(
     records, bad = store.load_all()
     assert set(records) == {small.id}
     assert [b.run_id for b in bad] == [padded.id] and f"larger than {limit} bytes" in bad[0].error
+
+
+# --- saves off the event loop (issue 33 item 1) -------------------------------------------------
+
+
+def test_saves_made_together_are_all_on_disk_and_a_newer_save_is_never_overwritten_by_an_older(
+    tmp_path: Path,
+) -> None:
+    store = RunStore(tmp_path)
+    records = [_record(f"20260101-000000-{i:06x}") for i in range(300)]
+    late = _record("20260101-000000-1a7e00")
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for r in records:
+                tg.start_soon(store.save_async, r)
+        late.transition(RunState.running, "started")
+        store.save_later(late)  # taken for the next trip: older bytes
+        late.transition(RunState.cancelled, "cancelled")
+        store.save(late)  # newer bytes, written now
+        await store.flush()
+
+    anyio.run(main)
+    loaded, bad = RunStore(tmp_path).load_all()
+    assert bad == [] and len(loaded) == 301
+    assert all(loaded[r.id] == r for r in records)
+    assert loaded[late.id].state == RunState.cancelled
+
+
+ONE_GPU = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
+
+
+def test_a_sweep_made_and_cancelled_is_on_disk_the_moment_the_daemon_answers_even_under_sigkill(
+    make_daemon,  # type: ignore[no-untyped-def]
+) -> None:
+    d = make_daemon(ONE_GPU)
+    d.start()
+    holder = d.call("start", command=["sleep", "600"], gpus="1")["id"]
+    d.wait_state(holder, "running")
+    grid = [{"name": "a", "values": [str(i) for i in range(300)]}]
+    made = d.call("sweep", command=["sleep", "{a}"], gpus="1", grid=grid)
+    d.kill()  # the moment it answered: every member it named must be on disk
+    d.start()
+    rows = d.call("list", sweep=made["sweep"])
+    assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in made["runs"])
+    assert {r["state"] for r in rows} == {"queued"}  # whole: none cancelled as a sweep cut short
+
+    cancelled = d.call("cancel", id=made["sweep"])
+    d.kill()
+    d.start()
+    assert len(cancelled["runs"]) == 300
+    rows = d.call("list", sweep=made["sweep"])
+    assert len(rows) == 300 and {r["state"] for r in rows} == {"cancelled"}
+    d.call("cancel", id=holder)
