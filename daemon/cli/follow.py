@@ -121,14 +121,14 @@ class _Feedback:
     def show(self, record: dict[str, Any]) -> None:
         import shutil
 
-        stage, text = render.wait_stage(record, time.time(), self._size(record))
+        width = shutil.get_terminal_size().columns - 1
+        stage, text = render.wait_stage(record, time.time(), self._size(record), width)
         if not text:
             return
         if self.stage and stage != self.stage:
             sys.stderr.write("\n")  # the stage that passed stays on the screen
         self.stage = stage
-        width = shutil.get_terminal_size().columns - 1
-        sys.stderr.write("\r\033[K" + render.shorten_middle(text, width))
+        sys.stderr.write("\r\033[K" + text)
         sys.stderr.flush()
 
     def done(self) -> None:

@@ -74,7 +74,14 @@ def progress_text(progress: dict[str, Any] | None) -> str:
         text += f" loss {progress['loss']:.4g}"
     if progress.get("eta_seconds") is not None:
         text += f" eta {duration(progress['eta_seconds'])}"
+    phase = PHASE_WORDS.get(progress.get("phase") or "")
+    if phase:  # where the time goes when it is not a training step: what a stop now cuts short
+        text += f", {phase}"
     return text
+
+
+# The plugin's phases (trainer_plugin/interrupt.py) other than training, as `status` and `list` say them.
+PHASE_WORDS = {"evaluating": "evaluating", "saving": "saving a checkpoint", "after_train": "after training"}
 
 
 def progress_line(progress: dict[str, Any]) -> str:
@@ -254,44 +261,80 @@ def _cancel_asked_at(record: dict[str, Any]) -> float | None:
     return None
 
 
-def wait_stage(record: dict[str, Any], now: float, size: str | None = None) -> tuple[str, str]:
+def wait_stage(
+    record: dict[str, Any], now: float, size: str | None = None, width: int | None = None
+) -> tuple[str, str]:
     """What a `stop --wait` or `cancel --wait` is waiting for, as (stage, a line for people).
 
     The stages follow a stop: the request written, the proof seen (with the checkpoint's size
     when it is known), the job exiting; or a cancel: TERM sent, the job exiting. ("", "") once
-    the run has ended (the final record is printed instead)."""
+    the run has ended (the final record is printed instead). In `width` columns, the stage and
+    how long ago it came (the line's head) stay whole: what is waited for is shortened first."""
+    stage, head, tail = _stage_parts(record, now, size)
+    if not head:
+        return "", ""
+    return stage, fit_head(printable(head), printable(tail), width)
+
+
+def fit_head(head: str, tail: str, width: int | None) -> str:
+    """`head; tail` in `width` columns: `tail` shortened in its middle before `head` is cut (a head
+    alone is shortened in its middle, as any message)."""
+    text = f"{head}; {tail}" if tail else head
+    if width is None or cells(text) <= width:
+        return text
+    if not tail:
+        return shorten_middle(head, width)
+    room = width - cells(head) - 2
+    if tail and room >= 12:
+        return f"{head}; {shorten_middle(tail, room)}"
+    return shorten_end(head, width)
+
+
+def shorten_end(text: str, width: int) -> str:
+    """`text` in at most `width` columns, its end replaced by `…` (its start is what counts)."""
+    if cells(text) <= width:
+        return text
+    return _cut(text, max(width - 1, 0)) + "…"[: max(width, 0)]
+
+
+def _stage_parts(record: dict[str, Any], now: float, size: str | None) -> tuple[str, str, str]:
+    """(stage, what happened and how long ago, what is waited for); empty once the run ended."""
     state = str(record.get("state"))
     if state in FINAL:
-        return "", ""
+        return "", "", ""
     stop = record.get("stop") or {}
     snapshot = record.get("snapshot")
     progress = progress_text(record.get("progress"))
     if state == "queued":
-        return "queued", printable(f"queued: {record.get('message') or 'waiting to start'}")
+        return "queued", f"queued: {record.get('message') or 'waiting to start'}", ""
     if stop.get("cancel_by") == "fallback":
-        return "fallback", printable(
-            f"stop fallback: {stop.get('fallback') or 'cancelling'}; TERM sent, KILL after the grace; "
-            "waiting for the job to exit"
+        return (
+            "fallback",
+            f"stop fallback: {stop.get('fallback') or 'cancelling'}",
+            "TERM sent, KILL after the grace; waiting for the job to exit",
         )
     if stop.get("cancel_by") == "user":
-        return "cancel", printable(
-            f"cancel sent{_ago(now, _cancel_asked_at(record))}: TERM to the job's processes, KILL after the "
-            "grace; waiting for them to exit"
+        return (
+            "cancel",
+            f"cancel sent{_ago(now, _cancel_asked_at(record))}",
+            "TERM to the job's processes, KILL after the grace; waiting for them to exit",
         )
     if snapshot:
         name = str(snapshot["checkpoint"]).rpartition("/")[2]
         extra = f" ({size})" if size else ""
-        return "proof", printable(
-            f"proof seen{_ago(now, stop.get('proof_at'))}: {name}{extra} at step {snapshot['step']}; "
-            "waiting for the job to exit"
+        return (
+            "proof",
+            f"proof seen{_ago(now, stop.get('proof_at'))}: {name}{extra} at step {snapshot['step']}",
+            "waiting for the job to exit",
         )
     if stop.get("requested_at"):
         at = f" at {progress}" if progress != "-" else ""
-        return "request", printable(
-            f"snapshot request written{_ago(now, stop['requested_at'])} ({stop.get('reason') or 'requested'}); "
-            f"waiting for the job to end its step{at}"
+        return (
+            "request",
+            f"snapshot request written{_ago(now, stop['requested_at'])} ({stop.get('reason') or 'requested'})",
+            f"waiting for the job to end its step{at}",
         )
-    return state, printable(f"{state}: {progress}")
+    return state, f"{state}: {progress}", ""
 
 
 def pod_text(info: dict[str, Any], live: dict[str, Any]) -> str:

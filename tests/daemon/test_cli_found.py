@@ -5,6 +5,7 @@ command against a real daemon with real jobs.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 PY = sys.executable
 OBD = Path(sys.executable).with_name("obd")
 # A job that speaks the snapshot protocol: it announces the plugin, logs a step every 0.1 s and,
-# on a request, writes a complete checkpoint and its proof and exits 0.
+# on a request, writes a complete checkpoint and its proof (after argv[1] seconds) and exits 0.
 SNAPSHOT_JOB = r"""
 import json, os, sys, time
 env = os.environ
@@ -29,6 +30,7 @@ for step in range(1, 100000):
     print(f"step {step}", flush=True)
     metric(event="log", step=step, loss=1.0 / step, time=time.time())
     if os.path.exists(env["OBD_SNAPSHOT_REQUEST"]):
+        time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0)  # a slow step: seconds to end it
         checkpoint = os.path.join(env["OBD_RUN_DIR"], "output", f"checkpoint-{step}")
         os.makedirs(checkpoint)
         with open(os.path.join(checkpoint, "model.safetensors"), "wb") as f:
@@ -61,13 +63,19 @@ def start(d: DaemonProc, *command: str, opts: tuple[str, ...] = ()) -> str:
     return out.stdout.strip()
 
 
-def stopped_run(d: DaemonProc, tmp: Path) -> tuple[str, list[str]]:
-    """A run stopped with a verified snapshot, and its command."""
+def snapshot_job(d: DaemonProc, tmp: Path, *args: str) -> tuple[str, list[str]]:
+    """A run of SNAPSHOT_JOB that announced the plugin and logged a step, and its command."""
     script = tmp / "snapshot_job.py"
     script.write_text(SNAPSHOT_JOB)
-    command = [PY, str(script)]
+    command = [PY, str(script), *args]
     rid = start(d, *command)
     wait_for(lambda: (r := d.record(rid))["snapshots"] and (r["progress"]["step"] or 0) >= 1, 60, 0.1, "a step")
+    return rid, command
+
+
+def stopped_run(d: DaemonProc, tmp: Path) -> tuple[str, list[str]]:
+    """A run stopped with a verified snapshot, and its command."""
+    rid, command = snapshot_job(d, tmp)
     out = obd(d, "train", "stop", rid, "--wait")
     assert out.returncode == 0, out.stdout + out.stderr
     return rid, command
@@ -262,3 +270,24 @@ def test_logs_of_a_sweep_lists_the_logs_command_of_each_member(box: DaemonProc) 
     assert obd(box, "train", "logs", members[1]["id"]).stdout == "ho\n"  # the command it said, as said
     out = obd(box, "train", "logs", "nothing-of-that-name")
     assert out.returncode == 1 and "no run" in out.stderr
+
+
+# --- 6: stop --wait on 80 columns --------------------------------------------------------------
+
+
+def test_stop_wait_keeps_the_time_since_the_request_on_an_80_column_terminal(box: DaemonProc, short_tmp: Path) -> None:
+    from tests.daemon.test_cli import on_terminal
+
+    rid, _ = snapshot_job(box, short_tmp, "2.5")
+    env = {**box.env, "COLUMNS": "80"}
+    code, shown, out = on_terminal([str(OBD), "train", "stop", rid, "--wait"], env, until=60)
+    assert code == 0, shown
+    drawn = [part for line in shown.replace("\r\n", "\n").split("\n") for part in line.split("\r\x1b[K") if part]
+    requests = [line for line in drawn if line.startswith("snapshot request written")]
+    assert requests, shown
+    for line in drawn:
+        assert len(line) <= 79, line
+    for line in requests:
+        assert re.match(r"snapshot request written (\d+s ago )?\(requested\); waiting for", line), line
+    assert any(re.search(r"written \d+s ago", line) for line in requests), requests  # the time since the request
+    assert "state     stopped" in out
