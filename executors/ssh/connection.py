@@ -340,7 +340,16 @@ class SshConnection:
             with anyio.fail_after(self.op_timeout):
                 self.round_trips += 1
                 result = await conn.run(script, input=remote.JOBCTL_SOURCE, encoding=None, check=False)
-        except (TimeoutError, *LOST) as exc:
+        except TimeoutError as exc:
+            # The host answered and took the login: the command itself did not finish.
+            raise TargetUnreachable(
+                f"{self.address} accepted the login, but obd's setup command there (its workdir and "
+                f"job-control tools) did not finish within {self.op_timeout:g} s. The usual cause is a login "
+                "script that waits (a ~/.bashrc, ~/.bash_profile or ~/.profile that sleeps, waits on a lock "
+                f"or asks for input: bash reads ~/.bashrc for commands run over SSH too); check that "
+                f"`{self.ssh_hint()}` returns at once, then `obd targets check {self.name}`"
+            ) from exc
+        except LOST as exc:
             raise TargetUnreachable(
                 f"{self.address} stopped answering while obd set up its workdir: {why(exc)}"
             ) from exc
