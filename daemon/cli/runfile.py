@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.cli.common import UsageError
+from daemon.cli.runfile_text import MAX_NESTING, key_lines, nested_too_deep
 from daemon.cli.runfile_toml import as_json, dumps
 
 # Flags of `obd train start` that say what the command does, not what the run is.
@@ -163,47 +164,10 @@ class Origin:
         return RunFileError(f"{self.label}: {dotted}: {problem}")
 
 
-def key_lines(text: str) -> dict[tuple[str, ...], int]:
-    """The line (from 1) where each key of a TOML text is set or its table opens, by its path:
-    `("gpus",)`, `("env", "WANDB_PROJECT")`. tomllib keeps no positions, and an error has to name
-    the line; multi-line strings are skipped, so a `key = ...` inside one is not taken for a key."""
-    found: dict[tuple[str, ...], int] = {}
-    table: tuple[str, ...] = ()
-    quote = ""  # the multi-line string the line is in, if any
-    part = r"""(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')"""
-    dotted = rf"{part}(?:\s*\.\s*{part})*"
-    for number, line in enumerate(text.splitlines(), start=1):
-        if quote:
-            if line.count(quote) % 2 == 1:
-                quote = ""
-            continue
-        header = re.match(rf"^\s*\[\[?\s*({dotted})\s*\]\]?", line)
-        assign = None if header else re.match(rf"^\s*({dotted})\s*=", line)
-        if header:
-            table = _parts(header.group(1), part)
-            found.setdefault(table, number)
-        elif assign:
-            found.setdefault(table + _parts(assign.group(1), part), number)
-            rest = line[assign.end() :]
-            for mark in ('"""', "'''"):
-                if rest.count(mark) % 2 == 1:
-                    quote = mark
-    return found
-
-
-def _parts(dotted: str, part: str) -> tuple[str, ...]:
-    names = []
-    for piece in re.findall(part, dotted):
-        if piece.startswith('"'):
-            names.append(json.loads(piece))
-        elif piece.startswith("'"):
-            names.append(piece[1:-1])
-        else:
-            names.append(piece)
-    return tuple(names)
-
-
 # --- checking values --------------------------------------------------------------------------
+
+
+NEST_TOO_DEEP = f"arrays or tables nested more than {MAX_NESTING} deep: no key of a run file takes that ({DOC})"
 
 
 def load(path: str | os.PathLike[str], sets: Iterable[str] = ()) -> dict[str, Any]:
@@ -218,10 +182,15 @@ def load(path: str | os.PathLike[str], sets: Iterable[str] = ()) -> dict[str, An
         raise RunFileError(f"-f {label}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RunFileError(f"-f {label}: cannot read it ({exc})") from None
+    deep = nested_too_deep(text)
+    if deep is not None:
+        raise RunFileError(f"{label}:{deep}: {NEST_TOO_DEEP}")
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RunFileError(f"{label}: not valid TOML: {exc}") from None
+    except RecursionError:  # nested in a way the count above does not see: still a message
+        raise RunFileError(f"{label}: {NEST_TOO_DEEP}") from None
     origin = Origin(label, Path(path).resolve().parent, key_lines(text))
     apply_sets(raw, sets, origin)
     return check(raw, origin)
@@ -237,10 +206,14 @@ def apply_sets(raw: dict[str, Any], sets: Iterable[str], origin: Origin) -> None
         key = key.strip()
         if not sep or not key:
             raise RunFileError(f"--set {given!r}: expected KEY=VALUE, e.g. --set gpus=2")
+        if nested_too_deep(text) is not None:
+            raise RunFileError(f"--set {key}=...: {NEST_TOO_DEEP}")
         try:
             value: Any = tomllib.loads(f"value = {text}")["value"]
         except tomllib.TOMLDecodeError:
             value = text
+        except RecursionError:
+            raise RunFileError(f"--set {key}=...: {NEST_TOO_DEEP}") from None
         first, _, name = key.partition(".")
         origin.sets[first] = given
         if first in (ENV, GRID) and name:

@@ -241,6 +241,30 @@ def test_every_error_of_a_run_file_is_said_at_once_with_its_line_and_key(box: Da
     assert box.call("list", all=True) == [], "nothing was started"
 
 
+def test_a_run_file_nested_50000_deep_is_refused_with_its_line_not_a_traceback(
+    box: DaemonProc, short_tmp: Path
+) -> None:
+    deep = "[" * 50_000 + "]" * 50_000
+    (short_tmp / "run.toml").write_text(f'command = ["true"]\n# [[[[ in a comment\nargs = {deep}\n')
+    out = obd(box, "train", "start", "-f", "run.toml", cwd=short_tmp)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("obd: run.toml:3: arrays or tables nested more than 64 deep"), out.stderr
+    tables = "x = " + "{a = " * 50_000 + "1" + "}" * 50_000
+    (short_tmp / "tables.toml").write_text(f'command = ["true"]\n{tables}\n')
+    out = obd(box, "train", "start", "-f", "tables.toml", cwd=short_tmp)
+    assert out.returncode == 2 and out.stderr.startswith("obd: tables.toml:2: arrays or tables nested"), out.stderr
+    out = obd(box, "train", "start", "--set", f"args={deep}", "--", "true")
+    assert out.returncode == 2 and out.stderr.startswith("obd: --set args=...: arrays or tables nested"), out.stderr
+    assert box.call("list", all=True) == [], "nothing was started"
+    # Brackets in strings and comments are not nesting.
+    brackets = "[" * 100
+    (short_tmp / "fine.toml").write_text(
+        f'command = ["echo", "{brackets}"]  # {brackets}\nname = """\n{brackets}\n"""\nargs = [\'{brackets}\']\n'
+    )
+    out = obd(box, "train", "start", "-f", "fine.toml", "--dry-run", cwd=short_tmp)
+    assert out.returncode == 0, out.stderr
+
+
 def test_a_wrong_set_is_named_as_it_was_given(box: DaemonProc, short_tmp: Path) -> None:
     (short_tmp / "run.toml").write_text('command = ["true"]\n')
     out = obd(box, "train", "start", "-f", "run.toml", "--set", "priority=high", cwd=short_tmp)
