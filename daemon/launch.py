@@ -16,6 +16,7 @@ import os
 import pwd
 import secrets as pysecrets
 import shutil
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,7 +36,7 @@ from daemon.models import Paused, RunRecord, RunState, SweepTag
 from daemon.ports import Runs
 from daemon.specs import load_spec, save_spec
 from daemon.stop import write_pending_request
-from daemon.store import StoreError
+from daemon.store import StoreError, is_temporary
 from daemon.sweeps import being_made, sweep_env
 from daemon.targets import Targets
 from daemon.trackers import chain_tensorboard_dir, continued, tracker_env
@@ -561,6 +562,35 @@ class Launcher:
         await executor.upload(local, dest)
         return dest
 
+    def clear_staging_leftovers(self, started: float) -> None:
+        """At start, before the reconcile: remove what a daemon killed while it staged the plugin
+        left, made before `started` (a newer one is a write under way): the temporary files of
+        its copies into the plugin/ of this machine's run directories (`.NAME.tmp.PID.HEX`) of the
+        runs it may have been staging for (being started, running, or failed at their launch),
+        and the half-made copies in STATE_DIR/plugin-stage/."""
+        stage_root = self.daemon.state_dir / "plugin-stage"
+        with contextlib.suppress(OSError):
+            for name in os.listdir(stage_root):
+                path = stage_root / name
+                if ".tmp" in name and path.is_dir() and not path.is_symlink() and path.lstat().st_mtime < started:
+                    shutil.rmtree(path, ignore_errors=True)
+                    log.info("leftovers_removed", where=str(path), why="a plugin stage cut short")
+        for record in list(self.daemon.records.values()):
+            launching = record.state in (RunState.preparing, RunState.running)
+            cut_short = record.state == RunState.failed and (
+                record.message.startswith("launch failed") or "launch was cut short" in record.message
+            )
+            if not record.remote_dir or not (launching or cut_short):
+                continue
+            try:
+                here = self.daemon.targets.of(record).answers_at_once()
+            except Exception:  # a target no longer configured: nothing of this machine's to clear
+                continue
+            if here:
+                removed = clear_temporaries(rundir.RunPaths(record.remote_dir).plugin, started)
+                if removed:
+                    log.info("leftovers_removed", run_id=record.id, files=removed, why="a plugin copy cut short")
+
     def _plugin_stage(self) -> Path:
         """The plugin/ directory every run gets, staged once per content."""
         files: dict[str, Path] = {f"trainer_plugin/{p.name}": p for p in sorted(PLUGIN_SRC.glob("*.py"))}
@@ -582,6 +612,42 @@ class Launcher:
                 shutil.copy2(path, tmp / rel)
             os.replace(tmp, stage)
         return stage
+
+
+def clear_temporaries(directory: str, started: float, depth: int = 3) -> list[str]:
+    """Remove the temporary files of atomic writes cut short (`.NAME.tmp.PID.HEX`, regular files
+    made before `started`) in `directory` and its subdirectories, `depth` deep; the names removed.
+    Each directory is opened relative to its parent without following a link, so a link planted in
+    a run directory never leads the daemon's removal elsewhere."""
+    removed: list[str] = []
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return removed
+    try:
+        _clear_in(fd, directory, started, depth, removed)
+    finally:
+        os.close(fd)
+    return removed
+
+
+def _clear_in(fd: int, where: str, started: float, depth: int, removed: list[str]) -> None:
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and is_temporary(name) and st.st_mtime < started:
+                os.unlink(name, dir_fd=fd)
+                removed.append(os.path.join(where, name))
+            elif stat.S_ISDIR(st.st_mode) and depth > 1:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                try:
+                    _clear_in(sub, os.path.join(where, name), started, depth - 1, removed)
+                finally:
+                    os.close(sub)
 
 
 def job_env(record: RunRecord, rd: str) -> dict[str, str]:

@@ -33,7 +33,7 @@ from daemon.preempt import Preemptor
 from daemon.queue import Scheduler
 from daemon.recovery import Recovery
 from daemon.retention import Retention
-from daemon.store import RunStore, StoreError
+from daemon.store import RunStore, StoreError, process_started
 from daemon.systemd import Notifier
 from daemon.targets import Supervision, Targets
 from executors.factory import makes_pods, schedules_jobs
@@ -310,6 +310,7 @@ class Daemon:
                     tg.start_soon(notifications.serve)
                 if self.config.daemon.metrics_listen:
                     await tg.start(MetricsExporter(self, notifications).serve)
+                self.launcher.clear_staging_leftovers(process_started())  # a crash while staging the plugin
                 await self.follow.reconcile()
                 await tg.start(server.serve)
                 self.follow.resume_all()
