@@ -95,7 +95,9 @@ def raw_terminal(wanted: bool) -> Iterator[None]:
 
     saved = termios.tcgetattr(0)
     try:
-        tty.setraw(0)
+        # At once, not after a flush (setraw's default, TCSAFLUSH): what was typed ahead, before the
+        # shell opened, is kept and reaches it, as ssh does.
+        tty.setraw(0, termios.TCSANOW)
         yield
     finally:
         termios.tcsetattr(0, termios.TCSADRAIN, saved)

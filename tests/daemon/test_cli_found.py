@@ -291,3 +291,53 @@ def test_stop_wait_keeps_the_time_since_the_request_on_an_80_column_terminal(box
         assert re.match(r"snapshot request written (\d+s ago )?\(requested\); waiting for", line), line
     assert any(re.search(r"written \d+s ago", line) for line in requests), requests  # the time since the request
     assert "state     stopped" in out
+
+
+# --- 13: obd train shell keeps what was typed ahead --------------------------------------------
+
+
+def test_a_shell_runs_what_was_typed_before_it_opened(make_daemon) -> None:
+    import os
+    import pty
+    import select
+    import time
+
+    d = make_daemon(FAST_CONFIG)
+    (d.root / "home").mkdir()
+    d.env["HOME"] = str(d.root / "home")  # a login shell: this machine's dotfiles are not the test's
+    d.start()
+    rid = start(d, PY, "-c", "import time; time.sleep(120)")
+    d.wait_state(rid, "running")
+    master, slave = pty.openpty()
+    os.write(master, b"echo typed-$((40+2)); exit 5\r")  # typed before obd even started
+    proc = subprocess.Popen(
+        [str(OBD), "train", "shell", rid],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**d.env, "TERM": "xterm"},
+        cwd=REPO,
+        start_new_session=True,
+    )
+    os.close(slave)
+    shown = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            shown += chunk
+        elif proc.poll() is not None:
+            break
+    if proc.poll() is None:
+        proc.kill()
+    code = proc.wait(30)
+    os.close(master)
+    assert b"typed-42" in shown, shown  # the shell ran it: the type-ahead was not flushed
+    assert code == 5, shown
+    obd(d, "train", "cancel", rid, "--wait")
