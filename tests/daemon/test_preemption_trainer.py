@@ -16,8 +16,11 @@ CONFIG = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\nmi
 STEPS = "40"
 
 
-def start(d: DaemonProc, cwd: Path, *opts: str) -> str:
+def start(d: DaemonProc, cwd: Path, *opts: str, hold_at: int = 0) -> str:
+    """A run of the Trainer script; with `hold_at`, it trains past that step only once obd asked it
+    for a snapshot (numerically the same run: the wait is between two steps)."""
     command = [PY, PLAIN, "--output_dir", "mine", "--max_steps", STEPS, "--step-sleep", "0.3"]
+    command += ["--hold-at", str(hold_at)] if hold_at else []
     out = d.cli("train", "start", "--cwd", str(cwd), "--gpus", "1", *opts, "--", *command)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
@@ -36,9 +39,11 @@ def test_a_paused_trainer_run_resumes_on_its_own_and_trains_every_later_step_as_
     whole = d.wait_state(start(d, short_tmp), "succeeded", "failed", timeout=240)
     assert whole["state"] == "succeeded", whole["message"]
 
-    other = start(d, short_tmp)
+    # Neither ends before the urgent run comes, however loaded the machine: each waits at its third
+    # step for a request (the one never paused is cancelled at the end).
+    other = start(d, short_tmp, hold_at=3)
     wait_for(lambda: d.record(other)["snapshots"], 120, 0.1, "the first run's plugin")
-    victim = start(d, short_tmp)
+    victim = start(d, short_tmp, hold_at=3)
     wait_for(lambda: (d.record(victim)["progress"]["step"] or 0) >= 3, 120, 0.1, "the second run's third step")
     urgent = d.cli("train", "start", "--gpus", "1", "--priority", "5", "--", "sh", "-c", "sleep 2")
     assert urgent.returncode == 0, urgent.stderr
@@ -46,7 +51,8 @@ def test_a_paused_trainer_run_resumes_on_its_own_and_trains_every_later_step_as_
     paused = d.wait_state(victim, "stopped", "failed", "cancelled", timeout=120)
     assert paused["state"] == "stopped" and paused["snapshot"]["reason"] == "preempted", paused["message"]
     assert d.record(other)["state"] == "running"  # exactly one victim: the most recently started
-    back = d.wait_state(paused["retried_by"], "succeeded", "failed", timeout=240)
+    again = wait_for(lambda: d.record(victim)["retried_by"], 30, 0.1, "the victim's way back")
+    back = d.wait_state(again, "succeeded", "failed", timeout=240)
     assert back["state"] == "succeeded", back["message"]
     before, after, reference = steps(paused), steps(back), steps(whole)
     pause = paused["snapshot"]["step"]

@@ -72,6 +72,11 @@ class Outside(TrainerCallback):
             # never yields): no later step end, no later write, ever.
             print(f"hanging after step {self.opts.hang_after}", flush=True)
             time.sleep(3600)
+        if self.opts.hold_at and step == self.opts.hold_at + 1:
+            # test: train on only once obd asked for a snapshot (a preemption, a drain): the pause
+            # comes while the run still has steps to train, however slow the machine.
+            while not os.path.exists(os.environ["OBD_SNAPSHOT_REQUEST"]):
+                time.sleep(0.05)
         if self.opts.write_at == step and rank == 0:
             path, _, text = self.opts.write_file.partition("=")
             with open(path, "w") as f:
@@ -183,6 +188,7 @@ def main() -> int:
         "--report-exit", action="store_true", help="test: print at exit whether the process group is still up"
     )
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer, as LoRA freezes the base model")
+    p.add_argument("--hold-at", type=int, default=0, help="test: after this step, wait for a snapshot request")
     p.add_argument("--hang-after", type=int, default=0, help="test: hang (sleep an hour) after this step is logged")
     p.add_argument(
         "--finish", default="", help="test: after train(), save_model(), write DIR/finished, push (to DIR/pushed)"
