@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import anyio
+import anyio.lowlevel
 import structlog
 
 from daemon import after, limits, sweeps
@@ -76,6 +77,7 @@ class QueueHost(Runs, Protocol):
 SPEC = LAUNCH_SETTINGS
 SAFETY_POLL = 30.0  # the queue is looked at this often even when nothing says it should be
 SOON = 1.0  # ... and this often while a run it waits for is between two attempts (no record changes then)
+SLICE = 500  # queued runs a pass looks at between two turns of the event loop (others answered meanwhile)
 
 
 def queued_why(record: RunRecord) -> str | None:
@@ -139,8 +141,9 @@ class Scheduler:
             except Exception:  # a surprise must not end the queue
                 log.exception("schedule_failed")
             wait = SOON if self._soon else SAFETY_POLL
-            pending = [r.not_before for r in self.queued() if r.not_before]
-            pending += [at for r in self.queued() if (at := limits.too_late_at_of(self.daemon, r)) is not None]
+            waiting = [r for r in self.daemon.records.values() if r.in_queue]
+            pending = [r.not_before for r in waiting if r.not_before]
+            pending += [at for r in waiting if (at := limits.too_late_at_of(self.daemon, r)) is not None]
             if pending:
                 wait = max(0.0, min(wait, min(pending) - time.time()) + 0.01)
             with anyio.move_on_after(wait):
@@ -172,8 +175,11 @@ class Scheduler:
         now = time.time()
         held = daemon.inventory.held(target)
         changed = []
-        for record in self.queued(target):
-            if daemon.lock(record.id).locked():
+        for n, record in enumerate(self.queued(target), 1):
+            if n % SLICE == 0:
+                await anyio.lowlevel.checkpoint()
+                held = daemon.inventory.held(target)  # as it is now
+            if not record.in_queue or daemon.lock(record.id).locked():
                 continue  # an edit of it is under way (a cancel, its start): the next pass looks
             waiting = self.waiting_for(record, now, held)
             if record.message.endswith(waiting):
@@ -224,7 +230,11 @@ class Scheduler:
         """The queued runs of `target` that may not start yet (`gate`); those that never will are
         cancelled now, their message saying why."""
         held: set[str] = set()
-        for record in self.queued(target):
+        for n, record in enumerate(self.queued(target), 1):
+            if n % SLICE == 0:
+                await anyio.lowlevel.checkpoint()
+            if not record.in_queue:
+                continue  # started or cancelled while others were answered
             verdict = self.gate(record)
             if verdict is None or verdict.action == "start":
                 continue

@@ -17,12 +17,13 @@ sweep's id or name act on every member (`Sweeps`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
 import secrets as pysecrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -247,18 +248,18 @@ async def each(records: list[RunRecord], op: RunOp) -> list[tuple[str, dict[str,
     """`op` on every record, MEMBERS_AT_ONCE at a time, so that their saves share the store's
     trips (one at a time, a sweep of 1,000 is 1,000 trips); each outcome in the records' order."""
     done: dict[str, dict[str, Any] | ApiError] = {}
-    limiter = anyio.CapacityLimiter(MEMBERS_AT_ONCE)
+    todo = iter(records)  # shared: each worker takes the next (no task made per record)
 
-    async def one(rid: str) -> None:
-        async with limiter:
+    async def worker() -> None:
+        for record in todo:
             try:
-                done[rid] = await op(rid)
+                done[record.id] = await op(record.id)
             except ApiError as exc:
-                done[rid] = exc
+                done[record.id] = exc
 
     async with anyio.create_task_group() as tg:
-        for record in records:
-            tg.start_soon(one, record.id)
+        for _ in range(min(MEMBERS_AT_ONCE, len(records))):
+            tg.start_soon(worker)
     return [(r.id, done[r.id]) for r in records]
 
 
@@ -284,17 +285,16 @@ class Sweeps:
         if len(f"{name}-{len(combos)}") > 100:
             raise ApiError(f"--name {name[:40]}...: too long for its runs' names (<name>-<n>, 100 at most)", "usage")
         base = req.model_dump(exclude={"op", "grid"})
-        members = [
-            (
-                StartRequest.model_validate(
-                    {**base, "op": "start", "command": substitute(req.command, values), "name": f"{name}-{index}"}
-                ),
-                SweepTag(
-                    id=sweep_id, name=name, index=index, size=len(combos), values=values, template=list(req.command)
-                ),
+
+        def member(index: int, values: dict[str, str]) -> tuple[StartRequest, SweepTag]:
+            """A member's start, made when it is its turn (1,000 at once held the loop a fifth of a second)."""
+            start = {**base, "op": "start", "command": substitute(req.command, values), "name": f"{name}-{index}"}
+            tag = SweepTag(
+                id=sweep_id, name=name, index=index, size=len(combos), values=values, template=list(req.command)
             )
-            for index, values in enumerate(combos, 1)
-        ]
+            return StartRequest.model_validate(start), tag
+
+        members = [functools.partial(member, index, values) for index, values in enumerate(combos, 1)]
         made: dict[int, RunRecord] = {}
         try:
             await self._make(members, peer, made)
@@ -314,30 +314,33 @@ class Sweeps:
             ],
         }
 
-    async def _make(self, members: list[tuple[StartRequest, SweepTag]], peer: Peer, made: dict[int, RunRecord]) -> None:
+    async def _make(
+        self, members: Sequence[Callable[[], tuple[StartRequest, SweepTag]]], peer: Peer, made: dict[int, RunRecord]
+    ) -> None:
         """Start every member, into `made`: the first alone (a start refused for a bad option is
         refused once, before any other is made), then MEMBERS_AT_ONCE at a time, so that their saves
         share the store's trips; each keeps its place in the queue (`created`, in the grid's order).
         The first refusal stops the rest and is raised."""
         launcher = self.daemon.launcher
         first = time.time()
-        (req, tag), rest = members[0], members[1:]
+        req, tag = members[0]()
         made[tag.index] = await launcher.start(req, peer, sweep=tag, created=first)
         refused: list[Exception] = []
-        limiter = anyio.CapacityLimiter(MEMBERS_AT_ONCE)
+        todo = iter(members[1:])  # shared: each worker takes the next
 
-        async def one(req: StartRequest, tag: SweepTag) -> None:
-            async with limiter:
+        async def worker() -> None:
+            for member in todo:
                 if refused:
                     return
                 try:
+                    req, tag = member()
                     made[tag.index] = await launcher.start(req, peer, sweep=tag, created=first + tag.index * 1e-5)
                 except Exception as exc:
                     refused.append(exc)
 
         async with anyio.create_task_group() as tg:
-            for req, tag in rest:
-                tg.start_soon(one, req, tag)
+            for _ in range(min(MEMBERS_AT_ONCE, len(members) - 1)):
+                tg.start_soon(worker)
         if refused:
             raise refused[0]
 
