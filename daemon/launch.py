@@ -34,7 +34,7 @@ from daemon.gpus import Inventory, parse_wanted, queue_message
 from daemon.limits import carry, check_start, from_request, job_time_of
 from daemon.models import Paused, RunRecord, RunState, SweepTag
 from daemon.ports import Runs
-from daemon.specs import load_spec, save_spec
+from daemon.specs import SPEC, load_spec, spec_bytes
 from daemon.stop import write_pending_request
 from daemon.store import StoreError, is_temporary
 from daemon.sweeps import being_made, sweep_env
@@ -309,8 +309,7 @@ class Launcher:
         if workdir.startswith("/"):
             record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
         try:  # off the event loop (each save fsyncs), durable before anyone is told of the run
-            await anyio.to_thread.run_sync(save_spec, daemon, record.id, req, run_as)
-            await daemon.store.save_async(record)
+            await daemon.store.save_async(record, beside={SPEC: spec_bytes(daemon, req, run_as)})
         except (StoreError, OSError) as exc:
             raise ApiError(str(exc)) from exc
         finally:

@@ -37,12 +37,17 @@ def uses_caller_environment(daemon: Runs, target: str) -> bool:
 def save_spec(daemon: Runs, run_id: str, req: StartRequest, run_as: RunAs | None) -> None:
     """Keep what a run needs to start later (its request, values included, and its user), in a
     file only the daemon's user can read; the caller's environment only where it is used."""
+    directory = daemon.store.run_dir(run_id)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomic_write(str(directory / SPEC), spec_bytes(daemon, req, run_as), 0o600)
+
+
+def spec_bytes(daemon: Runs, req: StartRequest, run_as: RunAs | None) -> bytes:
+    """`launch.json` as `save_spec` writes it (the store writes it beside a new record, in one trip)."""
     if req.environ is not None and (req.env_clear or not uses_caller_environment(daemon, req.target)):
         req = req.model_copy(update={"environ": None})
     data = {"request": req.model_dump(mode="json"), "run_as": run_as.model_dump() if run_as else None}
-    directory = daemon.store.run_dir(run_id)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    atomic_write(str(directory / SPEC), json.dumps(data).encode(), 0o600)
+    return json.dumps(data).encode()
 
 
 def load_spec(daemon: Runs, run_id: str) -> tuple[StartRequest, RunAs | None] | None:

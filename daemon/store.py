@@ -83,7 +83,7 @@ class _Batch:
     """Saves waiting for one trip of the writer thread: each record's newest bytes (and their
     sequence number), in the order of their last save, and the errors of those that failed."""
 
-    items: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    items: dict[str, tuple[int, bytes, dict[str, bytes]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     done: anyio.Event = field(default_factory=anyio.Event)
 
@@ -113,24 +113,25 @@ class RunStore:
         seq = self._number(record.id)
         if self._open is not None:
             self._open.items.pop(record.id, None)  # older bytes, never to be written after these
-        self._write(record.id, seq, _encode(record))
+        self._write(record.id, seq, _encode(record), {})
 
-    async def save_async(self, record: RunRecord) -> None:
+    async def save_async(self, record: RunRecord, beside: dict[str, bytes] | None = None) -> None:
         """Save a record off the event loop; durable when it returns (the module's docstring). The
-        wait is shielded: a caller cancelled meanwhile still has its record on disk."""
-        batch = self.save_later(record)
+        wait is shielded: a caller cancelled meanwhile still has its record on disk. `beside`:
+        files written in its directory before it, in the same trip (a new run's launch.json)."""
+        batch = self.save_later(record, beside)
         with anyio.CancelScope(shield=True):
             await self._until_written(batch)
         if record.id in batch.failed:
             raise StoreError(batch.failed[record.id])
 
-    def save_later(self, record: RunRecord) -> _Batch:
+    def save_later(self, record: RunRecord, beside: dict[str, bytes] | None = None) -> _Batch:
         """Take a record's bytes now for the writer's next trip, without waiting for it (`flush`
         waits for every save taken so far)."""
         if self._open is None:
             self._open = _Batch()
-        self._open.items.pop(record.id, None)
-        self._open.items[record.id] = (self._number(record.id), _encode(record))
+        _, _, before = self._open.items.pop(record.id, (0, b"", {}))
+        self._open.items[record.id] = (self._number(record.id), _encode(record), {**before, **(beside or {})})
         return self._open
 
     async def flush(self) -> None:
@@ -166,10 +167,10 @@ class RunStore:
         made concurrently (a caller waits for its save before it makes the next), so their order
         on disk is free."""
 
-        def one(item: tuple[str, tuple[int, bytes]]) -> None:
-            run_id, (seq, data) = item
+        def one(item: tuple[str, tuple[int, bytes, dict[str, bytes]]]) -> None:
+            run_id, (seq, data, beside) = item
             try:
-                self._write(run_id, seq, data)
+                self._write(run_id, seq, data, beside)
             except StoreError as exc:
                 batch.failed[run_id] = str(exc)  # the caller says it (a queue message: the next save)
 
@@ -181,8 +182,9 @@ class RunStore:
         with ThreadPoolExecutor(max_workers=min(WRITERS, len(items)), thread_name_prefix="obd-store") as pool:
             list(pool.map(one, items))
 
-    def _write(self, run_id: str, seq: int, data: bytes) -> None:
-        """Write a record's bytes atomically, unless a newer save of it is already on disk."""
+    def _write(self, run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> None:
+        """Write a record's bytes atomically, unless a newer save of it is already on disk; the
+        files `beside` it first, each whole, their directory made durable once with the record's."""
         directory = self.run_dir(run_id)
         path = directory / "run.json"
         with self._locks_lock:
@@ -192,6 +194,8 @@ class RunStore:
                 return
             try:
                 directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                for name, content in beside.items():
+                    _replace(directory / name, content)
                 atomic_write(str(path), data, 0o600)
             except OSError as exc:
                 raise StoreError(
@@ -225,6 +229,30 @@ class RunStore:
             except (StoreError, ValueError) as exc:
                 bad.append(BadRecord(entry.name, path, str(exc)))
         return records, bad
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """`atomic_write` less its directory's fsync, which the record's write beside it makes: a fresh
+    temporary name opened O_EXCL|O_NOFOLLOW (a planted link never redirects it), fsynced, renamed."""
+    while True:
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{os.urandom(6).hex()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            break
+        except FileExistsError:
+            continue
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
 
 
 def _encode(record: RunRecord) -> bytes:
