@@ -237,7 +237,11 @@ class Launcher:
         record = self._new_record(req, peer.uid)
         if created is not None:
             record.created = created
-        record.after, record.after_any = resolve_after(daemon, req, peer, record.id), req.after_any
+        try:
+            record.after, record.after_any = resolve_after(daemon, req, peer, record.id), req.after_any
+        except ApiError:
+            self._admitting.discard(record.id)  # refused: its id is no one's
+            raise
         record.sweep = sweep or (source.sweep if source is not None else None)  # a member's resume is one
         record.gpus_wanted = wanted
         record.retries = req.retry if req.retry is not None else getattr(supervision.config, "retry", 0)
