@@ -266,16 +266,17 @@ def _parser() -> argparse.ArgumentParser:
     td = tg.add_parser(
         "drain",
         help="pause every run of a target through a verified snapshot and start nothing (maintenance)",
-        description="Drain a target: nothing new starts on it, and every run of it that can snapshot is paused "
-        "through a verified snapshot and put back in the queue; `obd targets undrain NAME` lets them resume. "
-        "Root (or the daemon's own user) only.",
+        description="Drain a target: nothing new starts on it, and every run of it is paused through a verified "
+        "snapshot and put back in the queue (a job that has not announced obd's plugin yet is asked as a stop "
+        "asks: at its first step; the stop fallback ends one that never does); `obd targets undrain NAME` lets "
+        "them resume. Root (or the daemon's own user) only.",
     )
     td.add_argument("name", metavar="NAME", help="the target's name in the config")
-    td.add_argument("--wait", action="store_true", help="wait until every paused run's job has ended")
+    td.add_argument("--wait", action="store_true", help="wait until no run's job is left on the target")
     td.add_argument(
-        "--cancel", action="store_true", help="cancel the runs that cannot snapshot, instead of leaving them"
+        "--cancel", action="store_true", help="cancel the runs that have not announced obd's plugin, instead of asking"
     )
-    td.add_argument("--json", action="store_true", help="print what was paused and left as JSON")
+    td.add_argument("--json", action="store_true", help="print what was paused, cancelled and already stopping as JSON")
     tu = tg.add_parser("undrain", help="let a drained target start runs again", description="Undrain a target.")
     tu.add_argument("name", metavar="NAME", help="the target's name in the config")
     tu.add_argument("--json", action="store_true", help="print the answer as JSON")
