@@ -48,6 +48,8 @@ class ExecHost(Runs, Protocol):
 
     def find(self, ref: str, peer: Peer) -> RunRecord: ...
 
+    def final_event(self, run_id: str) -> anyio.Event: ...
+
 
 class Channel(Protocol):
     """The caller's connection, one JSON object a line each way (daemon/server.py)."""
@@ -171,14 +173,42 @@ async def serve(daemon: ExecHost, req: ExecRequest, peer: Peer, channel: Channel
     io = ChannelIO(channel)
     what = "shell" if req.command is None else "exec"
     log.info(what, run_id=record.id, uid=peer.uid, user=spec.run_as.user if spec.run_as else None, tty=req.tty)
+    code: int | None = None
+    failed: list[Exception] = []
     try:
-        code = await executor.exec_in_run(spec, io)
+        # The session ends with its run: where the run's end did not end the command already (its
+        # cgroup's or its identity's end, trainer_plugin/contain.py), leaving this ends its group.
+        async with anyio.create_task_group() as tg:
+
+            async def run_it() -> None:
+                nonlocal code
+                try:
+                    code = await executor.exec_in_run(spec, io)
+                except Exception as exc:  # raised below, outside the task group (not as a group)
+                    failed.append(exc)
+                tg.cancel_scope.cancel()
+
+            async def end_with_run() -> None:
+                await daemon.final_event(record.id).wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run_it)
+            tg.start_soon(end_with_run)
+        if failed:
+            raise failed[0]
     except (ExecutorError, OSError, TimeoutError) as exc:
         log.info(f"{what}_failed", run_id=record.id, error=str(exc))
         raise ApiError(
             f"could not run the command in run {record.id} on target {record.target}: {exc or 'no answer in time'}",
             "unavailable",
         ) from exc
+    if code is None:
+        log.info(f"{what}_ended_with_run", run_id=record.id, state=record.state.value)
+        raise ApiError(
+            f"run {record.id} ended ({record.state.value}) and the command ended with it; "
+            f"`obd train status {record.id}` says how",
+            "state",
+        )
     log.info(f"{what}_ended", run_id=record.id, exit_code=code, caller_gone=io.gone)
     if not io.gone:
         await channel.send({"exit": code})

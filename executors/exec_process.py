@@ -7,6 +7,11 @@ safe in a daemon with threads); the change of directory into the run directory i
 user's own `/bin/sh` (`cd -- DIR`), never with root's rights. A shell gets a pseudo-terminal
 (`os.openpty`), made its controlling terminal by util-linux's `setsid --ctty` where it is
 installed. Output is passed on as it comes; the exit status is the command's (128+N for a signal).
+
+Given the run's cgroup (executors/containment.py), the command is moved into it before it runs
+anything: its `/bin/sh` first waits for a byte on a pipe (`read`, a builtin: nothing forked), the
+daemon moves it into the cgroup, then writes the byte. A run whose cgroup is gone has ended: the
+command is ended unrun.
 """
 
 from __future__ import annotations
@@ -26,12 +31,16 @@ import anyio
 import anyio.to_thread
 
 from executors.base import ExecInput, ExecIO, ExecSpec, ExecutorError, RunAs, TermSize
+from trainer_plugin import contain
 
 # What of the daemon's environment a command gets (never its secrets): where Slurm's config is,
 # the language and time zone. The user's own HOME, USER, LOGNAME and SHELL are added.
 KEPT_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "SLURM_CONF", "TMPDIR")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 CD_THEN_EXEC = 'cd -- "$1" || exit 126; shift; exec "$@"'  # run by the user's /bin/sh
+# With a gate: wait for the daemon's byte on descriptor N (moved into the run's cgroup meanwhile).
+# (By path: dash takes no descriptor above 9 in a redirection; `read` is a builtin, nothing forks.)
+GATED = "IFS= read -r _ < /dev/fd/{fd} || exit 125; " + CD_THEN_EXEC
 DRAIN_AFTER_EXIT = 0.5  # seconds the output of a command's leftover children is still read after it exited
 KILL_GRACE = 2.0  # after a hang-up: SIGHUP, this long, then SIGKILL
 USER_UMASK = 0o077  # what the command writes (in the run directory, mostly) is the user's alone
@@ -69,11 +78,12 @@ def login_env(
     return env
 
 
-def command_line(spec: ExecSpec, account: RunAs | None) -> list[str]:
-    """The argv run: the user's /bin/sh changing into the run directory, then the command (or a
-    login shell), led by `setsid --ctty` on a terminal."""
+def command_line(spec: ExecSpec, account: RunAs | None, gate: int | None = None) -> list[str]:
+    """The argv run: the user's /bin/sh changing into the run directory (after the gate's byte,
+    with a gate), then the command (or a login shell), led by `setsid --ctty` on a terminal."""
     command = spec.command or [login_shell(account), "-l"]
-    argv = ["/bin/sh", "-c", CD_THEN_EXEC, "obd-exec", spec.remote_dir, *command]
+    script = GATED.format(fd=gate) if gate is not None else CD_THEN_EXEC
+    argv = ["/bin/sh", "-c", script, "obd-exec", spec.remote_dir, *command]
     if spec.tty is not None and (setsid := shutil.which("setsid")):
         argv = [setsid, "--ctty", *argv]
     return argv
@@ -86,7 +96,12 @@ def set_size(fd: int, rows: int, cols: int) -> None:
 
 
 def _spawn(
-    argv: list[str], env: dict[str, str], account: RunAs | None, fds: tuple[int, int, int], tty: bool
+    argv: list[str],
+    env: dict[str, str],
+    account: RunAs | None,
+    fds: tuple[int, int, int],
+    tty: bool,
+    keep: tuple[int, ...] = (),
 ) -> subprocess.Popen[bytes]:
     who: dict = {}
     if account is not None and (os.geteuid() != account.uid or os.getegid() != account.gid):
@@ -103,6 +118,7 @@ def _spawn(
         # to do so without forking); without one, its own session, so a hang-up ends all of it.
         start_new_session=not tty or argv[0] == "/bin/sh",
         close_fds=True,
+        pass_fds=keep,
         **who,
     )
 
@@ -188,9 +204,50 @@ async def _exited(proc: subprocess.Popen[bytes]) -> int:
     return 128 - code if code < 0 else code
 
 
-async def run_here(spec: ExecSpec, io: ExecIO, account: RunAs | None, path_prepend: tuple[str, ...] = ()) -> int:
-    """Run `spec` on this machine as `account` (None: the daemon's own user); its exit status."""
-    argv = command_line(spec, account)
+async def run_here(
+    spec: ExecSpec,
+    io: ExecIO,
+    account: RunAs | None,
+    path_prepend: tuple[str, ...] = (),
+    cgroup: str | None = None,
+) -> int:
+    """Run `spec` on this machine as `account` (None: the daemon's own user), in the run's
+    `cgroup` where it has one; its exit status."""
+    gate_r, gate_w = os.pipe() if cgroup else (-1, -1)
+    try:
+        return await _run_gated(spec, io, account, path_prepend, cgroup, gate_r, gate_w)
+    finally:
+        for fd in (gate_r, gate_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _open_gate(proc: subprocess.Popen[bytes], cgroup: str, gate_w: int) -> None:
+    """Move the waiting command into the run's cgroup, then let it go on; a run whose cgroup is
+    gone (it ended) gets its command ended unrun."""
+    try:
+        contain.join(cgroup, proc.pid)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            proc.kill()
+        proc.wait()
+        raise ExecutorError(f"the run's job has ended (its cgroup {cgroup} cannot be joined: {exc.strerror})") from exc
+    os.write(gate_w, b"\n")
+
+
+async def _run_gated(
+    spec: ExecSpec,
+    io: ExecIO,
+    account: RunAs | None,
+    path_prepend: tuple[str, ...],
+    cgroup: str | None,
+    gate_r: int,
+    gate_w: int,
+) -> int:
+    argv = command_line(spec, account, gate_r if cgroup else None)
     env = login_env(account, spec.env, spec.tty, path_prepend)
     if spec.tty is not None:
         master, slave = os.openpty()
@@ -206,7 +263,8 @@ async def run_here(spec: ExecSpec, io: ExecIO, account: RunAs | None, path_prepe
         for fd in {stdin, *ours}:
             os.set_blocking(fd, False)
         try:
-            proc = await anyio.to_thread.run_sync(_spawn, argv, env, account, fds, spec.tty is not None)
+            keep = (gate_r,) if cgroup else ()
+            proc = await anyio.to_thread.run_sync(_spawn, argv, env, account, fds, spec.tty is not None, keep)
         except (OSError, subprocess.SubprocessError) as exc:
             if spec.tty is None:
                 os.close(stdin)
@@ -215,6 +273,14 @@ async def run_here(spec: ExecSpec, io: ExecIO, account: RunAs | None, path_prepe
         finally:
             for fd in child:
                 os.close(fd)
+        if cgroup:
+            try:
+                _open_gate(proc, cgroup, gate_w)
+            except ExecutorError:
+                if spec.tty is None:
+                    with contextlib.suppress(OSError):
+                        os.close(stdin)
+                raise
         return await _follow(proc, io, stdin, outs, spec.tty is not None)
     finally:
         for fd in ours:

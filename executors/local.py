@@ -47,6 +47,7 @@ from executors.base import (
     RunAs,
     RunProbe,
 )
+from executors.containment import Containment, find_base
 from trainer_plugin import creds, jobctl, rundir
 
 log = structlog.get_logger("obd.local")
@@ -213,6 +214,14 @@ class LocalExecutor:
         # for a host that is not the daemon's: only for a workdir used without a state directory).
         self.facts_root = str(facts) if facts is not None else None
         self.events: LocalEvents | None = LocalEvents()
+        self._containment: Containment | None = None
+
+    @property
+    def containment(self) -> Containment:
+        """Its runs' cgroups (docs/security.md), found on first use."""
+        if self._containment is None:
+            self._containment = Containment(find_base())
+        return self._containment
 
     async def resolve_workdir(self) -> str:
         return str(Path(self.workdir).expanduser().resolve())
@@ -309,6 +318,10 @@ class LocalExecutor:
             spec["path_prepend"] = [bin_dir]
         if job.run_as is not None:
             spec["run_as"] = job.run_as.model_dump()
+        # Every process of the run is its: its cgroup where one can be made, else its identity.
+        spec["run_id"] = job.run_id
+        if (cgroup := await anyio.to_thread.run_sync(self.containment.make, job.run_id)) is not None:
+            spec["cgroup"] = cgroup
         # -S -E: the wrapper needs only the standard library, and starts faster without site-packages
         # and the daemon's PYTHON* variables. The spec comes on stdin with the values: job.json is
         # a file the user could rewrite before a root wrapper read it.
@@ -473,8 +486,14 @@ class LocalExecutor:
         creds.copy_tree(src, dst, read_as=read_as, write_as=write_as, keep_links=self.in_workdir(dst), skip=_skip)
 
     async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
-        """A command in the run directory, as the run's user (`spec.run_as`, under a root daemon)."""
-        return await exec_process.run_here(spec, io, spec.run_as, self._exec_path(spec.remote_dir))
+        """A command in the run directory, as the run's user (`spec.run_as`, under a root daemon), in
+        the run's cgroup where it has one, so it ends with the run."""
+        cgroup = self.containment.live(spec.run_id)
+        return await exec_process.run_here(spec, io, spec.run_as, self._exec_path(spec.remote_dir), cgroup)
+
+    def lingering(self, runs: dict[str, int | None]) -> set[str]:
+        """Which of these ended runs (run id -> its user's uid) still have a process here."""
+        return self.containment.lingering(runs)
 
     def _exec_path(self, remote_dir: str) -> tuple[str, ...]:
         """What leads a command's PATH, as it leads the run's job's: the target's venv, or the

@@ -15,13 +15,14 @@ import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from trainer_plugin import creds, jobctl, jobserve, rundir, supervisor
+from trainer_plugin import contain, creds, jobctl, jobserve, rundir, supervisor
 
 # The files a target needs to start, watch and cancel jobs: jobctl.py, the job wrapper
-# (supervisor.py, creds.py), the helper (jobserve.py) and the contract they import.
+# (supervisor.py, creds.py, contain.py), the helper (jobserve.py) and the contract they import.
 TOOL_FILES: tuple[Path, ...] = (
     Path(jobctl.__file__),
     Path(rundir.__file__),
+    Path(contain.__file__),
     Path(jobserve.__file__),
     Path(supervisor.__file__),
     Path(creds.__file__),

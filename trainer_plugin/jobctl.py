@@ -33,8 +33,9 @@ import time
 from typing import Any
 
 try:  # imported as trainer_plugin.jobctl
-    from . import rundir
-except ImportError:  # run as a script (`python3 jobctl.py ...`) beside rundir.py
+    from . import contain, rundir
+except ImportError:  # run as a script (`python3 jobctl.py ...`) beside rundir.py and contain.py
+    import contain  # type: ignore[no-redef, import-not-found]
     import rundir  # type: ignore[no-redef, import-not-found]
 
 # Kept importable from here for the callers that knew them as jobctl's.
@@ -436,20 +437,45 @@ def cancel(
     killed = False
     if handle is not None and (handle_alive(handle) or group_alive(handle)):
         root = int(handle["pid"])
-        signal_job(root, signal.SIGTERM)
+        held = _contained(facts)
+
+        def left() -> set[int]:
+            return job_processes(root) | (contain.members(*held) if held else set())
+
+        def send(sig: int) -> None:
+            signal_job(root, sig)
+            if held:
+                contain.signal_all(*held, sig)
+
+        send(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and job_processes(root):
+        while time.monotonic() < deadline and left():
             time.sleep(0.05)
-        if job_processes(root):
-            signal_job(root, signal.SIGKILL)
+        if left():
+            send(signal.SIGKILL)
             killed = True
-            while job_processes(root) and time.monotonic() < deadline + 5:
+            while left() and time.monotonic() < deadline + 5:
                 time.sleep(0.02)
         while handle_alive(handle) and time.monotonic() < deadline + 5:
             time.sleep(0.02)  # the wrapper records the end, then exits
     record = {"time": time.time(), "killed": killed}
     atomic_write(marks.cancelled, json.dumps(record).encode(), 0o600)
     return {"state": "cancelled", "exit_code": read_int(marks.exit_code)}
+
+
+def _contained(facts: str | None) -> tuple[str | None, str | None, int | None] | None:
+    """The run's cgroup, id and user as its wrapper recorded them in the facts directory (the
+    daemon's own; never job.pid, which the run's user may rewrite); None without facts."""
+    handle = read_handle("", facts) if facts else None
+    if not handle or not (handle.get("cgroup") or handle.get("run_id")):
+        return None
+    uid = handle.get("uid")
+    cgroup, run_id = handle.get("cgroup"), handle.get("run_id")
+    return (
+        cgroup if isinstance(cgroup, str) else None,
+        run_id if isinstance(run_id, str) and rundir.is_run_id(run_id) else None,
+        uid if isinstance(uid, int) else None,
+    )
 
 
 # --- probe ------------------------------------------------------------------------------

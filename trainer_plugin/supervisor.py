@@ -12,8 +12,12 @@ job ended, as Slurm's slurmstepd is:
   What the wrapper does in the run directory (the log, `job.pid`, `exit_code` for people to
   read) it does with the user's filesystem rights (`creds.acting_as`).
 - It is a child subreaper: a process of the job that leaves the group or double-forks stays
-  its descendant, and is ended before the end is recorded. A GPU is free only once every
-  process of the job is gone.
+  its descendant, and is ended before the end is recorded. With `cgroup` in its spec (a local
+  run where the daemon made one, executors/containment.py) the job is moved into the run's
+  cgroup before it runs anything, and every process there (the run's exec sessions' too) is
+  ended; with `run_id`, so is every process of the job's user started with the run's
+  `OBD_RUN_ID` (trainer_plugin/contain.py). A GPU is free only once every process of the run
+  is gone.
 - The job's command, environment and account come on stdin (`--spec-stdin`) from a root
   daemon, never from `job.json`, a file the user could rewrite before the wrapper reads it.
 """
@@ -30,8 +34,9 @@ import time
 from typing import Any
 
 try:  # imported as trainer_plugin.supervisor
-    from . import creds, jobctl, rundir
-except ImportError:  # run beside jobctl.py, rundir.py and creds.py
+    from . import contain, creds, jobctl, rundir
+except ImportError:  # run beside jobctl.py, rundir.py, contain.py and creds.py
+    import contain  # type: ignore[no-redef, import-not-found]
     import creds  # type: ignore[no-redef, import-not-found]
     import jobctl  # type: ignore[no-redef, import-not-found]
     import rundir  # type: ignore[no-redef, import-not-found]
@@ -91,6 +96,9 @@ def _supervise(
     me = os.getpid()
     handle: dict[str, Any] = {"pid": me, "start_time": jobctl.process_start_time(me), "boot_id": jobctl.boot_id()}
     handle["uid"] = int(spec["run_as"]["uid"]) if spec.get("run_as") else os.getuid()
+    # The run's containment, kept in the facts (the daemon's own) for a cancel: never read back
+    # from the run directory's job.pid, which its user may rewrite.
+    handle.update(cgroup=spec.get("cgroup"), run_id=spec.get("run_id"))
     paths = rundir.RunPaths(run_dir)
     fact_paths = rundir.FactPaths(facts) if facts else None
     if fact_paths:  # written before anything starts: a daemon restarted meanwhile finds the wrapper here
@@ -128,7 +136,7 @@ def _supervise(
     code = jobctl.shell_exit_code(_exit_code(os.waitpid(child, 0)[1]))
     if code == 0 and spec.get("output_to"):
         _place_outputs(run_dir, spec, cwd, log)
-    _end_leftovers(me, log)
+    _end_leftovers(me, log, spec, handle["uid"])
     if fact_paths:
         rundir.atomic_write(fact_paths.exit_code, f"{code}\n".encode(), 0o600)
     with creds.acting_as(owner), contextlib.suppress(OSError):
@@ -146,6 +154,14 @@ def _exec_job(spec: dict[str, Any], command: list[str], env: dict[str, str], cwd
         for name in ("SIGPIPE", "SIGXFSZ"):  # as subprocess's restore_signals does
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), signal.SIG_DFL)
+        if spec.get("cgroup"):  # still root: into the run's cgroup before anything of the job runs
+            try:
+                contain.join(spec["cgroup"])
+            except OSError as exc:
+                os.write(
+                    log,
+                    f"obd: the job is not in the run's cgroup ({exc}); its processes are found by OBD_RUN_ID\n".encode(),
+                )
         if spec.get("run_as"):
             jobctl.become(spec["run_as"])
         if spec.get("umask") is not None:
@@ -178,24 +194,31 @@ def _place_outputs(run_dir: str, spec: dict[str, Any], cwd: str, log: int) -> No
     os.waitpid(pid, 0)
 
 
-def _end_leftovers(me: int, log: int) -> None:
-    """End what the job left behind (stray workers holding a GPU): TERM, a grace, then KILL; reap
-    everything that comes back to the wrapper, and return only once none is left (or after
-    GONE_WAIT past the KILL, saying so in the log)."""
-    left = jobctl.job_processes(me)
+def _end_leftovers(me: int, log: int, spec: dict[str, Any], uid: int) -> None:
+    """End what the run left behind (stray workers holding a GPU, daemonized children, exec
+    sessions): TERM, a grace, then KILL; reap everything that comes back to the wrapper, and
+    return only once none is left (or after GONE_WAIT past the KILL, saying so in the log). The
+    run's cgroup is removed once empty; an exec session that joined it meanwhile is ended too."""
+    cgroup, run_id = spec.get("cgroup"), spec.get("run_id")
+    left = jobctl.job_processes(me) | contain.members(cgroup, run_id, uid)
     if left:  # said before the exit status, so the run's record says it (a GPU may be held)
         pids = " ".join(str(p) for p in sorted(left)[:10])
         os.write(log, f"{jobctl.LEFT_BEHIND} {len(left)} processes in its group (pids {pids}); ending them\n".encode())
-    for sig, wait in ((signal.SIGTERM, LEFTOVER_GRACE), (signal.SIGKILL, GONE_WAIT)):
-        if not left:
+    for _ in range(3):
+        for sig, wait in ((signal.SIGTERM, LEFTOVER_GRACE), (signal.SIGKILL, GONE_WAIT)):
+            if not left:
+                break
+            jobctl.signal_job(me, sig)
+            contain.signal_all(cgroup, run_id, uid, sig)
+            deadline = time.monotonic() + wait
+            while left and time.monotonic() < deadline:
+                _reap()
+                time.sleep(0.05)
+                left = jobctl.job_processes(me) | contain.members(cgroup, run_id, uid)
+        _reap()
+        if left or contain.remove(cgroup):
             break
-        jobctl.signal_job(me, sig)
-        deadline = time.monotonic() + wait
-        while left and time.monotonic() < deadline:
-            _reap()
-            time.sleep(0.05)
-            left = jobctl.job_processes(me)
-    _reap()
+        left = contain.members(cgroup, run_id, uid)  # one joined after the last look: once more
     if left:
         os.write(log, f"obd: {len(left)} processes of the job could not be ended (pids {sorted(left)[:10]})\n".encode())
 

@@ -29,7 +29,7 @@ from trainer_plugin import rundir
 log = structlog.get_logger("obd.runpod")
 PLUGIN_DIR = Path(rundir.__file__).resolve().parent
 # What the watchdog imports on the pod, put beside it in the run's plugin directory.
-WATCHDOG_FILES = ("jobctl.py", "rundir.py", "watchdog.py")
+WATCHDOG_FILES = ("jobctl.py", "rundir.py", "contain.py", "watchdog.py")
 # Where the watchdog reads the pod's own environment (and in it the pod-scoped RUNPOD_API_KEY Runpod
 # gives every pod): the container's first process, which Runpod started with it. `{pod_id}` in it
 # is the pod's id (the tests' fake API keeps one file per pod).

@@ -50,12 +50,17 @@ from executors.config import SlurmTarget, SshTarget
 from executors.remote import tools_hash
 from executors.slurm import as_user, script
 from executors.slurm.states import NOTABLE, SlurmJob, parse_sacct, parse_scontrol
-from trainer_plugin import jobctl, rundir, slurm_batch
+from trainer_plugin import contain, jobctl, rundir, slurm_batch
 
 log = structlog.get_logger("obd.slurm")
 
 # What the helper needs beside it on the submitting machine.
-HELPER_FILES: tuple[Path, ...] = (Path(slurm_batch.__file__), Path(jobctl.__file__), Path(rundir.__file__))
+HELPER_FILES: tuple[Path, ...] = (
+    Path(slurm_batch.__file__),
+    Path(jobctl.__file__),
+    Path(rundir.__file__),
+    Path(contain.__file__),  # jobctl imports it
+)
 _ENDED = frozenset({JobState.lost, JobState.cancelled})
 
 

@@ -1,0 +1,119 @@
+"""A local run is every process it started (issue 33 item 3): a daemonized (`setsid`, double-forked)
+process of its job and a command of an `obd train exec` session end with the run, whether it is
+cancelled or its job ends by itself, and the run's GPU is handed to the next run only once they
+are gone. Both ways obd contains a run are tried: its cgroup v2 (where the daemon can make one:
+root here), and the identity fallback (`OBD_RUN_ID` among its user's processes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from executors.containment import find_base
+from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+
+CONFIG = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
+# The job: a grandchild in a session of its own (setsid, then a double fork), its pid in a file;
+# then it waits for `go` (or forever).
+DAEMONIZE = (
+    "cd \"$OBD_RUN_DIR\"; setsid sh -c 'sleep 300 & echo $! > daemonized.pid' < /dev/null > /dev/null 2>&1; "
+    "while [ ! -e go ]; do sleep 0.1; done"
+)
+# An exec'd command that ignores TERM (it lingers until KILL), its pid in a file.
+LINGER = "trap '' TERM; echo $$ > exec.pid; while :; do sleep 0.2; done"  # run in the run directory
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(params=["cgroup", "identity"])
+def daemon(request: pytest.FixtureRequest, make_daemon) -> Iterator[DaemonProc]:
+    d = make_daemon(CONFIG)
+    if request.param == "identity":
+        d.env["OBD_NO_CGROUP"] = "1"
+    elif os.geteuid() != 0 or find_base() is None:
+        pytest.skip("no cgroup v2 this process may write here")
+    d.start()
+    d.mode = request.param  # type: ignore[attr-defined]
+    yield d
+
+
+def running_with_leftovers(d: DaemonProc) -> tuple[dict, int, int, subprocess.Popen[str]]:
+    """A run whose job daemonized a `sleep`, and an `obd train exec` session holding a command
+    that ignores TERM: the record, both pids and the session's client."""
+    out = d.cli("train", "start", "--gpus", "1", "--", "sh", "-c", DAEMONIZE)
+    assert out.returncode == 0, out.stderr
+    record = d.wait_state(out.stdout.strip(), "running")
+    assert record["gpus"] == ["0"], record
+    run_dir = Path(record["remote_dir"])
+    client = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "train", "exec", record["id"], "--", "sh", "-c", LINGER],
+        env=d.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def pid_in(name: str) -> int:
+        path = run_dir / name
+        return int(wait_for(lambda: path.is_file() and path.read_text().strip(), 30, 0.05, f"{name} written"))
+
+    daemonized, execd = pid_in("daemonized.pid"), pid_in("exec.pid")
+    assert alive(daemonized) and alive(execd)
+    if getattr(d, "mode", "") == "cgroup":  # each is in the run's cgroup
+        for pid in (daemonized, execd):
+            assert Path(f"/proc/{pid}/cgroup").read_text().strip().endswith(f"/obd-runs/{record['id']}")
+    return record, daemonized, execd, client
+
+
+def test_a_cancel_ends_a_daemonized_process_of_the_job_and_an_exec_sessions_command(daemon: DaemonProc) -> None:
+    record, daemonized, execd, client = running_with_leftovers(daemon)
+    out = daemon.cli("train", "cancel", record["id"])
+    assert out.returncode == 0, out.stderr
+    daemon.wait_state(record["id"], "cancelled")
+    assert not alive(daemonized) and not alive(execd)  # gone by the time the run is over
+    client.communicate(timeout=60)  # the session ended with its run
+    assert client.returncode != 0
+
+
+def test_a_run_that_ends_by_itself_leaves_no_process_of_its_job_or_its_exec_sessions(daemon: DaemonProc) -> None:
+    record, daemonized, execd, client = running_with_leftovers(daemon)
+    (Path(record["remote_dir"]) / "go").touch()
+    assert daemon.wait_state(record["id"], "succeeded", "failed")["state"] == "succeeded"
+    assert not alive(daemonized) and not alive(execd)
+    client.communicate(timeout=60)
+    if daemon.mode == "cgroup":  # type: ignore[attr-defined]
+        assert not os.path.exists(os.path.join(find_base() or "", record["id"]))  # removed once empty
+
+
+def test_the_next_run_on_the_gpu_starts_only_once_the_last_process_of_the_previous_holder_is_gone(
+    daemon: DaemonProc,
+) -> None:
+    record, daemonized, execd, client = running_with_leftovers(daemon)
+    # The next run asks for the same GPU: it waits, then says whether the leftovers were alive.
+    check = " ".join(
+        f'if [ -e /proc/{pid} ] && [ "$(cut -d" " -f3 /proc/{pid}/stat)" != Z ]; then echo alive; else echo gone; fi;'
+        for pid in (daemonized, execd)
+    )
+    out = daemon.cli("train", "start", "--gpus", "1", "--", "sh", "-c", check)
+    assert out.returncode == 0, out.stderr
+    nxt = out.stdout.strip()
+    assert daemon.record(nxt)["state"] == "queued"
+    assert daemon.cli("train", "cancel", record["id"]).returncode == 0
+    done = daemon.wait_state(nxt, "succeeded", "failed", timeout=90)
+    assert done["state"] == "succeeded", done["message"]
+    assert (Path(done["remote_dir"]) / "job.log").read_text().split() == ["gone", "gone"]
+    client.communicate(timeout=60)
