@@ -214,6 +214,8 @@ async def run_here(
     """Run `spec` on this machine as `account` (None: the daemon's own user), in the run's
     `cgroup` where it has one; its exit status."""
     gate_r, gate_w = os.pipe() if cgroup else (-1, -1)
+    if cgroup and account is not None and os.geteuid() == 0:
+        os.fchown(gate_r, account.uid, account.gid)  # its /bin/sh opens /dev/fd/N: a pipe is its maker's
     try:
         return await _run_gated(spec, io, account, path_prepend, cgroup, gate_r, gate_w)
     finally:
