@@ -11,8 +11,13 @@ jobs see what their machine gives them.
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from typing import Protocol
+
+import anyio
+import structlog
 
 from daemon.api import ApiError
 from daemon.models import RunRecord, RunState
@@ -20,6 +25,9 @@ from daemon.ports import Runs
 from daemon.targets import Targets
 from executors.factory import gpu_inventory
 from executors.gpus import Gpu
+
+log = structlog.get_logger("obd.gpus")
+LINGER_POLL = 0.25  # seconds between looks for an ended run's last process
 
 
 class InventoryHost(Runs, Protocol):
@@ -52,6 +60,9 @@ class Inventory:
     def __init__(self, daemon: InventoryHost) -> None:
         self.daemon = daemon
         self._by_target: dict[str, list[Gpu]] = {}
+        self._clear: set[str] = set()  # ended runs found with no process left
+        self._watching: set[str] = set()  # targets watched for an ended run's last process
+        self.wake: Callable[[], None] | None = None  # the queue's kick, once a device is free again
 
     def of(self, target: str) -> list[Gpu]:
         if target not in self._by_target:
@@ -91,13 +102,69 @@ class Inventory:
             raise ApiError(f"--gpus {wanted}: target {target} has only {len(gpus)} GPUs", "usage")
 
     def held(self, target: str) -> dict[str, str]:
-        """device id -> the run holding it, on one target."""
+        """device id -> the run holding it, on one target: a run that has not ended, or one that
+        ended while a process of it remains (its GPU is never handed out before that is gone)."""
         holders: dict[str, str] = {}
+        ended: dict[str, RunRecord] = {}
         for record in self.daemon.records.values():
-            if record.target == target and record.gpus and not record.state.final and record.state != RunState.queued:
+            if record.target != target or not record.gpus or record.state == RunState.queued:
+                continue
+            if not record.state.final:
                 for device in record.gpus:
                     holders[device] = record.id
+            elif record.id not in self._clear:
+                ended[record.id] = record
+        if ended:
+            for rid in sorted(self._lingering(target, ended)):
+                for device in ended[rid].gpus:
+                    holders.setdefault(device, rid)
         return holders
+
+    def _lingering(self, target: str, ended: dict[str, RunRecord]) -> set[str]:
+        """Which of these ended runs still have a process (their target's executor says, where it
+        can: the local one, by their cgroup or identity); the others are clear for good. While
+        one lingers, the queue is woken once it is gone."""
+        found = self._check(target, ended)
+        if found and target not in self._watching and self.daemon.started:
+            self._watching.add(target)
+            self.daemon.start_soon(self._watch, target)
+        return found
+
+    def _check(self, target: str, ended: dict[str, RunRecord]) -> set[str]:
+        """The ended runs with a process left; the others are marked clear."""
+        try:
+            executor = self.daemon.targets.get(target).executor(next(iter(ended.values())))
+        except (ApiError, KeyError):
+            executor = None
+        check = getattr(executor, "lingering", None)
+        if check is None:
+            self._clear.update(ended)
+            return set()
+        uids = {rid: r.owner_uid if r.owner_uid is not None else os.geteuid() for rid, r in ended.items()}
+        found: set[str] = check(uids)
+        self._clear.update(set(ended) - found)
+        return found
+
+    async def _watch(self, target: str) -> None:
+        """Look again until no ended run of `target` has a process left, then wake the queue."""
+        try:
+            while True:
+                await anyio.sleep(LINGER_POLL)
+                ended = {
+                    r.id: r
+                    for r in self.daemon.records.values()
+                    if r.target == target and r.gpus and r.state.final and r.id not in self._clear
+                }
+                if not ended:
+                    break
+                still = self._check(target, ended)
+                if not still:
+                    break
+                log.info("gpus_wait_for_leftovers", target=target, runs=sorted(still))
+        finally:
+            self._watching.discard(target)
+        if self.wake is not None:
+            self.wake()
 
     def choose(self, record: RunRecord, held: dict[str, str]) -> list[str] | None:
         """The devices to give a run now, or None when they are not free."""

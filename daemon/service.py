@@ -64,6 +64,7 @@ class Daemon:
         self.launcher = Launcher(self)
         self.inventory = Inventory(self)
         self.scheduler = Scheduler(self)
+        self.inventory.wake = self.scheduler.kick  # a device freed by an ended run's last process
         self.recovery = Recovery(self)
         self.retention = Retention(self)
         self.preemptor = Preemptor(self)

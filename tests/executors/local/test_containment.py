@@ -117,3 +117,45 @@ def test_the_next_run_on_the_gpu_starts_only_once_the_last_process_of_the_previo
     assert done["state"] == "succeeded", done["message"]
     assert (Path(done["remote_dir"]) / "job.log").read_text().split() == ["gone", "gone"]
     client.communicate(timeout=60)
+
+
+async def test_an_ended_runs_gpu_stays_held_while_a_process_carrying_its_identity_lives() -> None:
+    """The GPU queue's own check, for what the wrapper could not end in time (GONE_WAIT): a run
+    that ended is still named as its devices' holder while one of its processes lives, and the
+    queue is woken once it is gone."""
+    import anyio
+
+    from daemon.gpus import Inventory
+    from daemon.models import RunRecord, RunState
+    from executors.containment import Containment
+    from executors.gpus import Gpu
+
+    class Target:
+        def executor(self, record: RunRecord) -> Containment:
+            return Containment(None)  # identity only: the run's OBD_RUN_ID among its user's processes
+
+    woken = anyio.Event()
+
+    class Host:
+        started = True
+        targets = type("T", (), {"get": staticmethod(lambda name: Target())})()
+
+        def __init__(self, tg: anyio.abc.TaskGroup) -> None:
+            self.start_soon = tg.start_soon
+            self.records = {"run-x": RunRecord(id="run-x", state=RunState.cancelled, target="local", gpus=["0"])}
+
+    straggler = subprocess.Popen(["sleep", "300"], env={**os.environ, "OBD_RUN_ID": "run-x"})
+    try:
+        async with anyio.create_task_group() as tg:
+            inventory = Inventory(Host(tg))  # type: ignore[arg-type]
+            inventory._by_target["local"] = [Gpu(id="0", vendor="nvidia", name="test")]
+            inventory.wake = woken.set
+            assert inventory.held("local") == {"0": "run-x"}  # ended, but a process of it lives
+            straggler.kill()
+            straggler.wait()
+            with anyio.fail_after(30):
+                await woken.wait()
+            assert inventory.held("local") == {}
+    finally:
+        straggler.kill()
+        straggler.wait()
