@@ -111,7 +111,13 @@ class Containment:
     def lingering(self, runs: Mapping[str, int | None]) -> set[str]:
         """Which of these ended runs (run id -> its user's uid) still have a process: in their
         cgroup, or carrying their identity (one sweep of /proc for them all)."""
-        out = {rid for rid in runs if (cg := self.live(rid)) is not None and contain.cgroup_pids(cg)}
+        out: set[str] = set()
+        for rid in runs:
+            if (cg := self.live(rid)) is not None:
+                if contain.cgroup_pids(cg):
+                    out.add(rid)
+                else:  # ended and empty, but left (its wrapper was killed before it removed it)
+                    contain.remove(cg)
         rest = {rid: uid for rid, uid in runs.items() if rid not in out}
         if rest:
             out |= carrying_any(rest)
