@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import anyio
+import anyio.to_thread
 import structlog
 
 from daemon.api import ApiError
@@ -24,7 +25,7 @@ from daemon.models import RunRecord, RunState
 from daemon.ports import Runs
 from daemon.targets import Targets
 from executors.factory import gpu_inventory
-from executors.gpus import Gpu
+from executors.gpus import Gpu, compute_pids
 
 log = structlog.get_logger("obd.gpus")
 LINGER_POLL = 0.25  # seconds between looks for an ended run's last process
@@ -142,6 +143,11 @@ class Inventory:
             return set()
         uids = {rid: r.owner_uid if r.owner_uid is not None else os.geteuid() for rid, r in ended.items()}
         found: set[str] = check(uids)
+        devices = {g.id: g for g in self.of(target)}
+        for rid in set(ended) - found:  # and where the vendor's tool lists compute processes: none of its user's
+            busy = compute_pids([devices[d] for d in ended[rid].gpus if d in devices])
+            if any(_uid_of(pid) == uids[rid] for pids in busy.values() for pid in pids):
+                found.add(rid)
         self._clear.update(set(ended) - found)
         return found
 
@@ -157,7 +163,7 @@ class Inventory:
                 }
                 if not ended:
                     break
-                still = self._check(target, ended)
+                still = await anyio.to_thread.run_sync(self._check, target, ended)
                 if not still:
                     break
                 log.info("gpus_wait_for_leftovers", target=target, runs=sorted(still))
@@ -191,6 +197,14 @@ class Inventory:
         holders = sorted(set(held.values()))
         by = f" (held by {', '.join(holders)})" if holders else ""
         return f"waiting for {what}: {free} of {total} free{by}"
+
+
+def _uid_of(pid: int) -> int | None:
+    """The user of a process of this machine (None: gone, or not in this pid namespace)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
 
 
 def queue_message(inventory: Inventory, record: RunRecord, why: str | None = None, waiting: str | None = None) -> str:

@@ -71,6 +71,29 @@ def parse_nvidia_query(text: str) -> list[Gpu]:
     return gpus
 
 
+NVIDIA_APPS = ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader,nounits"]
+
+
+def parse_compute_apps(text: str) -> dict[str, set[int]]:
+    """Device UUID -> the pids of its compute processes, from `nvidia-smi --query-compute-apps=gpu_uuid,pid`."""
+    out: dict[str, set[int]] = {}
+    for line in text.splitlines():
+        uuid, _, pid = (part.strip() for part in line.partition(","))
+        if uuid.startswith(("GPU-", "MIG-")) and pid.isdigit():
+            out.setdefault(uuid, set()).add(int(pid))
+    return out
+
+
+def compute_pids(gpus: list[Gpu]) -> dict[str, set[int]]:
+    """Device id -> the pids of the compute processes the vendor's tool lists on it (NVIDIA devices
+    known by their UUID; {} where no tool can say)."""
+    uuids = {g.uuid: g.id for g in gpus if g.vendor == "nvidia" and g.uuid}
+    if not uuids:
+        return {}
+    apps = parse_compute_apps(_run(NVIDIA_APPS) or "")
+    return {uuids[u]: pids for u, pids in apps.items() if u in uuids}
+
+
 def nvidia_gpus() -> list[Gpu]:
     return parse_nvidia_query(_run(NVIDIA_QUERY) or "")
 

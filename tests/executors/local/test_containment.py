@@ -159,3 +159,53 @@ async def test_an_ended_runs_gpu_stays_held_while_a_process_carrying_its_identit
     finally:
         straggler.kill()
         straggler.wait()
+
+
+async def test_an_ended_runs_gpu_stays_held_while_nvidia_smi_lists_a_process_of_its_user_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the vendor's tool lists compute processes, a device of an ended run is free only once
+    none of its user's is listed on it (a stand-in nvidia-smi here: this machine has no GPU)."""
+    import anyio
+
+    from daemon.gpus import Inventory
+    from daemon.models import RunRecord, RunState
+    from executors.containment import Containment
+    from executors.gpus import Gpu
+
+    apps = tmp_path / "apps.csv"
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(f'#!/bin/sh\n[ "$1" = --query-compute-apps=gpu_uuid,pid ] && cat {apps}\n')
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    holder = subprocess.Popen(["sleep", "300"])  # no OBD_RUN_ID: only the tool sees it on the device
+    apps.write_text(f"GPU-0000-test, {holder.pid}\n")
+    woken = anyio.Event()
+
+    class Target:
+        def executor(self, record: RunRecord) -> Containment:
+            return Containment(None)
+
+    class Host:
+        started = True
+        targets = type("T", (), {"get": staticmethod(lambda name: Target())})()
+
+        def __init__(self, tg: anyio.abc.TaskGroup) -> None:
+            self.start_soon = tg.start_soon
+            self.records = {"run-y": RunRecord(id="run-y", state=RunState.failed, target="local", gpus=["0"])}
+
+    try:
+        async with anyio.create_task_group() as tg:
+            inventory = Inventory(Host(tg))  # type: ignore[arg-type]
+            inventory._by_target["local"] = [Gpu(id="0", vendor="nvidia", name="test", uuid="GPU-0000-test")]
+            inventory.wake = woken.set
+            assert inventory.held("local") == {"0": "run-y"}
+            holder.kill()
+            holder.wait()
+            apps.write_text("")
+            with anyio.fail_after(30):
+                await woken.wait()
+            assert inventory.held("local") == {}
+    finally:
+        holder.kill()
+        holder.wait()
