@@ -144,9 +144,13 @@ class Inventory:
         uids = {rid: r.owner_uid if r.owner_uid is not None else os.geteuid() for rid, r in ended.items()}
         found: set[str] = check(uids)
         devices = {g.id: g for g in self.of(target)}
-        for rid in set(ended) - found:  # and where the vendor's tool lists compute processes: none of its user's
-            busy = compute_pids([devices[d] for d in ended[rid].gpus if d in devices])
-            if any(_uid_of(pid) == uids[rid] for pids in busy.values() for pid in pids):
+        clear = [rid for rid in ended if rid not in found]
+        # Where the vendor's tool lists compute processes (one call for them all): none of the
+        # run's user's on its devices.
+        busy = compute_pids([devices[d] for rid in clear for d in ended[rid].gpus if d in devices]) if clear else {}
+        for rid in clear:
+            pids = {pid for d in ended[rid].gpus for pid in busy.get(d, ())}
+            if any(_uid_of(pid) == uids[rid] for pid in pids):
                 found.add(rid)
         self._clear.update(set(ended) - found)
         return found
