@@ -72,6 +72,10 @@ class Progress(BaseModel):
     loss: float | None = None
     eta_seconds: float | None = None
     last_checkpoint: str | None = None  # the newest output/checkpoint-<step> (a real directory)
+    # Where the job's time goes now, as its plugin says (`training`, `evaluating`, `saving`,
+    # `after_train`), and since when (unix seconds): a stop's cost depends on it.
+    phase: str | None = None
+    phase_since: float | None = None
 
 
 class StopState(BaseModel):
@@ -87,6 +91,9 @@ class StopState(BaseModel):
     # someone wrote in the run directory. A stop asked through obd of a job that never announces
     # the plugin is ended by the fallback; a request written by hand never cancels such a job.
     asked_by: str | None = None
+    # A stop that came after the job's training had ended: the script's code it cut short (where
+    # the job was), so the run's message says so; None otherwise.
+    after_train: str | None = None
 
 
 class Limits(BaseModel):

@@ -21,6 +21,9 @@ def update_progress(record: RunRecord, probe: RunProbe, now: float) -> None:
     if log.has_loss:
         record.progress.loss = log.loss
     record.progress.eta_seconds = eta_seconds(begin, log, record.progress.max_steps, now)
+    phase = probe.phase
+    if phase is not None and phase.phase is not None and phase.phase != record.progress.phase:
+        record.progress.phase, record.progress.phase_since = phase.phase, phase.time or now
     steps = [s for s in (checkpoint_step(n) for n in probe.checkpoints) if s is not None]
     if steps:
         record.progress.last_checkpoint = checkpoint_relpath(max(steps))

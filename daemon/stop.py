@@ -211,7 +211,7 @@ def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes)
     else:
         if record.state == RunState.queued:
             record.transition(RunState.running, "started by the target's scheduler", now)
-        verdict.cancel = fallback_reason(record, now, stop)
+        verdict.cancel = after_train_stop(record, probe, now) or fallback_reason(record, now, stop)
     verdict.changed = _fingerprint(record) != before or learned
     return verdict
 
@@ -262,6 +262,31 @@ def see_proof(record: RunRecord, probe: RunProbe, now: float) -> None:
     record.snapshot = result
     record.stop.proof_at = now
     record.note(f"snapshot proof: {result.checkpoint} at step {result.step} ({result.reason})", now)
+
+
+# How long a stop after training waits for the plugin's word on what it cuts short (its thread
+# writes it within a fraction of a second of the request) before the job is ended without it.
+AFTER_TRAIN_WORD_SECONDS = 2.0
+
+
+def after_train_stop(record: RunRecord, probe: RunProbe, now: float) -> str | None:
+    """A stop asked once the job's training had ended: no snapshot can come, so the job is ended now.
+
+    The plugin's `end` line says training finished and its `after_train` phase line names the
+    script's code after train() (a final evaluation, `save_model`, a push) the stop cuts short
+    (trainer_plugin/interrupt.py). Rather than wait `proof_timeout` for a proof, the job is
+    cancelled at once, its record saying so (`state_from_exit`).
+    """
+    st = record.stop
+    phase = probe.phase
+    if st.requested_at is None or record.snapshot is not None or st.fallback or not record.snapshots:
+        return None
+    if not probe.ended or phase is None or phase.phase != "after_train":
+        return None
+    if phase.cut is None and now - st.requested_at < AFTER_TRAIN_WORD_SECONDS:
+        return None
+    st.after_train = phase.cut or "the script's code after train()"
+    return f"its training had finished; the stop cuts short {st.after_train}"
 
 
 def fallback_reason(record: RunRecord, now: float, stop: StopTimes) -> str | None:
@@ -316,6 +341,14 @@ def state_from_exit(record: RunRecord, status: JobStatus) -> tuple[RunState, str
         if snap is not None:
             why = f"; then cancelled: {record.stop.fallback}" if record.stop.fallback else "; then cancelled"
             return RunState.stopped, f"{stopped_words(record, snap)}{why}"
+        if record.stop.after_train is not None:
+            progress = record.progress
+            at = f" at step {progress.step}" if progress.step is not None else ""
+            of = f" of {progress.max_steps}" if progress.step is not None and progress.max_steps else ""
+            return RunState.cancelled, (
+                f"training had finished{at}{of} when the stop came; the job was ended in the script's code "
+                f"after train(), cutting short {record.stop.after_train}; `obd train outputs {rid}` has what it saved"
+            )
         if record.stop.cancel_by == "fallback" and record.stop.fallback:
             return RunState.cancelled, f"cancelled by the stop fallback: {record.stop.fallback}"
         if record.stop.cancel_by == "user":

@@ -200,6 +200,19 @@ class SaveLine(BaseModel):
     snapshot: Flag = None
 
 
+class PhaseLine(BaseModel):
+    """metrics.jsonl's last `phase` line: where the job's time goes now (`training`, `evaluating`,
+    `saving`, `after_train`), from the step it is at; after training, `cut` names the script's code a
+    stop cuts short (trainer_plugin/interrupt.py)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    time: Number = None
+    phase: Text = None
+    step: Int = None
+    cut: Text = None
+
+
 def _line(kind: type[BaseModel]) -> Any:
     def parse(value: Any) -> Any:
         return kind.model_validate(value) if isinstance(value, dict) else None
@@ -225,6 +238,7 @@ class RunProbe(BaseModel):
     begin: Annotated[BeginLine | None, _line(BeginLine)] = None  # the metrics.jsonl `begin` line
     last_log: Annotated[LogLine | None, _line(LogLine)] = None  # its last `log` line
     last_save: Annotated[SaveLine | None, _line(SaveLine)] = None  # its last `save` line in the tail read
+    phase: Annotated[PhaseLine | None, _line(PhaseLine)] = None  # its last `phase` line in the tail read
     ended: bool = False  # metrics.jsonl has an `end` line
     log_size: int = 0
     metrics_size: int = 0

@@ -492,12 +492,20 @@ def _parse_json_line(line: bytes) -> dict[str, Any] | None:
 # How the plugin's `save` lines begin (compact JSON, `event` first): the tail's other lines before
 # the last `log` one are not parsed while the last save is looked for.
 _SAVE_LINE = b'{"event":"save"'
+_PHASE_LINE = b'{"event":"phase"'
 
 
 def _metrics_summary(path: str) -> dict[str, Any]:
-    """The `begin` line, the last `log` line, the last `save` line in the tail, whether `end` was
-    written, and the file's size."""
-    out: dict[str, Any] = {"begin": None, "last_log": None, "last_save": None, "ended": False, "metrics_size": 0}
+    """The `begin` line, the last `log` line, the last `save` and `phase` lines in the tail, whether
+    `end` was written, and the file's size."""
+    out: dict[str, Any] = {
+        "begin": None,
+        "last_log": None,
+        "last_save": None,
+        "phase": None,
+        "ended": False,
+        "metrics_size": 0,
+    }
     head = read_regular(path, METRICS_HEAD)
     if not head:
         return out
@@ -507,8 +515,8 @@ def _metrics_summary(path: str) -> dict[str, Any]:
     size = out["metrics_size"] = file_size(path)
     tail = read_regular(path, METRICS_TAIL, max(0, size - METRICS_TAIL)) or b""
     for line in reversed(tail.split(b"\n")):
-        if out["last_log"] is not None and not line.startswith(_SAVE_LINE):
-            continue  # past the last log: only the last save is still looked for
+        if out["last_log"] is not None and not line.startswith((_SAVE_LINE, _PHASE_LINE)):
+            continue  # past the last log: only the last save and phase are still looked for
         event = _parse_json_line(line) if line.strip() else None
         if not event:
             continue
@@ -517,9 +525,11 @@ def _metrics_summary(path: str) -> dict[str, Any]:
             out["ended"] = True
         elif kind == "save" and out["last_save"] is None:
             out["last_save"] = event
+        elif kind == "phase" and out["phase"] is None:
+            out["phase"] = event
         elif kind == "log" and out["last_log"] is None:
             out["last_log"] = event
-        if out["last_log"] is not None and out["last_save"] is not None:
+        if out["last_log"] is not None and out["last_save"] is not None and out["phase"] is not None:
             break
     return out
 
