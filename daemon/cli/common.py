@@ -45,7 +45,7 @@ exit codes:
   1    an error the daemon reported; the message says what to do next
   2    bad usage
   3    the run was cancelled (stop --wait: no snapshot came in time)
-  4    stop --wait: no snapshot: the run (or its training) finished, or it failed
+  4    stop --wait: no snapshot (the run or its training finished, or it failed)
   5    the run stopped with a snapshot (obd train resume RUN continues it)
   6    the run failed (obd train status RUN says why, with its exit code)
   69   the daemon cannot be reached (the message says how to start it)
