@@ -163,7 +163,7 @@ def test_a_resume_gets_the_resumers_environment_never_the_stored_one(daemon: Dae
     rid = start(daemon, "sh", "-c", CHECKPOINT, opts=("--env", f"MARK={old_mark}"), env={"SHELLVAR": first_shell})
     first = daemon.wait_state(rid, "succeeded")
     assert f"mark={old_mark} shell={first_shell}" in (Path(first["remote_dir"]) / "job.log").read_text()
-    out = daemon.cli("train", "resume", rid, env={"SHELLVAR": second_shell})
+    out = daemon.cli("train", "resume", rid, "--again", env={"SHELLVAR": second_shell})
     assert out.returncode == 0, out.stderr
     second = daemon.wait_state(out.stdout.strip(), "succeeded")
     assert second["resumed_from"] == rid
