@@ -55,7 +55,7 @@ DECIDE = "--decide"
 # Hooks the Trainer calls once per training, not per step: outside the measured loop.
 ONCE_HOOKS = ("on_init_end", "on_train_begin", "on_train_end")
 # TrainerCallback's no-ops the Trainer calls every step: what any hook costs here, timer included.
-FLOOR_HOOKS = ("on_pre_optimizer_step", "on_optimizer_step")
+FLOOR_HOOKS = ("on_optimizer_step", "on_epoch_begin")
 
 
 def install_plugin(plugin: Path, source: Path = PLUGIN) -> None:
