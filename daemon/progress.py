@@ -7,7 +7,7 @@ anyone who can write the run directory writes these lines.
 from __future__ import annotations
 
 from daemon.models import RunRecord
-from executors.base import BeginLine, LogLine, RunProbe
+from executors.base import BeginLine, JobState, LogLine, RunProbe
 from trainer_plugin.rundir import checkpoint_relpath, checkpoint_step
 
 
@@ -22,7 +22,12 @@ def update_progress(record: RunRecord, probe: RunProbe, now: float) -> None:
         record.progress.loss = log.loss
     record.progress.eta_seconds = eta_seconds(begin, log, record.progress.max_steps, now)
     phase = probe.phase
-    if phase is not None and phase.phase is not None and phase.phase != record.progress.phase:
+    if probe.ended and probe.status.state == JobState.running and record.snapshot is None:
+        # Training ended and the job goes on: the script's code after train() (the plugin says so
+        # in a `phase` line only when a stop comes then).
+        if record.progress.phase != "after_train":
+            record.progress.phase, record.progress.phase_since = "after_train", now
+    elif phase is not None and phase.phase is not None and phase.phase != record.progress.phase:
         record.progress.phase, record.progress.phase_since = phase.phase, phase.time or now
     steps = [s for s in (checkpoint_step(n) for n in probe.checkpoints) if s is not None]
     if steps:

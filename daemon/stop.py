@@ -211,7 +211,7 @@ def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes)
     else:
         if record.state == RunState.queued:
             record.transition(RunState.running, "started by the target's scheduler", now)
-        verdict.cancel = after_train_stop(record, probe, now) or fallback_reason(record, now, stop)
+        verdict.cancel = after_train_stop(record, probe) or fallback_reason(record, now, stop)
     verdict.changed = _fingerprint(record) != before or learned
     return verdict
 
@@ -264,12 +264,7 @@ def see_proof(record: RunRecord, probe: RunProbe, now: float) -> None:
     record.note(f"snapshot proof: {result.checkpoint} at step {result.step} ({result.reason})", now)
 
 
-# How long a stop after training waits for the plugin's word on what it cuts short (its thread
-# writes it within a fraction of a second of the request) before the job is ended without it.
-AFTER_TRAIN_WORD_SECONDS = 2.0
-
-
-def after_train_stop(record: RunRecord, probe: RunProbe, now: float) -> str | None:
+def after_train_stop(record: RunRecord, probe: RunProbe) -> str | None:
     """A stop asked once the job's training had ended: no snapshot can come, so the job is ended now.
 
     The plugin's `end` line says training finished and its `after_train` phase line names the
@@ -279,13 +274,13 @@ def after_train_stop(record: RunRecord, probe: RunProbe, now: float) -> str | No
     """
     st = record.stop
     phase = probe.phase
-    if st.requested_at is None or record.snapshot is not None or st.fallback or not record.snapshots:
+    if st.requested_at is None or record.snapshot is not None or st.fallback or st.invalid_proof:
         return None
-    if not probe.ended or phase is None or phase.phase != "after_train":
+    # Only on the plugin's word: a request that was there at the last step lets the run end as
+    # usual (the plugin says nothing of it), and an older plugin never says it.
+    if not probe.ended or phase is None or phase.phase != "after_train" or not phase.cut:
         return None
-    if phase.cut is None and now - st.requested_at < AFTER_TRAIN_WORD_SECONDS:
-        return None
-    st.after_train = phase.cut or "the script's code after train()"
+    st.after_train = phase.cut
     return f"its training had finished; the stop cuts short {st.after_train}"
 
 

@@ -397,7 +397,12 @@ class SnapshotCallback(TrainerCallback):
             return
         points.take()
         points.taken = False  # after training a request is still said (interrupt.StopPoints._say_cut)
-        points.enter(AFTER_TRAIN)
+        # No line of its own: the `end` line says training ended (the daemon's "after training"),
+        # and metrics.jsonl ends with it unless a stop comes (its `after_train` line then).
+        points.phase = AFTER_TRAIN
+        if read_request(self.env.request_path) is not None:
+            points.close()  # a request at the last step lets the run end as usual: nothing to cut
+            return
         _after_train = points
 
     def _write_phase(self, phase: str, step: int | None, **fields: Any) -> None:

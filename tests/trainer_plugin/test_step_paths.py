@@ -77,7 +77,8 @@ def act(step):
 
 act(0)
 callback.on_train_begin(args, state, control)
-threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("obd-"))
+# The request's watch threads (the stop points' thread, interrupt.py, runs whatever the watch).
+threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("obd-") and t.name != "obd-stop-points")
 seen = []
 for step in range(1, steps + 1):
     time.sleep(step_seconds)
