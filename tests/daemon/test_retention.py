@@ -403,7 +403,7 @@ def test_a_trainer_state_nested_200000_deep_is_an_incomplete_checkpoint_and_said
     pruned = d.cli("train", "prune", rid, "--keep", "1", "--json")
     assert pruned.returncode == 0, pruned.stderr
     assert json.loads(pruned.stdout)["removed"] == []  # the newest complete is 5; 10 may still be being written
-    resumed = d.cli("train", "resume", rid)  # a resume reads the same file: it takes the newest complete one
+    resumed = d.cli("train", "resume", rid, "--again")  # a resume reads the same file: it takes the newest complete one
     assert resumed.returncode == 0, resumed.stderr
     assert d.record(resumed.stdout.strip())["resume_checkpoint"].endswith("checkpoint-5")
     log = d.log_path.read_text()

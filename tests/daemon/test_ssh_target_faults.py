@@ -116,10 +116,10 @@ def test_a_workdir_that_cannot_be_created_fails_the_start_naming_it_and_the_sett
 
 @pytest.fixture
 def tiny_disk(short_tmp: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs, standing for the host's disk (needs root and mount; skipped otherwise)."""
+    """A 2 MiB tmpfs, standing for the host's disk (needs root and mount; skipped otherwise)."""
     mnt = short_tmp / "tiny"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here to fill a disk ({r.stderr.strip()}); run as root")
     yield mnt

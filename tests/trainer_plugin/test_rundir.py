@@ -157,10 +157,10 @@ def test_a_proof_never_names_a_path_outside_the_run(raw: bytes | dict[str, Any])
 
 @pytest.fixture
 def tools(tmp_path: Path) -> Path:
-    """jobctl.py and rundir.py alone in a directory, as obd installs them on an SSH host."""
+    """jobctl.py, rundir.py and contain.py alone in a directory, as obd installs them on an SSH host."""
     directory = tmp_path / "tools"
     directory.mkdir()
-    for name in ("jobctl.py", "rundir.py"):
+    for name in ("jobctl.py", "rundir.py", "contain.py"):
         shutil.copy2(PLUGIN_SRC / name, directory / name)
     return directory
 
@@ -316,7 +316,7 @@ class StopTimes:
 def test_the_watchdog_as_a_script_beside_jobctl_and_rundir_lists_the_outputs(tmp_path: Path) -> None:
     plugin = tmp_path / "plugin"
     plugin.mkdir()
-    for name in ("jobctl.py", "rundir.py", "watchdog.py"):
+    for name in ("jobctl.py", "rundir.py", "contain.py", "watchdog.py"):
         shutil.copy2(PLUGIN_SRC / name, plugin / name)
     run = make_run(tmp_path)
     out = subprocess.run(
@@ -343,7 +343,7 @@ def test_the_watchdog_fed_on_stdin_uses_the_runs_own_copy_of_the_contract(tmp_pa
     run = make_run(tmp_path / "workdir")
     package = run / "plugin" / "trainer_plugin"
     package.mkdir(parents=True)
-    for name in ("jobctl.py", "rundir.py"):
+    for name in ("jobctl.py", "rundir.py", "contain.py"):
         shutil.copy2(PLUGIN_SRC / name, package / name)
     (run / "job.log").write_text("hello\n")
     out = fed_on_stdin(run)

@@ -127,7 +127,7 @@ def tiny_disk(tmp_path: Path) -> object:
     mnt = tmp_path / "tiny"
     mnt.mkdir()
     r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True, check=False
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True, text=True, check=False
     )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here to fill a disk ({r.stderr.strip()}); run as root")
