@@ -47,7 +47,7 @@ POLL_SECONDS = 0.2
 # How long a request may wait for a safe point of the main thread's own before it is interrupted.
 GRACE_SECONDS = 0.8
 # Steps at least this long keep numpy's and Python's RNG states at every boundary too.
-FULL_RNG_STEP_SECONDS = 0.02
+FULL_RNG_STEP_SECONDS = 0.1
 # A real-time signal, never sent by anyone else, so the job's own handlers (SIGUSR1 from Slurm's
 # --signal, SIGTERM) are left alone. Its default action would end the process: it is sent only
 # while obd's handler is installed.

@@ -194,6 +194,22 @@ def in_job(out: Path, argv: list[str]) -> None:
                 late.append((time.perf_counter_ns(), time.thread_time_ns() - cpu))
 
         setattr(MetricsWriter, "_late_turn", timed_turn)  # noqa: B010 (mypy would refuse the assignment)
+    # The stop points' thread (interrupt.py), the same way: the CPU time of each of its looks.
+    try:
+        from trainer_plugin.interrupt import StopPoints
+    except ImportError:  # a plugin from before it (--compare)
+        pass
+    else:
+        points_turn = StopPoints._turn
+
+        def timed_points_turn(self: Any, now: float) -> None:
+            cpu = time.thread_time_ns()
+            try:
+                points_turn(self, now)
+            finally:
+                late.append((time.perf_counter_ns(), time.thread_time_ns() - cpu))
+
+        setattr(StopPoints, "_turn", timed_points_turn)  # noqa: B010 (mypy would refuse the assignment)
     sys.argv = argv
     sys.path[0] = str(Path(argv[0]).resolve().parent)  # as if the workload had been run as a script
     try:
