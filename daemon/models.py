@@ -76,6 +76,10 @@ class Progress(BaseModel):
     # `after_train`), and since when (unix seconds): a stop's cost depends on it.
     phase: str | None = None
     phase_since: float | None = None
+    save_seconds: float | None = None  # the job's last checkpoint save, as its plugin timed it
+    # What a stop asked now would take to its proof: the time to the nearest safe point plus the
+    # save (daemon/progress.py `stop_estimate`); None before the plugin said anything.
+    stop_seconds: float | None = None
 
 
 class StopState(BaseModel):

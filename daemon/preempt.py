@@ -72,6 +72,7 @@ class Candidate:
     priority: int
     lost_work: float  # GPU-seconds since its last complete checkpoint: what a failed snapshot would cost
     started: float  # when its job started
+    stop_seconds: float = 0.0  # what its stop would take to the proof now (daemon/progress.py stop_estimate)
 
 
 def choose_victims(
@@ -81,7 +82,9 @@ def choose_victims(
     the devices `free` now; [] when pausing every candidate would still not be enough.
 
     The rule: the fewest GPUs that suffice, never more runs than needed; then the lowest
-    priority; then the least work a failed snapshot would cost; then the most recently started.
+    priority; then the quickest to stop (the slowest stop among them: the GPUs come when the last
+    one is free), to the second; then the least work a failed snapshot would cost; then the most
+    recently started.
     """
     free = set(free)
     pool = list(candidates)[:MAX_CANDIDATES]
@@ -92,11 +95,12 @@ def choose_victims(
             return len(freed) >= wanted
         return set(wanted) <= freed
 
-    def weight(subset: Sequence[Candidate]) -> tuple[int, int, int, float, float]:
+    def weight(subset: Sequence[Candidate]) -> tuple[int, int, int, int, float, float]:
         return (
             sum(len(c.devices) for c in subset),
             len(subset),
             max(c.priority for c in subset),
+            round(max(c.stop_seconds for c in subset)),
             sum(c.lost_work for c in subset),
             -min(c.started for c in subset),
         )
@@ -202,7 +206,8 @@ class Preemptor:
                 or now - started < min_runtime
             ):
                 continue
-            out.append(Candidate(r.id, tuple(r.gpus), r.priority, lost_work(r, now), started))
+            stop = r.progress.stop_seconds if r.progress.stop_seconds is not None else 0.0
+            out.append(Candidate(r.id, tuple(r.gpus), r.priority, lost_work(r, now), started, stop))
         return out
 
     async def consider(self, head: RunRecord, held: dict[str, str]) -> list[str]:

@@ -6,7 +6,7 @@ anyone who can write the run directory writes these lines.
 
 from __future__ import annotations
 
-from daemon.models import RunRecord
+from daemon.models import Progress, RunRecord
 from executors.base import BeginLine, JobState, LogLine, RunProbe
 from trainer_plugin.rundir import checkpoint_relpath, checkpoint_step
 
@@ -29,6 +29,9 @@ def update_progress(record: RunRecord, probe: RunProbe, now: float) -> None:
             record.progress.phase, record.progress.phase_since = "after_train", now
     elif phase is not None and phase.phase is not None and phase.phase != record.progress.phase:
         record.progress.phase, record.progress.phase_since = phase.phase, phase.time or now
+    if probe.last_save is not None and probe.last_save.seconds is not None and probe.last_save.seconds >= 0:
+        record.progress.save_seconds = probe.last_save.seconds
+    record.progress.stop_seconds = stop_estimate(record.progress, record.snapshots)
     steps = [s for s in (checkpoint_step(n) for n in probe.checkpoints) if s is not None]
     if steps:
         record.progress.last_checkpoint = checkpoint_relpath(max(steps))
@@ -43,3 +46,27 @@ def eta_seconds(begin: BeginLine, log: LogLine, max_steps: int | None, now: floa
         return None
     per_step = (log.time - begin.time) / done
     return max(0.0, (max_steps - log.step) * per_step - max(0.0, now - log.time))
+
+
+# How long a stop waits for a safe point at most (trainer_plugin/interrupt.py: the thread's look
+# every 0.2 s, then a grace of 0.8 s for the loop's own safe point before it is interrupted).
+SAFE_POINT_SECONDS = 1.0
+# A save not measured yet: what a small LoRA checkpoint takes on a local disk.
+UNMEASURED_SAVE_SECONDS = 5.0
+
+
+def stop_estimate(progress: Progress, snapshots: bool) -> float | None:
+    """Seconds from a stop request to its proof, by where the job's time goes now (issue 32).
+
+    Training or evaluating: the nearest safe point (at most `SAFE_POINT_SECONDS`) and a save as long
+    as the last one measured. Saving: that save is the snapshot, so at most one save. After
+    training: no save, the job is ended at once. None for a job without the plugin.
+    """
+    if not snapshots:
+        return None
+    save = progress.save_seconds if progress.save_seconds is not None else UNMEASURED_SAVE_SECONDS
+    if progress.phase == "after_train":
+        return 0.0
+    if progress.phase == "saving":
+        return save
+    return SAFE_POINT_SECONDS + save

@@ -510,6 +510,9 @@ def status(r: dict[str, Any]) -> str:
     last = (r.get("progress") or {}).get("last_checkpoint")
     if last:
         lines.append(f"latest    {last}")
+    stop = (r.get("progress") or {}).get("stop_seconds")
+    if stop is not None and r["state"] == "running":
+        lines.append(f"stop      ~{duration(stop)} from a request to its proof now (a safe point, then the save)")
     if r.get("gpus"):
         lines.append(f"gpus      {','.join(r['gpus'])}")
     if r.get("reconciling"):

@@ -357,3 +357,12 @@ def test_a_daemon_killed_during_a_preemption_finishes_the_pause_and_the_requeue_
     time.sleep(1)
     assert len([r for r in d.call("list", all=True) if r["id"] != urgent]) == 2
     d.call("cancel", id=resumed["id"])
+
+
+def test_among_equal_victims_the_one_whose_stop_is_quickest_goes_first() -> None:
+    slow = Candidate("slow", ("a",), 0, lost_work=0.0, started=0.0, stop_seconds=90.0)  # a long save
+    quick = Candidate("quick", ("b",), 0, lost_work=50.0, started=0.0, stop_seconds=3.0)
+    assert [v.run_id for v in choose_victims([slow, quick], [], 1)] == ["quick"]
+    # A lower priority still goes before a quicker stop.
+    low = Candidate("low", ("c",), -1, lost_work=0.0, started=0.0, stop_seconds=90.0)
+    assert [v.run_id for v in choose_victims([slow, quick, low], [], 1)] == ["low"]

@@ -66,7 +66,9 @@ def test_stop_wait_during_an_evaluation_returns_with_the_last_step_s_snapshot_an
         lambda: (r := d.record(rid))["progress"].get("phase") == "evaluating" and r, 60, 0.1, "status: evaluating"
     )
     assert evaluating["progress"]["step"] == 5
-    assert "evaluating" in d.cli("train", "status", rid).stdout
+    shown = d.cli("train", "status", rid).stdout
+    assert "evaluating" in shown and "stop      ~" in shown  # and what a stop costs now
+    assert evaluating["progress"]["stop_seconds"] is not None
 
     out = d.cli("train", "stop", rid, "--wait", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
