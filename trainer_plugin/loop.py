@@ -34,6 +34,7 @@ from typing import Any
 
 from . import rundir, runtime
 from .dist import Ranks, tear_down_at_exit
+from .interrupt import Boundary
 from .metrics_file import MetricsWriter
 from .runtime import RunEnv, SigtermFlag, StoppedForSnapshot, note_snapshot
 from .runtime import stopped_for_snapshot as _process_snapshot
@@ -83,6 +84,45 @@ def snapshot_requested(sync: bool = True) -> str | None:
         if ranks.is_zero:
             runtime.write_request(env, reason)
     return reason
+
+
+_boundary: Boundary | None = None
+
+
+def boundary(step: int) -> None:
+    """Call right after each optimizer step: keeps what a stop before the next step must put back.
+
+    The RNG states (torch's, and numpy's and Python's when imported) as they are at the end of
+    `step`. A loop that finds a stop pending inside a step (between two micro-batches of a
+    gradient accumulation, between two evaluation batches: `stop_pending()`) abandons the rest of
+    it, calls `restore_boundary()` and saves: the model and optimizer are still that step's (no
+    optimizer step ran since), so the checkpoint is exactly step `step`'s (README, "A stop
+    wherever the job's time goes"). About 50 µs a call with numpy imported.
+    """
+    global _boundary
+    if _env().active:
+        _boundary = Boundary.take(step, True, {})
+
+
+def stop_pending() -> str | None:
+    """Inside a step (between micro-batches, evaluation batches): the reason of a pending request, or None.
+
+    One access() when there is none, and no collective: for one process, or a loop that makes
+    its ranks agree itself. Between two steps use `snapshot_requested()`, which agrees across ranks.
+    """
+    env = _env()
+    if not env.active or not Ranks().is_zero:
+        return None
+    return runtime.read_request(env.request_path)
+
+
+def restore_boundary() -> int | None:
+    """Put back the RNG states `boundary()` kept, before saving a stop taken inside a step; returns
+    that boundary's step (the checkpoint to save and prove), or None when `boundary()` was never called."""
+    if _boundary is None:
+        return None
+    _boundary.restore_rng()
+    return _boundary.step
 
 
 def checkpoint_dir(step: int, output_dir: str = "output") -> str:

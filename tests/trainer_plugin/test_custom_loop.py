@@ -143,3 +143,26 @@ def test_under_torchrun_a_sigterm_on_rank_1_alone_is_a_preempted_snapshot_of_bot
         assert "terminate called without an active exception" in log, f"exit {code}:\n{log[-4000:]}"
     assert run_dir.proof()["reason"] == "preempted"  # type: ignore[index]
     assert run_dir.request.read_text().strip() == "preempted"
+
+
+def test_a_loop_stopped_inside_a_step_puts_back_the_last_boundary_s_rng_and_saves_that_step(
+    run_dir: RunDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from trainer_plugin import loop
+
+    for name, value in run_dir.env().items():
+        if name.startswith("OBD_"):
+            monkeypatch.setenv(name, value)
+    loop.boundary(3)  # optimizer step 3 ended
+    at_boundary = (torch.rand(4).tolist(), random.random(), np.random.rand(2).tolist())
+    assert loop.stop_pending() is None
+    run_dir.request.write_text("cost\n")  # ...and a stop comes in step 4's micro-batches
+    assert loop.stop_pending() == "cost"
+    assert loop.restore_boundary() == 3
+    # What step 4 drew is drawn again: the checkpoint saved now holds step 3's RNG states.
+    assert (torch.rand(4).tolist(), random.random(), np.random.rand(2).tolist()) == at_boundary
