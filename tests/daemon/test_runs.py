@@ -255,12 +255,14 @@ def test_a_job_whose_pid_was_reused_while_the_daemon_was_down_is_recorded_lost(d
     rid = start(daemon, "sleep", "60")
     record = daemon.wait_state(rid, "running")
     rd = Path(record["remote_dir"])
+    stored = daemon.state_dir / "runs" / rid / "run.json"
+    # Saves are written off the event loop: wait for the one that holds the job's handle.
+    wait_for(lambda: (json.loads(stored.read_text()).get("job") or {}).get("pid"), 30, 0.05, "the saved handle")
     daemon.kill()
     handle = json.loads((rd / "job.pid").read_text())
     os.killpg(handle["pid"], signal.SIGKILL)  # the job dies with its wrapper: no exit code
     impostor = subprocess.Popen(["sleep", "60"])  # a live process; its start time differs anyway
     try:
-        stored = daemon.state_dir / "runs" / rid / "run.json"
         data = json.loads(stored.read_text())
         data["job"]["pid"] = impostor.pid  # as if the kernel had handed the pid on
         stored.write_text(json.dumps(data))
