@@ -1,3 +1,5 @@
+# Over 600 lines on purpose for now: one launch, in the order it happens (record, machine, run
+# directory, plugin, sources, job); splitting by kind of target is issue 35's 'one room per kind'.
 """Starting a run: the record first, then the target's machine, the run directory, the plugin,
 the sources, and the job.
 

@@ -1,3 +1,5 @@
+# Over 600 lines on purpose for now: one handler per subcommand, each short, all dispatched from one
+# table; the split by verb (train, targets, pods) is the client-layer step of issue 35.
 """The `obd` command. Client commands import only the standard library (no torch, no pydantic).
 
 The exit codes are one table (`EXIT_CODES`, printed by `obd --help` and kept in the README):
