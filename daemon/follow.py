@@ -76,6 +76,7 @@ class Follower:
         self._all_dirty: set[str] = set()  # executor keys to read whole at their next wake
         self._sweep_at: dict[str, float] = {}
         self._every_poll: set[str] = set()  # keys read whole at every poll, events or not
+        self._sweep_every: dict[str, float] = {}  # keys read whole each poll interval, not each sweep
         self._planted_noted: dict[str, set[str]] = {}  # run id -> planted marks already logged
         self.reconciling: set[str] = set()  # runs whose remote target has not been matched with them yet
 
@@ -131,8 +132,11 @@ class Follower:
         events.watch(record.remote_dir)
         if key not in self._watched:
             self._watched.add(key)
-            if self.daemon.targets.of(record).reads_every_poll:
+            supervision = self.daemon.targets.of(record)
+            if supervision.reads_every_poll:
                 self._every_poll.add(key)
+            elif supervision.sweeps_every_poll:
+                self._sweep_every[key] = supervision.poll_interval(record)
             self.daemon.start_soon(self._listen, key, events)
 
         async def exit_watch() -> None:
@@ -186,7 +190,7 @@ class Follower:
         if not evented or key in self._all_dirty or now >= self._sweep_at.get(key, 0.0):
             self._all_dirty.discard(key)
             self._dirty.pop(key, None)
-            self._sweep_at[key] = now + sweep
+            self._sweep_at[key] = now + self._sweep_every.get(key, sweep)
             return None
         return self._dirty.pop(key, set())
 

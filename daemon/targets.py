@@ -32,6 +32,9 @@ class Supervision:
     # Whether its runs are read at every poll even when the target reports events (a pod's
     # lease is renewed and its caps checked with each read).
     reads_every_poll = False
+    # Whether, with events, an event reads only the runs it was about while every run is still read
+    # at each poll interval (a scheduler's queue moves without writing in run directories).
+    sweeps_every_poll = False
 
     def __init__(self, daemon: Runs, name: str, config: Any) -> None:
         self.daemon = daemon
