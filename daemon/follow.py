@@ -187,9 +187,17 @@ class Follower:
         """The run directories the next read covers; None: every run of the target."""
         now = time.monotonic()
         evented = key in self._watched and key not in self._every_poll
-        if not evented or key in self._all_dirty or now >= self._sweep_at.get(key, 0.0):
+        due = not evented or key in self._all_dirty or now >= self._sweep_at.get(key, 0.0)
+        if due and key in self._sweep_every and self._dirty.get(key) and key not in self._all_dirty:
+            # What an event was about (a Slurm job's end marker) first, on its own, and the whole
+            # read (a scheduler's queue, slow or not answering at times) right after it.
+            self._all_dirty.add(key)
+            self.wake(key)
+            return self._dirty.pop(key)
+        if due:
             self._all_dirty.discard(key)
-            self._dirty.pop(key, None)
+            if key not in self._sweep_every:  # kept there: read again on its own if the whole read fails
+                self._dirty.pop(key, None)
             self._sweep_at[key] = now + self._sweep_every.get(key, sweep)
             return None
         return self._dirty.pop(key, set())
