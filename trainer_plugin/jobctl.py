@@ -401,9 +401,11 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def which(program: str, env: dict[str, str], cwd: str) -> str | None:
+    """The program a job's command runs, as its user named it (absolute, links kept: a venv's
+    `bin/python` stays the venv's, not the base Python it links to); None when it cannot run."""
     if "/" in program:
-        path = os.path.join(cwd, program)
-        return os.path.realpath(path) if os.access(path, os.X_OK) else None
+        path = os.path.normpath(os.path.join(cwd, program))
+        return path if os.access(path, os.X_OK) else None
     found = shutil.which(program, path=env.get("PATH", os.defpath))
     return os.path.abspath(found) if found else None
 

@@ -488,6 +488,20 @@ def pruned_text(answer: dict[str, Any]) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
+def gpus_text(r: dict[str, Any]) -> str | None:
+    """The GPU line of `status`: the device ids the run holds (`gpu       device 0`, `gpus      devices
+    0,1`), or `none (CPU only)` for a run that asked for none (`--gpus 0`): a bare `gpus 0` read as
+    "no GPU". None where obd hands out no device (queued, ended, or a kind whose machine gives them)."""
+    held = [str(g) for g in r.get("gpus") or []]
+    if len(held) == 1:
+        return f"gpu       device {held[0]}"
+    if held:
+        return f"gpus      devices {','.join(held)}"
+    if r.get("gpus_wanted") in (0, []):
+        return "gpus      none (CPU only)"
+    return None
+
+
 def status(r: dict[str, Any]) -> str:
     """The text of `obd train status`: the run's fields, its pod if it has one, and its history."""
     lines = [
@@ -513,8 +527,9 @@ def status(r: dict[str, Any]) -> str:
     stop = (r.get("progress") or {}).get("stop_seconds")
     if stop is not None and r["state"] == "running":
         lines.append(f"stop      ~{duration(stop)} from a request to its proof now (a safe point, then the save)")
-    if r.get("gpus"):
-        lines.append(f"gpus      {','.join(r['gpus'])}")
+    gpus = gpus_text(r)
+    if gpus is not None:
+        lines.append(gpus)
     if r.get("reconciling"):
         lines.append(
             "reconcile still being matched with its target after the daemon's start (the target has not answered yet)"
