@@ -36,19 +36,30 @@ def _width() -> int | None:
 
 
 def _watch_list(client: Client, params: dict[str, Any]) -> int:
-    """Redraw the list every second until Ctrl-C; a daemon restart is waited out."""
-    import shutil
+    """Redraw the list every second until Ctrl-C; a daemon restart is waited out.
 
+    Ctrl-C is the watch's only way out, so it ends it whatever the watch is doing (waiting for the
+    daemon's answer, drawing, sleeping), also when the watch was started with SIGINT ignored (a
+    script's background job, nohup), where Python would leave it ignored. A frame is written
+    straight to the terminal, so nothing of a frame cut short is left to flush at the exit (which
+    would wait on a terminal whose output is stopped)."""
+    import shutil
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     patient = Patient(client)
-    out = sys.stdout
+    fd = sys.stdout.fileno()
     try:
         while True:
             runs = patient.call("list", **params)
             size = shutil.get_terminal_size()
             header = f"obd train list, every 1s (Ctrl-C to quit)  {time.strftime('%H:%M:%S')}"
             lines = [render.shorten_middle(header, size.columns), *render.table(runs, width=size.columns).split("\n")]
-            out.write("\033[H\033[2J" + "\n".join(lines[: max(size.lines - 1, 3)]) + "\n")
-            out.flush()
+            frame = ("\033[H\033[2J" + "\n".join(lines[: max(size.lines - 1, 3)]) + "\n").encode(
+                sys.stdout.encoding or "utf-8", "replace"
+            )
+            while frame:
+                frame = frame[os.write(fd, frame) :]
             time.sleep(1.0)
     except KeyboardInterrupt:
         return 0

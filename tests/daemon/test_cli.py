@@ -13,10 +13,11 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -486,25 +487,93 @@ def test_list_fits_the_terminal_and_shortens_a_long_message_in_its_middle(fast: 
     assert "line 17:  1 2 3" in piped and "OWNER" in piped and "STARTED" in piped
 
 
+CLEAR = b"\x1b[H\x1b[2J"  # what starts each frame of `list --watch`
+
+
+def watch_on_terminal(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
+    """Start `argv` with its stdout and stderr on a new pseudo-terminal; return it and the master side."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, env=env, stdout=slave, stderr=slave, cwd=REPO)
+    os.close(slave)
+    return proc, master
+
+
+def read_terminal(
+    master: int,
+    proc: subprocess.Popen[bytes],
+    timeout: float,
+    what: str,
+    until: Callable[[bytes], bool] | None = None,
+) -> bytes:
+    """Read what the terminal shows until `until(shown)` holds or, without `until`, the process exits."""
+    shown = b""
+    deadline = time.monotonic() + timeout
+    while not (until(shown) if until is not None else proc.poll() is not None):
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}; shown: {shown[-2000:]!r}"
+        if select.select([master], [], [], 0.1)[0]:
+            try:
+                shown += os.read(master, 65536)
+            except OSError:  # no process holds the terminal any more
+                assert until is None, f"the terminal closed before {what}; shown: {shown[-2000:]!r}"
+                proc.wait(timeout)
+    return shown
+
+
 def test_list_watch_redraws_every_second_on_a_terminal_and_refuses_a_pipe(fast: DaemonProc) -> None:
     rid = start(fast, "sleep", "30", opts=("--name", "watched"))
     fast.wait_state(rid, "running")
-    master, slave = pty.openpty()
-    proc = subprocess.Popen([str(OBD), "train", "list", "--watch"], env=fast.env, stdout=slave, stderr=slave)
-    os.close(slave)
-    shown = b""
-    deadline = time.monotonic() + 3.5
-    while time.monotonic() < deadline:
-        if select.select([master], [], [], 0.1)[0]:
-            shown += os.read(master, 65536)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(10) == 0
-    os.close(master)
-    assert shown.count(b"\x1b[H\x1b[2J") >= 3  # redrawn every second
-    assert b"watched" in shown
+    proc, master = watch_on_terminal([str(OBD), "train", "list", "--watch"], fast.env)
+    try:
+        shown = read_terminal(
+            master, proc, 120, "three frames showing the run", until=lambda s: s.count(CLEAR) >= 3 and b"watched" in s
+        )
+        proc.send_signal(signal.SIGINT)
+        read_terminal(master, proc, 120, "the watch to end on Ctrl-C")
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert shown.count(CLEAR) >= 3 and b"watched" in shown  # redrawn every second
     piped = obd(fast, "train", "list", "--watch")
     assert piped.returncode == 2 and "--json" in piped.stderr
     obd(fast, "train", "cancel", rid)
+
+
+def test_ctrl_c_ends_list_watch_while_the_daemon_is_slow_to_answer_even_when_started_with_sigint_ignored(
+    short_tmp: Path,
+) -> None:
+    """A daemon that takes the `list` request and does not answer yet; the watch was started by a
+    script that ignores SIGINT (as a script's background job does), which Python leaves ignored."""
+    d = DaemonProc(short_tmp)  # its environment only: the socket is this test's
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(d.socket))
+    server.listen()
+    server.settimeout(120)
+    ignoring = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', str(OBD), "train", "list", "--watch"]
+    proc, master = watch_on_terminal(ignoring, d.env)
+    conn = None
+    try:
+        conn, _ = server.accept()
+        conn.settimeout(120)
+        request = b""
+        while b"\n" not in request:
+            chunk = conn.recv(65536)
+            assert chunk, "the watch closed its connection without a request"
+            request += chunk
+        assert json.loads(request)["op"] == "list"  # the watch now waits for the answer
+        proc.send_signal(signal.SIGINT)
+        read_terminal(master, proc, 120, "the watch to end on Ctrl-C")
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+        if conn is not None:
+            conn.close()
+        server.close()
 
 
 # --- feedback while waiting ---------------------------------------------------------------------
