@@ -22,6 +22,10 @@ sys.path.insert(0, str(REPO))
 import contextlib
 
 from daemon.cli.client import Client, DaemonUnreachable
+from tests import leftovers
+
+# Every process the tests start inherits this session's mark (see tests/leftovers.py).
+_MARKED_HERE = leftovers.mark_session()
 
 FAST_CONFIG = """
 [daemon]
@@ -208,3 +212,30 @@ def make_daemon(short_tmp: Path) -> Iterator[Callable[..., DaemonProc]]:
     for d in made:
         d.stop()
         kill_leftover_jobs(d.state_dir)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """The controller takes the `/tmp/obd-*` directories an xdist worker made (tests/leftovers.py)."""
+    leftovers.MADE.update(getattr(node, "workeroutput", {}).get("obd_tmp_dirs", []))
+
+
+@pytest.hookimpl(trylast=True)  # in the controller, after pytest-xdist has ended its workers
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail the run when its tests left a process running or a `/tmp/obd-*` directory behind
+    (both are cleaned up then); an xdist worker hands the directories it made to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["obd_tmp_dirs"] = sorted(leftovers.MADE)
+        return
+    if not _MARKED_HERE:
+        return
+    report = leftovers.find(leftovers.session_id())
+    if report:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for line in report.lines():
+            if reporter is not None:
+                reporter.write_line(line, red=True)
+            else:
+                print(line, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
