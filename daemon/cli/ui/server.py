@@ -12,10 +12,17 @@ which only the page itself can read (from its api/session), and the page's own O
 with `Sec-Fetch-Site: same-origin`), so another site cannot make a browser act. A Host header
 other than a loopback name is refused (no DNS rebinding); its port is not checked, so through
 `ssh -L LOCAL:127.0.0.1:PORT` the page works as it does here.
+
+Any local user can connect to the port, so connections are bounded: each has a read timeout
+(`OBD_UI_IDLE_TIMEOUT`, 30 s: one that sends nothing that long is closed) and at most
+`OBD_UI_MAX_CONNECTIONS` (64) are open at once, each with its thread. At the cap a new
+connection takes the place of the one idle the longest (waiting for its request: a browser
+opens a new one when it needs it); when none is idle it is refused with a 503 that says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.server
 import json
@@ -27,6 +34,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -49,6 +57,9 @@ CONTENT_TYPES = {
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
 HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]]+)(?::(\d{1,5}))?")
 MAX_STREAMS = 32  # open event streams at once (each holds a connection to the daemon)
+IDLE_TIMEOUT = 30.0  # seconds a connection may send nothing before it is closed
+MAX_CONNECTIONS = 64  # open connections at once, each with its thread (streams included)
+EVICT_WAIT = 2.0  # seconds to wait for an evicted idle connection's thread to end
 HEARTBEAT = 15.0
 PORT_TRIES = 20
 SECURITY_HEADERS = {
@@ -69,14 +80,52 @@ NEEDS_TOKEN = (
 )
 
 
+class Limits:
+    """How many connections the view holds at once and how long one may stay silent.
+
+    From `OBD_UI_MAX_CONNECTIONS` and `OBD_UI_IDLE_TIMEOUT` (seconds) when set, else the defaults.
+    """
+
+    def __init__(self, connections: int = MAX_CONNECTIONS, idle_timeout: float = IDLE_TIMEOUT) -> None:
+        if connections < MAX_STREAMS // 4 or idle_timeout <= 0:
+            raise ValueError(f"at least {MAX_STREAMS // 4} connections and a timeout above 0 s")
+        self.connections = connections
+        self.idle_timeout = idle_timeout
+
+    @classmethod
+    def from_environ(cls) -> Limits:
+        """The limits this environment asks for; a bad value raises ValueError naming the variable."""
+        connections, idle = os.environ.get("OBD_UI_MAX_CONNECTIONS"), os.environ.get("OBD_UI_IDLE_TIMEOUT")
+        try:
+            return cls(
+                int(connections) if connections else MAX_CONNECTIONS,
+                float(idle) if idle else IDLE_TIMEOUT,
+            )
+        except ValueError as exc:
+            raise ValueError(
+                f"OBD_UI_MAX_CONNECTIONS={connections or ''} OBD_UI_IDLE_TIMEOUT={idle or ''}: "
+                f"need a whole number of connections and seconds ({exc}); unset them for the defaults "
+                f"({MAX_CONNECTIONS} and {IDLE_TIMEOUT:g})"
+            ) from None
+
+
 class UiServer(http.server.ThreadingHTTPServer):
-    """The web view's server: what every request handler shares."""
+    """The web view's server: what every request handler shares, and the bound on its connections.
+
+    Every open connection is in `open` (with its thread): the time it began waiting for a
+    request, or None while a request is read or answered (an event stream included). At the
+    cap the longest idle one is shut, so its thread ends, and the new one takes its place.
+    """
 
     daemon_threads = True
     block_on_close = False  # open event streams never hold up the exit
     allow_reuse_address = True
+    request_queue_size = 64
 
-    def __init__(self, address: tuple[str, int], socket_path: Path, token: str) -> None:
+    def __init__(self, address: tuple[str, int], socket_path: Path, token: str, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.open: dict[socket.socket, float | None] = {}
+        self.slots = threading.Condition()
         super().__init__(address, Handler)
         self.socket_path = socket_path
         self.token = token
@@ -97,6 +146,66 @@ class UiServer(http.server.ThreadingHTTPServer):
         """The address `obd ui` prints: the page, with the token that sets the cookie."""
         return f"http://127.0.0.1:{self.server_address[1]}{self.root}?token={self.token}"
 
+    # --- the bound on connections --------------------------------------------------------
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the new connection when there is room (made by evicting an idle one), else a 503."""
+        if self._admit(request):
+            super().process_request(request, client_address)
+        else:
+            self._turn_away(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.slots:
+                self.open.pop(request, None)
+                self.slots.notify_all()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Quiet for a connection the browser (or an eviction) closed; a traceback otherwise."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+    def waiting(self, connection: socket.socket, idle: bool) -> None:
+        """Mark `connection` idle (waiting for a request: it may be evicted) or busy."""
+        with self.slots:
+            if connection in self.open:
+                self.open[connection] = time.monotonic() if idle else None
+
+    def _admit(self, request: socket.socket) -> bool:
+        with self.slots:
+            if len(self.open) >= self.limits.connections:
+                idle = [(since, conn) for conn, since in self.open.items() if since is not None]
+                if idle:
+                    _, oldest = min(idle, key=lambda pair: pair[0])
+                    self.open[oldest] = None  # never chosen twice
+                    with contextlib.suppress(OSError):
+                        oldest.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
+                    self.slots.wait_for(lambda: len(self.open) < self.limits.connections, EVICT_WAIT)
+            if len(self.open) >= self.limits.connections:
+                return False
+            self.open[request] = time.monotonic()
+            return True
+
+    def _turn_away(self, request: socket.socket) -> None:
+        """A 503 that says why, written without waiting (the accepting thread must not block), then close."""
+        body = (
+            f"obd ui has its {self.limits.connections} connections busy (open pages and their live updates): "
+            "close some of its tabs and reload, or raise OBD_UI_MAX_CONNECTIONS for the next `obd ui`\n"
+        ).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 5\r\nConnection: close\r\n\r\n"
+        ).encode()
+        try:
+            request.setblocking(False)
+            request.send(head + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
 
 class Handler(http.server.BaseHTTPRequestHandler):
     server: UiServer
@@ -104,6 +213,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: an access log would print the token of the first visit."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.limits.idle_timeout)  # a read (or write) that long closes it
+
+    def handle_one_request(self) -> None:
+        self.server.waiting(self.connection, idle=True)  # until its request line and headers are in
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.server.waiting(self.connection, idle=False)
+        return ok
 
     # --- dispatch ------------------------------------------------------------------------
 
@@ -327,20 +449,25 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
-def bind(socket_path: Path, port: int | None, token: str) -> UiServer:
+def bind(socket_path: Path, port: int | None, token: str, limits: Limits | None = None) -> UiServer:
     """The server on 127.0.0.1: on `port`, or the first free one from 8765 when none was asked for."""
     if port is not None:
-        return UiServer(("127.0.0.1", port), socket_path, token)
+        return UiServer(("127.0.0.1", port), socket_path, token, limits)
     for candidate in range(DEFAULT_PORT, DEFAULT_PORT + PORT_TRIES):
         try:
-            return UiServer(("127.0.0.1", candidate), socket_path, token)
+            return UiServer(("127.0.0.1", candidate), socket_path, token, limits)
         except OSError:
             continue
-    return UiServer(("127.0.0.1", 0), socket_path, token)
+    return UiServer(("127.0.0.1", 0), socket_path, token, limits)
 
 
 def serve(socket_path: Path, port: int | None) -> int:
     """`obd ui`: check the daemon answers, serve until Ctrl-C or SIGTERM, print where to look."""
+    try:
+        limits = Limits.from_environ()
+    except ValueError as exc:
+        print(f"obd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     client = Client(socket_path, timeout=10)
     try:
         client.call("ping")
@@ -351,7 +478,7 @@ def serve(socket_path: Path, port: int | None) -> int:
         client.close()
     token = secrets.token_urlsafe(24)
     try:
-        server = bind(socket_path, port, token)
+        server = bind(socket_path, port, token, limits)
     except OSError as exc:
         print(
             f"obd: cannot serve on 127.0.0.1:{port} ({exc.strerror or exc}); pick another port with --port",
