@@ -6,13 +6,17 @@ each command and its output.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,8 +73,13 @@ def wait_step(run_id: str, step: int, timeout: float = 300) -> dict:
     raise SystemExit(f"demo: run {run_id} did not reach step {step}")
 
 
-def main() -> int:
+@contextlib.contextmanager
+def demo_daemon() -> Iterator[Path]:
+    """A daemon in a throwaway directory under /tmp, for the demo's life; whatever happens (a failure,
+    Ctrl-C), nothing is left behind: runs still going are cancelled, the daemon ends, any job left
+    is KILLed, and the directory is removed (the daemon's log tail is shown first on a failure)."""
     root = Path(tempfile.mkdtemp(prefix="obd-demo-"))
+    saved = dict(os.environ)
     os.environ.update(
         OBD_STATE_DIR=str(root / "state"),
         OBD_SOCKET=str(root / "obd.sock"),
@@ -78,12 +87,58 @@ def main() -> int:
         PYTHONPATH=str(REPO),
         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     )
-    (root / "config.toml").write_text('[daemon]\npoll_interval = "0.5s"\n\n[stop]\ncancel_grace = "5s"\n')
-    say(f"starting the daemon (state in {root})")
-    log = open(root / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes to it for the demo's whole life
-    daemon = subprocess.Popen([*OBD, "daemon"], stdout=log, stderr=log, cwd=REPO)
+    daemon: subprocess.Popen[bytes] | None = None
+    ok = False
     try:
+        (root / "config.toml").write_text('[daemon]\npoll_interval = "0.5s"\n\n[stop]\ncancel_grace = "5s"\n')
+        say(f"starting the daemon (state in {root}, removed at the end)")
+        with open(root / "daemon.log", "wb") as log:  # the daemon keeps its own copy
+            daemon = subprocess.Popen([*OBD, "daemon"], stdout=log, stderr=log, cwd=REPO)
         wait_ready(daemon)
+        yield root
+        ok = True
+    finally:
+        if daemon is not None:
+            _end(daemon, root)
+        if not ok:
+            with contextlib.suppress(OSError):
+                tail = (root / "daemon.log").read_bytes()[-3000:].decode("utf-8", "replace")
+                print(f"demo: the daemon's log ended with:\n{tail}", file=sys.stderr)
+        shutil.rmtree(root, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _end(daemon: subprocess.Popen[bytes], root: Path) -> None:
+    """Cancel the runs still going (the daemon ends their jobs), stop the daemon, KILL any job left."""
+    if daemon.poll() is None:
+        with contextlib.suppress(Exception):
+            listed = subprocess.run(
+                [*OBD, "train", "list", "--json"], capture_output=True, text=True, cwd=REPO, timeout=30
+            )
+            for run in json.loads(listed.stdout):
+                if run["state"] in ("queued", "preparing", "running"):
+                    subprocess.run(
+                        [*OBD, "train", "cancel", run["id"], "--wait"], capture_output=True, cwd=REPO, timeout=60
+                    )
+        daemon.terminate()
+        try:
+            daemon.wait(20)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+    from trainer_plugin import jobctl
+
+    for pidfile in (root / "state").glob("jobs/*/job.pid"):
+        handle = jobctl.read_handle(str(pidfile.parent))
+        if handle and (jobctl.handle_alive(handle) or jobctl.group_alive(handle)):
+            with contextlib.suppress(OSError):
+                os.killpg(int(handle["pid"]), signal.SIGKILL)
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `kill` cleans up as Ctrl-C does
+    with demo_daemon():
         say("a tiny Qwen2 LoRA fine-tune (random weights, local tokenizer, shipped data)")
         # Long enough that the stop comes while it trains: a tiny step takes ~15 ms on a quiet machine,
         # so 60 steps could be over before the daemon has seen step 5 (step logs come once a second).
@@ -125,9 +180,6 @@ def main() -> int:
             return 1
         print("\ndemo: ok")
         return 0
-    finally:
-        daemon.terminate()
-        daemon.wait(20)
 
 
 if __name__ == "__main__":
