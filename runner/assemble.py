@@ -1,7 +1,8 @@
 """Turn a profile directory and `metrics.jsonl` into `RunMetrics`, saying where each number came from.
 
-The order of preference is fixed: a rocprofv3 kernel trace, else rocprofv3's kernel stats, else
-the torch.profiler table; amd-smi for memory and utilisation; `metrics.jsonl` for step time and
+The order of preference is fixed: rocprofv3's kernel traces (CSV, else its rocpd SQLite databases,
+else a counter collection with timestamps), else rocprofv3's kernel stats, else the torch.profiler
+table; counter totals from `counter_collection.csv` whenever there is one; amd-smi for memory and utilisation; `metrics.jsonl` for step time and
 tokens. Each reader reports what it skipped; this module turns that into warnings and never
 raises for bad input. A missing input leaves its numbers `None`.
 """
@@ -12,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from runner import amdsmi, hardware, kernels, nvsmi, rocprof, steps, torchprof
+from runner import amdsmi, hardware, kernels, nvsmi, rocpd, rocprof, steps, torchprof
 from runner.discover import ProfileFiles, find_profile_files
 from runner.metrics import RunMetrics
 from runner.waste import BudgetInputs, waste_budget
@@ -122,19 +123,18 @@ def _kernels(
     totals: dict[str, tuple[int, float]] = {}
     busy_per_step: float | None = None
     busy_source = ""
-    if files.kernel_traces:
-        trace = rocprof.KernelTrace()
-        for path in files.kernel_traces:
-            rocprof.read_kernel_trace(path, trace, files.label(path))
-        trace.finish()
+    counters = _counters(metrics, files)
+    trace, kind = _dispatches(metrics, files, counters)
+    if trace is not None:
         for warning in trace.warnings:
             metrics.warn(warning)
         if trace.bad_rows or trace.csv_errors:
             metrics.warn(
-                f"kernel traces: {trace.bad_rows + trace.csv_errors} unreadable rows skipped "
+                f"{kind}: {trace.bad_rows + trace.csv_errors} unreadable rows skipped "
                 "(cut-off lines, N/A or negative durations)"
             )
-        metrics.files.extend(trace.files)
+        if kind != "counter collections":  # their files are listed once, by _counters
+            metrics.files.extend(trace.files)
         if trace.dispatches:
             totals = trace.totals()
             metrics.profiler, metrics.device_kind = "rocprofv3", "amd"
@@ -144,16 +144,18 @@ def _kernels(
             metrics.gpu_busy_s = sum(busy) / len(busy) / 1e9 if busy else None
             if busy:
                 metrics.gpu_count = len(busy)
-                metrics.sources["gpu_count"] = "kernel traces: GPU agents that ran kernels"
+                metrics.sources["gpu_count"] = f"{kind}: GPU agents that ran kernels"
             layouts = ", ".join(sorted(set(trace.layouts)))
-            where = f"{len(trace.files)} kernel trace file(s), {trace.dispatches} dispatches; layout: {layouts}"
+            where = (
+                f"{len(trace.files)} {kind.removesuffix('s')} file(s), {trace.dispatches} dispatches; layout: {layouts}"
+            )
             metrics.sources["top_kernels"] = f"rocprofv3 {where}; % of summed kernel durations"
             metrics.sources["gpu_busy_s"] = "union of kernel intervals per GPU agent, mean over agents"
             if step_count and metrics.gpu_busy_s is not None:
                 busy_per_step = metrics.gpu_busy_s / step_count
-                busy_source = f"kernel-trace busy time / {step_count} steps, whole process"
+                busy_source = f"{kind} busy time / {step_count} steps, whole process"
         elif trace.files:
-            metrics.warn("kernel traces hold no kernel dispatches")
+            metrics.warn(f"{kind} hold no kernel dispatches")
     if not totals and files.kernel_stats:
         for path in files.kernel_stats:
             for name, (calls, ns) in rocprof.read_kernel_stats(path, metrics.warnings, files.label(path)).items():
@@ -166,6 +168,16 @@ def _kernels(
             metrics.dispatch_count = sum(calls for calls, _ in totals.values())
             metrics.sources["top_kernels"] = "rocprofv3 kernel_stats.csv (no kernel trace); % of TotalDurationNs"
             metrics.warn("no kernel trace: GPU busy time and the busy buckets of the waste budget are unknown")
+    if not totals and counters is not None and counters.calls:
+        # Counters without timestamps (rocprofv3 before ROCm 7): which kernels ran and how often, not for how long.
+        metrics.profiler, metrics.device_kind = "rocprofv3", "amd"
+        metrics.dispatch_count = counters.dispatches
+        metrics.kernel_count = len(counters.calls)
+        metrics.attention_kernel_loaded, metrics.attention_kernels = kernels.attention_evidence(list(counters.calls))
+        metrics.warn(
+            "counter_collection.csv without timestamps and no kernel trace: kernel times and GPU busy time "
+            "are unknown (add --kernel-trace to rocprofv3's options)"
+        )
     if not totals and files.torch_kernels:
         table = torchprof.read_torch_kernels(files.torch_kernels, files.label(files.torch_kernels))
         for warning in table.warnings:
@@ -206,6 +218,53 @@ def _kernels(
     return busy_per_step, category_ns, busy_source
 
 
+def _counters(metrics: RunMetrics, files: ProfileFiles) -> rocprof.CounterCollection | None:
+    """Every `counter_collection.csv`: each counter's total over the run's dispatches into `metrics.counters`."""
+    if not files.counter_collections:
+        return None
+    counters = rocprof.CounterCollection()
+    for path in files.counter_collections:
+        rocprof.read_counter_collection(path, counters, files.label(path))
+    for warning in counters.warnings:
+        metrics.warn(warning)
+    metrics.files.extend(counters.files)
+    if counters.counters:
+        metrics.counters = dict(sorted(counters.counters.items()))
+        metrics.sources["counters"] = (
+            f"rocprofv3 counter collection ({len(counters.files)} file(s)): each counter summed over "
+            f"{counters.dispatches} dispatches"
+        )
+    return counters
+
+
+def _dispatches(
+    metrics: RunMetrics, files: ProfileFiles, counters: rocprof.CounterCollection | None
+) -> tuple[rocprof.KernelTrace | None, str]:
+    """The run's kernel dispatches and what they were read from, best source first.
+
+    CSV kernel traces, else the rocpd databases (rocprofv3 writes the same dispatches to both when
+    asked for both formats, so only one is read), else a counter collection with timestamps.
+    """
+    if files.kernel_traces:
+        trace = rocprof.KernelTrace()
+        for path in files.kernel_traces:
+            rocprof.read_kernel_trace(path, trace, files.label(path))
+        kind = "kernel traces"
+        if files.rocpd_dbs:
+            metrics.sources["rocpd"] = "rocpd database(s) not read: the CSV kernel traces hold the same dispatches"
+    elif files.rocpd_dbs:
+        trace = rocprof.KernelTrace()
+        for path in files.rocpd_dbs:
+            rocpd.read_kernels(path, trace, files.label(path))
+        kind = "rocpd databases"
+    elif counters is not None and counters.timed:
+        trace, kind = counters.trace, "counter collections"
+    else:
+        return None, ""
+    trace.finish()
+    return trace, kind
+
+
 def _agents(metrics: RunMetrics, files: ProfileFiles | None) -> list[rocprof.GpuAgent]:
     agents: list[rocprof.GpuAgent] = []
     if files is None:
@@ -218,9 +277,18 @@ def _agents(metrics: RunMetrics, files: ProfileFiles | None) -> list[rocprof.Gpu
                 seen.add(key)
                 agents.append(agent)
         metrics.files.append(files.label(path))
+    where = "agent_info.csv"
+    if not agents and files.rocpd_dbs:
+        for path in files.rocpd_dbs:
+            for agent in rocpd.read_agents(path, metrics.warnings, files.label(path)):
+                key = (agent.node_id, agent.product)
+                if key not in seen:  # one database per process: the same GPUs again
+                    seen.add(key)
+                    agents.append(agent)
+        where = "rocpd database (rocpd_info_agent)"
     if agents:
         metrics.gpu_name = agents[0].product or agents[0].name
-        metrics.sources["gpu_name"] = f"agent_info.csv ({len(agents)} GPU(s) on the node)"
+        metrics.sources["gpu_name"] = f"{where} ({len(agents)} GPU(s) on the node)"
     return agents
 
 
@@ -390,7 +458,7 @@ def _mfu(
     if agents:
         agent = agents[0]
         peak = hardware.peak_from_agent(
-            agent.name or hardware.gfx_name(agent.gfx_target_version), agent.cu_count, agent.max_clock_mhz
+            agent.name or hardware.gfx_name(agent.gfx_target_version), agent.cu_count, agent.max_clock_mhz, agent.source
         )
         peak = peak or hardware.peak_from_name(agent.product)
     peak = peak or hardware.peak_from_name(metrics.gpu_name)

@@ -79,7 +79,7 @@ class _TailWatch:
 
 
 class RowReader:
-    """Iterate the rows of a CSV file, resuming after malformed lines and counting them.
+    """Iterate the rows of a CSV file, resuming after malformed lines and counting them; blank lines are skipped.
 
     A file that does not end with a line break may have been cut off mid-row (a job killed
     mid-write, a copy taken while the profiler was writing): its last row is dropped, never read
@@ -104,14 +104,16 @@ class RowReader:
         while True:
             try:
                 if watch is None:
-                    yield from reader
+                    # A blank line (rocprofv3 ends its files with one) is no row, not a bad one.
+                    yield from filter(None, reader)
                     return
                 for row in reader:
                     if watch.cut:
                         # The row that holds the unterminated last line: possibly cut short.
                         self.cut_tail = True
                         continue
-                    yield row
+                    if row:
+                        yield row
                 return
             except csv.Error:
                 if watch is not None and watch.cut:

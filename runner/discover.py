@@ -2,7 +2,8 @@
 
 rocprofv3 writes `<dir>/<host>/<pid>_kernel_trace.csv` by default and `<dir>/<name>_kernel_trace.csv`
 with `-o <name>`; `rocpd convert` writes `kernel_trace.csv`; a multi-process job leaves one set
-per process. Files are matched by the end of their name, a few directories deep; links are not
+per process. With `--pmc` it writes `counter_collection.csv`; ROCm 7's default output is instead
+one SQLite database per process, `<host>/<pid>_results.db` (`--output-format rocpd`). Files are matched by the end of their name, a few directories deep; links are not
 followed (the directory came from a target and may hold anything).
 """
 
@@ -20,6 +21,8 @@ class ProfileFiles:
     root: Path
     kernel_traces: list[Path] = field(default_factory=list)
     kernel_stats: list[Path] = field(default_factory=list)
+    counter_collections: list[Path] = field(default_factory=list)
+    rocpd_dbs: list[Path] = field(default_factory=list)  # rocprofv3's SQLite output (runner/rocpd.py)
     agent_infos: list[Path] = field(default_factory=list)
     amdsmi_csv: list[Path] = field(default_factory=list)
     amdsmi_json: list[Path] = field(default_factory=list)
@@ -39,12 +42,20 @@ class ProfileFiles:
         return bool(
             self.kernel_traces
             or self.kernel_stats
+            or self.counter_collections
+            or self.rocpd_dbs
             or self.torch_kernels
             or self.torch_summary
             or self.amdsmi_csv
             or self.amdsmi_json
             or self.nvidia_smi
         )
+
+
+def is_rocpd_name(name: str) -> bool:
+    """Whether a file name is rocprofv3's database: `<pid>_results.db` (or `<name>_results.db` with -o)."""
+    lowered = name.lower()
+    return lowered == "results.db" or lowered.endswith("_results.db")
 
 
 def _walk(root: Path) -> list[Path]:
@@ -75,6 +86,10 @@ def find_profile_files(root: Path) -> ProfileFiles:
             out.kernel_traces.append(path)
         elif name.endswith("kernel_stats.csv"):
             out.kernel_stats.append(path)
+        elif name.endswith("counter_collection.csv"):
+            out.counter_collections.append(path)
+        elif is_rocpd_name(name):
+            out.rocpd_dbs.append(path)
         elif name.endswith("agent_info.csv"):
             out.agent_infos.append(path)
         elif name.endswith(".csv") and ("amdsmi" in name or "amd_smi" in name or "amd-smi" in name):

@@ -77,6 +77,10 @@ def format_metrics(metrics: dict) -> str:
         lines.append(f"  {'':<{width}}  {'':>16}     {name}")
     lines.append("")
     lines.extend(_kernel_table(m))
+    if m.counters:
+        lines.append("")
+        lines.append(f"Counters ({m.sources.get('counters', 'source unknown')})")
+        lines.extend(f"  {name:<24} {value:>20,.6g}" for name, value in m.counters.items())
     lines.append("")
     lines.extend(_budget_table(m))
     if m.warnings:

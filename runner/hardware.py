@@ -59,8 +59,10 @@ class Peak:
     source: str
 
 
-def peak_from_agent(isa: str | None, cu_count: int | None, clock_mhz: float | None) -> Peak | None:
-    """Dense bf16 peak from the agent's compute units and peak clock, for ISAs in the table."""
+def peak_from_agent(
+    isa: str | None, cu_count: int | None, clock_mhz: float | None, where: str = "agent_info.csv"
+) -> Peak | None:
+    """Dense bf16 peak from the agent's compute units and peak clock, for ISAs in the table; `where` they were read."""
     if not isa or not cu_count or not clock_mhz:
         return None
     per_clock = BF16_FLOPS_PER_CLOCK_PER_CU.get(isa.lower())
@@ -69,8 +71,7 @@ def peak_from_agent(isa: str | None, cu_count: int | None, clock_mhz: float | No
     tflops = cu_count * clock_mhz * 1e6 * per_clock / 1e12
     return Peak(
         tflops,
-        f"agent_info.csv: {cu_count} CUs x {clock_mhz:.0f} MHz x {per_clock} bf16 FLOP/clock/CU "
-        f"({isa}) = {tflops:.1f} TFLOPs",
+        f"{where}: {cu_count} CUs x {clock_mhz:.0f} MHz x {per_clock} bf16 FLOP/clock/CU ({isa}) = {tflops:.1f} TFLOPs",
     )
 
 

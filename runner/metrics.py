@@ -85,6 +85,8 @@ class RunMetrics(BaseModel):
     kernel_time_s: float | None = None  # sum of all kernel durations
     gpu_busy_s: float | None = None  # union of kernel intervals: time at least one kernel ran
 
+    counters: dict[str, float] = Field(default_factory=dict)  # rocprofv3 --pmc: counter -> total over dispatches
+
     attention_kernel_loaded: bool | None = None
     attention_kernels: list[str] = Field(default_factory=list)
 

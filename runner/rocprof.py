@@ -1,4 +1,4 @@
-"""Streaming parsers for rocprofv3's CSV output: kernel traces, kernel stats and agent info.
+"""Streaming parsers for rocprofv3's CSV output: kernel traces, counter collections, kernel stats and agent info.
 
 The kernel trace is read one row at a time and folded into per-kernel totals, so a trace of
 millions of dispatches takes memory in proportion to the number of distinct kernels, not rows.
@@ -9,9 +9,10 @@ columns) and `rocpd convert` (a leading Guid column; names matched whatever thei
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from runner.csvstream import TableSpec, normalise, parse_number, read_table
 
@@ -31,6 +32,19 @@ STATS_COLUMNS: dict[str, tuple[str, ...]] = {
     "name": ("name", "kernelname"),
     "calls": ("calls",),
     "total": ("totaldurationns", "totalduration"),
+}
+# `counter_collection.csv` (`rocprofv3 --pmc ...`): one row per counter of each dispatch; since
+# 2025 (ROCm 7) with the dispatch's Start/End_Timestamp, before that without any time.
+COUNTER_COLUMNS: dict[str, tuple[str, ...]] = {
+    "name": ("kernelname",),
+    "counter": ("countername",),
+    "value": ("countervalue",),
+    "dispatch": ("dispatchid",),
+    "correlation": ("correlationid",),
+    "agent": ("agentid",),
+    "process": ("processid",),
+    "start": ("starttimestamp",),
+    "end": ("endtimestamp",),
 }
 AGENT_COLUMNS: dict[str, tuple[str, ...]] = {
     "type": ("agenttype",),
@@ -52,6 +66,11 @@ TRACE = TableSpec(
 )
 STATS = TableSpec(STATS_COLUMNS, ("name", "total"), "kernel-stats header (Name, TotalDurationNs)")
 AGENTS = TableSpec(AGENT_COLUMNS, ("type",), "agent-info header (Agent_Type)", skipped=None)
+COUNTERS = TableSpec(
+    COUNTER_COLUMNS,
+    ("name", "counter", "value"),
+    "counter-collection header (Kernel_Name, Counter_Name, Counter_Value)",
+)
 
 # Rows are sorted in windows of this many before their intervals are merged: exact for a trace
 # ordered to within this many dispatches per agent, and it bounds the memory the merge needs.
@@ -171,8 +190,11 @@ def read_kernel_trace(path: Path, trace: KernelTrace, label: str | None = None) 
         trace.csv_errors += table.errors
 
 
-def _fold_rows(rows: Iterator[list[str]], index: dict[str, int], trace: KernelTrace) -> None:
-    """The hot loop: one pass, per-kernel totals and per-agent interval windows."""
+def _fold_rows(rows: Iterator[Sequence[Any]], index: dict[str, int], trace: KernelTrace) -> None:
+    """The hot loop: one pass, per-kernel totals and per-agent interval windows.
+
+    `rows` are a CSV's lists of strings or a database's tuples; `index` says where each column is.
+    """
     i_name, i_start, i_end = index["name"], index["start"], index["end"]
     i_kind = index.get("kind", -1)
     i_agent = index.get("agent", -1)
@@ -191,7 +213,7 @@ def _fold_rows(rows: Iterator[list[str]], index: dict[str, int], trace: KernelTr
             if i_kind >= 0 and row[i_kind] != "KERNEL_DISPATCH":
                 other += 1
                 continue
-        except (IndexError, ValueError):
+        except (IndexError, ValueError, TypeError, OverflowError):  # a database's NULL or infinity too
             parsed = _slow_row(row, i_name, i_start, i_end, i_kind, i_agent)
             if parsed is None:
                 bad += 1
@@ -229,16 +251,16 @@ def _fold_rows(rows: Iterator[list[str]], index: dict[str, int], trace: KernelTr
 
 
 def _slow_row(
-    row: list[str], i_name: int, i_start: int, i_end: int, i_kind: int, i_agent: int
+    row: Sequence[Any], i_name: int, i_start: int, i_end: int, i_kind: int, i_agent: int
 ) -> tuple[str, int, int, str] | str | None:
-    """A row the fast path rejected: a repeated header, a float timestamp, a cut-off line, N/A."""
+    """A row the fast path rejected: a repeated header, a float timestamp, a cut-off line, N/A, NULL."""
     if len(row) <= max(i_name, i_start, i_end, i_kind, i_agent):
         return None
-    if normalise(row[i_start]) in TRACE_COLUMNS["start"]:
+    if normalise(str(row[i_start])) in TRACE_COLUMNS["start"]:
         return None  # a repeated header (files concatenated)
     if i_kind >= 0 and row[i_kind] != "KERNEL_DISPATCH":
         return "other"
-    start, end = parse_number(row[i_start]), parse_number(row[i_end])
+    start, end = parse_number(str(row[i_start])), parse_number(str(row[i_end]))
     if start is None or end is None:
         return None
     return row[i_name], int(start), int(end), row[i_agent] if i_agent >= 0 else ""
@@ -267,6 +289,65 @@ def read_kernel_stats(path: Path, warnings: list[str], label: str | None = None)
 
 
 @dataclass
+class CounterCollection:
+    """What `counter_collection.csv` files measured: each counter summed over every dispatch, and the dispatches.
+
+    A dispatch is one row per counter; it is counted once, by (file, process, agent, dispatch id).
+    `timed` says whether every dispatch carried its start and end (the 2025 layout): only then
+    are the dispatches, folded into `trace`, a kernel-time source.
+    """
+
+    counters: dict[str, float] = field(default_factory=dict)  # counter name -> sum over dispatches
+    calls: dict[str, int] = field(default_factory=dict)  # kernel name -> dispatches
+    trace: KernelTrace = field(default_factory=KernelTrace)
+    untimed: int = 0  # dispatches without a start and end
+    files: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def dispatches(self) -> int:
+        return sum(self.calls.values())
+
+    @property
+    def timed(self) -> bool:
+        return self.dispatches > 0 and self.untimed == 0
+
+
+def read_counter_collection(path: Path, out: CounterCollection, label: str | None = None) -> None:
+    """Fold one `counter_collection.csv` into `out`; a bad file adds a warning, never an exception."""
+    with read_table(path, COUNTERS, out.warnings, label) as table:
+        if table is None:
+            return
+        out.files.append(table.label)
+        file_key = len(out.files)
+        seen: set[tuple[object, ...]] = set()
+        timed: list[tuple[str, int, int, str]] = []
+        for row in table.rows:
+            value = table.number(row, "value")
+            if not table.fits(row) or value is None:
+                table.bad += 1
+                continue
+            counter, name = table.cell(row, "counter"), table.cell(row, "name")
+            out.counters[counter] = out.counters.get(counter, 0.0) + value
+            ident = table.cell(row, "dispatch") or table.cell(row, "correlation")
+            key = (file_key, table.cell(row, "process"), table.cell(row, "agent"), ident, name)
+            if key in seen:
+                continue  # another counter of a dispatch already counted
+            seen.add(key)
+            out.calls[name] = out.calls.get(name, 0) + 1
+            start, end = table.number(row, "start"), table.number(row, "end")
+            if start is None or end is None:
+                out.untimed += 1
+            else:
+                timed.append((name, int(start), int(end), table.cell(row, "agent")))
+        _fold_rows(iter(timed), {"name": 0, "start": 1, "end": 2, "agent": 3}, out.trace)
+        out.trace.files.append(table.label)
+        out.trace.layouts.append(
+            "counter collection (" + ("timestamps" if "start" in table.index else "no timestamps") + ")"
+        )
+
+
+@dataclass
 class GpuAgent:
     """One GPU from `agent_info.csv`: what the peak-FLOPs estimate needs."""
 
@@ -277,6 +358,7 @@ class GpuAgent:
     gfx_target_version: int | None
     node_id: str = ""
     logical_node_id: str = ""
+    source: str = "agent_info.csv"  # where it was read, for the sources of the numbers it gives
 
 
 def read_agent_info(path: Path, warnings: list[str], label: str | None = None) -> list[GpuAgent]:

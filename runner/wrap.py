@@ -303,7 +303,7 @@ def rocprof_command(rocprofv3: str, trace_dir: str, command: list[str], help_tex
     """The rocprofv3 command line; `--output-format csv` only where this rocprofv3 knows it."""
     argv = [rocprofv3, "--kernel-trace", "--stats"]
     if "--output-format" in help_text:
-        argv += ["--output-format", "csv"]  # ROCm 7 defaults to rocpd (SQLite); CSV is what obd parses
+        argv += ["--output-format", "csv"]  # ROCm 7 defaults to rocpd (SQLite); CSV is streamed row by row
     return [*argv, "-d", trace_dir, "--", *command]
 
 
