@@ -169,10 +169,18 @@ class UiServer(http.server.ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
     def waiting(self, connection: socket.socket, idle: bool) -> None:
-        """Mark `connection` idle (waiting for a request: it may be evicted) or busy."""
+        """Mark `connection` idle (waiting for a request: it may be evicted) or busy.
+
+        An idle connection keeps the time it became idle (its accept, or its last answer), so the
+        longest idle is the one evicted however late its thread started.
+        """
         with self.slots:
-            if connection in self.open:
-                self.open[connection] = time.monotonic() if idle else None
+            if connection not in self.open:
+                return
+            if not idle:
+                self.open[connection] = None
+            elif self.open[connection] is None:
+                self.open[connection] = time.monotonic()
 
     def _admit(self, request: socket.socket) -> bool:
         with self.slots:
