@@ -125,6 +125,7 @@ class UiServer(http.server.ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], socket_path: Path, token: str, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
         self.open: dict[socket.socket, float | None] = {}
+        self.threads: dict[socket.socket, threading.Thread] = {}
         self.slots = threading.Condition()
         super().__init__(address, Handler)
         self.socket_path = socket_path
@@ -150,10 +151,13 @@ class UiServer(http.server.ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         """A thread for the new connection when there is room (made by evicting an idle one), else a 503."""
-        if self._admit(request):
-            super().process_request(request, client_address)
-        else:
+        if not self._admit(request):
             self._turn_away(request)
+            return
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address), daemon=True)
+        with self.slots:
+            self.threads[request] = thread
+        thread.start()
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -161,6 +165,7 @@ class UiServer(http.server.ThreadingHTTPServer):
         finally:
             with self.slots:
                 self.open.pop(request, None)
+                self.threads.pop(request, None)
                 self.slots.notify_all()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -183,19 +188,32 @@ class UiServer(http.server.ThreadingHTTPServer):
                 self.open[connection] = time.monotonic()
 
     def _admit(self, request: socket.socket) -> bool:
+        """Room for `request`: at the cap, the longest idle connection is shut and its thread waited for."""
         with self.slots:
             if len(self.open) >= self.limits.connections:
-                idle = [(since, conn) for conn, since in self.open.items() if since is not None]
-                if idle:
-                    _, oldest = min(idle, key=lambda pair: pair[0])
-                    self.open[oldest] = None  # never chosen twice
-                    with contextlib.suppress(OSError):
-                        oldest.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
-                    self.slots.wait_for(lambda: len(self.open) < self.limits.connections, EVICT_WAIT)
+                victim = self._evict()
+                if victim is None:
+                    return False
+            else:
+                victim = None
+        if victim is not None:
+            victim.join(EVICT_WAIT)  # its recv sees EOF at once; its thread ends before a new one starts
+        with self.slots:
             if len(self.open) >= self.limits.connections:
                 return False
             self.open[request] = time.monotonic()
             return True
+
+    def _evict(self) -> threading.Thread | None:
+        """Shut the longest idle connection (the caller holds `slots`); its thread, or None when none is idle."""
+        idle = [(since, conn) for conn, since in self.open.items() if since is not None]
+        if not idle:
+            return None
+        _, oldest = min(idle, key=lambda pair: pair[0])
+        self.open[oldest] = None  # never chosen twice
+        with contextlib.suppress(OSError):
+            oldest.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
+        return self.threads.get(oldest)
 
     def _turn_away(self, request: socket.socket) -> None:
         """A 503 that says why, written without waiting (the accepting thread must not block), then close."""
