@@ -18,6 +18,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from . import inject
+from .agreement import RankAgreement
 from .dist import Ranks, tear_down_at_exit
 from .interrupt import AFTER_TRAIN, EVALUATING, INTERRUPTED_MARKER, SAVING, TRAINING, StopAtBoundary, StopPoints
 from .metrics_file import MetricsWriter
@@ -109,7 +110,7 @@ class SnapshotCallback(TrainerCallback):
         # time.monotonic() when the Trainer's checkpoint save under way began (set by inject's
         # wrapper of Trainer._save_checkpoint); its `on_save` writes the save's duration.
         self.save_began: float | None = None
-        # Where a stop is taken between two step ends (interrupt.py); one process only.
+        # Where a stop is taken between two step ends (interrupt.py; agreement.py under torch.distributed).
         self._points: StopPoints | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -382,9 +383,15 @@ class SnapshotCallback(TrainerCallback):
         if self._points is not None:
             self._points.close()
         self._points = None
-        if self._ranks.distributed or _process_snapshot is not None or not self.env.request_path:
+        if _process_snapshot is not None or not self.env.request_path:
             return
-        self._points = StopPoints(self.env.request_path, self._write_phase).start()
+        agreement = None
+        if self._ranks.distributed:
+            agreement = RankAgreement.for_job(self._ranks.rank, self._ranks.world_size)
+            if agreement is None:  # no store to agree through: a request waits for the next step end
+                return
+        write_phase = self._write_phase if self._ranks.is_zero else None
+        self._points = StopPoints(self.env.request_path, write_phase, agreement).start()
 
     def _end_points(self, state: Any) -> None:
         """Training ended: after a full training the points watch the script's code after train()."""
@@ -392,7 +399,7 @@ class SnapshotCallback(TrainerCallback):
         points, self._points = self._points, None
         if points is None:
             return
-        if self._pending is not None or state.global_step < state.max_steps:
+        if self._pending is not None or state.global_step < state.max_steps or not self._ranks.is_zero:
             points.close()
             return
         points.take()
@@ -414,13 +421,13 @@ class SnapshotCallback(TrainerCallback):
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         points = self._points
-        if points is not None and points.reason is not None:  # one attribute read a micro-batch
-            points.check()
+        if points is not None:  # a count and one attribute read a micro-batch
+            points.passed()
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         points = self._points
-        if points is not None and points.reason is not None:
-            points.check()
+        if points is not None:
+            points.passed()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._points is not None:
@@ -439,6 +446,12 @@ class SnapshotCallback(TrainerCallback):
         if completed and points.last is not None:
             points.last.take_rng(points.step_seconds)
 
+    def loading(self, begun: bool) -> None:
+        """From inject's wrapper of Trainer.get_batch_samples: the next step's batches are being fetched."""
+        points = self._points
+        if points is not None:
+            points.loading(begun)
+
     def saving(self, begun: bool, step: int | None = None) -> None:
         """From inject's wrapper of Trainer._save_checkpoint: a save is never interrupted; after it,
         the state is still the boundary's (a save at step `step`)."""
@@ -456,7 +469,9 @@ class SnapshotCallback(TrainerCallback):
         """A save the Trainer made while a request waited: that save, once complete, is the snapshot."""
         if self._pending is not None or self._proven or _process_snapshot is not None:
             return
-        if state.global_step >= state.max_steps:
+        if state.global_step >= state.max_steps or self._ranks.distributed:
+            # Under torch.distributed the ranks learn of a request at different times: one that
+            # ends training after this save while another goes on would leave it in a collective.
             return
         points = self._points
         reason = points.reason if points is not None else None
@@ -495,6 +510,8 @@ class SnapshotCallback(TrainerCallback):
 
     def _mark_interrupted(self, step: int, stop: StopAtBoundary) -> None:
         """Say in the checkpoint what the stop cut short: a resumed run performs an interrupted evaluation first."""
+        if not self._ranks.is_zero:
+            return
         path = os.path.join(str(self.env.output_dir), checkpoint_name(step), INTERRUPTED_MARKER)
         with open(path, "w") as f:
             json.dump({"phase": stop.phase, "step": step, "reason": stop.reason}, f)

@@ -23,9 +23,11 @@ accumulation, a data loader stalled in one sample, the script's code after `trai
 - After `train()` returned no snapshot can come: on a request the thread writes an `after_train`
   line naming the code the stop cuts short, and the daemon ends the job at once.
 
-One process only: under torch.distributed every rank must stop at the same step, which only the
-step end's collective decides (dist.py), so there the request waits for the next step end as
-before. Standard library only; torch, numpy and Python's `random` are read only if imported.
+Under torch.distributed every rank must stop at the same point: the ranks agree on it through
+the job's store (agreement.py) and stop only at the points they all reach (a micro-batch's end,
+an evaluation batch's end); no signal interrupts a rank there, since its peers may be inside a
+collective with it. Standard library only; torch, numpy and Python's `random` are read only if
+imported.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from .agreement import PARKED_POLL_SECONDS, RankAgreement
 from .runtime import log_error, read_request
 
 # How often the thread looks for a request (an access() each time; the GIL is released between).
@@ -48,6 +51,8 @@ POLL_SECONDS = 0.2
 GRACE_SECONDS = 0.8
 # Steps at least this long keep numpy's and Python's RNG states at every boundary too.
 FULL_RNG_STEP_SECONDS = 0.1
+# How long the job must be in a phase said only when it lasts (loading data) before it is said.
+QUIET_PHASE_SECONDS = 1.0
 # A real-time signal, never sent by anyone else, so the job's own handlers (SIGUSR1 from Slurm's
 # --signal, SIGTERM) are left alone. Its default action would end the process: it is sent only
 # while obd's handler is installed.
@@ -130,9 +135,25 @@ class StopPoints:
     or here, so it is acted on once.
     """
 
-    def __init__(self, request_path: str | None, write_phase: Any = None) -> None:
+    def __init__(
+        self,
+        request_path: str | None,
+        write_phase: Any = None,
+        agreement: RankAgreement | None = None,
+    ) -> None:
         self.request_path = request_path
         self.write_phase = write_phase  # callable(phase, step, **fields): a metrics line, or None
+        # Under torch.distributed: where the ranks agree to stop (None: one process).
+        self.agreement = agreement
+        self.is_zero = agreement is None or agreement.rank == 0
+        # Positions passed (step ends, micro-batch ends, evaluation batch ends): the ranks' common count.
+        self.position = 0
+        self._verdict = False
+        # A phase too frequent to write at each change (loading data: every step), said by the
+        # thread only once it lasted QUIET_PHASE_SECONDS: when it began, and whether it was said.
+        self._quiet_lock = threading.Lock()
+        self._quiet_since: float | None = None
+        self._quiet_said = False
         self.phase = TRAINING
         self.safe = False
         self.taken = False
@@ -154,7 +175,8 @@ class StopPoints:
         """Install the signal handler (main thread, signal free) and start the watching thread."""
         if self.request_path is None:
             return self
-        if INTERRUPT_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+        interruptible = self.agreement is None  # a rank's peers may be in a collective with it
+        if interruptible and INTERRUPT_SIGNAL is not None and threading.current_thread() is threading.main_thread():
             current = signal.getsignal(INTERRUPT_SIGNAL)
             if current in (signal.SIG_DFL, None):
                 self._previous_handler = signal.signal(INTERRUPT_SIGNAL, self._handler)
@@ -181,6 +203,7 @@ class StopPoints:
         """Optimizer step `step` ended: its state is the one to save from now until the next one."""
         last = self.last
         now = time.monotonic()
+        self.position += 1
         if last is not None:
             self.step_seconds = now - last.at
         self.last = Boundary.take(step, self.step_seconds >= FULL_RNG_STEP_SECONDS, counters)
@@ -201,9 +224,35 @@ class StopPoints:
             with contextlib.suppress(Exception):
                 self.write_phase(phase, step, **fields)
 
+    def loading(self, begun: bool) -> None:
+        """The main thread fetches the next batches (begun) or has them: `loading_data` while it lasts long."""
+        if begun:
+            if self.phase == TRAINING:
+                self.phase, self._quiet_since = LOADING_DATA, time.monotonic()
+            return
+        if self.phase != LOADING_DATA:
+            return
+        with self._quiet_lock:
+            said, self._quiet_said, self._quiet_since = self._quiet_said, False, None
+            if said:
+                self.enter(TRAINING)
+            else:
+                self.phase = TRAINING
+
+    def passed(self) -> None:
+        """The main thread is at one of its own safe points (a micro-batch's end, an evaluation batch's)."""
+        self.position += 1
+        if self.reason is not None:
+            self.check()
+
     def check(self) -> None:
-        """At one of the main thread's own safe points: act on a request seen, if it is safe now."""
+        """At one of the main thread's own safe points: act on a request seen, if it is safe now.
+
+        Under torch.distributed the rank parks here until the ranks agree: it stops only where all do.
+        """
         if self.reason is not None and self.safe and not self.taken:
+            if self.agreement is not None and not self.agreement.park(self.position):
+                return
             self._raise()
 
     def take(self) -> None:
@@ -225,29 +274,65 @@ class StopPoints:
     # --- the thread ---------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        while not self._closing.wait(POLL_SECONDS):
+        while not self._closing.wait(self._interval()):
             try:
                 self._turn(time.monotonic())
             except Exception as exc:  # the thread must never take the job down
                 log_error(f"obd: the stop watch failed ({exc!r}); stops wait for the next step end")
                 return
 
+    def _interval(self) -> float:
+        agreeing = self.agreement is not None and self.reason is not None and not self._verdict
+        return PARKED_POLL_SECONDS if agreeing else POLL_SECONDS
+
+    def _say_quiet_phase(self, now: float) -> None:
+        """Say `loading_data` once the fetch lasted long enough for `status` to show it."""
+        since = self._quiet_since
+        if since is None or self._quiet_said or now - since < QUIET_PHASE_SECONDS:
+            return
+        with self._quiet_lock:
+            if self.phase == LOADING_DATA and not self._quiet_said and self.write_phase is not None:
+                self._quiet_said = True
+                step = self.last.step if self.last is not None else None
+                with contextlib.suppress(Exception):
+                    self.write_phase(LOADING_DATA, step)
+
     def _turn(self, now: float) -> None:
+        self._say_quiet_phase(now)
         if self.taken and self.phase != AFTER_TRAIN:
             return
         if self.reason is None:
-            self.reason = read_request(self.request_path)
+            self.reason = self._look()
             if self.reason is None:
                 return
             self._seen_at = now
         if self.phase == AFTER_TRAIN:
             self._say_cut()
             return
+        if self.agreement is not None:
+            self._agree(self.agreement)
+            return
         if not self.safe or now - self._seen_at < GRACE_SECONDS or now - self._signalled_at < GRACE_SECONDS:
             return
         self._signalled_at = now
         if self._handler_installed and self._main is not None:
             signal.pthread_kill(self._main, INTERRUPT_SIGNAL)  # type: ignore[arg-type]
+
+    def _look(self) -> str | None:
+        """The stop asked, if any: the request file (one process, rank 0), or what rank 0 posted."""
+        agreement = self.agreement
+        if agreement is not None and not self.is_zero:
+            return agreement.posted_stop()
+        reason = read_request(self.request_path)
+        if reason is not None and agreement is not None:
+            agreement.post_stop(reason)
+        return reason
+
+    def _agree(self, agreement: RankAgreement) -> None:
+        """Say where this rank is; rank 0 also moves the target on or gives the verdict."""
+        agreement.publish(self.position)
+        if self.is_zero and not self._verdict:
+            self._verdict = agreement.arbitrate()
 
     def _say_cut(self) -> None:
         """After train(): say once what the stop cuts short (the script's line and the call it is in)."""

@@ -81,7 +81,12 @@ def progress_text(progress: dict[str, Any] | None) -> str:
 
 
 # The plugin's phases (trainer_plugin/interrupt.py) other than training, as `status` and `list` say them.
-PHASE_WORDS = {"evaluating": "evaluating", "saving": "saving a checkpoint", "after_train": "after training"}
+PHASE_WORDS = {
+    "evaluating": "evaluating",
+    "saving": "saving a checkpoint",
+    "loading_data": "loading data",
+    "after_train": "after training",
+}
 
 
 def progress_line(progress: dict[str, Any]) -> str:

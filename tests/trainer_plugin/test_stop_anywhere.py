@@ -27,11 +27,12 @@ BASE = ["--max_steps", str(STEPS), "--accumulation", str(ACCUMULATION), "--eval_
 class Job:
     """One run of the script in its own run directory, its output in job.log."""
 
-    def __init__(self, root: Path, *args: str, resume_from: Path | None = None) -> None:
+    def __init__(self, root: Path, *args: str, resume_from: Path | None = None, ranks: int = 1) -> None:
         self.run = RunDir(root)
         self._log = open(self.run.log, "wb")
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
         self.proc = subprocess.Popen(
-            [sys.executable, SCRIPT, *BASE, *args],
+            [*(launch if ranks > 1 else [sys.executable]), SCRIPT, *BASE, *args],
             env=self.run.env(resume_from),
             cwd=root,
             stdout=self._log,
@@ -76,7 +77,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
     return job
 
 
-def stop_and_resume(job: Job, root: Path, reference: Job, *, cut: str) -> tuple[dict, Job]:
+def after_step_end(job: Job, line: str) -> None:
+    """Wait for `line`, then for the step end after it: a stop then comes inside the 20 micro-batches of the next step."""
+    job.wait_line(line)
+    began = job.log().index(line)
+    wait_for(lambda: " ended" in job.log()[began:] or job.proc.poll() is not None, JOB_TIMEOUT, 0.05, "a step end")
+
+
+def stop_and_resume(job: Job, root: Path, reference: Job, *, cut: str, ranks: int = 1) -> tuple[dict, Job]:
     """Ask the job for a snapshot now; then resume from it, and check every later step against the reference."""
     job.run.request.write_text("requested")
     assert job.finish() == 0, job.log()[-3000:]
@@ -85,7 +93,7 @@ def stop_and_resume(job: Job, root: Path, reference: Job, *, cut: str) -> tuple[
     assert f"the stop came during {cut}" in job.log()
     assert max(job.steps()) == step  # the snapshot is the last completed step, none begun after it
     checkpoint = job.run.output / f"checkpoint-{step}"
-    resumed = Job(root, resume_from=checkpoint)
+    resumed = Job(root, resume_from=checkpoint, ranks=ranks)
     assert resumed.finish() == 0, resumed.log()[-3000:]
     after = resumed.steps()
     assert min(after) == step + 1 and max(after) == STEPS
@@ -113,11 +121,11 @@ def test_a_stop_during_an_evaluation_is_taken_between_two_batches_and_the_resume
 def test_a_stop_inside_a_long_gradient_accumulation_saves_the_last_completed_step(
     tmp_path: Path, reference: Job
 ) -> None:
-    slow = tmp_path / "slow-micro"
-    job = Job(tmp_path / "a", "--slow-micro", str(slow))
-    wait_for(lambda: len(job.steps()) >= 2 or job.proc.poll() is not None, JOB_TIMEOUT, 0.1, "two logged steps")
-    slow.write_text("")  # from now on a step is 20 micro-batches of 0.4 s
-    job.wait_line("slow micro-batches began")
+    slow = tmp_path / "slow-forward"
+    job = Job(tmp_path / "a", "--slow-forward", str(slow), "--say-steps")
+    job.wait_line("step 2 ended")
+    slow.write_text("")  # from now on a step is 20 forward passes of 0.2 s
+    after_step_end(job, "slow forward passes began")
     proof, _ = stop_and_resume(job, tmp_path / "b", reference, cut="training")
     assert 2 <= proof["step"] < STEPS
 
@@ -128,9 +136,17 @@ def test_a_stop_inside_a_data_loader_fetch_that_never_returns_interrupts_it(tmp_
     fetch = ACCUMULATION * 2 * 3 + 7  # a sample of step 4's accumulation
     job = Job(tmp_path / "a", "--stall-fetch", str(fetch), "--stall-file", str(stall))
     job.wait_line("stalled in sample")
+    # A fetch that lasts is said (status: `loading data`), once, not at every step's fetch.
+    wait_for(
+        lambda: [x["phase"] for x in job.lines() if x["event"] == "phase"][-1:] == ["loading_data"],
+        JOB_TIMEOUT,
+        0.1,
+        "the loading_data line",
+    )
+    assert sum(x.get("phase") == "loading_data" for x in job.lines()) == 1
     job.run.request.write_text("requested")
     assert job.finish() == 0, job.log()[-3000:]
-    assert "the stop came during training" in job.log()
+    assert "the stop came during loading_data" in job.log()
     stall.unlink()  # the resumed run passes that sample
     proof = job.run.proof()
     assert proof["step"] == 3 and max(job.steps()) == 3
@@ -161,3 +177,46 @@ def test_a_stop_after_train_returned_says_which_code_it_cuts_short(tmp_path: Pat
     assert not job.run.proof_path.exists()  # training had finished: there is nothing to snapshot
     job.proc.kill()
     job.finish()
+
+
+@pytest.fixture(scope="module")
+def reference_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The same training on two ranks (torchrun, gloo), never stopped."""
+    job = Job(tmp_path_factory.mktemp("reference-2"), ranks=2)
+    assert job.finish() == 0, job.log()[-3000:]
+    assert max(job.steps()) == STEPS
+    return job
+
+
+def test_two_ranks_one_in_an_evaluation_batch_and_one_waiting_for_it_stop_at_one_step_and_resume_exactly(
+    tmp_path: Path, reference_on_two_ranks: Job
+) -> None:
+    slow = tmp_path / "slow-eval"
+    slow.write_text("")
+    # Rank 0 takes 0.6 s for each evaluation batch; rank 1 waits for it in the batch's gather.
+    job = Job(tmp_path / "a", "--slow-eval", str(slow), "--slow-rank", "0", ranks=2)
+    job.wait_line("slow evaluation began")
+    proof, resumed = stop_and_resume(job, tmp_path / "b", reference_on_two_ranks, cut="evaluating", ranks=2)
+    assert proof["step"] == EVAL_STEPS
+    # One snapshot, taken by both ranks at the same step, and both ended (torchrun exited 0).
+    assert job.log().count(f"the snapshot is the state at the end of step {EVAL_STEPS}") == 2
+    assert job.log().count("obd: snapshot at step") == 1
+    checkpoint = job.run.output / f"checkpoint-{EVAL_STEPS}"
+    assert (checkpoint / "rng_state_0.pth").is_file() and (checkpoint / "rng_state_1.pth").is_file()
+    # The interrupted evaluation is performed first by the resumed ranks: the chain has its point.
+    assert resumed.evaluations() == reference_on_two_ranks.evaluations()
+
+
+def test_two_ranks_inside_a_long_accumulation_agree_on_one_micro_batch_and_resume_exactly(
+    tmp_path: Path, reference_on_two_ranks: Job
+) -> None:
+    slow = tmp_path / "slow-forward"
+    # Between two optimizer steps there is no collective: each rank runs its micro-batches at its
+    # own pace, and the ranks must agree on the micro-batch where both stop.
+    job = Job(tmp_path / "a", "--slow-forward", str(slow), "--say-steps", ranks=2)
+    job.wait_line("step 2 ended (rank 0)")
+    slow.write_text("")  # from now on a step is 20 forward passes of 0.2 s
+    after_step_end(job, "slow forward passes began")
+    proof, _ = stop_and_resume(job, tmp_path / "b", reference_on_two_ranks, cut="training", ranks=2)
+    assert 2 <= proof["step"] < STEPS
+    assert job.log().count(f"the snapshot is the state at the end of step {proof['step']}") == 2

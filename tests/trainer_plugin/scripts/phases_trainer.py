@@ -6,7 +6,11 @@ configuration trains the same numbers fast (a reference run) or slowly (a run st
 - `--slow-eval FILE`: every evaluation sample takes 0.3 s while FILE exists (a long evaluation);
 - `--slow-micro FILE`: every training sample takes 0.2 s while FILE exists (a long accumulation);
 - `--stall-fetch N --stall-file FILE`: the Nth training sample fetched blocks while FILE exists (a stalled loader);
-- `--after-train SECONDS`: the script's code after train() takes that long (a final push).
+- `--after-train SECONDS`: the script's code after train() takes that long (a final push);
+- `--slow-forward FILE`: every training forward takes 0.2 s while FILE exists (a long accumulation
+  whose time is in the compute, not in the data: the micro-batches are fetched at the step's start);
+- `--say-steps`: print `step N ended (rank R)` at each step end (a test's event to wait for);
+- `--slow-rank R`: under torchrun, only rank R is slow (the others wait for it in a collective).
 Each prints one line when it begins, so a test waits for that event, never for a time.
 """
 
@@ -18,17 +22,22 @@ import sys
 import time
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
 class Regression(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, slow_forward: str = "") -> None:
         super().__init__()
+        self.slow_forward = slow_forward
+        self.said: dict[str, bool] = {}
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
         )
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.training and self.slow_forward and os.path.exists(self.slow_forward):
+            said_once(self.said, "forward", "slow forward passes began")
+            time.sleep(0.2)
         return {"loss": torch.nn.functional.mse_loss(self.net(input_ids.float()).squeeze(-1), labels)}
 
 
@@ -53,6 +62,8 @@ class Points(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         o = self.opts
+        if o.slow_rank >= 0 and int(os.environ.get("RANK", "0")) != o.slow_rank:
+            return {"input_ids": self.x[i], "labels": self.y[i]}
         if self.kind == "eval" and o.slow_eval and os.path.exists(o.slow_eval):
             said_once(self.said, "eval", "slow evaluation began")
             time.sleep(0.3)
@@ -68,6 +79,11 @@ class Points(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.y[i]}
 
 
+class SaySteps(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        print(f"step {state.global_step} ended (rank {os.environ.get('RANK', '0')})", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--max_steps", type=int, default=30)
@@ -78,6 +94,9 @@ def main() -> int:
     p.add_argument("--stall-fetch", type=int, default=-1)
     p.add_argument("--stall-file", default="")
     p.add_argument("--after-train", type=float, default=0.0)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-forward", default="")
+    p.add_argument("--say-steps", action="store_true")
     opts = p.parse_args()
     torch.manual_seed(0)
     args = TrainingArguments(
@@ -98,10 +117,11 @@ def main() -> int:
         seed=0,
     )
     trainer = Trainer(
-        model=Regression(),
+        model=Regression(opts.slow_forward),
         args=args,
         train_dataset=Points(512, 0, opts, "train"),
         eval_dataset=Points(40, 1, opts, "eval"),
+        callbacks=[SaySteps()] if opts.say_steps else None,
     )
     trainer.train()
     print(f"train() returned at step {trainer.state.global_step}", flush=True)
