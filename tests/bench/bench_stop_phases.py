@@ -10,7 +10,7 @@ to begin (the script's own line), writes `snapshot.request`, and times:
 - `to_safe_point_s`: the rest, what reaching a safe point cost;
 - for a stop after train(): request → the plugin's `after_train` line that names what it cuts short.
 Phases: `step end` (short steps, the path every stop took before), `evaluating` (an evaluation of
-0.3 s a sample), `accumulating` (20 micro-batches of 0.4 s), `stalled fetch` (a sample that never
+0.3 s a sample), `accumulating` (20 forward passes of 0.2 s each), `stalled fetch` (a sample that never
 returns), `after train`. Before this work the last four waited for the whole evaluation, the whole
 step, the stall's end, or `proof_timeout`.
 """
@@ -44,7 +44,7 @@ def _case(name: str, root: Path) -> dict[str, Any]:
     args, line = {
         "step end": ([], "{'loss'"),
         "evaluating": (["--slow-eval", str(flag)], "slow evaluation began"),
-        "accumulating": (["--slow-micro", str(flag)], "slow micro-batches began"),
+        "accumulating": (["--slow-forward", str(flag)], "slow forward passes began"),
         "stalled fetch": (["--stall-fetch", str(20 * 2 * 3 + 7), "--stall-file", str(flag)], "stalled in sample"),
         "after train": (["--max_steps", "3", "--after-train", "600"], "after-train code began"),
     }[name]
