@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from daemon import wire
+from daemon.run_states import check_transition
 
 # The reason words and the run-id rule are the run directory's contract (trainer_plugin/rundir.py);
 # normalise_reason stays importable from here for the daemon's modules.
@@ -270,6 +271,8 @@ class RunRecord(BaseModel):
         return self.state == RunState.running or (self.state == RunState.queued and self.job is not None)
 
     def transition(self, state: RunState, reason: str, at: float | None = None) -> None:
+        """Change the state, saying why; only along the edges of daemon/run_states.py (IllegalTransition else)."""
+        check_transition(self.id, self.state.value, RunState(state).value)
         self.state = state
         self.message = reason
         self.history.append(Transition(state=state, time=at or time.time(), reason=reason))
