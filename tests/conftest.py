@@ -24,6 +24,9 @@ import contextlib
 from daemon.cli.client import Client, DaemonUnreachable
 from tests import leftovers
 
+# Tests split by speed: the `unit` marker and what holds it true (tests/speed.py).
+pytest_plugins = ["tests.speed"]
+
 # Every process the tests start inherits this session's mark (see tests/leftovers.py).
 _MARKED_HERE = leftovers.mark_session()
 
