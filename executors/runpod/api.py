@@ -73,6 +73,18 @@ def sdk() -> Any:
     return runpod
 
 
+def sdk_call(name: str) -> Callable[..., Any]:
+    """The SDK's function `name`, looked up when it is called: in the worker thread that makes the
+    call, so that the SDK's first import (over a second: it brings aiohttp, boto3...) never runs on
+    the daemon's event loop, which meanwhile opens the control socket and answers it."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(sdk(), name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
 class RunpodApiError(ExecutorError):
     """The Runpod API refused or failed a call; the message says what to do next."""
 
@@ -300,7 +312,7 @@ class RunpodApi:
         key = self._key()
 
         def call() -> T:
-            runpod = sdk()
+            runpod = sdk()  # in the worker thread: its first import never holds up the event loop
 
             with _SDK_LOCK:
                 runpod.api_key = key
@@ -338,61 +350,47 @@ class RunpodApi:
 
     async def get_pod(self, pod_id: str) -> Pod | None:
         """The pod, or None when it no longer exists (terminated)."""
-        runpod = sdk()
-
         check_plain("pod id", pod_id)
-        raw = await self._retrying(f"get_pod({pod_id})", runpod.get_pod, pod_id)
+        raw = await self._retrying(f"get_pod({pod_id})", sdk_call("get_pod"), pod_id)
         return Pod.from_api(raw) if raw else None
 
     async def list_pods(self) -> list[Pod]:
         """Every pod of the account (obd filters its own by name and env tag)."""
-        runpod = sdk()
-
-        raw = await self._retrying("get_pods", runpod.get_pods)
+        raw = await self._retrying("get_pods", sdk_call("get_pods"))
         return [Pod.from_api(p) for p in raw or [] if isinstance(p, dict) and p.get("id")]
 
     async def gpu_rate(self, gpu_id: str, gpu_count: int, cloud_type: str) -> float | None:
         """The hourly rate of `gpu_count` GPUs of that type in that cloud, None when unknown."""
-        runpod = sdk()
-
         check_plain("GPU type", gpu_id)
-        raw = await self._retrying(f"get_gpu({gpu_id})", runpod.get_gpu, gpu_id, gpu_count)
+        raw = await self._retrying(f"get_gpu({gpu_id})", sdk_call("get_gpu"), gpu_id, gpu_count)
         return rate_from_gpu(raw, gpu_count, cloud_type)
 
     async def create_pod(self, **kwargs: Any) -> dict:
         """One create call, never retried here: a transient failure may have created the pod."""
-        runpod = sdk()
-
         for field in ("name", "image_name", "gpu_type_id", "network_volume_id"):
             if kwargs.get(field) is not None:
                 check_plain(field.replace("_", " "), kwargs[field])
         kwargs["env"] = escape_env(kwargs.get("env") or {})
-        raw = await self._once(f"create_pod({kwargs.get('gpu_type_id')})", runpod.create_pod, **kwargs)
+        raw = await self._once(f"create_pod({kwargs.get('gpu_type_id')})", sdk_call("create_pod"), **kwargs)
         if not isinstance(raw, dict) or not raw.get("id"):
             raise TransientError("the Runpod API answered create_pod without a pod id")
         return raw
 
     async def resume_pod(self, pod_id: str, gpu_count: int) -> None:
         """Start a stopped (EXITED) pod again with `gpu_count` GPUs; NoCapacity when its host has none free."""
-        runpod = sdk()
-
         check_plain("pod id", pod_id)
-        await self._retrying(f"resume_pod({pod_id})", runpod.resume_pod, pod_id, gpu_count)
+        await self._retrying(f"resume_pod({pod_id})", sdk_call("resume_pod"), pod_id, gpu_count)
 
     async def stop_pod(self, pod_id: str) -> None:
         """Stop the pod: its GPUs are released, its volume (and the outputs on it) is kept."""
-        runpod = sdk()
-
         check_plain("pod id", pod_id)
-        await self._retrying(f"stop_pod({pod_id})", runpod.stop_pod, pod_id)
+        await self._retrying(f"stop_pod({pod_id})", sdk_call("stop_pod"), pod_id)
 
     async def terminate(self, pod_id: str) -> None:
         """Terminate the pod; a pod already gone counts as terminated."""
-        runpod = sdk()
-
         check_plain("pod id", pod_id)
         try:
-            await self._retrying(f"terminate_pod({pod_id})", runpod.terminate_pod, pod_id)
+            await self._retrying(f"terminate_pod({pod_id})", sdk_call("terminate_pod"), pod_id)
         except AuthError:
             raise
         except RunpodApiError:

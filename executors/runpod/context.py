@@ -2,23 +2,28 @@
 
 The parts (lifecycle, caps, retrieval, reconcile) each hold one `PodContext`, so a change of
 the target's settings (`obd pods retrieve --keep`) is seen by all of them at once. Its executor
-(`PodExecutor`) is the one way obd reaches a pod, and it never carries the account's API key there.
+(`PodExecutor`, executors/runpod/pod_executor.py) is the one way obd reaches a pod, and it never
+carries the account's API key there; it is an SSH executor, so it and asyncssh are imported when a
+pod is first reached, not when the daemon starts with a Runpod target.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from executors.base import ExecIO, ExecSpec, ExecutorError, JobHandle, JobSpec
+from executors.base import ExecutorError
 from executors.config import RunpodTarget, SshTarget
 from executors.runpod.api import Pod, RunpodApi
 from executors.runpod.book import PodBook, owner_id
 from executors.runpod.info import PodInfo
-from executors.ssh import SshExecutor
 from trainer_plugin.rundir import is_run_id
+
+if TYPE_CHECKING:
+    from executors.runpod.pod_executor import PodExecutor
 
 POD_PREFIX = "obd-"
 # The tags every pod obd makes carries in its env, so obd can tell its pods, and whose they are.
@@ -29,56 +34,6 @@ Save = Callable[[PodInfo], Awaitable[None]]
 
 async def keep_in_book(_info: PodInfo) -> None:
     """A Save for callers whose record lives only in the driver's book (which the driver writes)."""
-
-
-class AccountKeyRefused(ExecutorError):
-    """Something obd was about to send to a pod carries the account's API key."""
-
-
-class PodExecutor(SshExecutor):
-    """The SSH executor to one pod, refusing whatever would carry the account's API key there.
-
-    Everything on a pod is the job's to read (it runs as root in the container), so the key that
-    controls the account must never get there: not in a job's environment or secrets (a target's
-    `secrets = ["RUNPOD_API_KEY"]`, a `--secret` or `--env` holding it), its command line, or a
-    file obd writes. The pod has a key of its own, scoped to it, in its container's environment.
-    """
-
-    def __init__(self, name: str, target: SshTarget, *, host_key: str, pod_id: str, account_key: str | None) -> None:
-        super().__init__(name, target, host_key=host_key)
-        self.pod_id = pod_id
-        self._account_key = account_key
-
-    def refuse_account_key(self, what: str, values: Iterable[str]) -> None:
-        """Raise `AccountKeyRefused` when any of `values` holds the account's key."""
-        key = self._account_key
-        if key and any(key in value for value in values):
-            raise AccountKeyRefused(
-                f"refusing to send the Runpod account's API key to pod {self.pod_id} ({what}): a job on a pod "
-                "must never hold a credential of the account, with which it could spend past its caps or "
-                "control other pods. Remove RUNPOD_API_KEY from the target's `secrets` and from the run's "
-                "--secret and --env; the pod has a key of its own, scoped to it, in its container's environment"
-            )
-
-    async def spawn(self, job: JobSpec) -> JobHandle:
-        self.refuse_account_key(f"the start of {job.run_id}", self._job_values(job))
-        return await super().spawn(job)
-
-    async def put_file(self, path: str, data: bytes) -> None:
-        self.refuse_account_key(path, [data.decode("utf-8", "replace")])
-        await super().put_file(path, data)
-
-    async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
-        self.refuse_account_key(f"a command in {spec.run_id}", [*(spec.command or []), *spec.env.values()])
-        return await super().exec_in_run(spec, io)
-
-    @staticmethod
-    def _job_values(job: JobSpec) -> list[str]:
-        """Every string of the job obd would send to the pod."""
-        values = [*job.command, job.cwd or ""]
-        for env in (job.env, job.secrets, job.base_env or {}):
-            values.extend(env.values())
-        return values
 
 
 @dataclass
@@ -142,6 +97,8 @@ class PodContext:
         that never sends the account's key to it."""
         if not info.host_key:
             raise ExecutorError(f"pod {info.pod_id} has no pinned host key yet; it never became ready")
+        from executors.runpod.pod_executor import PodExecutor  # asyncssh: when a pod is first reached
+
         return PodExecutor(
             self.name,
             self.ssh_target(info),

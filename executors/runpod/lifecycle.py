@@ -10,10 +10,11 @@ pinned on first contact with a freshly made pod.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from pathlib import Path
 
 import anyio
-import asyncssh
+import anyio.to_thread
 import structlog
 
 from executors.base import ExecutorError
@@ -367,6 +368,8 @@ class PodLifecycle:
 
     async def host_key(self, host: str, port: int) -> str | None:
         """The host key line `alg base64` the SSH server presents, or None when it does not answer."""
+        # asyncssh (a quarter of a second to import) when a pod is first reached, off the event loop.
+        asyncssh = await anyio.to_thread.run_sync(importlib.import_module, "asyncssh")
         try:
             with anyio.fail_after(self.ssh_probe_timeout):
                 key = await asyncssh.get_server_host_key(host, port, config=None)
