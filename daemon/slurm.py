@@ -45,6 +45,7 @@ class SlurmJobs(Protocol):
 
     last_seen: dict[str, SlurmJob]  # run directory -> its job as the last probe saw it
     last_status: dict[str, JobStatus]
+    settled_by_marker: set[str]  # run directories whose end the wrapper's end marker settled
 
     async def slurm_job(self, remote_dir: str, *, wait: float = 0.0) -> SlurmJob | None: ...
 
@@ -59,6 +60,8 @@ class SlurmSupervision(Supervision):
     """A Slurm target: the shared-executor supervision, with Slurm's word on how jobs ended."""
 
     config: SlurmTarget
+    # An end marker is read the moment it is written; Slurm's queue still at every poll.
+    sweeps_every_poll = True
 
     def __init__(self, daemon: Any, name: str, config: Any) -> None:
         super().__init__(daemon, name, config)
@@ -150,8 +153,13 @@ class SlurmSupervision(Supervision):
     def explain_lost(self, record: RunRecord, message: str) -> str:
         """A job with no exit code: what Slurm said of it (TIMEOUT, NODE_FAIL, ...) and what to do."""
         self._explained.add(record.id)
+        status = self.slurm(record).last_status.get(record.remote_dir)
         return lost_message(
-            self._job(record), record.id, time_limit=self.config.time, signal_margin=self.config.signal_margin
+            self._job(record),
+            record.id,
+            time_limit=self.config.time,
+            signal_margin=self.config.signal_margin,
+            command_exit=status.exit_code if status is not None else None,
         )
 
     async def on_end(self, record: RunRecord) -> str:
@@ -162,6 +170,7 @@ class SlurmSupervision(Supervision):
             executor = self.slurm(record)
             executor.last_seen.pop(record.remote_dir, None)
             executor.last_status.pop(record.remote_dir, None)
+            executor.settled_by_marker.discard(record.remote_dir)
 
     async def _end_note(self, record: RunRecord) -> str:
         if record.id in self._explained:
@@ -169,6 +178,8 @@ class SlurmSupervision(Supervision):
             return ""
         if not record.job or self._job(record) is None:
             return ""  # never submitted (a failed launch): nothing in Slurm to ask about
+        if record.remote_dir in self.slurm(record).settled_by_marker:
+            return ""  # the command's own end, with no sign of Slurm's hand: Slurm has nothing to add
         status = self.slurm(record).last_status.get(record.remote_dir)
         clean = status is not None and status.state == JobState.exited and status.exit_code == 0
         try:

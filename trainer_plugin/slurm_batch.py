@@ -170,26 +170,55 @@ def submit(run_dir: str, request: dict) -> dict:
 
 
 def file_facts(run_dir: str) -> dict:
-    """What the run directory says of the job's end: its exit code and obd's cancel files."""
+    """What the run directory says of the job's end: its exit code, obd's cancel files, and why
+    Slurm rather than the wrapper's end marker decides the end (`contested`; None: the marker does)."""
     paths = rundir.RunPaths(run_dir)
+    code = jobctl.read_int(paths.exit_code)
     return {
-        "exit_code": jobctl.read_int(paths.exit_code),
+        "exit_code": code,
         "cancelled": os.path.lexists(paths.cancelled),
         "cancelling": os.path.lexists(paths.cancelling),
+        "contested": contested(read_end_marker(run_dir), code) if code is not None else None,
     }
 
 
-def combine(facts: dict, job: dict | None, submit_record: dict, now: float) -> dict:
-    """The job's status from the run directory (the wrapper's exit code wins) and Slurm's view of it.
+# Slurm's end states that, after an end marker saying 0, say the job did not end as its command
+# did: Slurm's word wins and the run fails with it (COMPLETED and FAILED leave the marker's word).
+ENDED_BY_SLURM = frozenset({"TIMEOUT", "CANCELLED", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
 
-    Returns {state, exit_code, detail}; `detail` says what Slurm says (its pending reason, its
-    end state), for the daemon's message.
-    """
+
+def settled(facts: dict) -> dict | None:
+    """The job's status from its run directory alone, where that is final: obd's cancel done, or
+    an end marker with no sign of Slurm's hand (`contested`); None where Slurm must be asked."""
     code = facts["exit_code"]
     if facts["cancelled"]:
         return {"state": "cancelled", "exit_code": code, "detail": None}
-    if code is not None:
+    if code is not None and (facts["cancelling"] or facts.get("contested") is None):
         return {"state": "cancelled" if facts["cancelling"] else "exited", "exit_code": code, "detail": None}
+    return None
+
+
+def combine(facts: dict, job: dict | None, submit_record: dict, now: float) -> dict:
+    """The job's status from the run directory (the wrapper's end marker) and Slurm's view of it.
+
+    The marker decides unless it is contested (`contested`): then Slurm's end state does, once
+    Slurm ended the job, and a job the marker says exited 0 but Slurm ended for a reason of its
+    own (ENDED_BY_SLURM) is `lost` with the command's exit code; a job Slurm no longer knows keeps
+    the marker's word. Returns {state, exit_code, detail}; `detail` says what Slurm says (its
+    pending reason, its end state), for the daemon's message.
+    """
+    code = facts["exit_code"]
+    known = settled(facts)
+    if known is not None:
+        return known
+    if code is not None:
+        state = job["state"] if job is not None else None
+        if state in PENDING_STATES or state in ACTIVE_STATES:
+            why = facts["contested"]
+            return {"state": "running", "exit_code": None, "detail": f"exit {code}, {why}: waiting for Slurm's end"}
+        if code == 0 and state in ENDED_BY_SLURM:
+            return {"state": "lost", "exit_code": code, "detail": state}
+        return {"state": "exited", "exit_code": code, "detail": state}
     if job is None:
         started = submit_record.get("submitting")
         if not submit_record.get("job_id") and isinstance(started, (int, float)) and now - started < SUBMIT_GRACE:
@@ -217,6 +246,19 @@ def slurm_handle(job_id: str | None) -> dict:
     """A run's handle as the daemon records it: the Slurm job id stands where a pid would."""
     number = int(job_id.split("_")[0]) if job_id and job_id.split("_")[0].isdigit() else 0
     return {"pid": number, "start_time": 0, "boot_id": "", "host": f"slurm job {job_id}" if job_id else "slurm"}
+
+
+def probe_settled(run_dir: str) -> dict | None:
+    """One run directory's probe when its files alone settle the job's end (`settled`), with no
+    Slurm command: the daemon reads it so where it sees the shared filesystem. None otherwise."""
+    status = settled(file_facts(run_dir))
+    if status is None:
+        return None
+    result = jobctl.probe_dir(run_dir, with_job=False)
+    result["status"] = status
+    job_id = read_submit(run_dir).get("job_id")
+    result["handle"] = slurm_handle(job_id) if job_id else None
+    return result
 
 
 def probe(runs: list[dict]) -> dict:
@@ -308,6 +350,106 @@ def put(path: str, data: bytes) -> dict:
     return {"written": len(data)}
 
 
+# --- the end marker ---------------------------------------------------------------------------------
+
+END_MARKER = "slurm_end.json"  # the wrapper's last words but one (exit_code is the last): how the job ended
+END_MARKER_LIMIT = 4096
+
+
+def end_marker_path(run_dir: str) -> str:
+    return os.path.join(run_dir, END_MARKER)
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer killed in this process's cgroup (and below) so
+    far, as Slurm's cgroup plugins count them; None where no memory cgroup can be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            name, where = "oom_kill", f"/sys/fs/cgroup{path}/memory.events"
+        elif "memory" in controllers.split(","):  # cgroup v1
+            name, where = "oom_kill", f"/sys/fs/cgroup/memory{path}/memory.oom_control"
+        else:
+            continue
+        try:
+            with open(where) as f:
+                for row in f:
+                    key, _, value = row.partition(" ")
+                    if key == name and value.strip().isdigit():
+                        return int(value)
+        except OSError:
+            continue
+    return None
+
+
+class EndMarker:
+    """The batch wrapper's account of how its job ended, written into the run directory on the
+    shared filesystem (`slurm_end.json`, then `exit_code`) the moment the command ends, whatever
+    its exit code: the daemon records the run from it without waiting for Slurm. With it go the
+    signs that Slurm itself ended or is ending the job (its TERM, an OOM kill in the job's cgroup),
+    which leave the final word to Slurm's accounting (`contested`)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.signals: list[str] = []  # Slurm's signals to the batch shell, not obd's cancel
+        self.code: int | None = None
+        self._oom_before: int | None = None
+
+    def start(self) -> None:
+        """Before the command starts: the cgroup's OOM count so far (the job's own kills are counted after it)."""
+        self._oom_before = oom_kills()
+
+    def write(self, code: int) -> None:
+        self.code = code
+        after = oom_kills() if self._oom_before is not None else None
+        record = {
+            "exit_code": code,
+            "time": time.time(),
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            "slurm_signals": sorted(set(self.signals)),
+            "oom_kills": after - self._oom_before if after is not None and self._oom_before is not None else None,
+        }
+        with contextlib.suppress(OSError):
+            rundir.atomic_write(end_marker_path(self.run_dir), json.dumps(record).encode())
+        jobctl.write_exit_code(self.run_dir, code)
+
+
+def read_end_marker(run_dir: str) -> dict | None:
+    data = rundir.read_regular(end_marker_path(run_dir), END_MARKER_LIMIT)
+    try:
+        value = json.loads(data) if data else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def contested(marker: dict | None, code: int) -> str | None:
+    """Why Slurm's end state, not the marker, decides how a job whose wrapper wrote `code` ended;
+    None when the marker settles it (the command's own end, with no sign of Slurm's hand).
+
+    Slurm's hand: its TERM to the batch shell (the time limit, a preemption, an scancel outside
+    obd; its USR1 before the limit is a deadline snapshot's request, which ends cleanly), an OOM
+    kill in the job's cgroup, or a command killed by a signal (Slurm's cgroup may have killed it
+    for its memory). A bare exit_code with no marker (an older wrapper) settles it, as before.
+    """
+    if marker is None:
+        return None
+    if "TERM" in (marker.get("slurm_signals") or []):
+        return "Slurm sent the job a TERM"
+    kills = marker.get("oom_kills")
+    if isinstance(kills, int) and kills > 0:
+        return f"the OOM killer killed {kills} process(es) of the job"
+    if code > 128:
+        return f"its command was killed by signal {code - 128}"
+    return None
+
+
 # --- in the job: the batch wrapper and the per-node launcher -------------------------------------
 
 
@@ -397,7 +539,21 @@ def cwd_problem(cwd: str) -> str | None:
 
 
 def batch(run_dir: str) -> int:
-    """The job wrapper of a Slurm job: job.pid, the command (on every node), exit_code; signals become requests."""
+    """The job wrapper of a Slurm job: job.pid, the command (on every node), its end marker and
+    exit_code; signals become requests. Whatever ends it short of a kill, the marker is written."""
+    end = EndMarker(run_dir)
+    try:
+        return _batch(run_dir, end)
+    except BaseException as exc:  # the wrapper's own failure: still a recorded end, never a silent one
+        if end.code is None:
+            print(f"obd: the job wrapper failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            end.write(1)
+        if isinstance(exc, Exception):
+            return 1
+        raise
+
+
+def _batch(run_dir: str, end: EndMarker) -> int:
     paths = rundir.RunPaths(run_dir)
     spec = json.loads(rundir.read_regular(paths.job_spec, rundir.JOB_SPEC_LIMIT) or b"{}")
     plan = json.loads(rundir.read_regular(paths.slurm_launch, 65536) or b"{}")
@@ -411,6 +567,7 @@ def batch(run_dir: str) -> int:
     cancel_seen: list[bool] = []  # obd's cancel TERM, kept for a child not started yet when it came
 
     def on_usr1(signum: int, frame: object) -> None:
+        end.signals.append("USR1")
         request_snapshot(run_dir, rundir.DEADLINE)
 
     def on_term(signum: int, frame: object) -> None:
@@ -421,6 +578,7 @@ def batch(run_dir: str) -> int:
                     proc.send_signal(signal.SIGTERM)
             return
         # Slurm's TERM at the time limit, or a preemption's (GraceTime): ask for the snapshot.
+        end.signals.append("TERM")
         near_limit = isinstance(limit, (int, float)) and time.monotonic() - started >= limit - 10
         request_snapshot(run_dir, rundir.DEADLINE if near_limit else rundir.PREEMPTED)
 
@@ -434,15 +592,16 @@ def batch(run_dir: str) -> int:
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
     }
     rundir.atomic_write(paths.job_pid, json.dumps(handle).encode())
+    end.start()
     if cancel_seen or os.path.lexists(paths.cancelling):
         # obd cancelled the run before its command started (scancel met the job as it began).
         print("obd: the run was cancelled before its command started", file=sys.stderr, flush=True)
-        jobctl.write_exit_code(run_dir, 143)
+        end.write(143)
         return 143
     problem = cwd_problem(cwd)
     if problem is not None:
         print(problem, file=sys.stderr, flush=True)
-        jobctl.write_exit_code(run_dir, 1)
+        end.write(1)
         return 1
     argv = _launch_argv(run_dir, spec, plan, env)
     try:
@@ -451,7 +610,7 @@ def batch(run_dir: str) -> int:
         child.append(subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL))
     except (OSError, ValueError) as exc:
         print(f"obd: could not start {argv[:1]!r}: {exc}", file=sys.stderr, flush=True)
-        jobctl.write_exit_code(run_dir, 127)
+        end.write(127)
         return 127
     if cancel_seen:  # the cancel's TERM came while the command was being started
         with contextlib.suppress(OSError):
@@ -460,7 +619,7 @@ def batch(run_dir: str) -> int:
     proof = os.path.lexists(paths.proof)
     if code == 0 and spec.get("output_to") and not proof:
         jobctl.place_outputs(run_dir, spec["output_to"], cwd, sys.stderr.fileno())
-    jobctl.write_exit_code(run_dir, code)
+    end.write(code)
     return min(code, 255)
 
 

@@ -49,6 +49,7 @@ from executors.base import (
 from executors.config import SlurmTarget, SshTarget
 from executors.remote import tools_hash
 from executors.slurm import as_user, script
+from executors.slurm.events import SlurmEvents
 from executors.slurm.states import NOTABLE, SlurmJob, parse_sacct, parse_scontrol
 from trainer_plugin import contain, jobctl, rundir, slurm_batch
 
@@ -124,7 +125,11 @@ class SlurmExecutor:
         self._ended_seen: dict[str, float] = {}
         self.last_seen: dict[str, SlurmJob] = {}  # run directory -> its job as the last probe saw it
         self.last_status: dict[str, JobStatus] = {}  # run directory -> its status in the last probe
+        # Run directories whose end their wrapper's end marker settled, with no Slurm command.
+        self.settled_by_marker: set[str] = set()
         self.compute_nodes = ComputeNodes(self)
+        # Where the daemon sees the shared workdir, it learns of end markers as they are written.
+        self.events: RunEvents | None = SlurmEvents() if target.login is None else None
 
     @property
     def shares_filesystem(self) -> bool:
@@ -296,17 +301,27 @@ class SlurmExecutor:
         return await self.host.exec_in_run(there, io)
 
     async def probe(self, runs: list[tuple[JobHandle | None, str]]) -> list[RunProbe]:
-        """Every run directory and one `squeue` for all their jobs, in one helper call."""
+        """Every run directory and one `squeue` for all their jobs, in one helper call; where the
+        daemon sees the shared workdir, a run whose end marker settles its end is read here first,
+        with no Slurm command (docs/slurm.md, "How a run's end is recorded")."""
         if not runs:
             return []
-        items = [{"dir": d, "job_id": str(h.pid) if h is not None and h.pid > 0 else None} for h, d in runs]
+        known: dict[str, RunProbe] = {}
+        if self.shares_filesystem:
+            known = await self._probe_settled([d for _, d in runs])
+        rest = [(h, d) for h, d in runs if d not in known]
+        for probe in known.values():
+            self.settled_by_marker.add(probe.remote_dir)
+            self.last_status[probe.remote_dir] = probe.status
+        if not rest:
+            return [known[d] for _, d in runs]
+        items = [{"dir": d, "job_id": str(h.pid) if h is not None and h.pid > 0 else None} for h, d in rest]
         answer = await self._call("a probe", ["probe"], json.dumps({"runs": items}).encode())
         if answer.get("squeue_error"):
             raise TargetUnreachable(
                 f"Slurm's controller did not answer squeue on target {self.name}: {answer['squeue_error']}; "
                 "jobs keep running, and obd reads them again on the next poll"
             )
-        probes = []
         now = time.monotonic()
         for raw in answer["probes"]:
             seen = SlurmJob.model_validate({**(raw.pop("slurm", None) or {}), "source": "squeue"})
@@ -315,8 +330,18 @@ class SlurmExecutor:
                 self.last_seen[probe.remote_dir] = seen
             probe = self._settled(probe, now)
             self.last_status[probe.remote_dir] = probe.status
-            probes.append(probe)
-        return probes
+            known[probe.remote_dir] = probe
+        return [known[d] for _, d in runs]
+
+    async def _probe_settled(self, dirs: list[str]) -> dict[str, RunProbe]:
+        """The runs whose files alone settle their end (`slurm_batch.probe_settled`), read on this machine."""
+
+        def read() -> list[dict | None]:
+            return [slurm_batch.probe_settled(d) for d in dirs]
+
+        # abandon_on_cancel: a read stuck in a network filesystem is left behind, not waited for.
+        found = await anyio.to_thread.run_sync(read, abandon_on_cancel=True)
+        return {d: RunProbe.model_validate(p) for d, p in zip(dirs, found, strict=True) if p is not None}
 
     def _settled(self, probe: RunProbe, now: float) -> RunProbe:
         """A job Slurm ended with no exit code written stays `running` for `settle` seconds first."""

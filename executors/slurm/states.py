@@ -96,9 +96,23 @@ def end_message(job: SlurmJob, run_id: str, *, time_limit: str | None, signal_ma
     return ""
 
 
-def lost_message(job: SlurmJob | None, run_id: str, *, time_limit: str | None, signal_margin: float) -> str:
-    """The message of a run whose job left no exit code, with what Slurm says of it."""
+def lost_message(
+    job: SlurmJob | None,
+    run_id: str,
+    *,
+    time_limit: str | None,
+    signal_margin: float,
+    command_exit: int | None = None,
+) -> str:
+    """The message of a run whose job left no exit code, or whose end marker said its command
+    exited `command_exit` but Slurm ended the job for a reason of its own, with what Slurm says."""
     logs = f"see `obd train logs {run_id}`"
+    if command_exit is not None and job is not None and job.state:
+        said = end_message(job, run_id, time_limit=time_limit, signal_margin=signal_margin) or f"Slurm says {job.state}"
+        return (
+            f"{said}; its command had exited {command_exit} (the job's end marker), but Slurm ended the job "
+            f"itself ({job.state.split()[0]}), and Slurm's end state wins; {logs}"
+        )
     if job is None or not job.state:
         return f"lost: Slurm no longer knows its job and the job wrapper left no exit code; {logs}"
     said = end_message(job, run_id, time_limit=time_limit, signal_margin=signal_margin)
