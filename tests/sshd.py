@@ -48,6 +48,9 @@ from pathlib import Path
 import asyncssh
 
 SSHD = os.environ.get("OBD_TEST_SSHD", "/usr/sbin/sshd")
+# The test session's mark (tests/leftovers.py): sessions get it too, so that what a test starts
+# over SSH is known as the session's at its end.
+SESSION_MARK = "PYTEST_OBD_SESSION"
 
 
 def sshd_skip_reason() -> str | None:
@@ -229,7 +232,9 @@ class SshServer:
                     "Subsystem sftp internal-sftp",
                     # This machine's ~/.bashrc runs `pyenv rehash`, which waits up to 60 s on a lock
                     # that a session killed by a fault test can leave behind: give up at once instead.
-                    "SetEnv PYENV_REHASH_TIMEOUT=0" + (f" HOME={self.home}" if self.home is not None else ""),
+                    "SetEnv PYENV_REHASH_TIMEOUT=0"
+                    + (f" HOME={self.home}" if self.home is not None else "")
+                    + (f" {SESSION_MARK}={os.environ[SESSION_MARK]}" if os.environ.get(SESSION_MARK) else ""),
                     f"LogLevel {self.log_level}",
                     "",
                 ]
@@ -323,14 +328,26 @@ class SshServer:
         return self.start()
 
     def close(self) -> None:
-        """Stop the server and remove its directory (if this object created it).
+        """Stop the server, end what it started, and remove its directory (if this object made it).
 
-        A reaper still parenting jobs lives on until they end (then exits by itself)."""
+        Jobs started over SSH that outlived their session (setsid, nohup: a pod's job and its
+        watchdog) are the reapers' children by now; they are KILLed, as the machine going away
+        would, and the reapers, left with no child, exit."""
         self.stop()
-        for reaper in self.reapers:
-            reaper.poll()
+        self.end_jobs()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def end_jobs(self, timeout: float = 30.0) -> None:
+        """KILL every process still running under this server's reapers, and wait for the reapers."""
+        deadline = time.monotonic() + timeout
+        for reaper in self.reapers:
+            while reaper.poll() is None and time.monotonic() < deadline:
+                for pid in _children(reaper.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    reaper.wait(0.2)
 
     def shells_started(self) -> int:
         """How many shells read the `bashrc` given to this server so far."""
