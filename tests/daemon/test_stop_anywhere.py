@@ -103,3 +103,41 @@ def test_a_stop_after_train_returned_ends_the_job_at_once_saying_training_had_fi
     assert record["message"].startswith("training had finished at step 3 of 3"), record["message"]
     assert "phases_trainer.py:" in record["message"]
     assert "the script ended" not in job_log(d, rid)
+
+
+@pytest.mark.slow  # three torchrun jobs (~2.5 min); the same on two ranks without the daemon: tests/trainer_plugin
+def test_a_two_rank_job_stopped_while_one_rank_evaluates_and_the_other_waits_stops_both_at_one_step(
+    make_daemon, short_tmp: Path
+) -> None:
+    d = make_daemon()
+    d.start()
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, *BASE]
+
+    def start_ranks(*args: str) -> str:
+        out = d.cli("train", "start", "--cwd", str(short_tmp), "--", *torchrun, *args)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    whole = d.wait_state(start_ranks(), "succeeded", "failed", timeout=300)
+    assert whole["state"] == "succeeded", whole["message"]
+    slow = short_tmp / "slow-eval"
+    slow.write_text("")
+    # Rank 0 takes 0.6 s an evaluation batch; rank 1 waits for it in each batch's gather.
+    rid = start_ranks("--slow-eval", str(slow), "--slow-rank", "0")
+    wait_for(lambda: "slow evaluation began" in job_log(d, rid), 300, 0.2, "the slow evaluation")
+    out = d.cli("train", "stop", rid, "--wait", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    stopped = d.record(rid)
+    assert stopped["state"] == "stopped" and stopped["snapshot"]["step"] == 5, stopped["message"]
+    log = job_log(d, rid)
+    assert log.count("the stop came during evaluating; the snapshot is the state at the end of step 5") == 2
+    assert log.count("obd: snapshot at step") == 1  # one proof, by rank 0
+
+    slow.unlink()
+    resumed = d.cli("train", "resume", rid)
+    assert resumed.returncode == 0, resumed.stderr
+    back = d.wait_state(resumed.stdout.strip(), "succeeded", "failed", timeout=300)
+    assert back["state"] == "succeeded", back["message"]
+    after = steps(back)
+    assert min(after) == 6 and after == {s: steps(whole)[s] for s in after}  # bitwise, on two ranks
+    assert evaluations(stopped, back) == evaluations(whole)
