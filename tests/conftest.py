@@ -189,6 +189,7 @@ def short_tmp() -> Iterator[Path]:
     """A short temporary directory (unix socket paths are limited to 107 bytes)."""
     path = Path(tempfile.mkdtemp(prefix="obd-", dir="/tmp"))
     yield path
+    leftovers.end_processes_in(path)  # nothing of the test's runs on from a deleted directory
     shutil.rmtree(path, ignore_errors=True)
 
 

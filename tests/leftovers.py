@@ -130,7 +130,7 @@ def processes(session: str, dirs: set[str], exclude: set[int]) -> list[Leftover]
         if not args:
             continue  # a kernel thread, or gone meanwhile
         why = ""
-        if _environ_mark(pid) == session:
+        if session and _environ_mark(pid) == session:
             why = "started by the tests"
         else:
             with contextlib.suppress(OSError):
@@ -142,6 +142,24 @@ def processes(session: str, dirs: set[str], exclude: set[int]) -> list[Leftover]
         if why:
             out.append(Leftover(pid, _age(pid), args, why))
     return out
+
+
+def end_processes_in(directory: str | os.PathLike[str], timeout: float = 10.0) -> list[Leftover]:
+    """KILL every live process working in `directory` or running a file of it (a test's jobs, and
+    what they detached: a pod's watchdog), before the directory is removed; return those found."""
+    exclude = _ancestors(os.getpid())
+    found: list[Leftover] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs = processes("", {os.fspath(directory)}, exclude)
+        if not procs:
+            break
+        for p in procs:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGKILL)
+        found += [p for p in procs if p.pid not in {f.pid for f in found}]
+        time.sleep(0.05)
+    return found
 
 
 @dataclass

@@ -78,3 +78,17 @@ def test_a_session_that_ends_what_it_starts_passes(short_tmp: Path) -> None:
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "left these behind" not in run.stdout
+
+
+def test_a_process_detached_from_a_test_directory_is_ended_before_the_directory_goes(short_tmp: Path) -> None:
+    script = short_tmp / "watchdog.py"
+    script.write_text("import time\nwhile True:\n    time.sleep(1)\n")
+    job = subprocess.Popen([sys.executable, str(script)], start_new_session=True, cwd="/")
+    try:
+        ended = leftovers.end_processes_in(short_tmp)
+        assert [p.pid for p in ended] == [job.pid] and "running a file of a test directory" in str(ended[0])
+        assert job.wait(30) == -signal.SIGKILL
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
