@@ -456,6 +456,8 @@ class Handlers:
                 f"retry `obd train stop {record.id}`, or `obd train cancel {record.id}`",
                 "unavailable",
             ) from exc
+        if not record.snapshots and record.state == RunState.running:
+            await self._refresh(record)  # whether a snapshot can come at all (stop.see_no_plugin), in the reply
         return record.public()
 
     async def _refresh(self, record: RunRecord) -> None:

@@ -198,6 +198,7 @@ def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes)
     learned = learn_save(record, probe.last_save)  # the lead of the chain's limits (docs/limits.md)
     learned = learn_trackers(record, probe.begin) or learned  # an MLflow run for the next attempts
     see_request(record, probe.request, now)
+    see_no_plugin(record, probe, now)
     see_proof(record, probe, now)
     if probe.status.state == JobState.pending:
         # Waiting for the target's scheduler: queued, and no fallback (nothing runs to snapshot).
@@ -230,6 +231,7 @@ def _fingerprint(record: RunRecord) -> tuple[object, ...]:
         st.reason,
         st.proof_at,
         st.invalid_proof,
+        st.no_plugin,
     )
 
 
@@ -246,6 +248,26 @@ def see_request(record: RunRecord, raw: str | None, now: float) -> None:
     elif record.stop.reason != reason:
         record.stop.reason = reason
         record.note(f"snapshot request reason changed to {reason}", now)
+
+
+NO_PLUGIN = "its job has not loaded obd's plugin: none of its processes is Python, which the plugin loads into"
+
+
+def see_no_plugin(record: RunRecord, probe: RunProbe, now: float) -> None:
+    """Whether a snapshot can still come for the request: not while the job has not announced the
+    plugin and runs no Python (`sleep`, a shell script between its steps), so `stop --wait` need
+    not wait `proof_timeout` to say so. A Python started later (the plugin takes the request at
+    its first step) or the plugin's announcement clears it."""
+    st = record.stop
+    if record.snapshots or st.requested_at is None:
+        st.no_plugin = None
+        return
+    if probe.python is False and st.no_plugin is None:
+        st.no_plugin = NO_PLUGIN
+        record.note(f"no snapshot can come now: {NO_PLUGIN}", now)
+    elif probe.python is True and st.no_plugin is not None:
+        st.no_plugin = None
+        record.note("a Python process runs in the job now: obd's plugin may still take the request", now)
 
 
 def see_proof(record: RunRecord, probe: RunProbe, now: float) -> None:

@@ -432,6 +432,7 @@ class LocalExecutor:
         result["planted"] = [n for n in found if not os.path.lexists(marks.file(n))]
         result["status"] = status
         result["handle"] = jobctl.read_handle(remote_dir, facts)
+        result["python"] = jobctl.python_seen(result, result["handle"])
         return result
 
     async def probe(self, runs: list[tuple[JobHandle | None, str]]) -> list[RunProbe]:

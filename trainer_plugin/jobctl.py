@@ -262,6 +262,41 @@ def job_processes(root: int) -> set[int]:
     return found
 
 
+# Executables obd's plugin loads into (its sitecustomize): a job with none of them cannot snapshot.
+PYTHON_NAMES = ("python", "pypy")
+
+
+def runs_python(handle: dict[str, Any]) -> bool:
+    """Whether a Python interpreter runs among the job's processes: obd's plugin loads only into
+    Python, so a job without one (`sleep`, a shell between steps) cannot take a snapshot request
+    now. A process whose program cannot be read (another user's) counts as one."""
+    ids = _handle_ids(handle)
+    if ids is None:
+        return False
+    for pid in job_processes(ids[0]):
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone meanwhile (or a kernel's own)
+        except OSError:
+            return True
+        if exe.endswith(" (deleted)"):  # upgraded under it: still the program it runs
+            exe = exe[: -len(" (deleted)")]
+        if os.path.basename(exe).startswith(PYTHON_NAMES):
+            return True
+    return False
+
+
+def python_seen(result: dict[str, Any], handle: dict[str, Any] | None) -> bool | None:
+    """`runs_python` for a probe's `python`, read only while a stop waits on a job that has not
+    announced obd's plugin (running, a request, no `begin` line): a look at every process costs
+    too much for each poll of each run. None when not read."""
+    status = result.get("status") or {}
+    if status.get("state") != "running" or result.get("request") is None or result.get("begin") is not None:
+        return None
+    return runs_python(handle) if handle else None
+
+
 def _belongs(pid: int, root: int) -> bool:
     """Whether `pid` is, right now, in the group of `root` or below it in the process tree."""
     seen = 0
@@ -578,6 +613,7 @@ def probe_dir(run_dir: str, handle: dict[str, Any] | None = None, with_job: bool
         result["log_size"] = file_size(paths.job_log)
         if with_job:
             result["handle"] = read_handle(run_dir)
+            result["python"] = python_seen(result, handle or result["handle"])
         result["checkpoints"] = rundir.real_checkpoints(run_dir)
     except Exception as exc:
         result.setdefault("status", {"state": "running", "exit_code": None})
