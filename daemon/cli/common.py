@@ -5,8 +5,10 @@ Standard library only, like every module the client imports.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (every command imports this)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 DIST = "obd-train"  # the distribution's name on the package index; the command is `obd`
 

@@ -9,16 +9,11 @@ with the code of the state it ended in, the state the command asked for being 0.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
-from pathlib import Path
-from typing import Any
 
-from daemon.cli import render, sweeps
-from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
 from daemon.cli.common import (
     EXIT_BUSY,
     EXIT_CANCELLED,
@@ -35,21 +30,18 @@ from daemon.cli.common import (
     UsageError,
     on_this_machine,
 )
-from daemon.cli.follow import (
-    Patient,
-    _Feedback,
-    _logs,
-    _metrics,
-    _wait,
-    _watch_list,
-    _width,
-)
-from daemon.cli.parser import (
-    _parser,
-    command_parser,
-)
-from daemon.paths import client_socket
+from daemon.cli.parser import _parser, command_parser, command_path
 from daemon.wire import FINAL
+
+# What a command needs beyond this is imported where it is used (rendering, sweeps, following,
+# run files, pathlib, typing...): `obd train list --json` imports the parser, the client and json
+# only, since each module costs the command's start (tests/bench/bench_client_imports.py).
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
+
+    from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
 
 # Fields of the control API, as the flags that set them: a daemon's usage error names the flag.
 FIELD_FLAGS = {
@@ -119,7 +111,7 @@ def _untranslated_argparse() -> None:
 def _main(argv: list[str]) -> int:
     head, command = _split_command(argv)
     _untranslated_argparse()
-    parser = _parser()
+    parser = _parser(command_path(head))  # only the parser of the command asked for
     try:
         args, unknown = parser.parse_known_args(head)
     except SystemExit as exc:
@@ -149,6 +141,8 @@ def _main(argv: list[str]) -> int:
         return profile_parse_main([args.dir] + (["--json"] if args.json else []))
     if args.cmd == "targets" and args.action == "list":
         return _targets_list(args)
+    from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+
     if args.cmd == "targets" and args.action in ("drain", "undrain"):
         try:
             return _drain(args)
@@ -159,7 +153,7 @@ def _main(argv: list[str]) -> int:
 
         args.unknown = unknown
         return admin_main(args)
-    client = Client(client_socket(args.socket, args.config, args.state_dir))
+    client = Client(_socket_path(args))
     try:
         if getattr(args, "view", None) is not None:
             return int(args.view(args, client))
@@ -170,8 +164,23 @@ def _main(argv: list[str]) -> int:
         client.close()
 
 
+def _socket_path(args: argparse.Namespace) -> str:
+    """The daemon's socket: `--socket` or OBD_SOCKET as they are; else found as the daemon finds it
+    (daemon/paths.py, which reads the config file: imported only then)."""
+    if args.socket:
+        return str(args.socket)
+    if os.environ.get("OBD_SOCKET"):
+        return os.environ["OBD_SOCKET"]
+    from daemon.paths import client_socket
+
+    return str(client_socket(args.socket, args.config, args.state_dir))
+
+
 def _said(exc: UsageError | DaemonUnreachable | DaemonBusy | RequestFailed) -> int:
     """A command's error as `obd: ...` on stderr (never a traceback), and its exit code."""
+    from daemon.cli import render
+    from daemon.cli.client import DaemonBusy, DaemonUnreachable
+
     if isinstance(exc, UsageError):
         print(f"obd: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -242,6 +251,8 @@ def _check_start(args: argparse.Namespace, command: list[str]) -> None:
             f"given: add --resume-from RUN (or run `obd train resume RUN --checkpoint {args.checkpoint}`)"
         )
     if args.action == "sweep" and args.grid:
+        from daemon.cli import sweeps
+
         sweeps.check_placeholders(command, sweeps.parse_grid(args.grid))
 
 
@@ -277,12 +288,16 @@ def flag_names(message: str) -> str:
 
 
 def _completion(shell: str) -> int:
+    from pathlib import Path
+
     name = {"bash": "obd.bash", "zsh": "_obd", "fish": "obd.fish"}[shell]
     sys.stdout.write((Path(__file__).with_name("completions") / name).read_text())
     return 0
 
 
 def _daemon(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import anyio
 
     from daemon.config import ConfigError, load_config
@@ -336,7 +351,10 @@ def _secrets(names: list[str]) -> dict[str, str]:
 
 def _drain(args: argparse.Namespace) -> int:
     """`obd targets drain|undrain NAME`: through the daemon; `--wait` until every paused job ended."""
-    client = Client(client_socket(args.socket, args.config, args.state_dir))
+    from daemon.cli.client import Client
+    from daemon.cli.follow import Patient, _Feedback, _wait
+
+    client = Client(_socket_path(args))
     try:
         if args.action == "undrain":
             answer = client.call("undrain", target=args.name)
@@ -372,7 +390,10 @@ def _drain(args: argparse.Namespace) -> int:
 def _targets_list(args: argparse.Namespace) -> int:
     """The targets and their GPUs (with what holds each), from the daemon; from the config file
     alone when no daemon answers. Standard library only: this must stay fast."""
-    client = Client(client_socket(args.socket, args.config, args.state_dir), timeout=10)
+    from daemon.cli import render
+    from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
+
+    client = Client(_socket_path(args), timeout=10)
     try:
         rows = client.call("targets")
     except (DaemonUnreachable, DaemonBusy, RequestFailed) as exc:
@@ -400,6 +421,7 @@ def _targets_list(args: argparse.Namespace) -> int:
 
 def _targets_from_config(config: str | None) -> list[dict[str, Any]]:
     import tomllib
+    from pathlib import Path
 
     from daemon.paths import default_config_path
 
@@ -444,6 +466,12 @@ def _print_record(record: dict[str, Any], as_json: bool, text: str) -> None:
 
 def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     action = args.action
+    if action == "list":  # first: it imports none of what the others need
+        return _list(args, client)
+    from daemon.cli import render, sweeps
+    from daemon.cli.client import RequestFailed
+    from daemon.cli.follow import _logs, _metrics, _width
+
     if action == "start":
         return _start(args, list(args.command) + command, client)
     if action == "sweep":
@@ -495,8 +523,6 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
         from daemon.cli.outputs import copy_outputs
 
         return copy_outputs(client.call("outputs", id=args.id), args.to, args.checkpoint, args.json)
-    if action == "list":
-        return _list(args, client)
     if action == "status":
         record = client.call("status", id=args.id)
         if sweeps.is_sweep(record) and args.as_file and record.get("members"):
@@ -550,6 +576,8 @@ def _sweep_logs(client: Client, ref: str, exc: RequestFailed) -> int:
     """`obd train logs SWEEP`: a sweep has no log of its own; each of its members has one. Say so,
     with the command for each member (exit 2); a reference that names no sweep either is the
     daemon's `no run` error as it was."""
+    from daemon.cli import render, sweeps
+
     view = client.call("status", id=ref)  # a sweep's name or id; else `no run`, as the read said
     if not sweeps.is_sweep(view):
         raise exc
@@ -563,6 +591,10 @@ def _sweep_logs(client: Client, ref: str, exc: RequestFailed) -> int:
 
 
 def _start(args: argparse.Namespace, command: list[str], client: Client, op: str = "start", **extra: Any) -> int:
+    from pathlib import Path
+
+    from daemon.cli import sweeps
+
     if not command:
         raise UsageError(f"no command: obd train {op} [OPTIONS] -- COMMAND [ARG]...")
     cwd = str(Path(args.cwd).resolve()) if args.cwd else None
@@ -606,6 +638,9 @@ def _limits(args: argparse.Namespace) -> dict[str, float]:
 
 
 def _stop(args: argparse.Namespace, client: Client) -> int:
+    from daemon.cli import render, sweeps
+    from daemon.cli.follow import Patient, _Feedback, _wait
+
     record = client.call("stop", id=args.id, reason=args.reason)
     if sweeps.is_sweep(record):  # every member that runs (docs/dependencies-and-sweeps.md)
         return sweeps.acted(client, record, args.json, args.wait, "stopped")
@@ -627,6 +662,9 @@ def _stop(args: argparse.Namespace, client: Client) -> int:
 
 
 def _cancel(args: argparse.Namespace, client: Client) -> int:
+    from daemon.cli import render, sweeps
+    from daemon.cli.follow import Patient, _Feedback, _wait
+
     ended = _chain_ended(client, args.id)
     if ended is not None:  # as `obd train stop` says it: nothing to cancel
         print(
@@ -654,6 +692,8 @@ def _cancel(args: argparse.Namespace, client: Client) -> int:
 def _chain_ended(client: Client, ref: str) -> dict[str, Any] | None:
     """The run `ref` names when it and its chain have ended (no retry or way back to come), so a
     cancel has nothing to act on; None otherwise, and for a sweep (each member is its own)."""
+    from daemon.cli.client import RequestFailed
+
     try:
         record = client.call("wait", id=ref, timeout=0.0)
     except RequestFailed as exc:
@@ -679,10 +719,15 @@ def _list(args: argparse.Namespace, client: Client) -> int:
     if args.watch:
         if args.json or not sys.stdout.isatty():
             raise UsageError("--watch redraws a terminal; for a script, run `obd train list --json` when you need it")
+        from daemon.cli.follow import _watch_list
+
         return _watch_list(client, params)
     if args.json:  # as the daemon encoded it: nothing decoded and encoded again
         sys.stdout.buffer.write(client.call_raw("list", **params) + b"\n")
         return 0
+    from daemon.cli import render
+    from daemon.cli.follow import _width
+
     if args.sweep is not None:  # its members as the sweep's table
         rows = client.call("list", **params)
         print(render.sweep_table({"sweep": args.sweep, "members": rows}, width=_width()))

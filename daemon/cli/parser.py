@@ -2,6 +2,9 @@
 
 Standard library only, like every module the client imports; the reason words of a stop come
 from the run directory's contract (`trainer_plugin/rundir.py`, standard library only too).
+A command builds only its own parser (`_parser(command_path(argv))`: `obd train list` makes the
+list's and nothing else, and imports nothing the others need); help, completions and run files
+use the whole one (`_parser()`).
 
 Over 600 lines on purpose: it is one declaration, the whole command line in the order `obd --help`
 shows it; the commands' own code lives elsewhere (main.py, follow.py, sweeps.py, exec.py...), and
@@ -11,11 +14,10 @@ the run file (runfile.py) and the completions read this parser as the one source
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, NoReturn
 
 from daemon.cli.common import (
     DIST,
@@ -23,7 +25,33 @@ from daemon.cli.common import (
     SHELLS,
 )
 from daemon.wire import STATES
-from trainer_plugin.rundir import DEFAULT_REASON, REASONS
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (a few ms of every command)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import Any, NoReturn
+
+# The commands, and the actions of `obd train`, as `obd --help` lists them: a command line that
+# names one gets a parser of that one only (`command_path`).
+COMMANDS = ("daemon", "train", "profile", "targets", "pods", "completion", "ui")
+TRAIN_ACTIONS = (
+    "start",
+    "sweep",
+    "resume",
+    "stop",
+    "cancel",
+    "status",
+    "metrics",
+    "logs",
+    "outputs",
+    "exec",
+    "shell",
+    "prune",
+    "list",
+    "plot",
+)
+# The options of `obd` itself that take a value, which may come before the command.
+GLOBAL_VALUED = ("--socket", "--config", "--state-dir")
 
 START_EXAMPLES = """\
 examples:
@@ -82,12 +110,39 @@ class _Formatter(argparse.HelpFormatter):
     option's help, wrapped to the terminal."""
 
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=30)
+        # The width argparse would take (shutil.get_terminal_size's, less 2), found without
+        # importing shutil, which every parser would otherwise import for its first argument.
+        super().__init__(prog, max_help_position=30, width=_columns() - 2)
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" in text:
             return "".join(indent + line for line in text.splitlines(keepends=True))
         return super()._fill_text(text, width, indent)
+
+
+def _columns() -> int:
+    """The terminal's width as `shutil.get_terminal_size()` gives it: $COLUMNS, else stdout's
+    terminal, else 80."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 80
+    return columns or 80
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every parser of `obd`, its subcommands' included: help laid out alike (`_Formatter`), and
+    no abbreviated flag taken (`--gpu` for `--gpus`), which run files and the API refuse."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
 
 class _VersionAction(argparse.Action):
@@ -199,8 +254,36 @@ def positive_number(text: str) -> float:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def command_path(argv: Sequence[str]) -> tuple[str, ...]:
+    """The command a command line names, as far as its leading words say: ("train", "list") for
+    `obd --socket S train list --all`, ("targets",) for `obd targets check gpu1`, () for
+    `obd --help` or a word that is no command (the whole parser then says what is wrong)."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        if argv[i] in GLOBAL_VALUED:
+            i += 2
+        elif argv[i].partition("=")[0] in GLOBAL_VALUED:
+            i += 1
+        else:
+            return ()  # --help, --version, or an option obd does not know
+    words = argv[i : i + 2]
+    if not words or words[0] not in COMMANDS:
+        return ()
+    if words[0] == "train" and len(words) == 2 and words[1] in TRAIN_ACTIONS:
+        return (words[0], words[1])
+    return (words[0],)
+
+
+def _parser(path: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The command line's parser: the whole of it, or (`path`, from `command_path`) only the
+    command it names, whose parse, help and errors are the same as in the whole one."""
+    command = path[0] if path else None
+    action = path[1] if len(path) > 1 else None
+
+    def wanted(name: str, *actions: str) -> bool:
+        return command in (None, name) and (not actions or action is None or action in actions)
+
+    p = _Parser(
         prog="obd",
         description="Supervise fine-tuning runs; stop them at a step boundary with a verified checkpoint.",
         epilog=EXIT_CODES + "\n\nEach command has its own help: obd train start --help.",
@@ -211,7 +294,54 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="config file (the client reads it only to find the socket)")
     p.add_argument("--state-dir", help="the daemon's state directory (the client looks for STATE_DIR/obd.sock)")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
+    if wanted("daemon"):
+        _add_daemon(sub)
+    train = None
+    if wanted("train"):
+        train_parser = sub.add_parser(
+            "train",
+            help="start, stop, resume and follow runs",
+            description="Start, stop, resume and follow runs. RUN is a run id, a unique prefix of one, "
+            "a run name (its newest run) or `last` (your newest run).",
+        )
+        train = train_parser.add_subparsers(dest="action", required=True, metavar="ACTION", title="actions")
+        if wanted("train", "start", "sweep"):
+            start = _add_start(train)
+            if wanted("train", "sweep"):
+                _add_sweep(train, start)
+        for actions, add in (
+            (("resume",), _add_resume),
+            (("stop", "cancel"), _add_stop_and_cancel),
+            (("status", "metrics", "logs", "outputs"), _add_reading),
+            (("exec", "shell"), _add_exec),
+            (("prune",), _add_prune),
+            (("list",), _add_list),
+        ):
+            if wanted("train", *actions):
+                add(train)
+    if wanted("profile"):
+        _add_profile(sub)
+    if wanted("targets"):
+        _add_targets(sub)
+    if wanted("pods"):
+        _add_pods(sub)
+    if wanted("completion"):
+        _add_completion(sub)
+    # Commands that look at runs (plot, the web view): daemon/cli/view.py adds them. Each sets
+    # `view` to a function (args, client) -> exit code.
+    if wanted("train", "plot") or wanted("ui"):
+        from daemon.cli import view  # its commands, and what they import, only when a parser is made
 
+        # Each into the parser asked for; the other, into one thrown away.
+        spare = _Parser(prog="obd").add_subparsers()
+        view.add_commands(
+            train if train is not None and wanted("train", "plot") else spare, sub if wanted("ui") else spare
+        )
+    _format_all(p)
+    return p
+
+
+def _add_daemon(sub: Any) -> None:
     d = sub.add_parser(
         "daemon",
         help="run the daemon in the foreground (systemd runs this)",
@@ -225,21 +355,8 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level", choices=("debug", "info", "warning", "error"), help="what the daemon logs (default: info)"
     )
 
-    train_parser = sub.add_parser(
-        "train",
-        help="start, stop, resume and follow runs",
-        description="Start, stop, resume and follow runs. RUN is a run id, a unique prefix of one, "
-        "a run name (its newest run) or `last` (your newest run).",
-    )
-    train = train_parser.add_subparsers(dest="action", required=True, metavar="ACTION", title="actions")
-    _add_sweep(train, _add_start(train))
-    _add_resume(train)
-    _add_stop_and_cancel(train)
-    _add_reading(train)
-    _add_exec(train)
-    _add_prune(train)
-    _add_list(train)
 
+def _add_profile(sub: Any) -> None:
     prof = sub.add_parser(
         "profile",
         help="parse profiler output into RunMetrics, without the daemon",
@@ -254,6 +371,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("dir", metavar="DIR", help="the directory to parse")
     pp.add_argument("--json", action="store_true", help="print the RunMetrics as JSON")
 
+
+def _add_targets(sub: Any) -> None:
     tg = sub.add_parser(
         "targets",
         help="list the configured targets, or check that one works",
@@ -288,6 +407,8 @@ def _parser() -> argparse.ArgumentParser:
     tc.add_argument("name", metavar="NAME", help="the target's name in the config")
     tc.add_argument("--json", action="store_true", help="print the checks as a JSON list")
 
+
+def _add_pods(sub: Any) -> None:
     # `obd pods` has its own parser (daemon/cli/pods.py): list, rm, retrieve and their options.
     pods = sub.add_parser(
         "pods",
@@ -297,6 +418,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     pods.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="list | rm POD_ID | retrieve RUN_ID")
 
+
+def _add_completion(sub: Any) -> None:
     comp = sub.add_parser(
         "completion",
         help="print the shell completion script for bash, zsh or fish",
@@ -304,15 +427,6 @@ def _parser() -> argparse.ArgumentParser:
         epilog=COMPLETION_HELP,
     )
     comp.add_argument("shell", choices=SHELLS, metavar="SHELL", help="bash, zsh or fish")
-
-    # Commands that look at runs (plot, the web view): daemon/cli/view.py adds them. Each sets
-    # `view` to a function (args, client) -> exit code.
-
-    from daemon.cli import view  # its commands, and what they import, only when a parser is made
-
-    view.add_commands(train, sub)
-    _format_all(p)
-    return p
 
 
 def _format_all(parser: argparse.ArgumentParser) -> None:
@@ -552,6 +666,8 @@ def _add_resume(train: Any) -> None:
 
 
 def _add_stop_and_cancel(train: Any) -> None:
+    from trainer_plugin.rundir import DEFAULT_REASON, REASONS  # the stop's reason words, only when asked
+
     st = train.add_parser(
         "stop",
         help="ask the run for a snapshot at the end of its step, then stop",
