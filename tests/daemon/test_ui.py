@@ -363,3 +363,38 @@ def test_a_users_page_never_shows_another_users_runs(browser: Any, box: Box) -> 
         ui.close()
         for rid in (bob_run, alice_run):
             box.daemon.call("cancel", id=rid)
+
+
+EVALUATING_JOB = """
+import json, os, time
+from trainer_plugin import loop
+
+loop.begin(max_steps=100, start_step=0)
+for step in range(1, 6):
+    loop.log_metrics(step, loss=1.0 / step, learning_rate=1e-3)
+# The contract's phase line (docs/contract.md), as the plugin writes it when an evaluation begins.
+with open(os.environ["OBD_METRICS_FILE"], "a") as f:
+    f.write(json.dumps({"event": "phase", "time": time.time(), "phase": "evaluating", "step": 5}) + "\\n")
+print("evaluating", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_run_s_page_says_where_its_time_goes_and_what_a_stop_costs_now(
+    browser: Any, ui: Ui, daemon: DaemonProc
+) -> None:
+    job = daemon.root / "evaluating_job.py"
+    job.write_text(EVALUATING_JOB)
+    out = daemon.cli("train", "start", "--", PY, str(job))
+    assert out.returncode == 0, out.stderr
+    rid = out.stdout.strip()
+    wait_for(lambda: daemon.record(rid)["progress"].get("phase") == "evaluating", 60, 0.1, "the daemon to see it")
+    open_page(browser, ui, f"#run/{rid}")
+
+    def shown() -> str | None:
+        text = text_of(browser, "run-progress")
+        return text if "evaluating" in text else None
+
+    text = wait_for(shown, 20, 0.05, "the phase on the page")
+    assert re.search(r"step \d+/100.*, evaluating, stop ~\d+s", text), text
+    daemon.call("cancel", id=rid)

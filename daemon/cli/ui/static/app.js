@@ -25,6 +25,9 @@ function clock(ts) {
   return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
 }
 
+// The plugin's phases other than training, as `status` says them (daemon/cli/render.py PHASE_WORDS).
+const PHASES = { evaluating: "evaluating", saving: "saving a checkpoint", loading_data: "loading data", after_train: "after training" };
+
 function progressText(p) {
   p = p || {};
   if (p.step === null || p.step === undefined) return "-";
@@ -132,6 +135,9 @@ function renderRecord(r) {
   let prog = progressText(p);
   if (p.loss !== null && p.loss !== undefined) prog += `, loss ${Number(p.loss).toPrecision(4)}`;
   if (!FINAL.has(r.state) && p.eta_seconds !== null && p.eta_seconds !== undefined) prog += `, ETA ${duration(p.eta_seconds)}`;
+  if (!FINAL.has(r.state) && PHASES[p.phase]) prog += `, ${PHASES[p.phase]}`;
+  // What a stop costs now: the nearest safe point plus the last save (daemon/progress.py).
+  if (!FINAL.has(r.state) && typeof p.stop_seconds === "number") prog += `, stop ~${duration(p.stop_seconds)}`;
   $("run-progress").textContent = prog;
   $("run-target").textContent = `${r.target || "-"} ${r.remote_dir || ""}`;
   const info = r.target_info || {};
