@@ -16,6 +16,8 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 EXIT_CANCELLED, EXIT_NO_SNAPSHOT, EXIT_STOPPED, EXIT_FAILED = 3, 4, 5, 6
 
+EXIT_NO_PLUGIN = 7  # stop --wait: no snapshot can come, the job has not loaded obd's plugin (it runs on)
+
 EXIT_UNREACHABLE, EXIT_BUSY, EXIT_DENIED, EXIT_INTERRUPTED, EXIT_PIPE = 69, 75, 77, 130, 141
 
 
@@ -50,6 +52,7 @@ exit codes:
   4    stop --wait: no snapshot (the run or its training finished, or it failed)
   5    the run stopped with a snapshot (obd train resume RUN continues it)
   6    the run failed (obd train status RUN says why, with its exit code)
+  7    stop --wait: no snapshot can come (no obd plugin in the job, which runs on)
   69   the daemon cannot be reached (the message says how to start it)
   75   the daemon is busy with other callers: retry in a moment
   77   refused: the run is another user's
@@ -57,7 +60,7 @@ exit codes:
   141  the output was closed before it was all written (| head)
 
 logs --follow exits with the code of the state the run ended in (succeeded: 0).
-stop --wait exits 0 when the run stopped with a valid snapshot, else 3 or 4.
+stop --wait exits 0 when the run stopped with a valid snapshot, else 3, 4 or 7.
 cancel --wait exits 0 when the run was cancelled, else its state's code.
 exec and shell exit with the status of the command they ran."""
 

@@ -20,6 +20,7 @@ from daemon.cli.common import (
     EXIT_DENIED,
     EXIT_ERROR,
     EXIT_INTERRUPTED,
+    EXIT_NO_PLUGIN,
     EXIT_NO_SNAPSHOT,
     EXIT_OK,
     EXIT_PIPE,
@@ -165,15 +166,10 @@ def _main(argv: list[str]) -> int:
 
 
 def _socket_path(args: argparse.Namespace) -> str:
-    """The daemon's socket: `--socket` or OBD_SOCKET as they are; else found as the daemon finds it
-    (daemon/paths.py, which reads the config file: imported only then)."""
-    if args.socket:
-        return str(args.socket)
-    if os.environ.get("OBD_SOCKET"):
-        return os.environ["OBD_SOCKET"]
-    from daemon.paths import client_socket
+    """The daemon's socket, found as the daemon finds it (daemon/paths.py: as a string, without pathlib)."""
+    from daemon.paths import client_socket_str
 
-    return str(client_socket(args.socket, args.config, args.state_dir))
+    return client_socket_str(args.socket, args.config, args.state_dir)
 
 
 def _said(exc: UsageError | DaemonUnreachable | DaemonBusy | RequestFailed) -> int:
@@ -498,10 +494,12 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             "resume",
             id=args.id,
             checkpoint=args.checkpoint,
+            target=args.target,
+            gpus=args.gpus,
             command=(list(args.command) + command) or None,
             env=_env_pairs(args.env) if args.env else None,
             secrets=_secrets(args.secret),
-            environ=_environ_for(client, source["target"], args.env_clear),
+            environ=_environ_for(client, args.target or source["target"], args.env_clear),
             env_clear=args.env_clear,
             umask=_umask(),
             retry=args.retry,
@@ -644,14 +642,22 @@ def _stop(args: argparse.Namespace, client: Client) -> int:
     record = client.call("stop", id=args.id, reason=args.reason)
     if sweeps.is_sweep(record):  # every member that runs (docs/dependencies-and-sweeps.md)
         return sweeps.acted(client, record, args.json, args.wait, "stopped")
+    cannot = render.no_plugin_text(record)  # its job never loaded obd's plugin (`sleep`, a shell script)
     if not args.wait:
         said = f"{record['id']}: snapshot requested ({record['stop']['reason']})"
-        if not record.get("snapshots"):
+        if cannot:
+            said = f"{said}; {cannot}"
+        elif not record.get("snapshots"):
             said += (
                 "; its job has not announced obd's snapshot plugin yet (still loading?): it is asked at its first step"
             )
         _print_record(record, args.json, said)
         return 0
+    if cannot:  # no wait until the job ends: said now (exit 7)
+        if args.json:
+            _print_record(record, True, "")
+        print(f"obd: {cannot}", file=sys.stderr)
+        return EXIT_NO_PLUGIN
     final = _wait(Patient(client), record, _Feedback.for_terminal(lambda: client.call("targets")))
     _print_record(final, args.json, render.status(final))
     if final["state"] == "stopped" and final.get("snapshot"):

@@ -7,6 +7,8 @@ with an escape sequence or a newline cannot move the cursor, recolour or fake a 
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import unicodedata
 from collections.abc import Callable
@@ -507,6 +509,32 @@ def gpus_text(r: dict[str, Any]) -> str | None:
     return None
 
 
+def own_python(r: dict[str, Any]) -> str | None:
+    """Why a local job's `python` is obd's own (this command's venv, whose `bin/` was on the PATH the
+    job started from: it has no torch, and the user's venv is bypassed), or None."""
+    python = (r.get("job") or {}).get("python")
+    if r.get("target") != "local" or not python or sys.prefix == sys.base_prefix:
+        return None
+    if os.path.dirname(python) != os.path.join(sys.prefix, "bin"):
+        return None
+    return (
+        f"the job's python is obd's own ({python}): obd's venv bin/ is on the PATH it started from; "
+        "take it off PATH (link only `obd`) or name your venv's python (README: Installing)"
+    )
+
+
+def no_plugin_text(r: dict[str, Any]) -> str | None:
+    """Why a stop asked of a run can bring no snapshot as its job runs now (the daemon's
+    `stop.no_plugin`: it never loaded obd's plugin), and what to do; None when one can still come."""
+    why = (r.get("stop") or {}).get("no_plugin")
+    if not why or r.get("state") in FINAL or r.get("snapshots"):
+        return None
+    return printable(
+        f"run {r['id']}: no snapshot can come: {why}; the request stays (a Python it starts later takes it at its "
+        f"first step) and the job runs on; `obd train cancel {r['id']}` ends it now"
+    )
+
+
 def status(r: dict[str, Any]) -> str:
     """The text of `obd train status`: the run's fields, its pod if it has one, and its history."""
     lines = [
@@ -524,8 +552,14 @@ def status(r: dict[str, Any]) -> str:
         lines.append(
             f"job       in {job.get('cwd') or '-'}; program {job.get('executable') or '-'}; python {job.get('python') or '-'}"
         )
+    own = own_python(r)
+    if own is not None:
+        lines.append(f"warning   {own}")
     if r.get("remote_dir") and r["state"] not in ("preparing",):
-        lines.append(f"outputs   {r['remote_dir']}/output  (`obd train outputs {r['id']} --to DIR` copies them)")
+        lines.append(
+            f"outputs   {r['remote_dir']}/output  ($OBD_OUTPUT_DIR; the Trainer's output_dir is put there, other "
+            f"paths the script writes are not; `obd train outputs {r['id']} --to DIR` copies it)"
+        )
     last = (r.get("progress") or {}).get("last_checkpoint")
     if last:
         lines.append(f"latest    {last}")

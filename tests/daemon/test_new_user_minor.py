@@ -3,6 +3,7 @@ each with a real daemon and real jobs."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,67 @@ def test_status_shows_the_venv_python_the_user_typed_not_the_base_python_it_link
     assert f"program {venv_python};" in text, text
     assert str(venv_python.resolve()) not in text
     daemon.call("cancel", id=rid)
+
+
+# --- item 5: a stop of a job that cannot snapshot -------------------------------------------------
+
+LONG_PROOF = FAST_CONFIG.replace('proof_timeout = "60s"', 'proof_timeout = "2h"')
+
+
+def test_stop_wait_of_a_job_that_never_loads_the_plugin_says_so_at_once_and_exits_7(make_daemon) -> None:
+    d = make_daemon(LONG_PROOF)  # under the old rule, --wait would sit out these 2 hours
+    d.start()
+    rid = start(d, "sleep", "600")
+    d.wait_state(rid, "running")
+    out = d.cli("train", "stop", rid, "--wait", timeout=90)
+    assert out.returncode == 7, out.stdout + out.stderr  # documented: no snapshot can come, the job runs on
+    assert "has not loaded obd's plugin" in out.stderr and f"obd train cancel {rid}" in out.stderr, out.stderr
+    record = d.record(rid)
+    assert record["state"] == "running" and record["stop"]["no_plugin"]  # the request stays; nothing ended
+    assert d.cli("train", "cancel", rid, "--wait").returncode == 0
+
+
+def test_a_stop_of_a_python_job_that_has_not_announced_the_plugin_yet_still_waits_for_it(daemon: DaemonProc) -> None:
+    rid = start(daemon, sys.executable, "-c", "import time; time.sleep(600)")  # as a script still loading
+    daemon.wait_state(rid, "running")
+    out = daemon.cli("train", "stop", rid, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["stop"]["no_plugin"] is None  # the plugin may still take it at its first step
+    daemon.call("cancel", id=rid)
+
+
+# --- item 19: what the README warns of, where obd can see it ----------------------------------------
+
+
+def test_status_warns_when_a_local_jobs_python_is_obds_own_from_its_venv_on_path(
+    daemon: DaemonProc, venv_python: Path
+) -> None:
+    obd_bin = str(Path(sys.prefix) / "bin")  # obd's venv: the one this test's `obd` runs from
+    assert sys.prefix != sys.base_prefix
+    mine = start_with_path(daemon, f"{obd_bin}:/usr/bin:/bin")
+    theirs = start_with_path(daemon, f"{venv_python.parent}:{obd_bin}:/usr/bin:/bin")
+    text = status_text(daemon, mine)
+    assert f"warning   the job's python is obd's own ({obd_bin}/python3)" in text, text
+    assert "warning" not in status_text(daemon, theirs)  # the user's venv comes first: all is well
+
+
+def start_with_path(d: DaemonProc, path: str) -> str:
+    out = d.cli("train", "start", "--", "sh", "-c", "exec sleep 300", env={"PATH": path})
+    assert out.returncode == 0, out.stderr
+    rid = out.stdout.strip()
+    wait_for(lambda: (d.record(rid).get("job") or {}).get("python"), what="the job's python recorded")
+    return rid
+
+
+def test_status_says_only_the_trainers_output_dir_goes_to_obd_output_dir(daemon: DaemonProc, short_tmp: Path) -> None:
+    """A script's own paths stay relative to its working directory; $OBD_OUTPUT_DIR is the run's output/."""
+    script = "import os, pathlib; pathlib.Path('final').mkdir(); print(os.environ['OBD_OUTPUT_DIR'])"
+    out = daemon.cli("train", "start", "--cwd", str(short_tmp), "--", sys.executable, "-c", script)
+    assert out.returncode == 0, out.stderr
+    record = daemon.wait_state(out.stdout.strip(), "succeeded", "failed")
+    assert record["state"] == "succeeded", record["message"]
+    output = f"{record['remote_dir']}/output"
+    assert (short_tmp / "final").is_dir()  # not redirected: the README says so
+    assert daemon.cli("train", "logs", record["id"]).stdout.strip() == output
+    line = next(x for x in status_text(daemon, record["id"]).splitlines() if x.startswith("outputs"))
+    assert line.startswith(f"outputs   {output}  ($OBD_OUTPUT_DIR; the Trainer's output_dir is put there"), line
