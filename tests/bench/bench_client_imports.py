@@ -11,7 +11,8 @@ neither this checkout's state nor PYTHONDONTWRITEBYTECODE changes the figures.
 - `obd train list --all --json` against a daemon holding `--runs` records, run as the console
   script pip writes, by a bare venv of this interpreter's base Python (obd installed into it, as the
   README's system-Python install does, not editable), paired with a bare `python -c pass` of the
-  same venv, interleaved: the median of the pairs' ratios, and the median times.
+  same venv, interleaved: the median of the pairs' ratios, and the median times. The client finds
+  the socket as a user's does (no OBD_SOCKET: the config file looked for, then STATE_DIR/obd.sock).
 - The daemon's start to a socket that answers (a ping), with only `local`, with a Runpod target (a
   loopback fake of the API), and with an SSH target (a host that refuses): interleaved starts,
   the median of each and what each remote kind adds.
@@ -177,11 +178,17 @@ def bench_list(work: Path, site: Path, runs: int, pairs: int) -> dict[str, float
     d = Daemon(work / "list", site, CONFIG)
     fill_store(d.root / "state", runs)
     d.start()
+    client_state = work / "client-state"
+    client_state.mkdir()
+    (client_state / "obd.sock").symlink_to(d.socket)
     try:
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": os.environ.get("HOME", "/"),
-            "OBD_SOCKET": str(d.socket),
+            # The socket found as a user's is, not named: STATE_DIR/obd.sock (a link to the
+            # daemon's), after looking for a config file that is absent.
+            "OBD_STATE_DIR": str(client_state),
+            "OBD_CONFIG": str(work / "no-config.toml"),
             "LANG": "C.UTF-8",
         }
         listing = [python, str(script), "train", "list", "--all", "--json"]

@@ -32,7 +32,6 @@ NOT_FOR_LIST = (
     "daemon.cli.follow",
     "daemon.cli.view",
     "daemon.cli.runfile",
-    "daemon.paths",
     "trainer_plugin",
     "typing",
     "pathlib",
@@ -50,7 +49,14 @@ def test_obd_train_list_json_imports_only_what_listing_needs(daemon: DaemonProc,
         "import json, sys; from daemon.cli.main import main; rc = main(['train', 'list', '--all', '--json']); "
         f"json.dump(sorted(sys.modules), open({str(out)!r}, 'w')); sys.exit(rc)"
     )
-    done = subprocess.run([PY, "-c", code], env=daemon.env, capture_output=True, text=True, cwd=REPO)
+    # The socket found as a user's is, with no OBD_SOCKET: STATE_DIR/obd.sock (here a link to the
+    # test daemon's), the config file looked for and absent.
+    state = short_tmp / "client-state"
+    state.mkdir()
+    (state / "obd.sock").symlink_to(daemon.socket)
+    env = {k: v for k, v in daemon.env.items() if k != "OBD_SOCKET"}
+    env.update(OBD_STATE_DIR=str(state), OBD_CONFIG=str(short_tmp / "no-config.toml"))
+    done = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert [r["id"] for r in json.loads(done.stdout)] == [rid]
     # Interpreter start-up may load some of these on its own (site, an editable install's
