@@ -100,8 +100,8 @@ class StopState(BaseModel):
     # the job was), so the run's message says so; None otherwise.
     after_train: str | None = None
     # Why no snapshot can come while the job runs as it does now: it has not announced obd's plugin
-    # and none of its processes is Python, which the plugin loads into (`stop --wait` says so at
-    # once, exit 7); None otherwise, and again once a Python runs in it.
+    # and none of its processes is Python, which the plugin loads into, or a shell that could start
+    # one (`stop --wait` says so at once, exit 7); None otherwise, and again once one runs in it.
     no_plugin: str | None = None
 
 

@@ -250,14 +250,17 @@ def see_request(record: RunRecord, raw: str | None, now: float) -> None:
         record.note(f"snapshot request reason changed to {reason}", now)
 
 
-NO_PLUGIN = "its job has not loaded obd's plugin: none of its processes is Python, which the plugin loads into"
+NO_PLUGIN = (
+    "its job has not loaded obd's plugin: none of its processes is Python, which the plugin loads into, "
+    "or a shell that could start one"
+)
 
 
 def see_no_plugin(record: RunRecord, probe: RunProbe, now: float) -> None:
     """Whether a snapshot can still come for the request: not while the job has not announced the
-    plugin and runs no Python (`sleep`, a shell script between its steps), so `stop --wait` need
-    not wait `proof_timeout` to say so. A Python started later (the plugin takes the request at
-    its first step) or the plugin's announcement clears it."""
+    plugin and runs neither Python nor a shell that could start one (`sleep 120`), so `stop --wait`
+    need not wait `proof_timeout` to say so. A Python started later (the plugin takes the request
+    at its first step) or the plugin's announcement clears it."""
     st = record.stop
     if record.snapshots or st.requested_at is None:
         st.no_plugin = None

@@ -251,8 +251,9 @@ class RunProbe(BaseModel):
     # Names of the output/checkpoint-* entries that are real directories, with no symbolic link
     # on their path (output/ itself included): the only checkpoints a proof can name.
     checkpoints: list[str] = Field(default_factory=list)
-    # Whether a Python runs in the job (obd's plugin loads into nothing else), read only while a
-    # stop waits on a job that has not announced the plugin (`jobctl.python_seen`); None: not read.
+    # Whether a Python (obd's plugin loads into nothing else) or a shell runs in the job, read only
+    # while a stop waits on a job that has not announced the plugin (`jobctl.python_seen`); None:
+    # not read.
     python: bool | None = None
     error: str | None = None  # why the directory could not be read (the probe is then partial)
 

@@ -262,14 +262,16 @@ def job_processes(root: int) -> set[int]:
     return found
 
 
-# Executables obd's plugin loads into (its sitecustomize): a job with none of them cannot snapshot.
+# Executables obd's plugin loads into (its sitecustomize), and shells, which may still start one
+# (`bash train.sh` between its steps): a job running none of them cannot take a snapshot request.
 PYTHON_NAMES = ("python", "pypy")
+SHELL_NAMES = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "busybox"})
 
 
 def runs_python(handle: dict[str, Any]) -> bool:
-    """Whether a Python interpreter runs among the job's processes: obd's plugin loads only into
-    Python, so a job without one (`sleep`, a shell between steps) cannot take a snapshot request
-    now. A process whose program cannot be read (another user's) counts as one."""
+    """Whether a Python interpreter, or a shell that may still start one, runs among the job's
+    processes: obd's plugin loads only into Python, so a job with neither (`sleep 120`) cannot
+    take a snapshot request. A process whose program cannot be read (another user's) counts."""
     ids = _handle_ids(handle)
     if ids is None:
         return False
@@ -282,7 +284,8 @@ def runs_python(handle: dict[str, Any]) -> bool:
             return True
         if exe.endswith(" (deleted)"):  # upgraded under it: still the program it runs
             exe = exe[: -len(" (deleted)")]
-        if os.path.basename(exe).startswith(PYTHON_NAMES):
+        name = os.path.basename(exe)
+        if name.startswith(PYTHON_NAMES) or name in SHELL_NAMES:
             return True
     return False
 

@@ -86,8 +86,18 @@ def test_stop_wait_of_a_job_that_never_loads_the_plugin_says_so_at_once_and_exit
     assert d.cli("train", "cancel", rid, "--wait").returncode == 0
 
 
-def test_a_stop_of_a_python_job_that_has_not_announced_the_plugin_yet_still_waits_for_it(daemon: DaemonProc) -> None:
-    rid = start(daemon, sys.executable, "-c", "import time; time.sleep(600)")  # as a script still loading
+@pytest.mark.parametrize(
+    "command",
+    [
+        (sys.executable, "-c", "import time; time.sleep(600)"),  # a script still loading its model
+        ("sh", "-c", f"sleep 600; {sys.executable} -c pass"),  # a shell script before its training step
+    ],
+    ids=["python", "shell"],
+)
+def test_a_stop_of_a_job_that_may_still_load_the_plugin_is_still_waited_for(
+    daemon: DaemonProc, command: tuple[str, ...]
+) -> None:
+    rid = start(daemon, *command)
     daemon.wait_state(rid, "running")
     out = daemon.cli("train", "stop", rid, "--json")
     assert out.returncode == 0, out.stderr
