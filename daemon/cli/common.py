@@ -52,7 +52,7 @@ exit codes:
   4    stop --wait: no snapshot (the run or its training finished, or it failed)
   5    the run stopped with a snapshot (obd train resume RUN continues it)
   6    the run failed (obd train status RUN says why, with its exit code)
-  7    stop --wait: no snapshot can come (no obd plugin in the job, which runs on)
+  7    stop --wait: no snapshot can come (the job has no obd plugin; runs on)
   69   the daemon cannot be reached (the message says how to start it)
   75   the daemon is busy with other callers: retry in a moment
   77   refused: the run is another user's
