@@ -114,10 +114,13 @@ class SweepRequest(StartRequest):
 
 
 class ResumeRequest(_Req):
-    """Start a new run like RUN (target, command, name, GPUs, directory) from its checkpoint."""
+    """Start a new run like RUN (target, command, name, GPUs, directory) from its checkpoint; on
+    `target` instead of RUN's, the checkpoint carried there and verified (daemon/carry.py)."""
 
     op: Literal["resume"]
     id: str
+    target: str | None = None  # None: RUN's own target
+    gpus: str | None = None  # as a start's; None: RUN's on its own target, the target's default elsewhere
     checkpoint: str | None = None  # latest (default: the proof's, else the newest complete), a step, a path
     command: list[str] | None = None  # a new command; the old one when absent
     env: dict[str, str] | None = Field(default=None, repr=False)  # None: the old run's --env values

@@ -401,12 +401,18 @@ class Handlers:
                 lambda start, tag: self._start_member(start, tag, peer),
             )
         source = daemon.find(req.id, peer)
+        target = req.target or source.target
+        elsewhere = target != source.target
+        # RUN's GPUs on its own target; elsewhere the new target's default unless --gpus says.
+        gpus = req.gpus if req.gpus is not None else None if elsewhere else gpus_text(source.gpus_wanted)
         start = StartRequest(
             op="start",
             command=req.command or source.command,
-            target=source.target,
+            target=target,
             name=resumed_name(daemon, source.name),
-            cwd=source.cwd if not daemon.targets.of(source).shares_filesystem(source) else None,
+            # The directory rule of the target it starts on: used in place where that machine sees
+            # this one's files, else uploaded (a local run resumed on an SSH host uploads its cwd).
+            cwd=source.cwd if not daemon.targets.get(target).shares_filesystem(source) else None,
             client_cwd=source.cwd,
             env=req.env or {},
             secrets=req.secrets,
@@ -415,7 +421,7 @@ class Handlers:
             umask=req.umask,
             resume_from=source.id,
             checkpoint=req.checkpoint,
-            gpus=gpus_text(source.gpus_wanted),
+            gpus=gpus,
             priority=source.priority,
             retry=req.retry,
             profile=source.profile,
@@ -426,7 +432,14 @@ class Handlers:
             max_cost_usd=req.max_cost_usd,
             keep_checkpoints=source.keep_checkpoints,
         )
-        return await self.start(start, peer, "obd train resume")
+        answer = await self.start(start, peer, "obd train resume")
+        changed = resumed_elsewhere(source, target, req.gpus)
+        record = daemon.records.get(answer["id"])
+        if changed and record is not None:
+            async with daemon.editing(record):
+                record.note(changed)
+            answer = record.public()
+        return answer
 
     async def stop(self, req: StopRequest, peer: Peer) -> dict[str, Any]:
         if (sweep := self.sweeps.named(req.id, peer)) is not None:  # every member that runs
@@ -520,6 +533,22 @@ def resumed_name(daemon: ServiceHost, name: str | None) -> str | None:
     while f"{base}-r{n}" in taken:
         n += 1
     return f"{base}-r{n}"
+
+
+def resumed_elsewhere(source: RunRecord, target: str, gpus: str | None) -> str:
+    """What a resume changed of RUN's placement, for the new run's history ("" when nothing):
+    another target, and GPUs other than RUN's (the Trainer's data-parallel size may change)."""
+    said = []
+    if target != source.target:
+        said.append(f"resumed from {source.id} of target {source.target} on target {target}, its checkpoint carried")
+    if gpus is not None and gpus != gpus_text(source.gpus_wanted):
+        had = len(source.gpus) if source.gpus else gpus_text(source.gpus_wanted) or "the target's default"
+        said.append(
+            f"with --gpus {gpus} where {source.id} had {had}: with another data-parallel size the Trainer "
+            "resumes at the same step, but the data order and the effective batch change, so the losses "
+            "are not an uninterrupted run's (docs/checkpoints.md)"
+        )
+    return "; ".join(said)
 
 
 def gpus_text(wanted: int | list[str] | None) -> str | None:

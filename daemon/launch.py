@@ -30,6 +30,7 @@ import structlog
 from daemon.after import announced, output_env
 from daemon.after import resolve as resolve_after
 from daemon.api import ApiError, Peer, StartRequest
+from daemon.carry import carry_checkpoint
 from daemon.checkpoints import Checkpoint, resume_point
 from daemon.follow import Follower
 from daemon.gpus import Inventory, parse_wanted, queue_message
@@ -560,11 +561,15 @@ class Launcher:
         targets = self.daemon.targets
         if targets.key(source) == targets.key(record):
             return rundir.RunPaths(source.remote_dir).in_output(name)
-        local = Path(rundir.RunPaths(self.daemon.store.run_dir(source.id) / "retrieved").in_output(name))
-        if not local.exists():
-            await targets.executor(source).download(rundir.RunPaths(source.remote_dir).in_output(name), local)
+        # Another target: the checkpoint alone, every file verified on arrival (daemon/carry.py).
         dest = rundir.RunPaths(record.remote_dir).in_resume(name)
-        await executor.upload(local, dest)
+        stage = self.daemon.store.run_dir(record.id) / "carry"
+        carried = await carry_checkpoint(self.daemon, source, name, executor, dest, stage)
+        async with self.daemon.editing(record):
+            record.note(
+                f"{name} of {source.id} carried from target {source.target} to {record.target}: "
+                f"{carried.files} files, {carried.size / 1e6:.1f} MB, each one's sha256 verified on arrival"
+            )
         return dest
 
     def clear_staging_leftovers(self, started: float) -> None:

@@ -286,9 +286,11 @@ class AsyncRun:
         secrets: Iterable[str] = (),
         env_clear: bool = False,
         retry: int | None = None,
+        target: str | None = None,
+        gpus: str | int | None = None,
     ) -> AsyncRun:
-        """`Run.resume`: a new run like this one from its snapshot (or `checkpoint`)."""
-        steps = sdk.resume_steps(self.id, checkpoint, command, env, secrets, env_clear, retry)
+        """`Run.resume`: a new run like this one from its snapshot (or `checkpoint`), on `target`."""
+        steps = sdk.resume_steps(self.id, checkpoint, command, env, secrets, env_clear, retry, target, gpus)
         return AsyncRun(self.client, await self.client._run(steps))
 
     def logs(self, follow: bool = False, tail: int | None = None) -> AsyncIterator[str]:

@@ -79,10 +79,13 @@ examples:
   obd train resume sft                  the same command, from its snapshot
   obd train resume sft --checkpoint 400 from output/checkpoint-400
   obd train resume last -- python train.py --lr 1e-4   a new command
+  obd train resume sft --target box     on another target: the checkpoint carried, verified
 
 The new run has the old one's target, name (suffixed -r2, -r3...), GPUs and
 working directory; its environment, --env values and secrets are yours, given
-now as for a start (RUN's are not kept)."""
+now as for a start (RUN's are not kept). With --target, its checkpoint is
+carried there (each file's sha256 checked on arrival) and the directory rule is
+that target's (uploaded where it does not see this machine's files)."""
 
 SWEEP_EXAMPLES = """\
 examples:
@@ -645,6 +648,10 @@ def _add_resume(train: Any) -> None:
     )
     _run_arg(rs, "the run to resume")
     rs.add_argument("--checkpoint", metavar="WHICH", help="latest, a step number, or a path on the target")
+    rs.add_argument("--target", help="continue on this target instead of RUN's (its checkpoint carried there)")
+    rs.add_argument(
+        "--gpus", metavar="N|IDS", help="as for a start; default: RUN's on its target, the new target's elsewhere"
+    )
     _add_environment(rs, for_resume=True)
     rs.add_argument(
         "--retry", type=_count(0, 100), metavar="N", help="start it again up to N times if it fails or is preempted"

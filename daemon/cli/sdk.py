@@ -289,13 +289,19 @@ def resume_steps(
     secrets: Iterable[str],
     env_clear: bool,
     retry: int | None,
+    target: str | None = None,
+    gpus: str | int | None = None,
 ) -> Steps[dict[str, Any]]:
     """`obd train resume RUN`: a new run like RUN from its snapshot (or `checkpoint`), with this
-    process's environment, env and secrets (RUN's values are not kept). The new run's record."""
+    process's environment, env and secrets (RUN's values are not kept); on `target`, with `gpus`,
+    when given. The new run's record."""
     source = yield _Call("wait", {"id": run_id, "timeout": 0})
-    here = False if env_clear else (yield from on_this_machine_steps(source.get("target", LOCAL_TARGET)))
+    where = target or source.get("target", LOCAL_TARGET)
+    here = False if env_clear else (yield from on_this_machine_steps(where))
     params = {
         "id": run_id,
+        "target": target,
+        "gpus": None if gpus is None else str(gpus),
         "checkpoint": None if checkpoint is None else str(checkpoint),
         "command": list(command) if command else None,
         "env": dict(env) if env else None,
@@ -534,11 +540,13 @@ class Run:
         secrets: Iterable[str] = (),
         env_clear: bool = False,
         retry: int | None = None,
+        target: str | None = None,
+        gpus: str | int | None = None,
     ) -> Run:
-        """A new run like this one from its snapshot (or `checkpoint`: latest, a step, a path)."""
-        return Run(
-            self.client, self.client._run(resume_steps(self.id, checkpoint, command, env, secrets, env_clear, retry))
-        )
+        """A new run like this one from its snapshot (or `checkpoint`: latest, a step, a path); on
+        `target` (its checkpoint carried there, verified) with `gpus`, when given."""
+        steps = resume_steps(self.id, checkpoint, command, env, secrets, env_clear, retry, target, gpus)
+        return Run(self.client, self.client._run(steps))
 
     def logs(self, follow: bool = False, tail: int | None = None) -> Iterator[str]:
         """Its job.log's lines, each without its newline; `follow`: until it ended; `tail`: from the last N."""

@@ -116,6 +116,10 @@ function __obd_takes_value
             return 0
         case 'train resume|--checkpoint'
             return 0
+        case 'train resume|--target'
+            return 0
+        case 'train resume|--gpus'
+            return 0
         case 'train resume|--env'
             return 0
         case 'train resume|--secret'
@@ -319,6 +323,8 @@ complete -c obd -n '__obd_at \'train sweep\'' -l json -d 'print the new run\'s r
 complete -c obd -n '__obd_at \'train sweep\'' -a '--'
 complete -c obd -n '__obd_at \'train resume\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train resume\'' -l checkpoint -x -d 'latest, a step number, or a path on the target'
+complete -c obd -n '__obd_at \'train resume\'' -l target -x -a '(__obd_targets)' -d 'continue on this target instead of RUN\'s (its checkpoint carried there)'
+complete -c obd -n '__obd_at \'train resume\'' -l gpus -x -d 'as for a start; default: RUN\'s on its target, the new target\'s elsewhere'
 complete -c obd -n '__obd_at \'train resume\'' -l env -x -d 'set K=V in the job\'s environment (RUN\'s --env values are not kept: give them again)'
 complete -c obd -n '__obd_at \'train resume\'' -l secret -x -d 'pass $NAME from this shell to the job, never on a command line or in a record'
 complete -c obd -n '__obd_at \'train resume\'' -l env-clear -d 'start the job from an empty environment (HOME, USER, PATH), not this shell\'s'
