@@ -20,7 +20,16 @@ from transformers import TrainerCallback
 from . import inject
 from .agreement import RankAgreement
 from .dist import Ranks, tear_down_at_exit
-from .interrupt import AFTER_TRAIN, EVALUATING, INTERRUPTED_MARKER, SAVING, TRAINING, StopAtBoundary, StopPoints
+from .interrupt import (
+    AFTER_TRAIN,
+    EVALUATING,
+    FULL_RNG_STEP_SECONDS,
+    INTERRUPTED_MARKER,
+    SAVING,
+    TRAINING,
+    StopAtBoundary,
+    StopPoints,
+)
 from .metrics_file import MetricsWriter
 from .request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
 from .rundir import PREEMPTED, checkpoint_name, checkpoint_relpath
@@ -436,15 +445,17 @@ class SnapshotCallback(TrainerCallback):
     def evaluating(self, begun: bool, completed: bool = False) -> None:
         """From inject's wrapper of Trainer.evaluate: an evaluation begins (True) or ended (False).
 
-        A completed one moved the RNG (its DataLoader drew a seed): the boundary's RNG is taken
-        again, so a stop before the next step saves what an uninterrupted run's next step sees.
+        It begins at a boundary (nothing drew since the step end): every RNG state is kept then,
+        numpy's and Python's too, so a stop between two of its batches is exact whatever the step's
+        length. A completed one moved the RNG (its DataLoader drew a seed): the boundary's RNG is
+        taken again, so a stop before the next step saves what an uninterrupted run's next step sees.
         """
         points = self._points
         if points is None:
             return
         points.enter(EVALUATING if begun else TRAINING)
-        if completed and points.last is not None:
-            points.last.take_rng(points.step_seconds)
+        if points.last is not None and (begun or completed):
+            points.last.take_rng(FULL_RNG_STEP_SECONDS if begun else points.step_seconds)
 
     def loading(self, begun: bool) -> None:
         """From inject's wrapper of Trainer.get_batch_samples: the next step's batches are being fetched."""

@@ -12,7 +12,10 @@ accumulation, a data loader stalled in one sample, the script's code after `trai
   checkpoint save and the optimizer step are never safe.
 - At each boundary it keeps what moves before the next one although it belongs to step N: the
   RNG states (torch's always, a microsecond or two; numpy's and Python's when a step takes longer
-  than `FULL_RNG_STEP_SECONDS`, where their ~50 µs cost nothing), the token and FLOP counts.
+  than `FULL_RNG_STEP_SECONDS`, where their 10-100 µs cost nothing, and at an evaluation's
+  start), the token and FLOP counts. Inside a shorter training step, whose end is near, a
+  micro-batch end does not take a stop (numpy's or Python's RNG may have moved since the
+  boundary): the step end does; only a fetch that stalls is interrupted there.
 - A thread looks for the request every `POLL_SECONDS`. Once one is there and no safe point of the
   main thread (a step end, a micro-batch end, an evaluation batch) took it within `GRACE_SECONDS`,
   it interrupts the main thread with a real signal (`INTERRUPT_SIGNAL`), so a blocking read or
@@ -50,7 +53,7 @@ POLL_SECONDS = 0.2
 # How long a request may wait for a safe point of the main thread's own before it is interrupted.
 GRACE_SECONDS = 0.8
 # Steps at least this long keep numpy's and Python's RNG states at every boundary too.
-FULL_RNG_STEP_SECONDS = 0.1
+FULL_RNG_STEP_SECONDS = 0.5
 # How long the job must be in a phase said only when it lasts (loading data) before it is said.
 QUIET_PHASE_SECONDS = 1.0
 # A real-time signal, never sent by anyone else, so the job's own handlers (SIGUSR1 from Slurm's
@@ -90,6 +93,7 @@ class Boundary:
     python_rng: Any = None
     counters: dict[str, Any] = field(default_factory=dict)
     at: float = 0.0  # time.monotonic() when it was taken
+    full: bool = False  # numpy's and Python's RNG states were kept too (or neither was imported)
 
     @classmethod
     def take(cls, step: int, full: bool, counters: dict[str, Any]) -> Boundary:
@@ -105,6 +109,8 @@ class Boundary:
             cuda = getattr(torch, "cuda", None)
             if cuda is not None and cuda.is_initialized():
                 self.cuda_rng = cuda.get_rng_state_all()
+        numpy_there, random_there = "numpy" in sys.modules, "random" in sys.modules
+        self.full = step_seconds >= FULL_RNG_STEP_SECONDS or not (numpy_there or random_there)
         if step_seconds >= FULL_RNG_STEP_SECONDS:
             numpy = sys.modules.get("numpy")
             if numpy is not None:
@@ -245,12 +251,18 @@ class StopPoints:
         if self.reason is not None:
             self.check()
 
-    def check(self) -> None:
-        """At one of the main thread's own safe points: act on a request seen, if it is safe now.
+    def check(self, interrupted: bool = False) -> None:
+        """At one of the main thread's own safe points (or `interrupted` in a stalled fetch): act on
+        a request seen, if it is safe now.
 
+        Inside a short training step (a boundary without numpy's and Python's RNG states) only an
+        interruption acts: the step end, which is near, takes the stop with every state exact.
         Under torch.distributed the rank parks here until the ranks agree: it stops only where all do.
         """
         if self.reason is not None and self.safe and not self.taken:
+            last = self.last
+            if not interrupted and self.phase == TRAINING and last is not None and not last.full:
+                return
             if self.agreement is not None and not self.agreement.park(self.position):
                 return
             self._raise()
@@ -269,7 +281,7 @@ class StopPoints:
         raise StopAtBoundary(self.reason, self.phase, last.step)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self.check()
+        self.check(interrupted=True)
 
     # --- the thread ---------------------------------------------------------------------------
 
