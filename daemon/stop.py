@@ -208,6 +208,9 @@ def apply_probe(record: RunRecord, probe: RunProbe, now: float, stop: StopTimes)
         if record.state != RunState.queued or record.message != why:
             record.transition(RunState.queued, why, now)
     elif probe.status.state != JobState.running:
+        if record.state == RunState.queued and probe.status.exit_code is not None:
+            # Its job started and ended between two reads of the scheduler (a Slurm end marker).
+            record.transition(RunState.running, "started by the target's scheduler", now)
         verdict.final = probe.status
     else:
         if record.state == RunState.queued:

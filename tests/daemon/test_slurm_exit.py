@@ -80,6 +80,34 @@ def test_a_job_s_end_is_in_its_record_from_its_end_marker_while_squeue_scontrol_
     assert marker is not None and marker["exit_code"] == 3 and marker["slurm_signals"] == []
 
 
+def test_a_queued_run_whose_job_starts_and_ends_while_squeue_hangs_is_recorded_with_its_start(
+    hpc: DaemonProc,  # noqa: F811
+    short_tmp: Path,
+) -> None:
+    cluster: Cluster = hpc.cluster  # type: ignore[attr-defined]
+    gate = short_tmp / "slurm-hangs"
+    shims = hanging_queries(short_tmp / "shims", gate)
+    hpc.stop()
+    hpc.start(extra_env={"PATH": f"{shims}:{os.environ['PATH']}"})
+    blocker = cluster.run(
+        "sbatch", "--parsable", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap=sleep 300"
+    ).stdout.strip()
+    try:
+        wait_for(lambda: any(j["id"] == blocker and j["state"] == "RUNNING" for j in cluster.jobs()), 30)
+        rid = start(hpc, "hpc", "sh", "-c", "echo done")
+        hpc.wait_state(rid, "queued", timeout=30)
+        gate.touch()  # no read of Slurm's queue can see the job running from now on
+        cluster.run("scancel", blocker)  # the job starts, and ends at once
+        record = hpc.wait_state(rid, "succeeded", "failed", "cancelled", "stopped", timeout=90)
+        assert gate.exists()
+    finally:
+        gate.unlink(missing_ok=True)
+        cluster.run("scancel", blocker, check=False)
+    assert record["state"] == "succeeded" and record["exit_code"] == 0, record["message"]
+    states = [h["state"] for h in record["history"] if h["reason"] in ("started by the target's scheduler", "exit 0")]
+    assert states == ["running", "succeeded"]
+
+
 def test_a_job_whose_command_exits_0_after_an_scancel_outside_obd_is_not_recorded_a_success(
     hpc: DaemonProc,  # noqa: F811
 ) -> None:
