@@ -172,3 +172,32 @@ def test_a_checkpoint_that_arrives_changed_fails_the_resume_before_the_job_start
     again = d.wait_state(again_id, "succeeded", "failed", timeout=300)
     assert again["state"] == "succeeded", again["message"]
     assert min(steps(again)) == 4
+
+
+def test_a_resume_with_another_gpu_count_through_the_python_api_resumes_and_says_what_changed(
+    make_daemon, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import obd
+
+    d = make_daemon(FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\n')  # ids, no GPU
+    d.start()
+    for name in ("OBD_SOCKET", "OBD_CONFIG", "OBD_STATE_DIR"):
+        monkeypatch.setenv(name, d.env[name])
+    project = short_tmp / "project"
+    project.mkdir()
+    out = d.cli(
+        "train", "start", "--gpus", "1", "--cwd", str(project), "--", *trainer("--hold-at", "2", "--max_steps", "4")
+    )
+    assert out.returncode == 0, out.stderr
+    source = stop_at_hold(d, out.stdout.strip(), 2)
+    assert len(source["gpus"]) == 1
+
+    with obd.Client() as client:
+        resumed = client.run(source["id"]).resume(gpus=2, command=trainer("--max_steps", "4"))
+    back = d.wait_state(resumed.id, "succeeded", "failed", timeout=300)
+    assert back["state"] == "succeeded", back["message"]
+    assert back["target"] == "local" and sorted(back["gpus"]) == ["0", "1"]
+    said = notes(back)
+    assert f"with --gpus 2 where {source['id']} had 1" in said and "the data order and the effective batch" in said
+    assert "carried" not in said  # the same target: the checkpoint is read where it is
+    assert min(steps(back)) == 4
