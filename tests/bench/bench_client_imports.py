@@ -14,8 +14,8 @@ neither this checkout's state nor PYTHONDONTWRITEBYTECODE changes the figures.
   same venv, interleaved: the median of the pairs' ratios, and the median times. The client finds
   the socket as a user's does (no OBD_SOCKET: the config file looked for, then STATE_DIR/obd.sock).
 - The daemon's start to a socket that answers (a ping), with only `local`, with a Runpod target (a
-  loopback fake of the API), and with an SSH target (a host that refuses): interleaved starts,
-  the median of each and what each remote kind adds.
+  loopback fake of the API), an SSH target (a host that refuses) and a Slurm target (no cluster):
+  interleaved starts, the median of each and what each remote kind adds.
 """
 
 from __future__ import annotations
@@ -152,13 +152,17 @@ class Daemon:
         self.proc = None
 
 
-def _wall(argv: list[str], env: dict[str, str]) -> float:
+def _wall(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Wall seconds of one process, and the CPU seconds it used (user + system; what a busy
+    machine changes least)."""
     started = time.perf_counter()
-    out = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
     took = time.perf_counter() - started
-    if out.returncode != 0:
-        raise RuntimeError(f"{argv} exited {out.returncode}: {out.stderr.decode()[-2000:]}")
-    return took
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv} exited {proc.returncode}")
+    return took, usage.ru_utime + usage.ru_stime
 
 
 def import_us(argv: list[str], env: dict[str, str]) -> int:
@@ -197,15 +201,16 @@ def bench_list(work: Path, site: Path, runs: int, pairs: int) -> dict[str, float
         bare = [python, "-c", "pass"]
         for _ in range(3):  # warm the page cache
             _wall(bare, env), _wall(listing, env)
-        base, full, ratios = [], [], []
+        base, full, ratios, cpu_ratios = [], [], [], []
         for i in range(pairs):
             if i % 2:  # which goes first alternates
                 b, f = _wall(bare, env), _wall(listing, env)
             else:
                 f, b = _wall(listing, env), _wall(bare, env)
-            base.append(b)
-            full.append(f)
-            ratios.append(f / b)
+            base.append(b[0])
+            full.append(f[0])
+            ratios.append(f[0] / b[0])
+            cpu_ratios.append(f[1] / b[1] if b[1] else float("nan"))
         own_us = import_us([python, "-X", "importtime", "-c", "import daemon.cli.main"], env) - import_us(
             [python, "-X", "importtime", "-c", "pass"], env
         )
@@ -213,6 +218,7 @@ def bench_list(work: Path, site: Path, runs: int, pairs: int) -> dict[str, float
         d.stop()
     return {
         "ratio_median": statistics.median(ratios),
+        "cpu_ratio_median": statistics.median(cpu_ratios),
         "list_ms": statistics.median(full) * 1000,
         "bare_ms": statistics.median(base) * 1000,
         "import_self_ms": own_us / 1000,
@@ -228,6 +234,7 @@ def bench_ready(work: Path, site: Path, starts: int) -> dict[str, float]:
             f'identity_file = "{work}/no-key"\n'
         )
         ssh = f'\n[targets.box]\nkind = "ssh"\nhost = "127.0.0.1"\nport = 9\nworkdir = "{work}/ssh"\nconnect_timeout = 2\n'
+        slurm = f'\n[targets.hpc]\nkind = "slurm"\nworkdir = "{work}/hpc"\n'
         kinds: dict[str, Callable[[int], Daemon]] = {
             "local": lambda i: Daemon(work / f"local-{i}", site, CONFIG),
             "runpod": lambda i: Daemon(
@@ -237,6 +244,7 @@ def bench_ready(work: Path, site: Path, starts: int) -> dict[str, float]:
                 {"RUNPOD_API_BASE_URL": fake.url, "RUNPOD_API_KEY": "bench-key"},
             ),
             "ssh": lambda i: Daemon(work / f"ssh-{i}", site, CONFIG + ssh),
+            "slurm": lambda i: Daemon(work / f"slurm-{i}", site, CONFIG + slurm),
         }
         took: dict[str, list[float]] = {k: [] for k in kinds}
         for i in range(starts + 1):
@@ -258,6 +266,8 @@ def bench_ready(work: Path, site: Path, starts: int) -> dict[str, float]:
         "ssh_s": medians["ssh"],
         "runpod_adds_s": medians["runpod"] - medians["local"],
         "ssh_adds_s": medians["ssh"] - medians["local"],
+        "slurm_s": medians["slurm"],
+        "slurm_adds_s": medians["slurm"] - medians["local"],
     }
 
 
@@ -275,10 +285,12 @@ def report(result: dict[str, dict[str, float]], runs: int) -> str:
     return (
         f"obd train list --all --json, {runs} runs, whole process vs bare `python -c pass` (same venv, interleaved): "
         f"ratio {ls['ratio_median']:.2f} (median of pairs; {ls['list_ms']:.1f} ms vs {ls['bare_ms']:.1f} ms; "
+        f"the client's own CPU time: ratio {ls['cpu_ratio_median']:.2f}; "
         f"`import daemon.cli.main`: {ls['import_self_ms']:.1f} ms of imports)\n"
         f"daemon start to an answering socket: local only {rd['local_s'] * 1000:.0f} ms; with a Runpod target "
         f"{rd['runpod_s'] * 1000:.0f} ms (+{rd['runpod_adds_s'] * 1000:.0f} ms); with an SSH target "
-        f"{rd['ssh_s'] * 1000:.0f} ms (+{rd['ssh_adds_s'] * 1000:.0f} ms)"
+        f"{rd['ssh_s'] * 1000:.0f} ms (+{rd['ssh_adds_s'] * 1000:.0f} ms); with a Slurm target "
+        f"{rd['slurm_s'] * 1000:.0f} ms (+{rd['slurm_adds_s'] * 1000:.0f} ms)"
     )
 
 
