@@ -79,7 +79,7 @@ examples:
   obd train resume sft                  the same command, from its snapshot
   obd train resume sft --checkpoint 400 from output/checkpoint-400
   obd train resume last -- python train.py --lr 1e-4   a new command
-  obd train resume sft --target box     on another target: the checkpoint carried, verified
+  obd train resume sft --target box     on target box (its checkpoint carried)
 
 The new run has the old one's target, name (suffixed -r2, -r3...), GPUs and
 working directory; its environment, --env values and secrets are yours, given
