@@ -536,12 +536,15 @@ class Sweeps:
 
     def again(self, member: RunRecord, req: ResumeRequest) -> StartRequest:
         """The start of a member again from the beginning, like it (command, target, name, GPUs,
-        directory, retries), with the environment, `--env` values and secrets of whoever resumes."""
-        here = self.daemon.targets.of(member).shares_filesystem(member)
+        directory, retries), with the environment, `--env` values and secrets of whoever resumes; on
+        the resume's `--target` and `--gpus` when given (as its resumed members)."""
+        target = req.target or member.target
+        here = self.daemon.targets.get(target).shares_filesystem(member)
+        same = target == member.target
         return StartRequest(
             op="start",
             command=member.command,
-            target=member.target,
+            target=target,
             name=member.name,
             cwd=None if here else member.cwd,
             client_cwd=member.cwd,
@@ -550,7 +553,7 @@ class Sweeps:
             environ=req.environ,
             env_clear=req.env_clear,
             umask=req.umask,
-            gpus=gpus_text(member.gpus_wanted),
+            gpus=req.gpus if req.gpus is not None else gpus_text(member.gpus_wanted) if same else None,
             priority=member.priority,
             retry=req.retry if req.retry is not None else member.retries,
             profile=member.profile,
