@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from daemon.cli import render
-from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+from tests.conftest import FAST_CONFIG, DaemonProc, kill_job_groups, wait_for
+from tests.daemon.test_ssh_target import ssh_config
+from tests.sshd import SshServer, running_sshd
 
 TWO_GPUS = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\n'
 
@@ -84,6 +87,29 @@ def test_stop_wait_of_a_job_that_never_loads_the_plugin_says_so_at_once_and_exit
     record = d.record(rid)
     assert record["state"] == "running" and record["stop"]["no_plugin"]  # the request stays; nothing ended
     assert d.cli("train", "cancel", rid, "--wait").returncode == 0
+
+
+@pytest.fixture
+def sshd() -> Iterator[SshServer]:
+    yield from running_sshd()
+
+
+def test_stop_wait_of_a_sleep_job_on_an_ssh_target_says_so_at_once_too(
+    make_daemon, sshd: SshServer, short_tmp: Path
+) -> None:
+    """The look at the job's processes is jobctl's, on the target: the same over SSH."""
+    workdir = short_tmp / "remote"
+    d = make_daemon(ssh_config(sshd, workdir, proof_timeout="2h"))
+    d.start()
+    try:
+        rid = start(d, "sleep", "600", opts=("--target", "box"))
+        d.wait_state(rid, "running")
+        out = d.cli("train", "stop", rid, "--wait", timeout=90)
+        assert out.returncode == 7, out.stdout + out.stderr
+        assert f"obd train cancel {rid}" in out.stderr
+        assert d.cli("train", "cancel", rid, "--wait").returncode == 0
+    finally:
+        kill_job_groups(workdir.glob("*/job.pid"))
 
 
 @pytest.mark.parametrize(
