@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import leftovers
 from tests.conftest import REPO
 
@@ -32,13 +34,27 @@ def _alive(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
-def test_a_session_that_leaves_a_process_or_a_tmp_dir_behind_fails_and_names_them(short_tmp: Path) -> None:
+@pytest.mark.parametrize("workers", [[], ["-n", "1"]], ids=["in-process", "xdist-worker"])
+def test_a_session_that_leaves_a_process_or_a_tmp_dir_behind_fails_and_names_them(
+    short_tmp: Path, workers: list[str]
+) -> None:
     out = short_tmp / "left.txt"
     (short_tmp / "test_leaky.py").write_text(LEAKY.format(out=str(out)))
     env = {k: v for k, v in os.environ.items() if k != leftovers.MARK}  # a session of its own
     env[leftovers.GRACE] = "1"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", str(short_tmp)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.conftest",
+            *workers,
+            str(short_tmp),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
