@@ -286,7 +286,7 @@ __all__ = [
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "tuple", "none"})
-_KIND_TAGS = frozenset({"local", "ssh", "runpod", "slurm"})
+_KIND_TAGS = frozenset({"local", "ssh", "runpod", "slurm", "ray"})
 
 
 def _key_path(loc: tuple[int | str, ...]) -> str:

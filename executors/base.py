@@ -129,7 +129,7 @@ class JobHandle(BaseModel):
 
     def describe(self) -> str:
         """How a person names the job: its pid, or the scheduler's job id where it has one."""
-        return self.host if self.host.startswith("slurm job") else f"pid {self.pid}"
+        return self.host if self.host.startswith(("slurm job", "ray job")) else f"pid {self.pid}"
 
 
 class JobState(str, Enum):
