@@ -77,6 +77,7 @@ class ServiceHost(Runs, Protocol):
 
     bad_records: dict[str, str]
     changed_at: dict[str, int]
+    version: int  # bumped by every change of a run (`touch`)
 
     @property
     def targets(self) -> Targets: ...
@@ -119,6 +120,10 @@ class Handlers:
     def __init__(self, daemon: ServiceHost) -> None:
         self.daemon = daemon
         self.sweeps = Sweeps(daemon)  # a sweep's id or name is also taken by status, stop, cancel, resume
+        # The last answers of `list`, by caller and question, with the state of the runs they were
+        # made from: asked again with nothing changed (a script polling `obd train list --json`),
+        # the answer is sent as it was, not sorted, filtered and joined again for every run.
+        self._lists: dict[tuple[Any, ...], tuple[tuple[int, int, int], RawJSON]] = {}
         self.table: dict[str, tuple[type[BaseModel], Handler]] = {
             "ping": (ListRequest, self.ping),
             "list": (ListRunsRequest, self.list_runs),
@@ -170,6 +175,29 @@ class Handlers:
         d = self.daemon
         if req.sweep is not None:  # its members, each with its values and best loss (daemon/sweeps.py)
             return list((await self.sweeps.view(self.sweeps.find(req.sweep, peer)))["members"])
+        key = (
+            peer.is_root,
+            peer.uid,
+            req.all,
+            tuple(req.states),
+            req.target,
+            req.name,
+            req.since,
+            req.limit,
+            req.recent,
+        )
+        stamp = (d.version, len(d.records), len(d.bad_records))
+        kept = self._lists.get(key)
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        if len(self._lists) >= 64:  # many callers or questions (each --since differs): start afresh
+            self._lists.clear()
+        answer = self._list_answer(req, peer)
+        self._lists[key] = (stamp, answer)
+        return answer
+
+    def _list_answer(self, req: ListRunsRequest, peer: Peer) -> RawJSON:
+        d = self.daemon
         runs = sorted(d.records.values(), key=lambda r: (r.created, r.id)) if req.all else d.visible(peer)
         if req.states:
             runs = [r for r in runs if r.state.value in req.states]

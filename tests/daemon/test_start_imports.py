@@ -173,3 +173,24 @@ def _open_gate(gate: Path) -> None:
         return
     os.write(fd, b"go\n")
     os.close(fd)
+
+
+def test_a_list_asked_again_shows_every_change_made_since(daemon: DaemonProc) -> None:
+    """The daemon keeps its last `list` answers (sent as they were while no run changed): a run
+    started, one that changed state, and another caller's question each get a fresh answer."""
+
+    def states() -> dict[str, str]:
+        return {r["id"]: r["state"] for r in daemon.call("list", all=True)}
+
+    first = daemon.call("start", command=["sleep", "600"])["id"]
+    daemon.wait_state(first, "running")
+    assert states() == states() == {first: "running"}
+    second = daemon.call("start", command=["true"])["id"]
+    assert second in states()
+    daemon.wait_state(second, "succeeded")
+    assert states()[second] == "succeeded"
+    daemon.call("cancel", id=first)
+    daemon.wait_state(first, "cancelled")
+    assert states() == {first: "cancelled", second: "succeeded"}
+    assert [r["id"] for r in daemon.call("list", all=True, states=["succeeded"])] == [second]
+    assert [r["id"] for r in daemon.call("list", all=True, limit=1)] == [second]
