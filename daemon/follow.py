@@ -77,6 +77,7 @@ class Follower:
         self._sweep_at: dict[str, float] = {}
         self._every_poll: set[str] = set()  # keys read whole at every poll, events or not
         self._sweep_every: dict[str, float] = {}  # keys read whole each poll interval, not each sweep
+        self._dirty_first: set[str] = set()  # of those, keys whose events were just read before a whole read
         self._planted_noted: dict[str, set[str]] = {}  # run id -> planted marks already logged
         self.reconciling: set[str] = set()  # runs whose remote target has not been matched with them yet
 
@@ -188,13 +189,15 @@ class Follower:
         now = time.monotonic()
         evented = key in self._watched and key not in self._every_poll
         due = not evented or key in self._all_dirty or now >= self._sweep_at.get(key, 0.0)
-        if due and key in self._sweep_every and self._dirty.get(key) and key not in self._all_dirty:
+        if due and key in self._sweep_every and self._dirty.get(key) and key not in self._dirty_first:
             # What an event was about (a Slurm job's end marker) first, on its own, and the whole
             # read (a scheduler's queue, slow or not answering at times) right after it.
+            self._dirty_first.add(key)
             self._all_dirty.add(key)
             self.wake(key)
             return self._dirty.pop(key)
         if due:
+            self._dirty_first.discard(key)
             self._all_dirty.discard(key)
             if key not in self._sweep_every:  # kept there: read again on its own if the whole read fails
                 self._dirty.pop(key, None)
