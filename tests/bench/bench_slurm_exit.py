@@ -4,11 +4,12 @@
 
 Brings up the test cluster (tests/executors/slurm/cluster.py: munge, slurmctld, two slurmd with
 4 CPUs each), starts a daemon with its default settings and one Slurm target polled every
-`--poll` seconds (3 s, the default `remote_poll_interval`), and starts `--runs` one-node runs at once. Each job
-sleeps a little (their ends spread over the poll's phase), then, as its very last instruction,
-writes the time into a file of its own and exits (every fourth with exit 3). Reported: from that
-time to the time of the record's final transition (`status`'s history), median, p99 and max,
-with the final states and exit codes.
+`--poll` seconds (3 s, the default `remote_poll_interval`), and starts `--runs` one-node runs at
+once. Each job waits until every run's job is submitted (the daemon done launching), sleeps a
+little (their ends spread over the poll's phase; 8 run at a time, the others wait in Slurm's
+queue), then, as its very last instruction, writes the time into a file of its own and exits
+(every fourth with exit 3). Reported: from that time to the time of the record's final
+transition (`status`'s history), median, p99 and max, with the final states and exit codes.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from tests.conftest import DaemonProc, wait_for
 from tests.executors.slurm.cluster import TEST_SETTINGS, missing_reason, running_cluster
 
 FINAL = {"stopped", "succeeded", "failed", "cancelled"}
-# The job's last instruction writes the time (GNU date, nanoseconds) where the bench reads it.
-JOB = 'sleep {sleep}; date +%s.%N > "{marks}/$OBD_RUN_ID"; exit {code}'
+# Each job waits for every submit to be through (the gate), sleeps a little, then, as its last
+# instruction, writes the time (GNU date, nanoseconds) where the bench reads it.
+JOB = 'while [ ! -e "{gate}" ]; do sleep 0.05; done; sleep {sleep}; date +%s.%N > "{marks}/$OBD_RUN_ID"; exit {code}'
 
 
 def pct(values: list[float], p: float) -> float:
@@ -61,9 +63,16 @@ def bench(runs: int, poll: float) -> dict[str, object]:
                 expected: dict[str, int] = {}
                 for i in range(runs):
                     code = 3 if i % 4 == 3 else 0
-                    script = JOB.format(sleep=round(1 + (i % 7) * 0.37, 2), marks=marks, code=code)
+                    script = JOB.format(gate=root / "go", sleep=round(1 + (i % 7) * 0.37, 2), marks=marks, code=code)
                     rid = client.call("start", target="hpc", command=["sh", "-c", script])["id"]
                     expected[rid] = code
+
+                def all_submitted() -> bool:
+                    return all(client.call("status", id=i).get("job") for i in expected)
+
+                # Measured once the daemon is no longer busy submitting: an end, not a launch, is timed.
+                wait_for(all_submitted, 120 + runs * 5, 0.2, "every run's job to be submitted")
+                (root / "go").touch()
 
                 def all_final() -> bool:
                     listed = client.call("list", all=True)
@@ -81,6 +90,7 @@ def bench(runs: int, poll: float) -> dict[str, object]:
 
 def summarise(records: list[dict], expected: dict[str, int], marks: Path, poll: float) -> dict[str, object]:
     latencies: list[float] = []
+    slowest: list[tuple[float, str, int]] = []
     states: Counter[str] = Counter()
     wrong: list[str] = []
     for record in records:
@@ -90,6 +100,7 @@ def summarise(records: list[dict], expected: dict[str, int], marks: Path, poll: 
         final = next(h["time"] for h in reversed(record["history"]) if h["state"] in FINAL)
         last = float((marks / record["id"]).read_text().strip())
         latencies.append(final - last)
+        slowest.append((round(final - last, 3), record["id"], expected[record["id"]]))
     return {
         "runs": len(records),
         "remote_poll_interval_s": poll,
@@ -100,6 +111,7 @@ def summarise(records: list[dict], expected: dict[str, int], marks: Path, poll: 
             "p99_s": round(pct(latencies, 99), 3),
             "max_s": round(max(latencies), 3),
         },
+        "slowest": sorted(slowest, reverse=True)[:3],  # (seconds, run, exit code)
     }
 
 
