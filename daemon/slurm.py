@@ -1,7 +1,8 @@
 """How the daemon serves a Slurm target: one executor for every run, plus what Slurm says of a job's end.
 
 The follow, the stop fallback and the final state are the same as on every target (the run
-directory is on the shared workdir). What only a scheduler adds is said here: a run whose job
+directory is on the shared workdir); a job's end marker wakes the follow as a local run's exit
+does, and the target's queue is still read whole at every poll (`sweeps_every_poll`). What only a scheduler adds is said here: a run whose job
 Slurm ended without the wrapper's exit code (its time limit, a node failure, a preemption, its
 memory) gets a message that says so and what to do; `status` shows the Slurm job; and a job
 named for a run that has ended (a submit that went through after its run was given up) is

@@ -16,7 +16,8 @@ Slurm command and every file it writes is theirs. `submit` writes its intent int
 and submits nothing when the run already has a job (by id, or by its name `obd-<run id>`), so
 a daemon killed between the submit and its record never gets a second job. `probe` reads every
 run directory and asks `squeue` once for all of them. `batch` is the job wrapper of a Slurm job:
-it writes `job.pid` and `exit_code` as jobctl does everywhere, turns Slurm's USR1 (sent
+it writes `job.pid`, and on every end its end marker (`slurm_end.json`, then `exit_code`), which
+the daemon reads without asking Slurm unless it shows Slurm's hand (`contested`), turns Slurm's USR1 (sent
 `signal_margin` before the time limit) into a `deadline` snapshot request and a TERM that is not
 obd's cancel into a `preempted` one, and launches the command on every node with srun.
 Values (environment, secrets) reach sbatch on stdin and the job through its environment, never
