@@ -26,7 +26,6 @@ from daemon.models import RunRecord
 from daemon.ports import Runs
 from daemon.targets import Targets
 from executors.base import Executor, ExecutorError
-from executors.remote import EXCLUDED_NAMES, walk_upload
 from trainer_plugin import rundir
 
 log = structlog.get_logger("obd")
@@ -88,6 +87,8 @@ class Carried:
 
 def manifest_here(root: Path) -> Manifest:
     """Size and sha256 of every file an upload of `root` carries (`walk_upload`'s), read in chunks."""
+    from executors.remote import walk_upload  # tarfile and jobctl: when a carry comes, not at the daemon's start
+
     _, files, _ = walk_upload(root)
     found: Manifest = {}
     for rel in files:
@@ -103,6 +104,8 @@ def manifest_here(root: Path) -> Manifest:
 
 async def manifest_there(executor: Executor, root: str) -> Manifest:
     """The same listing, of `root` on the executor's machine, by one command with its python."""
+    from executors.remote import EXCLUDED_NAMES
+
     python = await executor.python()
     argv = [python, "-c", LISTING, root, json.dumps(sorted(EXCLUDED_NAMES))]
     result = await executor.run_command(argv, timeout=LIST_TIMEOUT)
