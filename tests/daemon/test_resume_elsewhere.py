@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 PY = sys.executable
 PLAIN = str(REPO / "tests" / "trainer_plugin" / "scripts" / "plain_trainer.py")
+FAKE = str(REPO / "tests" / "daemon" / "fake_plugin_job.py")
 STEPS = 12
 
 # The Python of the target `flaky`: before the carry's check of what arrived runs (`python -c
@@ -57,12 +58,13 @@ def sshd() -> Iterator[SshServer]:
 
 @pytest.fixture
 def two_places(make_daemon, sshd: SshServer, short_tmp: Path) -> Iterator[DaemonProc]:
-    """A daemon with this machine (`local`), an SSH host (`box`) and the same host whose Python
-    corrupts what a carry brings (`flaky`)."""
+    """A daemon with this machine (`local`, two GPU ids), an SSH host (`box`) and the same host
+    whose Python corrupts what a carry brings (`flaky`)."""
     corrupting = short_tmp / "corrupting-python"
     corrupting.write_text(CORRUPTING_PYTHON.format(py=PY))
     corrupting.chmod(0o755)
-    config = FAST_CONFIG + ssh_target("box", sshd, short_tmp / "box", PY)
+    config = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\n'  # ids, no GPU
+    config += ssh_target("box", sshd, short_tmp / "box", PY)
     config += ssh_target("flaky", sshd, short_tmp / "flaky", str(corrupting))
     d = make_daemon(config)
     d.start()
@@ -201,3 +203,38 @@ def test_a_resume_with_another_gpu_count_through_the_python_api_resumes_and_says
     assert f"with --gpus 2 where {source['id']} had 1" in said and "the data order and the effective batch" in said
     assert "carried" not in said  # the same target: the checkpoint is read where it is
     assert min(steps(back)) == 4
+
+
+def test_a_sweep_resumed_on_another_target_continues_every_member_there(
+    two_places: DaemonProc, short_tmp: Path
+) -> None:
+    d = two_places
+    out = d.cli("train", "sweep", "--gpus", "1", "--grid", "lr=1,2,3", "--", PY, FAKE, "snapshot", "{lr}")
+    assert out.returncode == 0, out.stderr
+    sweep = out.stdout.strip()
+
+    def members() -> list[dict]:
+        return json.loads(d.cli("train", "list", "--sweep", sweep, "--json").stdout)
+
+    wait_for(
+        lambda: sum(m["state"] == "running" and (m["progress"]["step"] or 0) > 3 for m in members()) == 2,
+        60,
+        0.2,
+        "two members training (two GPU ids), the third queued",
+    )
+    out = d.cli("train", "stop", sweep, "--wait")
+    assert out.returncode == 0, out.stdout + out.stderr
+    stopped = sorted(m["id"] for m in members() if m["state"] == "stopped")
+    assert len(stopped) == 2
+
+    out = d.cli("train", "resume", "--json", sweep, "--target", "box")
+    assert out.returncode == 0, out.stderr
+    resumed = json.loads(out.stdout)["runs"]
+    assert [r["target"] for r in resumed] == ["box"] * 3  # the one stopped in the queue starts again there too
+    assert sorted(r["resumed_from"] for r in resumed if r["resumed_from"]) == stopped
+    for r in resumed:
+        if r["resumed_from"]:
+            running = wait_for(lambda rid=r["id"]: (x := d.record(rid))["state"] == "running" and x, 60, 0.2)
+            assert "carried from target local to box" in notes(running)
+    out = d.cli("train", "cancel", sweep, "--wait")
+    assert out.returncode == 0, out.stdout + out.stderr
