@@ -9,9 +9,7 @@ with the code of the state it ended in, the state the command asked for being 0.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
 
 from daemon.cli.common import (
@@ -31,12 +29,11 @@ from daemon.cli.common import (
     UsageError,
     on_this_machine,
 )
-from daemon.cli.parser import _parser, command_parser, command_path
 from daemon.wire import FINAL
 
-# What a command needs beyond this is imported where it is used (rendering, sweeps, following,
-# run files, pathlib, typing...): `obd train list --json` imports the parser, the client and json
-# only, since each module costs the command's start (tests/bench/bench_client_imports.py).
+# What a command needs beyond this is imported where it is used (the parser, json, the client,
+# rendering, sweeps, following, run files, pathlib, typing...): each module costs the command's
+# start, and `obd train list --json` imports none of them (tests/bench/bench_client_imports.py).
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing
 if TYPE_CHECKING:
     import argparse
@@ -85,9 +82,19 @@ FIELD_FLAGS = {
 # --- main -------------------------------------------------------------------------------------
 
 
+def _parser(path: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The command line's parser (daemon/cli/parser.py): the whole, or the command `path` names."""
+    from daemon.cli.parser import _parser as parser_of
+
+    return parser_of(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        code = _main(list(sys.argv[1:] if argv is None else argv))
+        words = list(sys.argv[1:] if argv is None else argv)
+        code = _list_json(words)
+        if code is None:
+            code = _main(words)
         sys.stdout.flush()
         return code
     except BrokenPipeError:
@@ -97,6 +104,76 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PIPE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+# `obd train list --json`, with `--all` or not: the form a script polls with.
+LIST_JSON_FLAGS = frozenset({"--json", "--all"})
+OK_PREFIX = b'{"ok": true, "result": '  # how the daemon begins every answer that succeeded (client.py)
+
+
+def list_json_request(argv: list[str]) -> tuple[dict[str, str], bytes] | None:
+    """`obd [--socket S] [--config C] [--state-dir D] train list --json [--all]` (any order of the
+    two flags) as the global options given and the request line `Client` would send for it; None
+    for any other command line (the parser takes it). tests/daemon/test_start_imports.py checks
+    that each one taken here is the parser's."""
+    given: dict[str, str] = {}
+    i = 0
+    while i < len(argv) and argv[i].startswith("--"):
+        name, eq, value = argv[i].partition("=")
+        if name not in ("--socket", "--config", "--state-dir") or name in given:
+            return None
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                return None
+            value = argv[i + 1]
+            i += 1
+        given[name] = value
+        i += 1
+    rest = argv[i:]
+    flags = rest[2:]
+    if rest[:2] != ["train", "list"] or "--json" not in flags or len(set(flags)) != len(flags):
+        return None
+    if not set(flags) <= LIST_JSON_FLAGS:
+        return None
+    return given, b'{"op": "list", "all": %s}\n' % (b"true" if "--all" in flags else b"false")
+
+
+def _list_json(argv: list[str]) -> int | None:
+    """`obd train list --json` through the interpreter's own C socket module, printing the runs as
+    the daemon encoded them: no parser, json or client imported (the command's start is most of its
+    time). None when the command is another, or anything but a plain answer came back (no daemon,
+    busy, an error): the whole command then runs, and asks again (a list acts on nothing)."""
+    found = list_json_request(argv)
+    if found is None:
+        return None
+    given, line = found
+    import _socket
+
+    from daemon.paths import client_socket_str
+
+    path = client_socket_str(given.get("--socket"), given.get("--config"), given.get("--state-dir"))
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(120.0)
+        sock.connect(path)
+        sock.sendall(line)
+        chunks: list[bytes] = []
+        while True:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            if chunk.endswith(b"\n"):
+                break
+    except OSError:
+        return None
+    finally:
+        sock.close()
+    reply = b"".join(chunks)
+    if not (reply.startswith(OK_PREFIX) and reply.endswith(b"}\n")) or reply.count(b"\n") != 1:
+        return None
+    sys.stdout.buffer.write(reply[len(OK_PREFIX) : -2] + b"\n")
+    return EXIT_OK
 
 
 def _untranslated_argparse() -> None:
@@ -110,6 +187,8 @@ def _untranslated_argparse() -> None:
 
 
 def _main(argv: list[str]) -> int:
+    from daemon.cli.parser import command_path
+
     head, command = _split_command(argv)
     _untranslated_argparse()
     parser = _parser(command_path(head))  # only the parser of the command asked for
@@ -256,6 +335,8 @@ def _meant(parser: argparse.ArgumentParser, args: argparse.Namespace, flags: lis
     """`; did you mean --gpus?` for the flags that begin a flag of the command (or are close to one)."""
     import difflib
 
+    from daemon.cli.parser import command_parser
+
     own = command_parser(parser, [args.cmd, getattr(args, "action", None)])
     known = [o for a in own._actions for o in a.option_strings if o.startswith("--")]
     meant = []
@@ -273,6 +354,8 @@ def _where(args: argparse.Namespace) -> str:
 
 def flag_names(message: str) -> str:
     """A daemon's `bad request: tail_lines: Input should be ...` as `--tail: Input should be ...`."""
+    import re
+
     match = re.match(r"^bad request: ([A-Za-z_][\w.]*): (?:Value error, )?(.*)$", message, re.DOTALL)
     if not match:
         return message
@@ -347,6 +430,8 @@ def _secrets(names: list[str]) -> dict[str, str]:
 
 def _drain(args: argparse.Namespace) -> int:
     """`obd targets drain|undrain NAME`: through the daemon; `--wait` until every paused job ended."""
+    import json
+
     from daemon.cli.client import Client
     from daemon.cli.follow import Patient, _Feedback, _wait
 
@@ -386,6 +471,8 @@ def _drain(args: argparse.Namespace) -> int:
 def _targets_list(args: argparse.Namespace) -> int:
     """The targets and their GPUs (with what holds each), from the daemon; from the config file
     alone when no daemon answers. Standard library only: this must stay fast."""
+    import json
+
     from daemon.cli import render
     from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
 
@@ -457,6 +544,8 @@ def _umask() -> int:
 
 
 def _print_record(record: dict[str, Any], as_json: bool, text: str) -> None:
+    import json
+
     print(json.dumps(record, indent=1) if as_json else text)
 
 
@@ -464,6 +553,8 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
     action = args.action
     if action == "list":  # first: it imports none of what the others need
         return _list(args, client)
+    import json
+
     from daemon.cli import render, sweeps
     from daemon.cli.client import RequestFailed
     from daemon.cli.follow import _logs, _metrics, _width

@@ -32,6 +32,11 @@ NOT_FOR_LIST = (
     "daemon.cli.follow",
     "daemon.cli.view",
     "daemon.cli.runfile",
+    "daemon.cli.parser",
+    "daemon.cli.client",
+    "argparse",
+    "json",
+    "socket",
     "trainer_plugin",
     "typing",
     "pathlib",
@@ -46,8 +51,8 @@ def test_obd_train_list_json_imports_only_what_listing_needs(daemon: DaemonProc,
     daemon.wait_state(rid, "succeeded")
     out = short_tmp / "modules.json"
     code = (
-        "import json, sys; from daemon.cli.main import main; rc = main(['train', 'list', '--all', '--json']); "
-        f"json.dump(sorted(sys.modules), open({str(out)!r}, 'w')); sys.exit(rc)"
+        "import sys; from daemon.cli.main import main; rc = main(['train', 'list', '--all', '--json']); "
+        f"loaded = sorted(sys.modules); import json; json.dump(loaded, open({str(out)!r}, 'w')); sys.exit(rc)"
     )
     # The socket found as a user's is, with no OBD_SOCKET: STATE_DIR/obd.sock (here a link to the
     # test daemon's), the config file looked for and absent.
@@ -62,13 +67,13 @@ def test_obd_train_list_json_imports_only_what_listing_needs(daemon: DaemonProc,
     # Interpreter start-up may load some of these on its own (site, an editable install's
     # finder): only what the command added counts.
     bare = subprocess.run(
-        [PY, "-c", "import json, sys; print(json.dumps(sorted(sys.modules)))"],
+        [PY, "-c", "import sys; loaded = sorted(sys.modules); import json; print(json.dumps(loaded))"],
         env=daemon.env,
         capture_output=True,
         text=True,
         cwd=REPO,
     )
-    before = set(json.loads(bare.stdout)) - {"json", "json.decoder", "json.encoder", "json.scanner", "_json"}
+    before = set(json.loads(bare.stdout))
     added = set(json.loads(out.read_text())) - before
     loaded = sorted(m for m in added if any(m == name or m.startswith(name + ".") for name in NOT_FOR_LIST))
     assert loaded == [], f"obd train list --json imported {loaded}"
@@ -103,6 +108,48 @@ def test_every_train_action_gets_the_same_parse_from_its_own_parser_as_from_the_
         assert own.format_help() == command_parser(whole, ["train", action]).format_help(), action
     assert command_path(["--help"]) == () and command_path(["train", "--help"]) == ("train",)
     assert command_path(["trian", "list"]) == ()
+
+
+def test_the_list_json_shortcut_takes_only_command_lines_the_parser_reads_the_same() -> None:
+    """`obd train list --json` is answered without the parser (daemon/cli/main.py's list_json_request):
+    every command line it takes means, to the whole parser, the same list with the same socket
+    options, and each of the others is left to the parser."""
+    import itertools
+
+    from daemon.cli.main import list_json_request
+    from daemon.cli.parser import _parser
+
+    whole = _parser()
+    globals_ = [[], ["--socket", "/s"], ["--socket=/s"], ["--config", "c.toml", "--state-dir", "d"], ["--socket"]]
+    tails = [
+        ["--json"],
+        ["--all", "--json"],
+        ["--json", "--all"],
+        ["--all"],
+        [],
+        ["--json", "--json"],
+        ["--json", "--limit", "2"],
+        ["--json", "-w"],
+        ["--json", "--al"],
+        ["--json", "x"],
+    ]
+    taken: list[list[str]] = []
+    for head, heads2, tail in itertools.product(globals_, (["train", "list"], ["train", "status"], ["list"]), tails):
+        argv = [*head, *heads2, *tail]
+        found = list_json_request(argv)
+        if found is None:
+            continue  # left to the parser, whatever it makes of it
+        args, unknown = whole.parse_known_args(argv)  # a shortcut taken: the parser reads it too
+        assert not unknown and args.cmd == "train" and args.action == "list" and args.json, argv
+        assert not (args.state or args.target or args.name or args.since or args.limit or args.watch), argv
+        assert args.sweep is None, argv
+        given, line = found
+        assert json.loads(line) == {"op": "list", "all": args.all}, argv
+        assert given.get("--socket") == args.socket and given.get("--config") == args.config, argv
+        assert given.get("--state-dir") == args.state_dir, argv
+        taken.append(argv)
+    # The usual forms are taken: 4 ways to give the socket options, 3 orders of the flags.
+    assert len(taken) == 12, taken
 
 
 def test_a_runpod_target_is_set_up_without_importing_the_sdk_or_asyncssh(short_tmp: Path) -> None:
