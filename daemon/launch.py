@@ -44,7 +44,7 @@ from daemon.sweeps import being_made, sweep_env
 from daemon.targets import Targets
 from daemon.trackers import chain_tensorboard_dir, continued, tracker_env
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
-from executors.factory import makes_pods
+from executors.factory import job_env_names, makes_pods
 from executors.gpus import visible_devices
 from trainer_plugin import creds, rundir
 
@@ -220,7 +220,7 @@ class Launcher:
         supervision = daemon.targets.get(req.target)
         check_names(req.env, req.secrets)
         run_as = account_for(peer)
-        req.secrets = target_secrets(req.target, getattr(supervision.config, "secrets", []), req.secrets, os.environ)
+        req.secrets = target_secrets(req.target, supervision.config.secrets, req.secrets, os.environ)
         wanted = parse_wanted(req.gpus)
         daemon.inventory.check(req.target, wanted)
         check_start(req, supervision.config, wanted, len(daemon.inventory.of(req.target)), time.time())
@@ -247,9 +247,9 @@ class Launcher:
             raise
         record.sweep = sweep or (source.sweep if source is not None else None)  # a member's resume is one
         record.gpus_wanted = wanted
-        record.retries = req.retry if req.retry is not None else getattr(supervision.config, "retry", 0)
+        record.retries = req.retry if req.retry is not None else supervision.config.retry
         keep = req.keep_checkpoints
-        record.keep_checkpoints = keep if keep is not None else getattr(supervision.config, "keep_checkpoints", None)
+        record.keep_checkpoints = keep if keep is not None else supervision.config.keep_checkpoints
         if supervision.shares_filesystem(record):
             # Where the job runs: --cwd, else where `obd train start` ran (a local run's, and a Slurm
             # run's where sbatch is on this machine: its submit directory), used in place.
@@ -498,7 +498,7 @@ class Launcher:
         env.update(await output_env(daemon, record))  # where the runs it waited for left their outputs
         base_env = None
         if executor.shares_filesystem:
-            base_env = caller_environment(req, run_as, getattr(self.daemon.targets.of(record).config, "env", []))
+            base_env = caller_environment(req, run_as, job_env_names(self.daemon.targets.of(record).config))
         target_config = self.daemon.targets.of(record).config
         user_set = {*req.env, *req.secrets, *(base_env or {})}
         board = chain_tensorboard_dir(record, rd, not makes_pods(target_config))

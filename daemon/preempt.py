@@ -37,6 +37,7 @@ from daemon.models import Preemption, RunRecord, RunState
 from daemon.ports import Runs
 from daemon.stop import request_snapshot
 from daemon.targets import Targets
+from executors.factory import preemption
 from trainer_plugin import rundir
 
 log = structlog.get_logger("obd.preempt")
@@ -171,8 +172,7 @@ class Preemptor:
 
     def settings(self, target: str) -> tuple[bool, float]:
         """The target's default `preemptible` and its `min_runtime`."""
-        config = self.daemon.targets.get(target).config
-        return bool(getattr(config, "preemptible", False)), float(getattr(config, "min_runtime", 600.0))
+        return preemption(self.daemon.targets.get(target).config)
 
     def may_snapshot(self, record: RunRecord) -> bool:
         """Whether a run can be paused through a snapshot: its job announced obd's plugin, or has

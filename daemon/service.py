@@ -36,8 +36,7 @@ from daemon.recovery import Recovery
 from daemon.retention import Retention
 from daemon.store import RunStore, StoreError, process_started
 from daemon.systemd import Notifier
-from daemon.targets import Supervision, Targets
-from executors.factory import makes_pods, schedules_jobs
+from daemon.targets import Targets
 
 log = structlog.get_logger("obd")
 GC_YOUNG = 20_000  # allocations between two collections of young objects (CPython's default: 700)
@@ -59,7 +58,7 @@ class Daemon:
         self.records: dict[str, RunRecord] = {}
         self.bad_records: dict[str, str] = {}
         self.notifier = Notifier()
-        self.targets = Targets(self, kinds=((makes_pods, self._pod_target), (schedules_jobs, self._slurm_target)))
+        self.targets = Targets(self)  # each kind's supervision from the registry (executors/kinds.py)
         self.follow = Follower(self)
         self.launcher = Launcher(self)
         self.inventory = Inventory(self)
@@ -80,18 +79,6 @@ class Daemon:
         self._summaries: dict[str, bytes] = {}  # each run's `list` entry, encoded once per change
         self._tg: TaskGroup | None = None
         self._lock_fd: int | None = None
-
-    # The kinds of target beyond a machine, made on first use (their modules, and the runpod
-    # SDK, are imported only when the config has such a target).
-    def _pod_target(self, name: str, config: Any) -> Supervision:
-        from daemon.pods import PodSupervision
-
-        return PodSupervision(self, name, config)
-
-    def _slurm_target(self, name: str, config: Any) -> Supervision:
-        from daemon.slurm import SlurmSupervision
-
-        return SlurmSupervision(self, name, config)
 
     # --- records -----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ the executor factory whether the target makes pods.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import importlib
 from typing import Any
 
 from daemon.api import ApiError
@@ -19,11 +19,7 @@ from daemon.models import RunRecord
 from daemon.ports import Runs
 from executors.base import Executor, ExecutorError
 from executors.factory import is_this_machine, make_executor
-
-# A kind of target that needs more than a machine target's supervision (pods, a scheduler): the
-# factory's test of a target's config, and what makes its supervision. The service hands them
-# in, so this module never imports the kinds built on it.
-Kind = tuple[Callable[[Any], bool], Callable[[str, Any], "Supervision"]]
+from executors.kinds import kind_of
 
 
 class Supervision:
@@ -135,9 +131,8 @@ class Supervision:
 class Targets:
     """The supervision of every target, made on first use from the config."""
 
-    def __init__(self, daemon: Runs, kinds: Sequence[Kind] = ()) -> None:
+    def __init__(self, daemon: Runs) -> None:
         self.daemon = daemon
-        self.kinds = kinds
         self._by_name: dict[str, Supervision] = {}
 
     def get(self, name: str) -> Supervision:
@@ -150,10 +145,13 @@ class Targets:
         return self._by_name[name]
 
     def _make(self, name: str, config: Any) -> Supervision:
-        for serves, make in self.kinds:
-            if serves(config):
-                return make(name, config)
-        return Supervision(self.daemon, name, config)
+        """The kind's own supervision (pods, a scheduler: named by its Kind, imported on first use), else a machine's."""
+        spec = kind_of(config).supervision
+        if spec is None:
+            return Supervision(self.daemon, name, config)
+        module, _, cls = spec.partition(":")
+        made: Supervision = getattr(importlib.import_module(module), cls)(self.daemon, name, config)
+        return made
 
     def of(self, record: RunRecord) -> Supervision:
         return self.get(record.target)

@@ -11,14 +11,18 @@ to begin (the script's own line), writes `snapshot.request`, and times:
 - for a stop after train(): request → the plugin's `after_train` line that names what it cuts short.
 Phases: `step end` (short steps, the path every stop took before), `evaluating` (an evaluation of
 0.3 s a sample), `accumulating` (20 forward passes of 0.2 s each), `stalled fetch` (a sample that never
-returns), `after train`. Before this work the last four waited for the whole evaluation, the whole
+returns), `after train`, and `evaluating, 2 ranks` (torchrun, gloo: rank 0 slow in an evaluation
+batch while rank 1 waits in its gather). Before this work the last four waited for the whole evaluation, the whole
 step, the stall's end, or `proof_timeout`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,11 +51,18 @@ def _case(name: str, root: Path) -> dict[str, Any]:
         "accumulating": (["--slow-forward", str(flag)], "slow forward passes began"),
         "stalled fetch": (["--stall-fetch", str(20 * 2 * 3 + 7), "--stall-file", str(flag)], "stalled in sample"),
         "after train": (["--max_steps", "3", "--after-train", "600"], "after-train code began"),
+        # Two gloo ranks: rank 0 slow in an evaluation batch, rank 1 waiting in its gather (agreement.py).
+        "evaluating, 2 ranks": (["--slow-eval", str(flag), "--slow-rank", "0"], "slow evaluation began"),
     }[name]
+    launch = [sys.executable]
+    if name.endswith("2 ranks"):
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     if name != "accumulating":
         flag.write_text("")
     with open(run.log, "wb") as log:
-        proc = subprocess.Popen([sys.executable, SCRIPT, *BASE, *args], env=run.env(), cwd=root, stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [*launch, SCRIPT, *BASE, *args], env=run.env(), cwd=root, stdout=log, stderr=log, start_new_session=True
+        )
         try:
             while line not in run.log.read_text(errors="replace"):
                 if name == "accumulating" and not flag.exists() and run.log.read_text().count("{'loss'") >= 2:
@@ -82,13 +93,14 @@ def _case(name: str, root: Path) -> dict[str, Any]:
                 "to_safe_point_s": round(max(0.0, total - save["seconds"]), 3),
             }
         finally:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # torchrun's ranks too
             proc.wait()
 
 
 def measure(reps: int) -> list[dict[str, Any]]:
     rows = []
-    for name in ("step end", "evaluating", "accumulating", "stalled fetch", "after train"):
+    for name in ("step end", "evaluating", "accumulating", "stalled fetch", "after train", "evaluating, 2 ranks"):
         runs = []
         for _ in range(reps):
             with tempfile.TemporaryDirectory(prefix="obd-bench-stop-") as tmp:
@@ -116,15 +128,15 @@ def main() -> int:
     if opts.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'phase':<15} {'request→proof':>14} {'save':>8} {'to safe point':>14}")
+    print(f"{'phase':<20} {'request→proof':>14} {'save':>8} {'to safe point':>14}")
     for r in rows:
         if "request_to_word_s" in r:
             print(
-                f"{r['phase']:<15} {'-':>14} {'-':>8} {r['request_to_word_s']:>13.2f}s (request → the after-train word)"
+                f"{r['phase']:<20} {'-':>14} {'-':>8} {r['request_to_word_s']:>13.2f}s (request → the after-train word)"
             )
         else:
             print(
-                f"{r['phase']:<15} {r['request_to_proof_s']:>13.2f}s {r['save_s']:>7.3f}s {r['to_safe_point_s']:>13.2f}s"
+                f"{r['phase']:<20} {r['request_to_proof_s']:>13.2f}s {r['save_s']:>7.3f}s {r['to_safe_point_s']:>13.2f}s"
             )
     return 0
 

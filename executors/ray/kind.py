@@ -1,0 +1,26 @@
+"""A Ray cluster as a kind of target (`kind = "ray"`): each run is one Ray job, submitted, read and
+stopped through the cluster's Jobs API; its run directory is on a filesystem the daemon and the Ray
+nodes share (docs/ray.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from executors.base import Executor
+from executors.config import RayTarget
+from executors.kinds import Capability, Kind, register
+
+
+class RayKind(Kind):
+    name = "ray"
+    config = RayTarget
+    # No EXEC: obd does not log into a Ray node (`obd train exec` says so).
+    capabilities = frozenset({Capability.SHARED_MACHINE, Capability.CARRIES_FILES})
+
+    def make_executor(self, name: str, target: RayTarget, state_dir: Path, remote_poll: float) -> Executor:
+        from executors.ray.executor import RayExecutor
+
+        return RayExecutor(name, target)
+
+
+RAY = register(RayKind())
