@@ -81,6 +81,11 @@ class Progress(BaseModel):
     # What a stop asked now would take to its proof: the time to the nearest safe point plus the
     # save (daemon/progress.py `stop_estimate`); None before the plugin said anything.
     stop_seconds: float | None = None
+    # A checkpoint being carried here from another target (`obd train move`, `resume --target`,
+    # daemon/carry.py): the bytes arrived so far, of how many, and the rate (bytes a second).
+    carry_bytes: int | None = None
+    carry_total: int | None = None
+    carry_rate: float | None = None
 
 
 class StopState(BaseModel):
@@ -150,6 +155,23 @@ class Dependency(BaseModel):
     given: str = ""  # the reference as the user gave it (an id, a prefix, a name, `last`)
     name: str | None = None  # that run's name, for OBD_AFTER_<NAME>_OUTPUT
     states: list[str] = Field(default_factory=lambda: ["succeeded", "stopped"])  # the ends that let it start
+
+
+class Move(BaseModel):
+    """On a run being moved to another target (`obd train move RUN --to T`, daemon/move.py): kept
+    in its record so a daemon restarted at any point completes the move or says why it did not.
+    `state`: `snapshot` (asked, waiting for the proof), `starting` (its resume on `to` being made),
+    `carrying` (run `run` made there, its checkpoint on its way), `done` (`run` logged its first
+    step there), `failed` (`why`; the run stays resumable where it was)."""
+
+    to: str
+    gpus: str | None = None
+    asked_at: float = Field(default_factory=time.time)
+    uid: int | None = None  # who asked (the resume is made as them)
+    gid: int | None = None
+    state: str = "snapshot"
+    run: str | None = None  # the run that continues it on `to`
+    why: str = ""
 
 
 class SweepTag(BaseModel):
@@ -253,6 +275,7 @@ class RunRecord(BaseModel):
     pruned: list[str] = Field(default_factory=list)
     pruned_bytes: int = 0
     bad_checkpoint: BadCheckpoint | None = None  # the checkpoint it failed to resume from
+    move: Move | None = None  # `obd train move` under way or done (daemon/move.py)
 
     @model_validator(mode="before")
     @classmethod
