@@ -9,9 +9,9 @@ the queue until its backoff is over, without holding up the runs behind it.
 A queued run's message says what it waits for now: the end of its backoff, or its GPUs and the
 runs that hold them. It is brought up to date on every pass of the queue (a holder that ended is
 never named), as the message only: the history keeps the entry the run was queued with, true
-when it was written, and gets no new line each time a holder changes. The messages a pass changes
-are saved together, off the event loop (one trip of the store's writer, not a save each), and
-the pass does not wait for it: a message is said again by the first pass after a restart.
+when it was written, and gets no new line each time a holder changes. Such a message is not
+saved: it is said again by every pass (the first after a restart included) from the records
+alone, and goes to disk with the run's next save; a sweep of 1,000 made is not 1,000 more saves.
 
 A pass costs a look at each queued run, never a look at every run for each (the GPUs' holders
 and how much of each sweep is made are looked up once a pass), and an operation on many runs (a
@@ -186,12 +186,11 @@ class Scheduler:
                 continue
             # No await between the look and the change: no edit of it comes in between.
             record.message = queue_message(daemon.inventory, record, queued_why(record), waiting)
-            daemon.store.save_later(record)
             changed.append(record)
-        for record in changed:
-            daemon.touch(record)
-        if changed:  # one trip of the writer for them all, not awaited: the queue goes on meanwhile
-            daemon.start_soon(daemon.store.flush)
+        for n, record in enumerate(changed, 1):
+            if n % SLICE == 0:
+                await anyio.lowlevel.checkpoint()
+            daemon.touch(record)  # watchers see it; not saved (see the module's docstring)
 
     def gate(self, record: RunRecord) -> Verdict | None:
         """Whether a queued run may leave the queue as far as the runs it waits for and its sweep go

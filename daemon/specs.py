@@ -66,9 +66,15 @@ def load_spec(daemon: Runs, run_id: str) -> tuple[StartRequest, RunAs | None] | 
 def drop_spec(daemon: Runs, run_id: str) -> None:
     """Delete a run's launch.json (its caller's environment, `--env` values and secrets) once
     nothing can start from the run again. Deleted, not emptied: no value of it stays on disk. A
-    resume takes the resumer's values, never these."""
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        os.unlink(daemon.store.run_dir(run_id) / SPEC)
+    resume takes the resumer's values, never these. Removed by the store's writer thread (a
+    sweep of 1,000 cancelled is 1,000 unlinks, seconds on a busy disk: never on the event loop);
+    one a crash left is removed by the next start's catch-up."""
+    if not daemon.started:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            os.unlink(daemon.store.run_dir(run_id) / SPEC)
+        return
+    if daemon.store.drop_later(run_id, SPEC):
+        daemon.start_soon(daemon.store.flush)
 
 
 def drop_orphan_specs(daemon: Runs, keep: Collection[str]) -> None:

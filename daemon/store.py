@@ -10,6 +10,8 @@ about a record has it on disk, and others are answered meanwhile. Saves made whi
 busy are written together on its next trip (a sweep of 1,000 cancelled is a few trips, not 1,000
 round trips of the loop); a record saved twice before its trip is written once, with its newest
 bytes, and a newer save is never overwritten by an older one (each save has a sequence number).
+A file a record no longer needs beside it (a launch.json once its chain ended) is removed by the
+same trips (`drop_later`), after the saves of its trip: 1,000 unlinks never hold the event loop.
 
 What such a kill leaves is cleared when the records are loaded (`load_all`, at the daemon's
 start): the temporary files of atomic writes (`.NAME.tmp.*`) made before this process started,
@@ -40,7 +42,7 @@ from trainer_plugin.rundir import atomic_write, is_run_id
 
 log = structlog.get_logger("obd.store")
 RECORD_LIMIT = 16 * 1024 * 1024
-WRITERS = 16  # records of one batch written at once
+WRITERS = 64  # records of one batch written at once (ext4 commits fsyncs made together at once)
 # A run's launch settings (daemon/queue.py), written before its first record: alone in a
 # directory, they are what a start cut short left.
 LAUNCH_SETTINGS = "launch.json"
@@ -79,11 +81,13 @@ class BadRecord:
 
 
 @dataclass
-class _Batch:
+class Batch:
     """Saves waiting for one trip of the writer thread: each record's newest bytes (and their
     sequence number), in the order of their last save, and the errors of those that failed."""
 
     items: dict[str, tuple[int, bytes, dict[str, bytes]]] = field(default_factory=dict)
+    drops: set[tuple[str, str]] = field(default_factory=set)  # (run id, file name) removed after the saves
+    flushing: bool = False  # a flush of it is asked for (`drop_later`)
     failed: dict[str, str] = field(default_factory=dict)
     done: anyio.Event = field(default_factory=anyio.Event)
 
@@ -96,7 +100,7 @@ class RunStore:
         self._on_disk: dict[str, int] = {}  # the number of each record's save on disk
         self._locks: dict[str, threading.Lock] = {}  # one write of a record at a time
         self._locks_lock = threading.Lock()
-        self._open: _Batch | None = None  # saves not yet taken by the writer thread
+        self._open: Batch | None = None  # saves not yet taken by the writer thread
         self._writing: anyio.Event | None = None  # set when the thread's trip under way ends
 
     def ensure(self) -> None:
@@ -125,14 +129,27 @@ class RunStore:
         if record.id in batch.failed:
             raise StoreError(batch.failed[record.id])
 
-    def save_later(self, record: RunRecord, beside: dict[str, bytes] | None = None) -> _Batch:
+    def save_later(self, record: RunRecord, beside: dict[str, bytes] | None = None) -> Batch:
         """Take a record's bytes now for the writer's next trip, without waiting for it (`flush`
         waits for every save taken so far)."""
         if self._open is None:
-            self._open = _Batch()
+            self._open = Batch()
         _, _, before = self._open.items.pop(record.id, (0, b"", {}))
         self._open.items[record.id] = (self._number(record.id), _encode(record), {**before, **(beside or {})})
         return self._open
+
+    def drop_later(self, run_id: str, name: str) -> bool:
+        """Remove a file beside a record (not the record) on the writer's next trip, after that
+        trip's saves; a missing one is no error. True when no flush of that trip is asked for yet:
+        the caller asks for one (`flush`), else the file waits for the next save's trip."""
+        check_run_id(run_id)
+        if name == "run.json" or "/" in name:
+            raise ValueError(f"{name!r}: only a file beside a record is dropped, never the record")
+        if self._open is None:
+            self._open = Batch()
+        self._open.drops.add((run_id, name))
+        first, self._open.flushing = not self._open.flushing, True
+        return first
 
     async def flush(self) -> None:
         """Wait until every save taken so far is on disk (or failed, and said so in the log)."""
@@ -145,7 +162,7 @@ class RunStore:
         self._seq += 1
         return self._seq
 
-    async def _until_written(self, batch: _Batch) -> None:
+    async def _until_written(self, batch: Batch) -> None:
         """Wait for `batch`'s trip; when no trip is under way, make it (the first waiter writes)."""
         while not batch.done.is_set():
             if self._writing is not None:
@@ -154,14 +171,16 @@ class RunStore:
             taken, self._open = self._open, None
             assert taken is batch  # not done, not being written: it is the open one
             self._writing = ended = anyio.Event()
+            began = time.monotonic()
             try:
                 await anyio.to_thread.run_sync(self._write_batch, taken)
+                log.debug("store_trip", records=len(taken.items), dropped=len(taken.drops), s=time.monotonic() - began)
             finally:
                 self._writing = None
                 taken.done.set()
                 ended.set()
 
-    def _write_batch(self, batch: _Batch) -> None:
+    def _write_batch(self, batch: Batch) -> None:
         """The writer thread's trip: every record of the batch, each whole (StoreError kept), a
         few at a time (a filesystem commits fsyncs made together at once). Saves in one batch were
         made concurrently (a caller waits for its save before it makes the next), so their order
@@ -174,13 +193,27 @@ class RunStore:
             except StoreError as exc:
                 batch.failed[run_id] = str(exc)  # the caller says it (a queue message: the next save)
 
+        def drop(item: tuple[str, str]) -> None:
+            run_id, name = item
+            try:
+                os.unlink(self.run_dir(run_id) / name)
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            except OSError as exc:  # left for the next start's catch-up, which removes it again
+                log.warning("file_not_removed", run_id=run_id, file=name, error=str(exc))
+
         items = list(batch.items.items())
-        if len(items) < 4:
+        drops = sorted(batch.drops)
+        if len(items) + len(drops) < 4:
             for item in items:
                 one(item)
+            for dropped in drops:
+                drop(dropped)
             return
-        with ThreadPoolExecutor(max_workers=min(WRITERS, len(items)), thread_name_prefix="obd-store") as pool:
+        workers = min(WRITERS, max(len(items), len(drops)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="obd-store") as pool:
             list(pool.map(one, items))
+            list(pool.map(drop, drops))  # after the saves (a file is never dropped before it is written)
 
     def _write(self, run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> None:
         """Write a record's bytes atomically, unless a newer save of it is already on disk; the

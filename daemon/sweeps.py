@@ -17,17 +17,18 @@ sweep's id or name act on every member (`Sweeps`).
 
 from __future__ import annotations
 
-import functools
 import itertools
+import json
 import math
 import re
 import secrets as pysecrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
+import anyio.lowlevel
 import structlog
 
 from daemon.after import Verdict
@@ -35,6 +36,8 @@ from daemon.api import ApiError, GridAxis, Peer, ResumeRequest, StartRequest, Sw
 from daemon.checkpoints import latest_attempt
 from daemon.models import RunRecord, RunState, SweepTag
 from daemon.ports import Runs
+from daemon.store import LAUNCH_SETTINGS as SPEC
+from daemon.store import Batch
 from daemon.targets import Targets
 from executors.base import ExecutorError
 from trainer_plugin import rundir
@@ -49,6 +52,8 @@ STOPPED_QUEUED = "cancelled while queued: its sweep was stopped (`obd train resu
 METRICS_CHUNK = 4 << 20  # one read of a member's metrics.jsonl
 METRICS_CHUNKS = 16  # at most this many reads a look (what is left is read by the next look)
 MEMBERS_AT_ONCE = 64  # members a stop or cancel acts on together (their saves share the writer's trips)
+SLICE = 100  # members taken out of the queue between two turns of the event loop (others answered meanwhile)
+CANCELLED_QUEUED = "cancelled by the user while queued"
 
 
 # --- the grid (pure) ---------------------------------------------------------------------------
@@ -171,7 +176,10 @@ class Continuing(Protocol):
 
 
 class Starts(Protocol):
-    """The launcher as a sweep sees it: a run started, tagged as a member of a sweep."""
+    """The launcher as a sweep sees it: a run started, tagged as a member of a sweep, and the ids
+    of the runs being made (taken, not yet in the records)."""
+
+    _admitting: set[str]  # the launcher's own: a copy of a member takes its id there too
 
     async def start(
         self, req: StartRequest, peer: Peer, sweep: SweepTag | None = None, created: float | None = None
@@ -194,6 +202,8 @@ class SweepHost(Runs, Protocol):
     def find(self, ref: str, peer: Peer) -> RunRecord: ...
 
     def visible(self, peer: Peer) -> list[RunRecord]: ...
+
+    def final_event(self, run_id: str) -> anyio.Event: ...
 
 
 @dataclass
@@ -285,25 +295,23 @@ class Sweeps:
         if len(f"{name}-{len(combos)}") > 100:
             raise ApiError(f"--name {name[:40]}...: too long for its runs' names (<name>-<n>, 100 at most)", "usage")
         base = req.model_dump(exclude={"op", "grid"})
-
-        def member(index: int, values: dict[str, str]) -> tuple[StartRequest, SweepTag]:
-            """A member's start, made when it is its turn (1,000 at once held the loop a fifth of a second)."""
-            start = {**base, "op": "start", "command": substitute(req.command, values), "name": f"{name}-{index}"}
-            tag = SweepTag(
-                id=sweep_id, name=name, index=index, size=len(combos), values=values, template=list(req.command)
-            )
-            return StartRequest.model_validate(start), tag
-
-        members = [functools.partial(member, index, values) for index, values in enumerate(combos, 1)]
+        start = {**base, "op": "start", "command": substitute(req.command, combos[0]), "name": f"{name}-1"}
+        tag = SweepTag(id=sweep_id, name=name, index=1, size=len(combos), values=combos[0], template=list(req.command))
         made: dict[int, RunRecord] = {}
         try:
-            await self._make(members, peer, made)
+            # The first as `obd train start` makes a run (every check: a bad option refuses the
+            # sweep before anything else is made), the others as copies of it.
+            made[1] = await self.daemon.launcher.start(
+                StartRequest.model_validate(start), peer, sweep=tag, created=time.time()
+            )
+            with anyio.CancelScope(shield=True):  # a client gone: every member saved is in `made`
+                await self._copies(made[1], req.command, combos, made)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._undo(list(made.values()), exc)
             raise
         made_runs = [made[index] for index in sorted(made)]
-        log.info("sweep_created", sweep=sweep_id, runs=len(made_runs))
+        log.info("sweep_created", sweep=sweep_id, runs=len(made_runs), first=made_runs[0].id, last=made_runs[-1].id)
         return {
             "sweep": sweep_id,
             "name": name,
@@ -314,35 +322,75 @@ class Sweeps:
             ],
         }
 
-    async def _make(
-        self, members: Sequence[Callable[[], tuple[StartRequest, SweepTag]]], peer: Peer, made: dict[int, RunRecord]
+    async def _copies(
+        self, first: RunRecord, template: list[str], combos: list[dict[str, str]], made: dict[int, RunRecord]
     ) -> None:
-        """Start every member, into `made`: the first alone (a start refused for a bad option is
-        refused once, before any other is made), then MEMBERS_AT_ONCE at a time, so that their saves
-        share the store's trips; each keeps its place in the queue (`created`, in the grid's order).
-        The first refusal stops the rest and is raised."""
-        launcher = self.daemon.launcher
-        first = time.time()
-        req, tag = members[0]()
-        made[tag.index] = await launcher.start(req, peer, sweep=tag, created=first)
-        refused: list[Exception] = []
-        todo = iter(members[1:])  # shared: each worker takes the next
+        """Every member after the first, into `made`: a copy of the first's record and launch
+        settings but for its id, name, command, values and place in the queue (`created`, in the
+        grid's order), as a start of its request would make it (the requests differ only there,
+        so every check of the first holds for them). Made SLICE at a time between two turns of
+        the event loop, each slice handed to the store's writer as it is made (its threads write
+        one while the next is made: a sweep of 1,000 is a few trips, not 1,000 starts); each
+        member is a run of the daemon once saved. A save that failed (a full disk) raises, the
+        members saved being in `made` (`_undo` cancels them)."""
+        daemon = self.daemon
+        store = daemon.store
+        raw = await anyio.to_thread.run_sync(rundir.read_regular, str(store.run_dir(first.id) / SPEC), 16 << 20)
+        spec = rundir.load_json(raw or b"{}")
+        if not isinstance(spec, dict) or not isinstance(spec.get("request"), dict):
+            raise ApiError(f"the launch settings of run {first.id} could not be read back to copy them")
+        first_tag = first.sweep
+        assert first_tag is not None
+        reserved = daemon.launcher._admitting
+        copies: list[tuple[RunRecord, Batch]] = []
+        failed = ""
+        try:
+            for n, values in enumerate(combos[1:], 2):
+                record = self._copy(first, first_tag, n, values, substitute(template, values))
+                reserved.add(record.id)
+                spec["request"]["command"], spec["request"]["name"] = record.command, record.name
+                copies.append((record, store.save_later(record, beside={SPEC: json.dumps(spec).encode()})))
+                if n % SLICE == 0:
+                    daemon.start_soon(store.flush)  # written while the next slice is made
+                    await anyio.lowlevel.checkpoint()
+            await store.flush()
+            for n, (record, batch) in enumerate(copies, 1):
+                if n % SLICE == 0:
+                    await anyio.lowlevel.checkpoint()
+                if record.id in batch.failed:
+                    failed = failed or batch.failed[record.id]
+                    continue
+                daemon.records[record.id] = record
+                assert record.sweep is not None
+                made[record.sweep.index] = record
+                daemon.touch(record)  # the queue looks at it (once the sweep is whole)
+        finally:
+            reserved.difference_update(record.id for record, _ in copies)
+        if failed:
+            raise ApiError(failed)
 
-        async def worker() -> None:
-            for member in todo:
-                if refused:
-                    return
-                try:
-                    req, tag = member()
-                    made[tag.index] = await launcher.start(req, peer, sweep=tag, created=first + tag.index * 1e-5)
-                except Exception as exc:
-                    refused.append(exc)
+    def _copy(
+        self, first: RunRecord, tag: SweepTag, index: int, values: dict[str, str], command: list[str]
+    ) -> RunRecord:
+        """Member `index` of the first's sweep, as a copy of the first's record (see `_copies`)."""
+        run_id = self._new_run_id()
+        record = first.model_copy(deep=True)
+        record.id, record.name, record.command = run_id, f"{tag.name}-{index}", command
+        record.created = first.created + index * 1e-5
+        record.sweep = tag.model_copy(update={"index": index, "values": values})
+        if first.remote_dir.endswith(f"/{first.id}"):
+            record.remote_dir = first.remote_dir[: -len(first.id)] + run_id
+        if first.trackers is not None and first.trackers.root == first.id:
+            record.trackers = first.trackers.model_copy(update={"root": run_id})
+        return record
 
-        async with anyio.create_task_group() as tg:
-            for _ in range(min(MEMBERS_AT_ONCE, len(members) - 1)):
-                tg.start_soon(worker)
-        if refused:
-            raise refused[0]
+    def _new_run_id(self) -> str:
+        """A run id as the launcher makes them, taken by no run and no start under way."""
+        daemon = self.daemon
+        while True:
+            run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + pysecrets.token_hex(3)
+            if run_id not in daemon.records and run_id not in daemon.launcher._admitting:
+                return run_id
 
     async def _undo(self, made: list[RunRecord], exc: BaseException) -> None:
         """A sweep that could not be made whole: the members made are cancelled before any starts."""
@@ -475,15 +523,11 @@ class Sweeps:
                 await self.daemon.recovery.end_chain(record, "its sweep was stopped")
                 acted.notes.append(f"{record.id}: its retry will not be made")
 
-        async def take_out(rid: str) -> dict[str, Any]:
-            record = self.daemon.records[rid]
-            async with self.daemon.editing(record):
-                if record.in_queue:
-                    record.stop.cancel_by = "user"
-                    record.transition(RunState.cancelled, STOPPED_QUEUED)
-            return record.public()
+        def take_out(record: RunRecord) -> None:
+            record.stop.cancel_by = "user"
+            record.transition(RunState.cancelled, STOPPED_QUEUED)
 
-        acted.take(await each([r for r in newest if r.in_queue], take_out))
+        acted.runs += await self.out_of_queue(sweep, [r for r in newest if r.in_queue], take_out)
         for record in newest:
             if record.state.final:
                 continue
@@ -502,9 +546,66 @@ class Sweeps:
         rest = [r for r in newest if not r.in_queue]
         rest = [r for r in rest if not r.state.final or self.daemon.recovery.attempt_to_come(r)]
         # The queued first: a member cancelled frees its GPUs, which a queued one would take.
-        acted.take(await each(queued, cancel_one))
-        acted.take(await each(rest, cancel_one))
+        # Together, as `obd train cancel` changes each (one save of all, the handler's way for
+        # those whose record an edit holds now).
+        acted.runs += await self.out_of_queue(sweep, queued, cancel_queued)
+        left = [r for r in queued if not r.state.final]
+        acted.take(await each(left + rest, cancel_one))
         return acted.answer()
+
+    async def out_of_queue(
+        self, sweep: Sweep, records: list[RunRecord], change: Callable[[RunRecord], None]
+    ) -> list[dict[str, Any]]:
+        """Take queued members out of the queue together: each changed by `change` (to a final
+        state) under its lock, all saved in one trip of the store's writer (1,000 records written
+        by its threads at once, not 16 trips of 64), then told to the daemon's watchers and parts,
+        SLICE at a time so that others are answered meanwhile; their records, as `public()`. A
+        member whose lock is held (an edit of it under way: its start) or that left the queue
+        meanwhile is left as it is, for the caller's one-by-one way. Shielded: a client that hangs
+        up never leaves members changed in memory and not saved."""
+        daemon = self.daemon
+        taken: list[RunRecord] = []
+        with anyio.CancelScope(shield=True):
+            locks: list[anyio.Lock] = []
+            batches: list[Batch] = []
+            try:
+                for n, record in enumerate(records, 1):
+                    if n % SLICE == 0:
+                        await anyio.lowlevel.checkpoint()
+                    lock = daemon.lock(record.id)
+                    if lock.locked() or not record.in_queue:
+                        continue
+                    lock.acquire_nowait()  # no await between the look and the change
+                    locks.append(lock)
+                    change(record)
+                    batch = daemon.store.save_later(record)
+                    if not batches or batches[-1] is not batch:  # a trip took the last between two slices
+                        batches.append(batch)
+                    taken.append(record)
+                await daemon.store.flush()
+                failed = {rid for batch in batches for rid in batch.failed}
+                for record in taken:
+                    if record.id in failed:  # a full disk: kept in memory, saved again later
+                        daemon.save_quietly(record)
+            finally:
+                for lock in locks:
+                    lock.release()
+            answer = []
+            for n, record in enumerate(taken, 1):
+                if n % SLICE == 0:
+                    await anyio.lowlevel.checkpoint()
+                daemon.touch(record)
+                daemon.final_event(record.id).set()
+                answer.append(record.public())
+        if taken:
+            log.info(
+                "sweep_members_ended_while_queued",
+                sweep=sweep.id,
+                runs=len(taken),
+                state=taken[0].state.value,
+                message=taken[0].message,
+            )
+        return answer
 
     async def resume(
         self,
@@ -560,6 +661,14 @@ class Sweeps:
             snapshot_on_sigterm=member.snapshot_on_sigterm,
             preemptible=member.preemptible,
         )
+
+
+def cancel_queued(record: RunRecord) -> None:
+    """A queued member's cancel, as `obd train cancel` makes it (daemon/handlers.py)."""
+    if record.stop.cancel_by is None:
+        record.stop.cancel_by = "user"
+        record.note("cancel requested by the user")
+    record.transition(RunState.cancelled, CANCELLED_QUEUED)
 
 
 def tag_values(record: RunRecord) -> dict[str, str]:
