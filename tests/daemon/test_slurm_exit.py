@@ -184,3 +184,13 @@ def test_an_end_marker_written_where_inotify_cannot_see_it_is_found_by_the_scan(
             return await events.changed_files()
 
     assert anyio.run(main) == {f"{run_dir}/exit_code"}
+
+
+def test_the_wrapper_s_own_failure_still_writes_the_end_marker_with_exit_1(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.json").write_text("{not json")  # the wrapper cannot even read its job
+    assert slurm_batch.batch(str(run_dir)) == 1
+    assert (run_dir / "exit_code").read_text() == "1\n"
+    marker = slurm_batch.read_end_marker(str(run_dir))
+    assert marker is not None and marker["exit_code"] == 1
