@@ -51,7 +51,7 @@ from daemon.gpus import Inventory
 from daemon.launch import Launcher
 from daemon.limits import report_of
 from daemon.models import RunRecord, RunState, SweepTag
-from daemon.policy import admit
+from daemon.policy import admitted, check_resume_priority
 from daemon.ports import Runs
 from daemon.preempt import Preemptor
 from daemon.queue import Scheduler
@@ -397,24 +397,25 @@ class Handlers:
     async def sweep(self, req: SweepRequest, peer: Peer) -> dict[str, Any]:
         """`obd train sweep`: every run of the grid made, queued, or none (daemon/sweeps.py)."""
         size = math.prod(len(axis.values) for axis in req.grid)
-        admit(self.daemon, peer, req.priority, size if size <= MAX_MEMBERS else 0, "obd train sweep")
         if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
             req.environ = None  # as for a start: never kept where its jobs do not start from it
-        with self.daemon.scheduler.holding():  # one pass of the queue once every member is saved
-            return await self.sweeps.create(req, peer)
+        # The cap checked and the members queued in one step (daemon/policy.py).
+        async with admitted(self.daemon, peer, req.priority, size if size <= MAX_MEMBERS else 0, "obd train sweep"):
+            with self.daemon.scheduler.holding():  # one pass of the queue once every member is saved
+                return await self.sweeps.create(req, peer)
 
     async def _start_member(self, req: StartRequest, tag: SweepTag, peer: Peer) -> dict[str, Any]:
         """A sweep's member started again from the beginning (`obd train resume SWEEP`)."""
-        admit(self.daemon, peer, req.priority, 1, "obd train resume")
         if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
             req.environ = None
-        return (await self.daemon.launcher.start(req, peer, sweep=tag)).public()
+        async with admitted(self.daemon, peer, req.priority, 1, "obd train resume"):
+            return (await self.daemon.launcher.start(req, peer, sweep=tag)).public()
 
     async def start(self, req: StartRequest, peer: Peer, what: str = "obd train start") -> dict[str, Any]:
-        admit(self.daemon, peer, req.priority, 1, what)  # the box's [policy] (daemon/policy.py)
         if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.target)):
             req.environ = None  # its jobs never start from the caller's environment: not kept, not even here
-        return (await self.daemon.launcher.start(req, peer)).public()
+        async with admitted(self.daemon, peer, req.priority, 1, what):  # the box's [policy] (daemon/policy.py)
+            return (await self.daemon.launcher.start(req, peer)).public()
 
     async def resume(self, req: ResumeRequest, peer: Peer) -> dict[str, Any]:
         """A new run like RUN (target, command, name, GPUs, directory), from its checkpoint, with
@@ -429,6 +430,8 @@ class Handlers:
                 lambda start, tag: self._start_member(start, tag, peer),
             )
         source = daemon.find(req.id, peer)
+        # Its priority is kept only if the caller may give it (daemon/policy.py).
+        check_resume_priority(daemon.config.policy, peer, source, req.command or source.command)
         target = req.target or source.target
         elsewhere = target != source.target
         # RUN's GPUs on its own target; elsewhere the new target's default unless --gpus says.

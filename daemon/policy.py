@@ -5,16 +5,23 @@ the queue from everyone), and may give a `--priority` up to their limit only (0 
 default priority, and any lower one), so no member can pause everyone else's runs for theirs
 (docs/preemption.md). Root, the daemon's own user and the members of `admin_group` are not limited.
 Checked where a run is asked for: start, resume, sweep (and a run file, which is one of those);
-a retry or a paused run's way back is the same run again and is never refused.
+a retry or a paused run's way back is the same run again and is never refused. The cap's check
+and the queuing it allows are one step (`admitted`): a user's requests that may queue runs are
+taken one at a time, so two sweeps sent at once cannot both pass the check before either queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import pwd
+import shlex
+import weakref
+from collections.abc import AsyncIterator
 from typing import Protocol
 
+import anyio
 import structlog
 
 from daemon.api import ApiError, Peer
@@ -96,6 +103,27 @@ def check_priority(policy: PolicySection, peer: Peer, priority: int, what: str) 
     )
 
 
+def check_resume_priority(policy: PolicySection, peer: Peer, source: RunRecord, command: list[str]) -> None:
+    """A resume keeps its run's priority only if whoever resumes may give it (docs/preemption.md):
+    else refused, saying the run's priority, the caller's limit, and the command that resumes it
+    at a priority they may give (`obd train start --resume-from`, with `command`)."""
+    if source.priority <= policy.max_priority:
+        return
+    limit = priority_limit(policy, peer)
+    if source.priority <= limit:
+        return
+    wanted = source.gpus_wanted
+    gpus = "" if wanted is None else f" --gpus {','.join(wanted) if isinstance(wanted, list) else wanted}"
+    raise ApiError(
+        f"obd train resume {source.id} refused: the run has priority {source.priority}, which a resume keeps, and "
+        f"{user_name(peer.uid)} may give a priority of at most {limit} on this daemon (a higher one would pause "
+        f"other users' runs for it); the limit is in {WHERE}: max_priority, max_priority_users, "
+        f"max_priority_groups, admin_group. Resume it at a priority you may give: `obd train start --resume-from "
+        f"{source.id} --priority {limit}{gpus} -- {shlex.join(command)}`, or ask the administrator",
+        "denied",
+    )
+
+
 def queued_of(daemon: PolicyHost, uid: int) -> int:
     """How many runs of this user wait in the queue."""
     return sum(1 for r in daemon.records.values() if r.owner_uid == uid and r.in_queue)
@@ -120,7 +148,25 @@ def check_queued(daemon: PolicyHost, peer: Peer, adding: int, what: str) -> None
     )
 
 
-def admit(daemon: PolicyHost, peer: Peer, priority: int, adding: int, what: str) -> None:
-    """Refuse a start, resume or sweep of `adding` runs at `priority` that the policy does not allow."""
+# Each daemon's locks, one per capped user with a request under way (`admitted`).
+_ADMITTING: weakref.WeakKeyDictionary[PolicyHost, dict[int, anyio.Lock]] = weakref.WeakKeyDictionary()
+
+
+@contextlib.asynccontextmanager
+async def admitted(daemon: PolicyHost, peer: Peer, priority: int, adding: int, what: str) -> AsyncIterator[None]:
+    """Refuse a start, resume or sweep of `adding` runs at `priority` that the policy does not allow,
+    and hold the check until the runs it admitted are queued (the block): the check and the queuing
+    are one step for each capped user, whose other requests that may queue runs wait for it."""
     check_priority(daemon.config.policy, peer, priority, what)
-    check_queued(daemon, peer, adding, what)
+    if adding <= 0 or unlimited(daemon.config.policy, peer):
+        yield
+        return
+    locks = _ADMITTING.setdefault(daemon, {})
+    lock = locks.setdefault(peer.uid, anyio.Lock())
+    try:
+        async with lock:
+            check_queued(daemon, peer, adding, what)
+            yield
+    finally:
+        if not lock.locked() and not lock.statistics().tasks_waiting:
+            locks.pop(peer.uid, None)  # no lock kept per user who ever asked
