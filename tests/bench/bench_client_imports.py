@@ -165,14 +165,27 @@ def _wall(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     return took, usage.ru_utime + usage.ru_stime
 
 
-def import_us(argv: list[str], env: dict[str, str]) -> int:
-    """The summed `self` column of `-X importtime`: microseconds spent importing."""
-    lines = subprocess.run(argv, env=env, capture_output=True, text=True).stderr.splitlines()
-    return sum(
-        int(line.split("|")[0].split(":")[1])
-        for line in lines
-        if line.startswith("import time:") and "self" not in line
-    )
+def imports(argv: list[str], env: dict[str, str]) -> tuple[dict[str, int], set[str]]:
+    """What `-X importtime` says the process imported: its top-level imports (name -> cumulative
+    microseconds, what each brought in included), and every module's name."""
+    top: dict[str, int] = {}
+    names: set[str] = set()
+    for line in subprocess.run(argv, env=env, capture_output=True, text=True).stderr.splitlines():
+        if not line.startswith("import time:") or "self [us]" in line:
+            continue
+        _, cumulative, name = line[len("import time:") :].split("|")
+        names.add(name.strip())
+        if name.startswith(" ") and not name.startswith("  "):
+            top[name.strip()] = int(cumulative)
+    return top, names
+
+
+def own_imports(command: list[str], env: dict[str, str]) -> tuple[int, float]:
+    """How many modules the command imports that a bare interpreter does not, and the milliseconds
+    its own top-level imports took (one run: a busy machine moves this figure the most)."""
+    bare_top, bare_names = imports([command[0], "-X", "importtime", "-c", "pass"], env)
+    top, names = imports([command[0], "-X", "importtime", *command[1:]], env)
+    return len(names - bare_names), sum(v for k, v in top.items() if k not in bare_top) / 1000
 
 
 def bench_list(work: Path, site: Path, runs: int, pairs: int) -> dict[str, float]:
@@ -211,9 +224,7 @@ def bench_list(work: Path, site: Path, runs: int, pairs: int) -> dict[str, float
             full.append(f[0])
             ratios.append(f[0] / b[0])
             cpu_ratios.append(f[1] / b[1] if b[1] else float("nan"))
-        own_us = import_us([python, "-X", "importtime", "-c", "import daemon.cli.main"], env) - import_us(
-            [python, "-X", "importtime", "-c", "pass"], env
-        )
+        module_count, import_ms = own_imports(listing, env)
     finally:
         d.stop()
     return {
@@ -221,7 +232,8 @@ def bench_list(work: Path, site: Path, runs: int, pairs: int) -> dict[str, float
         "cpu_ratio_median": statistics.median(cpu_ratios),
         "list_ms": statistics.median(full) * 1000,
         "bare_ms": statistics.median(base) * 1000,
-        "import_self_ms": own_us / 1000,
+        "import_ms": import_ms,
+        "modules_imported": module_count,
     }
 
 
@@ -286,7 +298,8 @@ def report(result: dict[str, dict[str, float]], runs: int) -> str:
         f"obd train list --all --json, {runs} runs, whole process vs bare `python -c pass` (same venv, interleaved): "
         f"ratio {ls['ratio_median']:.2f} (median of pairs; {ls['list_ms']:.1f} ms vs {ls['bare_ms']:.1f} ms; "
         f"the client's own CPU time: ratio {ls['cpu_ratio_median']:.2f}; "
-        f"`import daemon.cli.main`: {ls['import_self_ms']:.1f} ms of imports)\n"
+        f"modules imported beyond the bare interpreter's: {ls['modules_imported']:.0f}, in "
+        f"{ls['import_ms']:.1f} ms)\n"
         f"daemon start to an answering socket: local only {rd['local_s'] * 1000:.0f} ms; with a Runpod target "
         f"{rd['runpod_s'] * 1000:.0f} ms (+{rd['runpod_adds_s'] * 1000:.0f} ms); with an SSH target "
         f"{rd['ssh_s'] * 1000:.0f} ms (+{rd['ssh_adds_s'] * 1000:.0f} ms); with a Slurm target "
