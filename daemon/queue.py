@@ -77,7 +77,7 @@ class QueueHost(Runs, Protocol):
 SPEC = LAUNCH_SETTINGS
 SAFETY_POLL = 30.0  # the queue is looked at this often even when nothing says it should be
 SOON = 1.0  # ... and this often while a run it waits for is between two attempts (no record changes then)
-SLICE = 500  # queued runs a pass looks at between two turns of the event loop (others answered meanwhile)
+SLICE = 100  # queued runs a pass looks at between two turns of the event loop (others answered meanwhile)
 
 
 def queued_why(record: RunRecord) -> str | None:
