@@ -136,6 +136,24 @@ class ResumeRequest(_Req):
     max_cost_usd: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
+class MoveRequest(_Req):
+    """`obd train move RUN --to T [--gpus N]`: a snapshot of the running RUN, then its resume on T
+    (the same as `resume --target T`), made by the daemon once the snapshot is proven
+    (daemon/move.py). The resume's `--env` values, secrets and caller's environment are kept in
+    memory only: a daemon restarted before the snapshot makes the resume without them."""
+
+    op: Literal["move"]
+    id: str
+    to: str = Field(min_length=1, max_length=200)
+    gpus: str | None = None  # as a start's; None: the new target's default
+    env: dict[str, str] | None = Field(default=None, repr=False)
+    secrets: dict[str, str] = Field(default_factory=dict, repr=False)
+    environ: dict[str, str] | None = Field(default=None, repr=False)
+    env_clear: bool = False
+    umask: int | None = Field(default=None, ge=0, le=0o777)
+    via: Literal["cli", "ui", "api"] = "cli"
+
+
 class StopRequest(_Req):
     op: Literal["stop"]
     id: str

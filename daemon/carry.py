@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -64,6 +65,23 @@ for top, dirs, files in os.walk(root):
         found[os.path.relpath(p, root).replace(os.sep, "/")] = [n, h.hexdigest()]
 json.dump(found, sys.stdout)
 """
+
+
+# The size arrived so far: `python -c ARRIVED DIR` prints the bytes of the regular files under DIR.
+ARRIVED = r"""
+import os, sys
+n = 0
+for top, dirs, files in os.walk(sys.argv[1]):
+    for name in files:
+        p = os.path.join(top, name)
+        if not os.path.islink(p):
+            try:
+                n += os.path.getsize(p)
+            except OSError:
+                pass
+print(n)
+"""
+PROGRESS_EVERY = 1.0  # seconds between two looks at what arrived
 
 
 class CarryHost(Runs, Protocol):
@@ -136,11 +154,18 @@ def differences(sent: Manifest, got: Manifest) -> list[str]:
 
 
 async def carry_checkpoint(
-    host: CarryHost, source: RunRecord, name: str, executor: Executor, dest: str, stage: Path
+    host: CarryHost,
+    source: RunRecord,
+    name: str,
+    executor: Executor,
+    dest: str,
+    stage: Path,
+    into: RunRecord | None = None,
 ) -> Carried:
     """Carry `source`'s checkpoint `name` to `dest` on `executor`'s machine, every file verified
     on arrival. Read in place when it is on this machine and the daemon may read it as itself;
-    else from the copy obd retrieved (a pod's), else brought into `stage` first (removed after)."""
+    else from the copy obd retrieved (a pod's), else brought into `stage` first (removed after).
+    The bytes arrived so far are shown on `into`'s progress while it uploads (`carry_bytes`)."""
     targets = host.targets
     where = rundir.RunPaths(source.remote_dir).in_output(name)
     retrieved = Path(rundir.RunPaths(host.store.run_dir(source.id) / "retrieved").in_output(name))
@@ -165,7 +190,7 @@ async def carry_checkpoint(
             raise CarryFailed(f"{where} of run {source.id} holds no file to carry")
         if wanted is not None and (bad := differences(wanted, sent)):
             raise CarryFailed(_refusal(source, name, f"the copy brought from target {source.target}", bad))
-        await executor.upload(local, dest)
+        await _upload_watched(host, executor, local, dest, into, sum(s for s, _ in sent.values()))
         arrived = await manifest_there(executor, dest)
         if bad := differences(sent, arrived):
             raise CarryFailed(_refusal(source, name, f"the copy on target {executor.name}", bad))
@@ -175,6 +200,41 @@ async def carry_checkpoint(
     size = sum(s for s, _ in sent.values())
     log.info("checkpoint_carried", run_id=source.id, checkpoint=name, to=executor.name, files=len(sent), size=size)
     return Carried(files=len(sent), size=size)
+
+
+async def _upload_watched(
+    host: CarryHost, executor: Executor, local: Path, dest: str, into: RunRecord | None, total: int
+) -> None:
+    """The upload, with what has arrived shown on `into`'s progress (bytes, of the total, and the
+    rate) once a second, read on the destination by one small command: the upload is the
+    executor's own (a copy here, SFTP over SSH), which counts nothing itself."""
+    if into is None:
+        await executor.upload(local, dest)
+        return
+    began = time.monotonic()
+
+    def show(done: int) -> None:
+        elapsed = max(time.monotonic() - began, 1e-6)
+        into.progress.carry_bytes, into.progress.carry_total = min(done, total), total
+        into.progress.carry_rate = round(min(done, total) / elapsed, 1)
+        host.touch(into)
+
+    async def watch() -> None:
+        python = await executor.python()
+        while True:
+            await anyio.sleep(PROGRESS_EVERY)
+            with anyio.move_on_after(PROGRESS_EVERY * 5):
+                result = await executor.run_command([python, "-c", ARRIVED, dest], timeout=PROGRESS_EVERY * 5)
+                if result.returncode == 0 and result.stdout.strip().isdigit():
+                    show(int(result.stdout.strip()))
+
+    show(0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        await executor.upload(local, dest)
+        tg.cancel_scope.cancel()
+    show(total)
+    log.info("carry_progress", run_id=into.id, bytes=total, seconds=round(time.monotonic() - began, 2))
 
 
 def _refusal(source: RunRecord, name: str, which: str, bad: list[str]) -> str:

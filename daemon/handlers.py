@@ -34,6 +34,7 @@ from daemon.api import (
     IdRequest,
     ListRequest,
     ListRunsRequest,
+    MoveRequest,
     Peer,
     PruneRequest,
     RawJSON,
@@ -51,6 +52,7 @@ from daemon.gpus import Inventory
 from daemon.launch import Launcher
 from daemon.limits import report_of
 from daemon.models import RunRecord, RunState, SweepTag
+from daemon.move import Mover
 from daemon.policy import admitted, check_resume_priority
 from daemon.ports import Runs
 from daemon.preempt import Preemptor
@@ -120,6 +122,7 @@ class Handlers:
     def __init__(self, daemon: ServiceHost) -> None:
         self.daemon = daemon
         self.sweeps = Sweeps(daemon)  # a sweep's id or name is also taken by status, stop, cancel, resume
+        self.moves = Mover(daemon, self.resume)  # `obd train move`: its listener and catch-up are the daemon's
         # The last answers of `list`, by caller and question, with the state of the runs they were
         # made from: asked again with nothing changed (a script polling `obd train list --json`),
         # the answer is sent as it was, not sorted, filtered and joined again for every run.
@@ -140,6 +143,7 @@ class Handlers:
             "outputs": (IdRequest, self.outputs),
             "watch": (WatchRequest, self.watch),
             "resume": (ResumeRequest, self.resume),
+            "move": (MoveRequest, self.move),
             "sweep": (SweepRequest, self.sweep),
             "prune": (PruneRequest, self.prune),
         }
@@ -498,6 +502,28 @@ class Handlers:
             raise ApiError(
                 f"could not write the snapshot request on target {record.target}: {exc or 'no answer in time'}; "
                 f"retry `obd train stop {record.id}`, or `obd train cancel {record.id}`",
+                "unavailable",
+            ) from exc
+        if not record.snapshots and record.state == RunState.running:
+            await self._refresh(record)  # whether a snapshot can come at all (stop.see_no_plugin), in the reply
+        return record.public()
+
+    async def move(self, req: MoveRequest, peer: Peer) -> dict[str, Any]:
+        """`obd train move RUN --to T`: a snapshot asked of the running RUN; once it is proven, the
+        daemon resumes RUN on T as `resume --target T` does (daemon/move.py)."""
+        record = latest_attempt(self.daemon, self.daemon.find(req.id, peer))
+        if req.environ is not None and (req.env_clear or not uses_caller_environment(self.daemon, req.to)):
+            req.environ = None  # as for a start: never kept where its jobs do not start from it
+        if not record.snapshots and record.state == RunState.running:
+            await self._refresh(record)  # the job may have announced the plugin since the last poll
+        try:
+            with anyio.fail_after(self.daemon.config.daemon.probe_timeout):
+                await self.moves.ask(record, req, peer)
+        except TimeoutError as exc:
+            await self.moves.failed(record, f"target {record.target} did not take the snapshot request in time")
+            raise ApiError(
+                f"could not write the snapshot request on target {record.target}: no answer in time; the run goes "
+                f"on there: retry `obd train move {record.id} --to {req.to}`",
                 "unavailable",
             ) from exc
         if not record.snapshots and record.state == RunState.running:

@@ -564,7 +564,7 @@ class Launcher:
         # Another target: the checkpoint alone, every file verified on arrival (daemon/carry.py).
         dest = rundir.RunPaths(record.remote_dir).in_resume(name)
         stage = self.daemon.store.run_dir(record.id) / "carry"
-        carried = await carry_checkpoint(self.daemon, source, name, executor, dest, stage)
+        carried = await carry_checkpoint(self.daemon, source, name, executor, dest, stage, into=record)
         async with self.daemon.editing(record):
             record.note(
                 f"{name} of {source.id} carried from target {source.target} to {record.target}: "

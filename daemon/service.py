@@ -296,7 +296,8 @@ class Daemon:
         if notifications is not None:  # from before the reconcile: the runs it ends are events too
             self.listeners.append(notifications.listener)
         log.info("daemon_starting", state_dir=str(self.state_dir), runs=len(self.records))
-        server = ControlServer(self.config.daemon, Handlers(self))
+        handlers = Handlers(self)
+        server = ControlServer(self.config.daemon, handlers)
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -312,9 +313,11 @@ class Daemon:
                 # The queue and recovery act on changes from now on, and on what an earlier
                 # daemon left undone (runs queued, attempts ended but not retried).
                 self.listeners += [self.scheduler.on_change, self.recovery.on_change, self.retention.on_change]
+                self.listeners.append(handlers.moves.on_change)  # `obd train move` (daemon/move.py)
                 tg.start_soon(self.scheduler.run)
                 self.recovery.catch_up()
                 self.retention.catch_up()
+                handlers.moves.catch_up()
                 tg.start_soon(self.notifier.watchdog_loop)
                 for supervision in self.targets.configured():
                     tg.start_soon(supervision.periodically)

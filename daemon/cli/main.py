@@ -647,6 +647,11 @@ def _train(args: argparse.Namespace, command: list[str], client: Client) -> int:
             return _sweep_logs(client, args.id, exc)
     if action == "stop":
         return _stop(args, client)
+    if action == "move":  # daemon/cli/move.py
+        from daemon.cli.move import move
+
+        environ = _environ_for(client, args.to, args.env_clear)
+        return move(args, client, _env_pairs(args.env), _secrets(args.secret), environ, _umask())
     if action == "cancel":
         return _cancel(args, client)
     raise UsageError(f"unknown action {action}")

@@ -38,6 +38,7 @@ TRAIN_ACTIONS = (
     "start",
     "sweep",
     "resume",
+    "move",
     "stop",
     "cancel",
     "status",
@@ -314,6 +315,7 @@ def _parser(path: Sequence[str] = ()) -> argparse.ArgumentParser:
                 _add_sweep(train, start)
         for actions, add in (
             (("resume",), _add_resume),
+            (("move",), _add_move),
             (("stop", "cancel"), _add_stop_and_cancel),
             (("status", "metrics", "logs", "outputs"), _add_reading),
             (("exec", "shell"), _add_exec),
@@ -670,6 +672,33 @@ def _add_resume(train: Any) -> None:
         metavar="-- COMMAND",
         help="a new command, after --; default: RUN's",
     )
+
+
+MOVE_EXAMPLES = """\
+examples:
+  obd train move sft --to box          snapshot here, carry, continue on box
+  obd train move sft --to box --wait   and wait until it trained a step there
+
+exit codes with --wait: 0 it trained a step on the new target; 4 the run ended without a
+snapshot (nothing moved); 6 the carry or the start there failed (the run stays stopped and
+resumable where it was); 7 its job never loaded obd's plugin (it runs on)."""
+
+
+def _add_move(train: Any) -> None:
+    mv = train.add_parser(
+        "move",
+        help="snapshot a running run, carry its checkpoint to another target and continue there",
+        description="Move a running run to another target: a snapshot here (as stop), then the same as "
+        "`resume RUN --target T` (its checkpoint carried, every file verified on arrival). Nothing is "
+        "deleted here: a move that fails leaves the run stopped and resumable where it was.",
+        epilog=MOVE_EXAMPLES,
+    )
+    _run_arg(mv, "the running run to move")
+    mv.add_argument("--to", required=True, metavar="TARGET", help="the target it continues on")
+    mv.add_argument("--gpus", metavar="N|IDS", help="as for a start; default: the new target's")
+    _add_environment(mv, for_resume=True)
+    mv.add_argument("--wait", action="store_true", help="show the carry's progress; wait until it trained a step there")
+    mv.add_argument("--json", action="store_true", help="print the run's record")
 
 
 def _add_stop_and_cancel(train: Any) -> None:

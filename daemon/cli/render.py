@@ -535,6 +535,33 @@ def no_plugin_text(r: dict[str, Any]) -> str | None:
     )
 
 
+def carry_text(progress: dict[str, Any] | None) -> str:
+    """A checkpoint carried in from another target (`move`, `resume --target`): bytes and rate."""
+    p = progress or {}
+    total, done = p.get("carry_total"), p.get("carry_bytes")
+    if total is None or done is None:
+        return ""
+    rate = f" at {p['carry_rate'] / 1e6:.1f} MB/s" if p.get("carry_rate") else ""
+    share = f" ({100 * done / total:.0f}%)" if total else ""
+    return f"{done / 1e6:.1f} of {total / 1e6:.1f} MB of its checkpoint arrived{share}{rate}"
+
+
+MOVE_STATES = {
+    "snapshot": "a snapshot asked here first",
+    "starting": "its resume there being made",
+    "carrying": "its checkpoint being carried to run {run} there",
+    "done": "done: run {run} trains there",
+    "failed": "failed: {why}",
+}
+
+
+def move_text(r: dict[str, Any]) -> str:
+    """Where `obd train move` of this run stands (its record's `move`)."""
+    m = r.get("move") or {}
+    said = MOVE_STATES.get(str(m.get("state")), str(m.get("state"))).format(run=m.get("run"), why=m.get("why"))
+    return printable(f"to target {m.get('to')}: {said}")
+
+
 def status(r: dict[str, Any]) -> str:
     """The text of `obd train status`: the run's fields, its pod if it has one, and its history."""
     lines = [
@@ -566,6 +593,11 @@ def status(r: dict[str, Any]) -> str:
     stop = (r.get("progress") or {}).get("stop_seconds")
     if stop is not None and r["state"] == "running":
         lines.append(f"stop      ~{duration(stop)} from a request to its proof now (a safe point, then the save)")
+    carried = carry_text(r.get("progress"))
+    if carried:
+        lines.append(f"carry     {carried}")
+    if r.get("move"):
+        lines.append(f"move      {move_text(r)}")
     gpus = gpus_text(r)
     if gpus is not None:
         lines.append(gpus)

@@ -39,6 +39,8 @@ from daemon.cli import client as wire_client
 from daemon.cli.common import (
     EXIT_CANCELLED,
     EXIT_ERROR,
+    EXIT_FAILED,
+    EXIT_NO_PLUGIN,
     EXIT_NO_SNAPSHOT,
     LOCAL_TARGET,
     RECONNECT_FOR,
@@ -315,6 +317,53 @@ def resume_steps(
     return record
 
 
+def move_steps(
+    run_id: str,
+    to: str,
+    gpus: str | int | None,
+    env: Mapping[str, str] | None,
+    secrets: Iterable[str],
+    env_clear: bool,
+    wait: bool,
+) -> Steps[dict[str, Any]]:
+    """`obd train move RUN --to T [--wait]`: the moved run's record; with `wait`, the record of
+    the run that continues it on T once it trained a step there, else a RunError (exit code 4:
+    no snapshot came, nothing moved; 6: the carry or the start failed, the run stays resumable;
+    7: its job never loaded obd's plugin)."""
+    here = False if env_clear else (yield from on_this_machine_steps(to))
+    params = {
+        "id": run_id,
+        "to": to,
+        "gpus": None if gpus is None else str(gpus),
+        "env": dict(env) if env else None,
+        "secrets": secret_values(secrets),
+        "environ": dict(os.environ) if here else None,
+        "env_clear": env_clear,
+        "umask": _umask(),
+        "via": "api",
+    }
+    record: dict[str, Any] = yield _Call("move", params)
+    if not wait:
+        return record
+    if (record.get("stop") or {}).get("no_plugin"):
+        raise RunError(f"run {record['id']}: {record['stop']['no_plugin']}", RunStatus.of(record), EXIT_NO_PLUGIN)
+    while True:
+        move = record.get("move") or {}
+        if move.get("state") == "done":
+            new: dict[str, Any] = yield _Call("wait", {"id": move["run"], "timeout": 0})
+            return new
+        if move.get("state") == "failed":
+            code = EXIT_FAILED if record["state"] == "stopped" and record.get("snapshot") else EXIT_NO_SNAPSHOT
+            raise RunError(
+                f"the move of {record['id']} to target {to} failed: {move.get('why')}", RunStatus.of(record), code
+            )
+        if move.get("run"):  # a wait on the new run blocks while it is not final
+            yield _Call("wait", {"id": move["run"], "timeout": 1.0})
+        elif record["state"] in FINAL:
+            time.sleep(0.2)
+        record = yield _Call("wait", {"id": record["id"], "timeout": 1.0})
+
+
 def logs_steps(run_id: str, follow: bool, tail: int | None) -> Steps[None]:
     """The lines of the run's job.log (each without its newline); with `follow`, until the run
     ended and its last line was read, as `obd train logs --follow`."""
@@ -547,6 +596,23 @@ class Run:
         `target` (its checkpoint carried there, verified) with `gpus`, when given."""
         steps = resume_steps(self.id, checkpoint, command, env, secrets, env_clear, retry, target, gpus)
         return Run(self.client, self.client._run(steps))
+
+    def move(
+        self,
+        to: str,
+        gpus: str | int | None = None,
+        env: Mapping[str, str] | None = None,
+        secrets: Iterable[str] = (),
+        env_clear: bool = False,
+        wait: bool = False,
+    ) -> Run:
+        """Move this running run to target `to` (`obd train move`): a snapshot here, its checkpoint
+        carried and verified there, and the training continued as a new run. Without `wait`, this
+        run (its `status()["move"]` says where the move stands); with `wait`, the new run once it
+        trained a step there, else a RunError (4: no snapshot came; 6: the carry or start failed,
+        this run stays resumable where it was)."""
+        record = self.client._run(move_steps(self.id, to, gpus, env, secrets, env_clear, wait))
+        return Run(self.client, record) if wait else self
 
     def logs(self, follow: bool = False, tail: int | None = None) -> Iterator[str]:
         """Its job.log's lines, each without its newline; `follow`: until it ended; `tail`: from the last N."""

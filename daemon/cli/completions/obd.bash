@@ -4,7 +4,7 @@
 _obd_subcommands() {
     case "$1" in
         "") echo "daemon train profile targets pods completion ui" ;;
-        "train") echo "start sweep resume stop cancel status metrics logs outputs exec shell prune list plot" ;;
+        "train") echo "start sweep resume move stop cancel status metrics logs outputs exec shell prune list plot" ;;
         "profile") echo "parse" ;;
         "targets") echo "list drain undrain check" ;;
         "pods") echo "list rm retrieve" ;;
@@ -19,6 +19,7 @@ _obd_options() {
         "train start") echo "-h --help --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --keep-checkpoints --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm -f --file --set --dry-run --after --after-any --json" ;;
         "train sweep") echo "-h --help --grid --target --name --cwd --env --secret --env-clear --output-to --resume-from --checkpoint --gpus --priority --preemptible --no-preemptible --retry --keep-checkpoints --time-limit --deadline --max-gpu-hours --max-cost-usd --profile --snapshot-on-sigterm -f --file --set --dry-run --after --after-any --json" ;;
         "train resume") echo "-h --help --checkpoint --target --gpus --env --secret --env-clear --retry --time-limit --deadline --max-gpu-hours --max-cost-usd --again --json" ;;
+        "train move") echo "-h --help --to --gpus --env --secret --env-clear --wait --json" ;;
         "train stop") echo "-h --help --reason --wait --json" ;;
         "train cancel") echo "-h --help --wait --json" ;;
         "train status") echo "-h --help --json --as-file" ;;
@@ -48,7 +49,7 @@ _obd_options() {
 
 _obd_takes_value() {
     case "$1|$2" in
-        "|--socket" | "|--config" | "|--state-dir" | "daemon|--config" | "daemon|--socket" | "daemon|--state-dir" | "daemon|--log-level" | "train start|--target" | "train start|--name" | "train start|--cwd" | "train start|--env" | "train start|--secret" | "train start|--output-to" | "train start|--resume-from" | "train start|--checkpoint" | "train start|--gpus" | "train start|--priority" | "train start|--retry" | "train start|--keep-checkpoints" | "train start|--time-limit" | "train start|--deadline" | "train start|--max-gpu-hours" | "train start|--max-cost-usd" | "train start|-f" | "train start|--file" | "train start|--set" | "train start|--after" | "train sweep|--grid" | "train sweep|--target" | "train sweep|--name" | "train sweep|--cwd" | "train sweep|--env" | "train sweep|--secret" | "train sweep|--output-to" | "train sweep|--resume-from" | "train sweep|--checkpoint" | "train sweep|--gpus" | "train sweep|--priority" | "train sweep|--retry" | "train sweep|--keep-checkpoints" | "train sweep|--time-limit" | "train sweep|--deadline" | "train sweep|--max-gpu-hours" | "train sweep|--max-cost-usd" | "train sweep|-f" | "train sweep|--file" | "train sweep|--set" | "train sweep|--after" | "train resume|--checkpoint" | "train resume|--target" | "train resume|--gpus" | "train resume|--env" | "train resume|--secret" | "train resume|--retry" | "train resume|--time-limit" | "train resume|--deadline" | "train resume|--max-gpu-hours" | "train resume|--max-cost-usd" | "train stop|--reason" | "train logs|--tail" | "train outputs|--to" | "train outputs|--checkpoint" | "train prune|--keep" | "train list|--state" | "train list|--target" | "train list|--name" | "train list|--since" | "train list|--limit" | "train list|--sweep" | "train plot|--metric" | "train plot|--svg" | "train plot|--png" | "train plot|--width" | "train plot|--height" | "pods|--target" | "pods retrieve|--to" | "ui|--port") return 0 ;;
+        "|--socket" | "|--config" | "|--state-dir" | "daemon|--config" | "daemon|--socket" | "daemon|--state-dir" | "daemon|--log-level" | "train start|--target" | "train start|--name" | "train start|--cwd" | "train start|--env" | "train start|--secret" | "train start|--output-to" | "train start|--resume-from" | "train start|--checkpoint" | "train start|--gpus" | "train start|--priority" | "train start|--retry" | "train start|--keep-checkpoints" | "train start|--time-limit" | "train start|--deadline" | "train start|--max-gpu-hours" | "train start|--max-cost-usd" | "train start|-f" | "train start|--file" | "train start|--set" | "train start|--after" | "train sweep|--grid" | "train sweep|--target" | "train sweep|--name" | "train sweep|--cwd" | "train sweep|--env" | "train sweep|--secret" | "train sweep|--output-to" | "train sweep|--resume-from" | "train sweep|--checkpoint" | "train sweep|--gpus" | "train sweep|--priority" | "train sweep|--retry" | "train sweep|--keep-checkpoints" | "train sweep|--time-limit" | "train sweep|--deadline" | "train sweep|--max-gpu-hours" | "train sweep|--max-cost-usd" | "train sweep|-f" | "train sweep|--file" | "train sweep|--set" | "train sweep|--after" | "train resume|--checkpoint" | "train resume|--target" | "train resume|--gpus" | "train resume|--env" | "train resume|--secret" | "train resume|--retry" | "train resume|--time-limit" | "train resume|--deadline" | "train resume|--max-gpu-hours" | "train resume|--max-cost-usd" | "train move|--to" | "train move|--gpus" | "train move|--env" | "train move|--secret" | "train stop|--reason" | "train logs|--tail" | "train outputs|--to" | "train outputs|--checkpoint" | "train prune|--keep" | "train list|--state" | "train list|--target" | "train list|--name" | "train list|--since" | "train list|--limit" | "train list|--sweep" | "train plot|--metric" | "train plot|--svg" | "train plot|--png" | "train plot|--width" | "train plot|--height" | "pods|--target" | "pods retrieve|--to" | "ui|--port") return 0 ;;
     esac
     return 1
 }
@@ -155,6 +156,10 @@ _obd() {
         "train resume|--deadline") COMPREPLY=() ;;
         "train resume|--max-gpu-hours") COMPREPLY=() ;;
         "train resume|--max-cost-usd") COMPREPLY=() ;;
+        "train move|--to") compopt -o dirnames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")) ;;
+        "train move|--gpus") COMPREPLY=() ;;
+        "train move|--env") COMPREPLY=() ;;
+        "train move|--secret") COMPREPLY=() ;;
         "train stop|--reason") COMPREPLY=($(compgen -W "requested deadline cost disk preempted" -- "$cur")) ;;
         "train logs|--tail") COMPREPLY=() ;;
         "train outputs|--to") compopt -o dirnames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")) ;;
@@ -191,6 +196,7 @@ _obd() {
         "train start") COMPREPLY=($(compgen -W "--" -- "$cur")) ;;
         "train sweep") COMPREPLY=($(compgen -W "--" -- "$cur")) ;;
         "train resume") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
+        "train move") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train stop") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train cancel") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;
         "train status") COMPREPLY=($(compgen -W "last $(_obd_runs)" -- "$cur")) ;;

@@ -6,7 +6,7 @@ function __obd_subcommands
         case ''
             printf '%s\n' daemon train profile targets pods completion ui
         case 'train'
-            printf '%s\n' start sweep resume stop cancel status metrics logs outputs exec shell prune list plot
+            printf '%s\n' start sweep resume move stop cancel status metrics logs outputs exec shell prune list plot
         case 'profile'
             printf '%s\n' parse
         case 'targets'
@@ -134,6 +134,14 @@ function __obd_takes_value
             return 0
         case 'train resume|--max-cost-usd'
             return 0
+        case 'train move|--to'
+            return 0
+        case 'train move|--gpus'
+            return 0
+        case 'train move|--env'
+            return 0
+        case 'train move|--secret'
+            return 0
         case 'train stop|--reason'
             return 0
         case 'train logs|--tail'
@@ -250,6 +258,7 @@ complete -c obd -n '__obd_at \'daemon\'' -l log-level -x -a 'debug info warning 
 complete -c obd -n '__obd_at \'train\'' -a 'start' -d 'start a run: obd train start [OPTIONS] -- COMMAND [ARG]...'
 complete -c obd -n '__obd_at \'train\'' -a 'sweep' -d 'start one run per combination of --grid values: obd train sweep [OPTIONS] --grid NAME=V1,V2 -- COMMAND'
 complete -c obd -n '__obd_at \'train\'' -a 'resume' -d 'start a new run like RUN from its snapshot or newest complete checkpoint'
+complete -c obd -n '__obd_at \'train\'' -a 'move' -d 'snapshot a running run, carry its checkpoint to another target and continue there'
 complete -c obd -n '__obd_at \'train\'' -a 'stop' -d 'ask the run for a snapshot at the end of its step, then stop'
 complete -c obd -n '__obd_at \'train\'' -a 'cancel' -d 'end the run now: TERM to its processes, KILL after the grace'
 complete -c obd -n '__obd_at \'train\'' -a 'status' -d 'a run\'s state, progress, snapshot, outputs and history'
@@ -336,6 +345,15 @@ complete -c obd -n '__obd_at \'train resume\'' -l max-cost-usd -x -d 'stop it wi
 complete -c obd -n '__obd_at \'train resume\'' -l again -d 'resume RUN even though it succeeded (its script\'s after-train code runs again)'
 complete -c obd -n '__obd_at \'train resume\'' -l json -d 'print the new run\'s record, not just its id'
 complete -c obd -n '__obd_at \'train resume\'' -a '(__obd_runs)'
+complete -c obd -n '__obd_at \'train move\'' -s h -l help -d 'show this help message and exit'
+complete -c obd -n '__obd_at \'train move\'' -l to -r -F -d 'the target it continues on'
+complete -c obd -n '__obd_at \'train move\'' -l gpus -x -d 'as for a start; default: the new target\'s'
+complete -c obd -n '__obd_at \'train move\'' -l env -x -d 'set K=V in the job\'s environment (RUN\'s --env values are not kept: give them again)'
+complete -c obd -n '__obd_at \'train move\'' -l secret -x -d 'pass $NAME from this shell to the job, never on a command line or in a record'
+complete -c obd -n '__obd_at \'train move\'' -l env-clear -d 'start the job from an empty environment (HOME, USER, PATH), not this shell\'s'
+complete -c obd -n '__obd_at \'train move\'' -l wait -d 'show the carry\'s progress; wait until it trained a step there'
+complete -c obd -n '__obd_at \'train move\'' -l json -d 'print the run\'s record'
+complete -c obd -n '__obd_at \'train move\'' -a '(__obd_runs)'
 complete -c obd -n '__obd_at \'train stop\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train stop\'' -l reason -x -a 'requested deadline cost disk preempted' -d 'the reason word written in the request (default: requested)'
 complete -c obd -n '__obd_at \'train stop\'' -l wait -d 'wait until the run ended; exit 0 only with a snapshot'
