@@ -11,16 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DaemonProc, wait_for
-from tests.daemon.test_resume_elsewhere import (  # noqa: F401 - fixtures
-    hashes,
-    notes,
-    resume,
-    sshd,
-    start,
-    steps,
-    trainer,
-    two_places,
-)
+from tests.daemon.test_resume_elsewhere import hashes, notes, resume, sshd, start, steps, trainer, two_places  # noqa: F401 - the fixtures
 
 pytest.importorskip("transformers")
 
@@ -30,7 +21,8 @@ def at_step(d: DaemonProc, rid: str, step: int) -> None:
 
 
 def test_a_running_run_moved_to_an_ssh_host_continues_there_bitwise_as_one_chain(
-    two_places: DaemonProc, short_tmp: Path
+    two_places: DaemonProc,  # noqa: F811 - the fixture
+    short_tmp: Path,
 ) -> None:
     d = two_places
     project = short_tmp / "project"
@@ -70,7 +62,8 @@ def test_a_running_run_moved_to_an_ssh_host_continues_there_bitwise_as_one_chain
 
 
 def test_a_move_whose_carry_fails_leaves_the_run_stopped_and_resumable_where_it_was(
-    two_places: DaemonProc, short_tmp: Path
+    two_places: DaemonProc,  # noqa: F811 - the fixture
+    short_tmp: Path,
 ) -> None:
     d = two_places
     project = short_tmp / "project"
@@ -101,7 +94,8 @@ def test_a_move_whose_carry_fails_leaves_the_run_stopped_and_resumable_where_it_
 
 
 def test_a_move_cut_short_by_a_daemon_restart_is_completed_when_it_comes_back(
-    two_places: DaemonProc, short_tmp: Path
+    two_places: DaemonProc,  # noqa: F811 - the fixture
+    short_tmp: Path,
 ) -> None:
     d = two_places
     project = short_tmp / "project"
