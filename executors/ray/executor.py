@@ -150,9 +150,18 @@ class RayExecutor:
         return await self.host.resolve_workdir()
 
     async def reach(self) -> Reached:
-        """Ask the Jobs API its version: the cluster answers, and obd may use it."""
+        """Ask the Jobs API its version, and the dashboard the cluster's nodes and resources."""
         version = await self.api.version()
-        where = f"the Ray cluster at {self.target.address} (Ray {version.get('ray_version', '?')})"
+        where = f"the Ray cluster at {self.target.address} (Ray {version.get('ray_version', '?')}"
+        try:
+            found = await self.cluster_resources()
+        except ExecutorError as exc:
+            where += f"; its nodes could not be read: {exc})"
+        else:
+            have = ", ".join(
+                f"{k} {v:g}" for k, v in sorted(found["resources"].items()) if not k.lower().endswith("memory")
+            )
+            where += f"; {found['nodes']} node(s) alive with {have or 'no resources'})"
         trust = "a bearer token" if self.target.token_env else "none (plain HTTP to the Jobs API)"
         return Reached(where=where, trust=trust, workdir=await self.resolve_workdir())
 
