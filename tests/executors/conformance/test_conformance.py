@@ -17,7 +17,8 @@ from typing import TypeVar
 import anyio
 
 from executors.base import ExecInput, ExecSpec, Executor, ExecutorError, JobHandle, JobState, RunProbe
-from tests.executors.conformance.conftest import Kind, Plan
+from executors.kinds import kinds
+from tests.executors.conformance.conftest import MAKERS, NOT_YET, Kind, Plan
 
 T = TypeVar("T")
 LIVE = (JobState.pending, JobState.running)
@@ -239,3 +240,9 @@ async def test_a_new_executor_after_a_daemon_restart_finds_the_job_by_its_handle
     await ex.put_file(f"{kind.run_dir}/go", b"")
     probe = await ended(ex, kind, handle)
     assert (probe.status.state, probe.status.exit_code) == (JobState.exited, 5)
+
+
+def test_every_registered_kind_of_target_is_held_to_this_contract_or_says_why_not_yet() -> None:
+    registered = set(kinds())
+    assert registered - set(MAKERS) == set(NOT_YET), "a registered kind is missing from the conformance suite"
+    assert set(NOT_YET) <= registered, "a kind named in NOT_YET is no longer registered"
