@@ -11,7 +11,10 @@ busy are written together on its next trip (a sweep of 1,000 cancelled is a few 
 round trips of the loop); a record saved twice before its trip is written once, with its newest
 bytes, and a newer save is never overwritten by an older one (each save has a sequence number).
 A file a record no longer needs beside it (a launch.json once its chain ended) is removed by the
-same trips (`drop_later`), after the saves of its trip: 1,000 unlinks never hold the event loop.
+same trips (`drop_later`), after the saves of its trip, DROPS_PER_TRIP a trip: 1,000 unlinks
+never hold the event loop, nor another user's save for long. A caller saving many records (a
+sweep made or cancelled) hands them over a slice at a time (`save_later`, `written`), so that
+a trip is never so long that a save of someone else's waits a second behind it.
 
 What such a kill leaves is cleared when the records are loaded (`load_all`, at the daemon's
 start): the temporary files of atomic writes (`.NAME.tmp.*`) made before this process started,
@@ -43,6 +46,7 @@ from trainer_plugin.rundir import atomic_write, is_run_id
 log = structlog.get_logger("obd.store")
 RECORD_LIMIT = 16 * 1024 * 1024
 WRITERS = 64  # records of one batch written at once (ext4 commits fsyncs made together at once)
+DROPS_PER_TRIP = 128  # files a trip removes at most (1,000 unlinks in one trip held others' saves a second)
 # A run's launch settings (daemon/queue.py), written before its first record: alone in a
 # directory, they are what a start cut short left.
 LAUNCH_SETTINGS = "launch.json"
@@ -152,10 +156,23 @@ class RunStore:
         return first
 
     async def flush(self) -> None:
-        """Wait until every save taken so far is on disk (or failed, and said so in the log)."""
-        if self._open is not None:
-            with anyio.CancelScope(shield=True):
+        """Wait until every save taken so far is on disk (or failed, and said so in the log), and
+        every file dropped so far is removed (DROPS_PER_TRIP a trip: one trip each)."""
+        with anyio.CancelScope(shield=True):
+            while True:
+                if self._writing is not None:  # a trip under way holds saves taken before now
+                    await self._writing.wait()
+                    continue
+                if self._open is None:
+                    return
                 await self._until_written(self._open)
+                if self._open is not None and not self._open.flushing:
+                    return  # saves made since: their callers wait for them
+
+    async def written(self, batch: Batch) -> None:
+        """Wait until the saves of `batch` (what `save_later` answered) are on disk, or failed."""
+        with anyio.CancelScope(shield=True):
+            await self._until_written(batch)
 
     def _number(self, run_id: str) -> int:
         check_run_id(run_id)
@@ -170,6 +187,10 @@ class RunStore:
                 continue
             taken, self._open = self._open, None
             assert taken is batch  # not done, not being written: it is the open one
+            if len(taken.drops) > DROPS_PER_TRIP:  # the rest by the next trip, so that saves never wait long
+                rest = sorted(taken.drops)[DROPS_PER_TRIP:]
+                taken.drops.difference_update(rest)
+                self._open = Batch(drops=set(rest), flushing=True)
             self._writing = ended = anyio.Event()
             began = time.monotonic()
             try:

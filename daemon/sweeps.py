@@ -330,8 +330,8 @@ class Sweeps:
         settings but for its id, name, command, values and place in the queue (`created`, in the
         grid's order), as a start of its request would make it (the requests differ only there,
         so every check of the first holds for them). Made SLICE at a time between two turns of
-        the event loop, each slice handed to the store's writer as it is made (its threads write
-        one while the next is made: a sweep of 1,000 is a few trips, not 1,000 starts); each
+        the event loop, each slice handed to the store's writer as it is made (`_handed_over`:
+        its threads write one while the next is made, a sweep of 1,000 is ten trips); each
         member is a run of the daemon once saved. A save that failed (a full disk) raises, the
         members saved being in `made` (`_undo` cancels them)."""
         daemon = self.daemon
@@ -343,6 +343,7 @@ class Sweeps:
         template = first.model_dump()
         reserved = daemon.launcher._admitting
         copies: list[tuple[RunRecord, Batch]] = []
+        slices: list[Batch] = []
         failed = ""
         try:
             for n, values in enumerate(combos[1:], 2):
@@ -351,8 +352,7 @@ class Sweeps:
                 spec["request"]["command"], spec["request"]["name"] = record.command, record.name
                 copies.append((record, store.save_later(record, beside={SPEC: json.dumps(spec).encode()})))
                 if n % SLICE == 0:
-                    daemon.start_soon(store.flush)  # written while the next slice is made
-                    await anyio.lowlevel.checkpoint()
+                    await self._handed_over(copies[-1][1], slices)
             await store.flush()
             for n, (record, batch) in enumerate(copies, 1):
                 if n % SLICE == 0:
@@ -368,6 +368,17 @@ class Sweeps:
             reserved.difference_update(record.id for record, _ in copies)
         if failed:
             raise ApiError(failed)
+
+    async def _handed_over(self, batch: Batch, slices: list[Batch]) -> None:
+        """A slice of saves made (`batch`, the store's open batch): its trip asked for, written
+        while the next slice is made; at most two slices wait for the writer, so that a trip is
+        a slice or two, never a whole sweep another user's save would wait behind."""
+        store = self.daemon.store
+        self.daemon.start_soon(store.written, batch)
+        slices.append(batch)
+        if len(slices) > 2:
+            await store.written(slices.pop(0))
+        await anyio.lowlevel.checkpoint()
 
     def _copy(
         self, first: RunRecord, template: dict[str, Any], index: int, values: dict[str, str], command: list[str]
@@ -568,21 +579,21 @@ class Sweeps:
         self, sweep: Sweep, records: list[RunRecord], change: Callable[[RunRecord], None]
     ) -> list[dict[str, Any]]:
         """Take queued members out of the queue together: each changed by `change` (to a final
-        state) under its lock, all saved in one trip of the store's writer (1,000 records written
-        by its threads at once, not 16 trips of 64), then told to the daemon's watchers and parts,
-        SLICE at a time so that others are answered meanwhile; their records, as `public()`. A
-        member whose lock is held (an edit of it under way: its start) or that left the queue
-        meanwhile is left as it is, for the caller's one-by-one way. Shielded: a client that hangs
-        up never leaves members changed in memory and not saved."""
+        state) under its lock, saved SLICE at a time by the store's writer (its threads write a
+        slice while the next is changed: a few trips, not 1,000 one-record trips of the loop),
+        then told to the daemon's watchers and parts, SLICE at a time so that others are answered
+        meanwhile; their records, as `public()`. A member whose lock is held (an edit of it under
+        way: its start) or that left the queue meanwhile is left as it is, for the caller's
+        one-by-one way. Shielded: a client that hangs up never leaves members changed in memory
+        and not saved."""
         daemon = self.daemon
         taken: list[RunRecord] = []
         with anyio.CancelScope(shield=True):
             locks: list[anyio.Lock] = []
             batches: list[Batch] = []
+            slices: list[Batch] = []
             try:
-                for n, record in enumerate(records, 1):
-                    if n % SLICE == 0:
-                        await anyio.lowlevel.checkpoint()
+                for record in records:
                     lock = daemon.lock(record.id)
                     if lock.locked() or not record.in_queue:
                         continue
@@ -593,6 +604,8 @@ class Sweeps:
                     if not batches or batches[-1] is not batch:  # a trip took the last between two slices
                         batches.append(batch)
                     taken.append(record)
+                    if len(taken) % SLICE == 0:
+                        await self._handed_over(batch, slices)
                 await daemon.store.flush()
                 failed = {rid for batch in batches for rid in batch.failed}
                 for record in taken:
