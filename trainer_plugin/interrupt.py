@@ -106,18 +106,16 @@ class Boundary:
         torch = sys.modules.get("torch")
         if torch is not None:
             self.torch_rng = torch.random.default_generator.get_state()
-            cuda = getattr(torch, "cuda", None)
-            if cuda is not None and cuda.is_initialized():
-                self.cuda_rng = cuda.get_rng_state_all()
-        numpy_there, random_there = "numpy" in sys.modules, "random" in sys.modules
-        self.full = step_seconds >= FULL_RNG_STEP_SECONDS or not (numpy_there or random_there)
-        if step_seconds >= FULL_RNG_STEP_SECONDS:
-            numpy = sys.modules.get("numpy")
-            if numpy is not None:
-                self.numpy_rng = numpy.random.get_state()
-            random = sys.modules.get("random")
-            if random is not None:
-                self.python_rng = random.getstate()
+            self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        if step_seconds < FULL_RNG_STEP_SECONDS:
+            self.numpy_rng = self.python_rng = None
+            self.full = "numpy" not in sys.modules and "random" not in sys.modules
+            return
+        numpy = sys.modules.get("numpy")
+        self.numpy_rng = numpy.random.get_state() if numpy is not None else None
+        random = sys.modules.get("random")
+        self.python_rng = random.getstate() if random is not None else None
+        self.full = True
 
     def restore_rng(self) -> None:
         """Put the RNG states back as they were at the boundary (those that were kept)."""
@@ -207,12 +205,15 @@ class StopPoints:
 
     def boundary(self, step: int, counters: dict[str, Any]) -> None:
         """Optimizer step `step` ended: its state is the one to save from now until the next one."""
-        last = self.last
         now = time.monotonic()
         self.position += 1
-        if last is not None:
+        last = self.last
+        if last is None:  # one Boundary a training, updated in place: no object made a step
+            last = self.last = Boundary(step)
+        else:
             self.step_seconds = now - last.at
-        self.last = Boundary.take(step, self.step_seconds >= FULL_RNG_STEP_SECONDS, counters)
+        last.step, last.counters, last.at = step, counters, now
+        last.take_rng(self.step_seconds)
         if self.phase != TRAINING:
             self.enter(TRAINING)
         self.safe = not self.taken
