@@ -304,6 +304,8 @@ class RunpodApi:
     def _key(self) -> str:
         key = self.account_key()
         if not key:
+            if importlib.util.find_spec("runpod") is None:  # no SDK: installing it comes first
+                raise RunpodApiError(SDK_MISSING)
             raise AuthError(f"no Runpod API key: {self.key_help}")
         return key
 

@@ -56,7 +56,7 @@ def test_an_attempt_that_failed_before_its_first_new_step_marks_the_checkpoint_i
 def test_the_mark_in_the_history_is_a_notification_event_of_its_own() -> None:
     from daemon.notify import events
 
-    record = attempt()
+    record = attempt(state=RunState.running)  # it runs, then fails (a final state is never left)
     record.transition(RunState.failed, "exited with code 1")
     bad = failed_at_load(record)
     assert bad is not None
