@@ -25,11 +25,13 @@ FAKE = str(REPO / "tests" / "daemon" / "fake_plugin_job.py")
 STEPS = 12
 
 # The Python of the target `flaky`: before the carry's check of what arrived runs (`python -c
-# LISTING DIR`, DIR in a run's resume/), it flips one bit of the first file there, as a bad disk
-# or a transfer gone wrong would leave it; every other command is the real interpreter's.
+# LISTING DIR EXCLUDED_JSON`, DIR in a run's resume/), it flips one bit of the first file there,
+# as a bad disk or a transfer gone wrong would leave it; every other command is the real
+# interpreter's (the progress count during the upload, `python -c ARRIVED DIR`, among them: a
+# flip there too would be undone by the listing's).
 CORRUPTING_PYTHON = """#!{py}
 import os, sys
-if len(sys.argv) > 3 and sys.argv[1] == "-c" and "/resume/" in sys.argv[3]:
+if len(sys.argv) == 5 and sys.argv[1] == "-c" and "/resume/" in sys.argv[3] and sys.argv[4].startswith("["):
     for name in sorted(os.listdir(sys.argv[3])):
         path = os.path.join(sys.argv[3], name)
         if os.path.isfile(path) and os.path.getsize(path):
@@ -162,7 +164,7 @@ def test_a_checkpoint_that_arrives_changed_fails_the_resume_before_the_job_start
     assert before
 
     refused = d.wait_state(resume(d, source["id"], "--target", "flaky"), "failed", "succeeded", timeout=120)
-    assert refused["state"] == "failed"
+    assert refused["state"] == "failed", json.dumps(refused["history"], indent=1)
     message = refused["message"]
     assert message.startswith("launch failed: checkpoint-3 of run") and "did not arrive whole" in message, message
     assert "sha256 differs" in message and "so the job was not started" in message, message
