@@ -279,8 +279,20 @@ class Preemptor:
 
     async def _pause(self, record: RunRecord, preemption: Preemption) -> None:
         """Record the pause, then ask the job for a `preempted` snapshot (a daemon killed between the
-        two asks again on restart: the fallback counts from the request, the pause is known)."""
+        two asks at its next start, `catch_up`: the fallback counts from the request)."""
         async with self.daemon.editing(record):
             record.preempt = preemption
             record.note(preemption.why)
+        await self._ask(record)
+
+    async def _ask(self, record: RunRecord) -> None:
         await request_snapshot(self.daemon, record, rundir.PREEMPTED, "obd's preemption")
+
+    def catch_up(self) -> None:
+        """At the daemon's start: a pause an earlier daemon recorded but was killed before asking
+        for (its request not recorded) is asked for now. Without this the run is never chosen
+        again (a pause is under way) nor asked, and what waits for its GPUs waits for ever."""
+        for record in list(self.daemon.records.values()):
+            if record.preempt is not None and record.has_job and record.stop.requested_at is None:
+                log.info("pause_asked_again", run_id=record.id, for_run=record.preempt.for_run)
+                self.daemon.start_soon(self._ask, record)

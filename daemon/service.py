@@ -317,6 +317,7 @@ class Daemon:
                 tg.start_soon(self.scheduler.run)
                 self.recovery.catch_up()
                 self.retention.catch_up()
+                self.preemptor.catch_up()
                 handlers.moves.catch_up()
                 tg.start_soon(self.notifier.watchdog_loop)
                 for supervision in self.targets.configured():

@@ -359,6 +359,26 @@ def test_a_daemon_killed_during_a_preemption_finishes_the_pause_and_the_requeue_
     d.call("cancel", id=resumed["id"])
 
 
+def test_a_pause_recorded_by_a_daemon_killed_before_it_asked_is_asked_for_at_the_next_start(
+    make_daemon,
+) -> None:
+    # The moment between the pause's record and its request (two saves) cannot be hit by a kill
+    # from outside reliably, so the record is left as that kill leaves it: paused, nothing asked.
+    d = make_daemon(config(gpus=1))
+    d.start()
+    victim = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
+    snapshotting(d, victim)
+    d.kill()
+    path = d.state_dir / "runs" / victim / "run.json"
+    record = json.loads(path.read_text())
+    assert record["stop"]["requested_at"] is None and record["preempt"] is None
+    record["preempt"] = {"for_run": None, "needed": 1, "asked_at": time.time(), "why": "drained (the test)"}
+    path.write_text(json.dumps(record))
+    d.start()
+    ended = d.wait_state(victim, "stopped", timeout=60)
+    assert ended["snapshot"]["reason"] == "preempted" and ended["stop"]["asked_by"] == "obd's preemption"
+
+
 def test_among_equal_victims_the_one_whose_stop_is_quickest_goes_first() -> None:
     slow = Candidate("slow", ("a",), 0, lost_work=0.0, started=0.0, stop_seconds=90.0)  # a long save
     quick = Candidate("quick", ("b",), 0, lost_work=50.0, started=0.0, stop_seconds=3.0)
