@@ -11,14 +11,11 @@ minute on a loaded machine, so the module is `slow` (`pytest -m slow tests/daemo
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import ipaddress
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,123 +24,12 @@ import pytest
 
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 from tests.executors.slurm.conftest import run_processes
+from tests.ray_cluster import API_PORT, HEAD_PORT, RayCluster, ray_cluster  # noqa: F401 - the module's cluster
 
 pytestmark = pytest.mark.slow
 
+IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 PLAIN = str(REPO / "tests" / "trainer_plugin" / "scripts" / "plain_trainer.py")
-VENV_BIN = str(Path(sys.executable).parent)
-CLONE_NEWNET = 0x40000000
-HEAD_PORT, API_PORT = 6379, 8265
-
-
-def missing_reason() -> str | None:
-    """Why a real Ray cluster cannot be had here, or None."""
-    if os.geteuid() != 0:
-        return "a Ray cluster of the test's own needs a network namespace: run the tests as root"
-    for tool in ("unshare", "nsenter", "ip"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (util-linux, iproute2): no network namespace for the Ray cluster"
-    if not (Path(VENV_BIN) / "ray").exists():
-        return "ray is not installed in the tests' venv: `.venv/bin/pip install -c constraints.txt -e '.[test]'`"
-    return None
-
-
-class RayCluster:
-    """A head and a worker node in a network namespace held by one `sleep` (loopback only)."""
-
-    def __init__(self) -> None:
-        self.temp = tempfile.mkdtemp(prefix="ray-obd-", dir="/tmp")
-        self.env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
-        self.env["RAY_USAGE_STATS_ENABLED"] = "0"
-        self.holder = subprocess.Popen(
-            ["unshare", "-n", "sh", "-c", "ip link set lo up && echo up && exec sleep infinity"],
-            stdout=subprocess.PIPE,
-            start_new_session=True,
-        )
-        assert self.holder.stdout is not None
-        assert self.holder.stdout.readline().strip() == b"up", "the network namespace could not be made"
-        self.netns = f"/proc/{self.holder.pid}/ns/net"
-
-    def run(self, *argv: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """A command inside the cluster's namespace."""
-        out = subprocess.run(
-            ["nsenter", f"--net={self.netns}", *argv],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=self.temp,
-        )
-        if check and out.returncode != 0:
-            raise AssertionError(f"{argv} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        return out
-
-    def start(self) -> None:
-        common = ("--disable-usage-stats", "--num-cpus=2")
-        self.run(
-            "ray", "start", "--head", f"--port={HEAD_PORT}", "--node-ip-address=127.0.0.1",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={API_PORT}", "--include-dashboard=true",
-            f"--temp-dir={self.temp}", *common,
-        )  # fmt: skip
-        self.run("ray", "start", f"--address=127.0.0.1:{HEAD_PORT}", '--resources={"second_node": 1}', *common)
-        wait_for(lambda: len(self.alive_nodes()) == 2, 120, 0.5, "both Ray nodes to be alive")
-
-    def api(self, path: str) -> Any:
-        """GET on the Jobs API, from inside the namespace (None for a 404)."""
-        code = (
-            "import json,sys,urllib.request,urllib.error\n"
-            "try:\n"
-            f" print(urllib.request.urlopen('http://127.0.0.1:{API_PORT}' + sys.argv[1], timeout=30).read().decode())\n"
-            "except urllib.error.HTTPError as e:\n"
-            " print('null' if e.code == 404 else sys.exit(str(e)))\n"
-        )
-        return json.loads(self.run(sys.executable, "-c", code, path).stdout)
-
-    def alive_nodes(self) -> list[dict[str, Any]]:
-        try:
-            summary = self.api("/nodes?view=summary")["data"]["summary"]
-        except AssertionError:
-            return []  # the dashboard is not up yet
-        return [n for n in summary if (n.get("raylet") or {}).get("state") == "ALIVE"]
-
-    def job(self, run_id: str) -> dict[str, Any] | None:
-        return self.api(f"/api/jobs/obd-{run_id}")
-
-    def enter(self) -> Callable[[], None]:
-        """A preexec_fn that puts a child into the cluster's namespace (the daemon)."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        path = self.netns
-
-        def setns() -> None:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "setns")
-            finally:
-                os.close(fd)
-
-        return setns
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.run("ray", "stop", "--force", timeout=120, check=False)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.holder.pid, signal.SIGKILL)
-        self.holder.wait(30)
-        shutil.rmtree(self.temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[RayCluster]:
-    reason = missing_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    cluster = RayCluster()
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def ray_config(workdir: Path) -> str:
@@ -166,7 +52,11 @@ class RayDaemon(DaemonProc):
 
 
 @pytest.fixture
-def ray(make_daemon: Callable[..., RayDaemon], ray_cluster: RayCluster, short_tmp: Path) -> Iterator[RayDaemon]:
+def ray(
+    make_daemon: Callable[..., RayDaemon],
+    ray_cluster: RayCluster,  # noqa: F811
+    short_tmp: Path,
+) -> Iterator[RayDaemon]:
     d = make_daemon(ray_config(short_tmp / "shared"))
     d.cluster = ray_cluster
     d.start(preexec_fn=ray_cluster.enter())
@@ -190,13 +80,66 @@ def log_steps(record: dict[str, Any]) -> list[int]:
     return [m["step"] for m in metrics(record) if m["event"] == "log" and "loss" in m]
 
 
-def test_the_clusters_namespace_has_only_loopback_and_the_jobs_api_answers_there(ray_cluster: RayCluster) -> None:
+def test_the_clusters_namespace_has_only_loopback_and_the_jobs_api_answers_there(
+    ray_cluster: RayCluster,  # noqa: F811
+) -> None:
     links = ray_cluster.run("ip", "-o", "link", "show").stdout.splitlines()
     assert [line.split(":")[1].strip() for line in links] == ["lo"]
     addresses = ray_cluster.run("ip", "-o", "addr", "show").stdout
     assert {line.split()[3] for line in addresses.splitlines()} <= {"127.0.0.1/8", "::1/128"}
     assert ray_cluster.api("/api/version")["ray_version"]
     assert len(ray_cluster.alive_nodes()) == 2
+
+
+def listening(tables: list[Path]) -> set[tuple[IP, int]]:
+    """The (address, port) pairs listening in /proc/PID/net/tcp{,6} tables (state 0A: LISTEN), an
+    IPv4 address mapped into IPv6 (::ffff:127.0.0.1) as the IPv4 one."""
+    found = set()
+    for table in tables:
+        for line in table.read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A":
+                address, port = local.split(":")
+                raw = bytes.fromhex(address)
+                # The kernel writes each 32-bit word of the address in host (little-endian) order.
+                ip = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                where = ipaddress.ip_address(ip)
+                mapped = where.ipv4_mapped if isinstance(where, ipaddress.IPv6Address) else None
+                found.add((mapped or where, int(port, 16)))
+    return found
+
+
+def tcp_inodes(tables: list[Path]) -> set[str]:
+    return {line.split()[9] for table in tables for line in table.read_text().splitlines()[1:]}
+
+
+def test_every_ray_process_is_in_the_clusters_namespace_and_listens_only_where_loopback_reaches(
+    ray_cluster: RayCluster,  # noqa: F811
+) -> None:
+    # Ray's processes: every process with a file open in the cluster's temp dir (its logs, its session).
+    ray_processes = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd).startswith(ray_cluster.temp) for fd in fd_dir.iterdir()):
+                ray_processes.append(int(fd_dir.parent.name))
+    names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in ray_processes}
+    assert {"raylet", "gcs_server"} <= names, names
+    assert set(ray_processes) <= set(ray_cluster.ray_pids()), "a Ray process runs outside the cluster's namespace"
+    # None of them holds a TCP socket of the machine's own namespace.
+    here = tcp_inodes([Path("/proc/self/net/tcp"), Path("/proc/self/net/tcp6")])
+    held = set()
+    for pid in ray_processes:
+        with contextlib.suppress(OSError):
+            held |= {os.readlink(fd)[8:-1] for fd in Path(f"/proc/{pid}/fd").iterdir() if "socket:" in os.readlink(fd)}
+    assert not held & here
+    # In the namespace (whose only interface is `lo`), every port listens on a loopback address:
+    # the GCS and the Jobs API among them.
+    holder = Path(f"/proc/{ray_cluster.holder.pid}/net")
+    ports = listening([holder / "tcp", holder / "tcp6"])
+    assert {HEAD_PORT, API_PORT} <= {port for _, port in ports}
+    assert [(str(a), p) for a, p in ports if not a.is_loopback] == []
+    # Both nodes know themselves by the loopback address.
+    assert {n["raylet"]["nodeManagerAddress"] for n in ray_cluster.alive_nodes()} == {"127.0.0.1"}
 
 
 def test_targets_check_says_the_jobs_api_answers_and_what_the_cluster_has(ray: RayDaemon) -> None:

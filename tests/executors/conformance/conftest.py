@@ -3,8 +3,10 @@ make a job of a kind-neutral `Plan`.
 
 The `kind` fixture yields a `Kind` for each of: the in-memory executor (tests/fakes/memory_executor.py),
 this machine, an SSH host (a real sshd on loopback), a Slurm cluster (the real test cluster of
-tests/executors/slurm/) and a Runpod pod (the loopback fake of the API, whose pods are the sshd).
-The expensive parts (the sshd, the fake API, the cluster) are shared by the whole module; each test
+tests/executors/slurm/), a Runpod pod (the loopback fake of the API, whose pods are the sshd) and a
+real two-node Ray cluster (tests/ray_cluster.py: its start takes about a minute, so the Ray variants
+are `slow`; the executor reaches its Jobs API through a forwarded loopback port).
+The expensive parts (the sshd, the fake API, the clusters) are shared by the whole module; each test
 gets its own workdir, run id and executor, and nothing of its run is left when it ends.
 """
 
@@ -28,6 +30,8 @@ from tests.conftest import REPO, kill_job_groups
 from tests.executors.slurm.cluster import Cluster, missing_reason
 from tests.executors.slurm.conftest import slurm_cluster  # noqa: F401 - the session's one cluster, shared
 from tests.fakes import memory_executor as mem
+from tests.ray_cluster import RayCluster, ray_cluster  # noqa: F401 - the module's Ray cluster, started when asked for
+from tests.ray_cluster import missing_reason as ray_missing_reason
 from tests.sshd import SshServer, sshd_skip_reason
 
 PLUGIN = REPO / "trainer_plugin"
@@ -40,10 +44,8 @@ CAPABILITIES = ("launch", "probe", "follow", "cancel", "checkpoints", "carry", "
 # the Executor protocol's core, which every kind implements.
 OPTIONAL = {"exec": Capability.EXEC, "carry": Capability.CARRIES_FILES}
 # Registered kinds not run here yet, and why (each new kind is added to MAKERS below, or here).
-NOT_YET = {
-    "ray": "a Ray cluster runs in a network namespace of its own (tests/daemon/test_ray_target.py, slow), "
-    "which this module's executors cannot reach; there is no fake of the Jobs API yet",
-}
+NOT_YET: dict[str, str] = {}
+SLOW = {"ray"}  # kinds whose target takes a minute to start: their variants run with `-m slow`
 
 
 @dataclass(frozen=True)
@@ -283,26 +285,22 @@ async def _ssh(request: pytest.FixtureRequest, tmp_path: Path) -> Kind:
     )
 
 
-async def _slurm(request: pytest.FixtureRequest, tmp_path: Path) -> Kind:
-    from executors.config import SlurmTarget
-    from executors.slurm import SlurmExecutor
+def _wrapped(name: str, make: Callable[[], Executor], workdir: Path) -> Kind:
+    """A kind whose jobs run obd's job wrapper from the run's `plugin/` (copied there first, as the
+    daemon's launch does), the run directory on a workdir this machine shares with the nodes."""
     from tests.executors.slurm.conftest import run_processes
 
-    cluster: Cluster = request.getfixturevalue("slurm_cluster")
-    request.getfixturevalue("monkeypatch").setenv("SLURM_CONF", str(cluster.conf))
-    workdir = tmp_path / "work"
-    target = SlurmTarget.model_validate({"kind": "slurm", "workdir": str(workdir), "venv": sys.prefix})
     run_id = _run_id()
 
     async def prepare(kind: Kind) -> None:
         await kind.executor.upload(PLUGIN, f"{kind.run_dir}/plugin/trainer_plugin")
 
     async def restart() -> Executor:
-        return SlurmExecutor("hpc", target, settle=0)
+        return make()
 
     return Kind(
-        name="slurm",
-        executor=SlurmExecutor("hpc", target, settle=0),
+        name=name,
+        executor=make(),
         run_id=run_id,
         run_dir=str(workdir / run_id),
         job_command=lambda plan: ["sh", "-c", plan.shell(str(workdir / run_id))],
@@ -311,6 +309,17 @@ async def _slurm(request: pytest.FixtureRequest, tmp_path: Path) -> Kind:
         gone=lambda handle: not run_processes(run_id),
         prepare=prepare,
     )
+
+
+async def _slurm(request: pytest.FixtureRequest, tmp_path: Path) -> Kind:
+    from executors.config import SlurmTarget
+    from executors.slurm import SlurmExecutor
+
+    cluster: Cluster = request.getfixturevalue("slurm_cluster")
+    request.getfixturevalue("monkeypatch").setenv("SLURM_CONF", str(cluster.conf))
+    workdir = tmp_path / "work"
+    target = SlurmTarget.model_validate({"kind": "slurm", "workdir": str(workdir), "venv": sys.prefix})
+    return _wrapped("slurm", lambda: SlurmExecutor("hpc", target, settle=0), workdir)
 
 
 async def _runpod(request: pytest.FixtureRequest, tmp_path: Path) -> Kind:
@@ -378,6 +387,17 @@ async def _runpod(request: pytest.FixtureRequest, tmp_path: Path) -> Kind:
     return kind
 
 
+async def _ray(request: pytest.FixtureRequest, tmp_path: Path) -> Kind:
+    from executors.config import RayTarget
+    from executors.ray import RayExecutor
+
+    cluster: RayCluster = request.getfixturevalue("ray_cluster")
+    workdir = tmp_path / "wd"
+    fields = {"address": cluster.jobs_api_here(), "workdir": str(workdir), "python": sys.executable}
+    target = RayTarget.model_validate({"kind": "ray", **fields, "num_cpus": 1, "stop_wait": 5})
+    return _wrapped("ray", lambda: RayExecutor("ray", target), workdir)
+
+
 _POD_END = pytest.StashKey[Callable[[], Awaitable[None]]]()
 MAKERS: dict[str, Callable[[pytest.FixtureRequest, Path], Awaitable[Kind]]] = {
     "memory": _memory,
@@ -385,6 +405,7 @@ MAKERS: dict[str, Callable[[pytest.FixtureRequest, Path], Awaitable[Kind]]] = {
     "ssh": _ssh,
     "slurm": _slurm,
     "runpod": _runpod,
+    "ray": _ray,
 }
 
 
@@ -403,10 +424,12 @@ def _skip_reason(name: str) -> str | None:
         return sshd_skip_reason()
     if name == "slurm":
         return missing_reason()
+    if name == "ray":
+        return ray_missing_reason()
     return None
 
 
-@pytest.fixture(params=list(MAKERS))
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in MAKERS])
 async def kind(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Kind]:
     """A ready kind of target with the test's run on it; what the test leaves is ended after it."""
     reason = _skip_reason(request.param)

@@ -3,7 +3,8 @@
 Each test runs against every kind (tests/executors/conformance/conftest.py): the in-memory executor
 (tests/fakes/memory_executor.py: a test fake, not a configurable kind, since the design card keeps
 executors/ to the four real kinds), this machine, an SSH host on a real sshd, the real Slurm test
-cluster, and a Runpod pod (the fake API, a real sshd as the pod). A kind that lacks a capability
+cluster, a Runpod pod (the fake API, a real sshd as the pod) and a real two-node Ray cluster (its
+variants `slow`: `pytest -m slow tests/executors/conformance`). A kind that lacks a capability
 says so in its `lacks`, and its test is skipped with that reason. Every wait is for a state the
 target reports, polled as the daemon's follow polls it, or for an event.
 """
