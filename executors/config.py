@@ -356,6 +356,12 @@ class RayTarget(StrictModel):
     secrets: list[str] = Field(default_factory=list)  # names read from the daemon's environment
     retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
     # The default of `obd train start --keep-checkpoints` (docs/checkpoints.md); None: keep them all.
+    # A multi-node run (docs/ray.md): a placement group of `nodes` bundles, one a Ray node
+    # (STRICT_SPREAD), each asking the resources above; the command runs on each node as given, or
+    # under torchrun with its c10d rendezvous on the first bundle's node (`launcher`).
+    nodes: int = Field(default=1, ge=1, le=1000)
+    launcher: Literal["command", "torchrun"] = "command"
+    nproc_per_node: int | None = Field(default=None, ge=1, le=1024)  # torchrun's; default num_gpus or 1
     keep_checkpoints: int | None = Field(default=None, ge=1, le=100000)
     # What an hour of one GPU costs here, in US dollars: `--max-cost-usd` needs it (docs/limits.md).
     price_per_gpu_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)

@@ -43,7 +43,7 @@ from executors.base import (
 )
 from executors.config import RayTarget
 from executors.local import LocalExecutor
-from executors.ray import states
+from executors.ray import nodes, states
 from executors.ray.api import JobsApi
 from trainer_plugin import jobctl, rundir, slurm_batch
 
@@ -51,6 +51,7 @@ log = structlog.get_logger("obd.ray")
 
 SUBMIT_RECORD = "ray_submit.json"  # in the run directory: the submission id, and when it was submitted
 
+NODES_SCRIPT = "ray_nodes.py"  # in a multi-node run's directory: obd's Ray driver (executors/ray/nodes.py)
 
 def entrypoint(python: str, run_dir: str) -> str:
     """The Ray job's entrypoint (a shell command): exec the job wrapper from the run's plugin/, its
@@ -79,6 +80,8 @@ def submit_body(target: RayTarget, job: JobSpec, python: str) -> dict[str, Any]:
         "metadata": {"obd_run_id": job.run_id, "obd_run_dir": job.remote_dir.rstrip("/")},
     }
     optional = {
+    if target.nodes > 1:
+        return body  # the driver asks nothing: the placement group's bundles ask the resources
         "entrypoint_num_cpus": target.num_cpus,
         "entrypoint_num_gpus": target.num_gpus,
         "entrypoint_memory": target.memory,
@@ -103,6 +106,40 @@ def headers(target: RayTarget) -> dict[str, str]:
 
 
 def read_run(run_dir: str, job: dict[str, Any] | None, now: float) -> dict[str, Any]:
+def per_node(target: RayTarget) -> int:
+    """torchrun's processes on each node: `nproc_per_node`, else one a GPU asked for, else one."""
+    return target.nproc_per_node or int(target.num_gpus or 0) or 1
+
+
+def launch_plan(target: RayTarget, python: str) -> dict[str, Any]:
+    """What the job wrapper launches (its `slurm_launch.json`): the command on the node the Ray job
+    runs on, as given or under a standalone torchrun; a multi-node run's command is obd's driver."""
+    torchrun = target.launcher == "torchrun" and target.nodes == 1
+    launcher = "torchrun" if torchrun else "srun"  # `srun` with one node: the command as given
+    return {"nodes": 1, "launcher": launcher, "nproc_per_node": per_node(target), "python": python, "time_limit": None}
+
+
+def nodes_plan(target: RayTarget, job: JobSpec) -> dict[str, Any]:
+    """What obd's Ray driver (executors/ray/nodes.py) runs: the command on `nodes` bundles, each
+    with the target's resources (CPU 1 where it names none)."""
+    bundle: dict[str, float] = {"CPU": target.num_cpus if target.num_cpus is not None else 1.0}
+    if target.num_gpus:
+        bundle["GPU"] = target.num_gpus
+    if target.memory:
+        bundle["memory"] = float(target.memory)
+    bundle.update(target.resources)
+    return {
+        "nodes": target.nodes,
+        "launcher": target.launcher,
+        "nproc_per_node": per_node(target),
+        "python": target.python,
+        "command": job.command,
+        "run_id": job.run_id,
+        "bundle": bundle,
+        "grace": target.stop_wait / 2,
+    }
+
+
     """One run directory's probe, its status from its files and Ray's view of its job."""
     result = jobctl.probe_dir(run_dir, with_job=False)
     facts = slurm_batch.file_facts(run_dir)
@@ -217,9 +254,13 @@ class RayExecutor:
             "umask": job.umask,
             "output_to": job.output_to,
         }
-        plan = {"nodes": 1, "launcher": "srun", "python": python, "time_limit": None}
+        if self.target.nodes > 1:  # the wrapper runs obd's Ray driver, which runs the command on each node
+            await self.host.put_file(os.path.join(rd, nodes.PLAN), json.dumps(nodes_plan(self.target, job)).encode())
+            await self.host.put_file(os.path.join(rd, NODES_SCRIPT), Path(nodes.__file__).read_bytes())
+            spec["command"] = [python, os.path.join(rd, NODES_SCRIPT), rd]
         await self.host.put_file(paths.job_spec, json.dumps(spec).encode())
         await self.host.put_file(paths.slurm_launch, json.dumps(plan).encode())
+        plan = launch_plan(self.target, python)
         sid = states.submission_id(rd)
         record_path = os.path.join(rd, SUBMIT_RECORD)
         try:

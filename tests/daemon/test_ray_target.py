@@ -42,6 +42,8 @@ def ray_config(workdir: Path) -> str:
         + f"\n[targets.ray]\n{common}"
         # Only the worker node has the `second_node` resource: this target's jobs run there.
         + f"\n[targets.ray_worker]\n{common}resources = {{ second_node = 1 }}\n"
+        # A placement group of two bundles, one a node: torchrun on each, one rank a node.
+        + f'\n[targets.ray_pair]\n{common}nodes = 2\nlauncher = "torchrun"\n'
     )
 
 
@@ -228,3 +230,50 @@ def test_a_restarted_daemon_follows_its_ray_jobs_from_the_jobs_api(ray: RayDaemo
     record = ray.wait_state(waiting, "succeeded", "failed", "lost", timeout=120)
     assert record["state"] == "succeeded", record["message"]
     assert "through the gate" in ray.cli("train", "logs", waiting).stdout
+
+
+def losses(record: dict[str, Any]) -> dict[int, tuple[float, float]]:
+    return {m["step"]: (m["loss"], m["grad_norm"]) for m in metrics(record) if m["event"] == "log" and "loss" in m}
+
+
+def test_a_two_node_torchrun_stopped_with_wait_has_one_proof_every_rank_at_its_step_and_resumes_bitwise(
+    ray: RayDaemon, short_tmp: Path
+) -> None:
+    command = [sys.executable, PLAIN, "--output_dir", "mine", "--max_steps", "12", "--save_steps", "12"]
+    whole = start(ray, "ray_pair", *command, cwd=short_tmp)  # the uninterrupted reference, alongside
+    # --hold-at: every rank trains past step 4 only once obd asked for the snapshot.
+    rid = start(ray, "ray_pair", *command, "--hold-at", "4", cwd=short_tmp)
+    wait_for(lambda: (ray.record(rid)["progress"]["step"] or 0) >= 4, 300, 0.3, "both ranks to train on Ray")
+    out = ray.cli("train", "stop", rid, "--wait", timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    record = ray.record(rid)
+    assert record["state"] == "stopped" and record["snapshot"]["reason"] == "requested", record["message"]
+    step = record["snapshot"]["step"]
+    run_dir = Path(record["remote_dir"])
+    log = (run_dir / "job.log").read_text()
+    assert log.count("obd: snapshot at step") == 1, log[-3000:]  # one proof
+    ended = sorted(line for line in log.splitlines() if line.startswith("train ended at step"))
+    assert ended == [f"train ended at step {step} of 12 (rank {rank})" for rank in (0, 1)], log[-3000:]
+    assert metrics(record)[0]["world_size"] == 2
+    # One rank on each Ray node: the placement group put its two bundles on the two nodes.
+    placed = [line.split("Ray node ")[1].split()[0] for line in log.splitlines() if " of 2: Ray node " in line]
+    assert sorted(placed) == sorted(n["raylet"]["nodeId"] for n in ray.cluster.alive_nodes()), log[-3000:]
+    state = json.loads((run_dir / "output" / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    assert state["global_step"] == step
+    # The job ended on its own after its snapshot (Ray's stop never needed), nothing of it left on either node.
+    assert ray.cluster.job(rid)["status"] == "SUCCEEDED"
+    wait_for(lambda: run_processes(rid) == [], 30, 0.2, "every process of the job, on both nodes, to be gone")
+
+    out = ray.cli("train", "resume", rid, "--", *command)
+    assert out.returncode == 0, out.stderr
+    resumed_id = out.stdout.strip()
+    resumed = ray.wait_state(resumed_id, "succeeded", "failed", "cancelled", "stopped", "lost", timeout=300)
+    assert resumed["state"] == "succeeded", resumed["message"]
+    reference = ray.wait_state(whole, "succeeded", "failed", "cancelled", "stopped", "lost", timeout=300)
+    assert reference["state"] == "succeeded", reference["message"]
+    after = losses(resumed)
+    assert min(after) == step + 1 and after == {s: losses(reference)[s] for s in after}  # bitwise, step by step
+    final = [Path(r["remote_dir"]) / "output" / "checkpoint-12" / "model.safetensors" for r in (resumed, reference)]
+    assert final[0].read_bytes() == final[1].read_bytes()  # the same weights at the end
+    assert metrics(resumed)[0]["start_step"] == step and metrics(resumed)[0]["world_size"] == 2
+    wait_for(lambda: run_processes(resumed_id) == [], 30, 0.2, "the resumed job's processes to be gone")
