@@ -277,3 +277,19 @@ def test_a_two_node_torchrun_stopped_with_wait_has_one_proof_every_rank_at_its_s
     assert final[0].read_bytes() == final[1].read_bytes()  # the same weights at the end
     assert metrics(resumed)[0]["start_step"] == step and metrics(resumed)[0]["world_size"] == 2
     wait_for(lambda: run_processes(resumed_id) == [], 30, 0.2, "the resumed job's processes to be gone")
+
+
+def test_a_two_node_run_cancelled_while_it_trains_leaves_no_process_on_either_node(
+    ray: RayDaemon, short_tmp: Path
+) -> None:
+    # --hold-at with no request ever: both ranks wait after step 2 until the cancel.
+    command = [sys.executable, PLAIN, "--output_dir", "mine", "--max_steps", "12", "--hold-at", "2"]
+    rid = start(ray, "ray_pair", *command, cwd=short_tmp)
+    wait_for(lambda: (ray.record(rid)["progress"]["step"] or 0) >= 2, 300, 0.3, "both ranks to train on Ray")
+    assert len(run_processes(rid)) >= 4  # at least a torchrun agent and a rank on each node
+    out = ray.cli("train", "cancel", rid, "--wait", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ray.record(rid)["state"] == "cancelled"
+    assert ray.cluster.job(rid)["status"] == "STOPPED"
+    assert "cancelled: ending every node's processes" in (Path(ray.record(rid)["remote_dir"]) / "job.log").read_text()
+    wait_for(lambda: run_processes(rid) == [], 30, 0.2, "every process of the job, on both nodes, to be gone")
