@@ -228,6 +228,20 @@ class NotifyEntry(StrictModel):
         return f"{os.path.basename(self.command[0])} ({self.key})"
 
 
+class PoolSection(StrictModel):
+    """`[pools.NAME]`: targets a run may be placed on, in order of preference (docs/placement.md);
+    `--target NAME` is the same as `--target` with the list."""
+
+    targets: list[str] = Field(min_length=1, max_length=100)
+
+    @field_validator("targets")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("name each target once")
+        return value
+
+
 class Config(StrictModel):
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     stop: StopSection = Field(default_factory=StopSection)
@@ -235,6 +249,7 @@ class Config(StrictModel):
     limits: LimitsSection = Field(default_factory=LimitsSection)
     policy: PolicySection = Field(default_factory=PolicySection)
     targets: dict[str, Target] = Field(default_factory=dict)
+    pools: dict[str, PoolSection] = Field(default_factory=dict)  # `[pools.NAME]` (docs/placement.md)
     notify: list[NotifyEntry] = Field(default_factory=list)  # `[[notify]]` entries (daemon/notify.py)
 
     @field_validator("notify")
@@ -258,6 +273,35 @@ class Config(StrictModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _placements_name_targets(self) -> Config:
+        known = {"local", *self.targets}
+        names = ", ".join(sorted(known))
+        for name, pool in self.pools.items():
+            if name in known:
+                raise ValueError(f"[pools.{name}]: {name} is also a target's name: give the pool another name")
+            if "," in name:
+                raise ValueError(f"[pools.{name}]: a pool's name holds no ',' (--target a,b lists targets)")
+            unknown = [t for t in pool.targets if t not in known]
+            if unknown:
+                raise ValueError(f"[pools.{name}]: no target {', '.join(unknown)}; the targets are: {names}")
+        for name, target in self.targets.items():
+            if target.overflow is None:
+                continue
+            if target.overflow not in known:
+                raise ValueError(
+                    f"[targets.{name}] overflow = {target.overflow!r}: no such target; the targets are: {names}"
+                )
+            seen: list[str] = [name]
+            at: str | None = target.overflow
+            while at is not None:
+                if at in seen:
+                    loop = " -> ".join([*seen, at])
+                    raise ValueError(f"[targets.{name}] overflow: the overflows go round ({loop}); break the loop")
+                seen.append(at)
+                at = self.target(at).overflow
+        return self
+
     def target(self, name: str) -> AnyTarget:
         if name in self.targets:
             return self.targets[name]
@@ -275,6 +319,7 @@ __all__ = [
     "LocalTarget",
     "NotifyEntry",
     "PolicySection",
+    "PoolSection",
     "RunpodTarget",
     "SshTarget",
     "StopSection",

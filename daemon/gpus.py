@@ -73,10 +73,11 @@ class Inventory:
     def _find(self, target: str) -> list[Gpu]:
         return gpu_inventory(self.daemon.targets.get(target).config)
 
-    def wanted(self, record: RunRecord) -> list[str] | int:
-        """What a run asks for on its target: device ids, or a count (0 on a target without GPUs)."""
-        gpus = self.of(record.target)
-        if record.gpus_wanted is None:
+    def wanted(self, record: RunRecord, target: str | None = None) -> list[str] | int:
+        """What a run asks for on its target (or on `target`, where it may be placed): device ids,
+        or a count; 0 on a target whose GPUs obd does not hand out (its machine gives them)."""
+        gpus = self.of(target or record.target)
+        if record.gpus_wanted is None or not gpus:
             return len(gpus)
         return record.gpus_wanted
 
@@ -176,11 +177,11 @@ class Inventory:
         if self.wake is not None:
             self.wake()
 
-    def choose(self, record: RunRecord, held: dict[str, str]) -> list[str] | None:
-        """The devices to give a run now, or None when they are not free."""
-        gpus = self.of(record.target)
+    def choose(self, record: RunRecord, held: dict[str, str], target: str | None = None) -> list[str] | None:
+        """The devices to give a run now on its target (or on `target`), or None when they are not free."""
+        gpus = self.of(target or record.target)
         free = [g.id for g in gpus if g.id not in held]
-        wanted = self.wanted(record)
+        wanted = self.wanted(record, target)
         if isinstance(wanted, list):
             return list(wanted) if all(w in free for w in wanted) else None
         return free[:wanted] if len(free) >= wanted else None

@@ -245,8 +245,19 @@ class Handlers:
             # What the client may need to know of the kind, as the kind's capabilities say it.
             capabilities = {"this_machine": is_this_machine(target), "pods": makes_pods(target)}
             drained = name in self.daemon.preemptor.drains.targets
+            # Where its runs may also go (docs/placement.md): the pools it is in, its overflow.
+            pools = sorted(pool for pool, p in config.pools.items() if name in p.targets)
+            placing = {"pools": pools, "overflow": target.overflow, "overflow_after": target.overflow_after}
             out.append(
-                {"name": name, "kind": target.kind, **capabilities, "gpus": gpus, "queued": queued, "drained": drained}
+                {
+                    "name": name,
+                    "kind": target.kind,
+                    **capabilities,
+                    "gpus": gpus,
+                    "queued": queued,
+                    "drained": drained,
+                    **placing,
+                }
             )
         return out
 

@@ -36,6 +36,7 @@ from daemon.follow import Follower
 from daemon.gpus import Inventory, parse_wanted, queue_message
 from daemon.limits import carry, check_start, from_request, job_time_of
 from daemon.models import Paused, RunRecord, RunState, SweepTag
+from daemon.placement import for_next_attempt, placement_of, preferences, reachable, settle
 from daemon.ports import Runs
 from daemon.specs import SPEC, load_spec, spec_bytes
 from daemon.stop import write_pending_request
@@ -217,13 +218,20 @@ class Launcher:
         as a sweep's member, else `preparing`), and launch it in the background when it can start.
         `created`: its place in the queue, for the members of a sweep made together, in their order."""
         daemon = self.daemon
-        supervision = daemon.targets.get(req.target)
+        first, placed = placement_of(daemon.config, req.target)  # one target, or several (daemon/placement.py)
+        supervision = daemon.targets.get(first)
         check_names(req.env, req.secrets)
         run_as = account_for(peer)
-        req.secrets = target_secrets(req.target, supervision.config.secrets, req.secrets, os.environ)
         wanted = parse_wanted(req.gpus)
-        daemon.inventory.check(req.target, wanted)
-        check_start(req, supervision.config, wanted, len(daemon.inventory.of(req.target)), time.time())
+        for name in reachable(daemon.config, req.target):  # each target it may start on, its overflows too
+            config = daemon.targets.get(name).config
+            req.secrets = target_secrets(name, config.secrets, req.secrets, os.environ)
+            if name not in (placed.targets if placed is not None else [first]):
+                continue  # an overflow: a run starts there only once it can (daemon/placement.py)
+            if placed is None or daemon.inventory.of(name):  # elsewhere among several: what its machine gives
+                daemon.inventory.check(name, wanted)
+            alone = req.model_copy(update={"target": name})
+            check_start(alone, config, wanted, len(daemon.inventory.of(name)), time.time())
         source, point = None, None
         if req.resume_from:
             source = daemon.find(req.resume_from, peer)
@@ -238,6 +246,7 @@ class Launcher:
             # On a local target it is where the job runs; elsewhere the directory uploaded as the job's src/.
             await anyio.to_thread.run_sync(check_cwd, req.cwd, run_as)
         record = self._new_record(req, peer.uid)
+        record.target, record.placement = first, placed
         if created is not None:
             record.created = created
         try:
@@ -305,6 +314,7 @@ class Launcher:
         record.trackers = continued(record, source)  # the tracker run its curves continue in
         waits = bool(daemon.inventory.wanted(record)) or record.not_before is not None
         waits = waits or bool(record.after) or record.sweep is not None  # the queue decides when
+        waits = waits or len(preferences(record)) > 1  # ... and where (daemon/placement.py)
         if waits:
             record.transition(
                 RunState.queued, queue_message(daemon.inventory, record, why, waiting or announced(record))
@@ -372,6 +382,8 @@ class Launcher:
         with `paused`, the attempt that resumes a run paused by a preemption or a drain (it uses no
         retry, and keeps its place among runs of its priority)."""
         record = self._new_record(req, prev.owner_uid if prev.owner_uid is not None else os.geteuid())
+        # The chain's targets again, the one it overflowed to among them; one that was down, last.
+        record.target, record.placement = for_next_attempt(self.daemon.config, prev, req.target, cause)
         record.chain = prev.chain or prev.id
         record.attempt = prev.attempt + 1
         record.retries = prev.retries
@@ -380,6 +392,8 @@ class Launcher:
         record.priority = prev.priority
         record.cwd = prev.cwd
         record.env_from_caller = prev.env_from_caller
+        if record.target != prev.target:  # queued elsewhere: that target's directory rule
+            settle(self.daemon.targets, record, record.target, req)
         record.not_before = not_before
         record.preemptible = prev.preemptible
         record.preemptions = prev.preemptions + (paused is not None)

@@ -174,6 +174,16 @@ class Move(BaseModel):
     why: str = ""
 
 
+class Placement(BaseModel):
+    """Where a run may start, when that is more than one target (daemon/placement.py): the targets
+    of `--target a,b,c` or a pool, in order of preference, the overflow targets it may also go to
+    after a wait; and where it was placed, and why, for `status`."""
+
+    given: str  # as the user gave it: `a,b,c`, or a pool's name
+    targets: list[str]  # in order of preference
+    why: str = ""  # "placed on b: a's 2 GPUs all held"
+
+
 class SweepTag(BaseModel):
     """A run's place in a sweep (`obd train sweep`, daemon/sweeps.py): one combination of the grid."""
 
@@ -276,6 +286,7 @@ class RunRecord(BaseModel):
     pruned_bytes: int = 0
     bad_checkpoint: BadCheckpoint | None = None  # the checkpoint it failed to resume from
     move: Move | None = None  # `obd train move` under way or done (daemon/move.py)
+    placement: Placement | None = None  # its targets of preference, and where it was placed (daemon/placement.py)
 
     @model_validator(mode="before")
     @classmethod

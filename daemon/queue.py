@@ -18,6 +18,11 @@ and how much of each sweep is made are looked up once a pass), and an operation 
 sweep made, cancelled or stopped) holds the queue (`holding`) so that it gets one pass when it
 ends, not one per run: 5,000 runs queued never hold the daemon up.
 
+A run of several targets (`--target a,b,c`, a pool) or of a target with an `overflow` is placed by
+each pass before the targets' queues are looked at (`_place`, daemon/placement.py): on the first of
+its targets that can start it now, else it waits on the first; preemption is considered for it
+there only, once no other target of its can start it.
+
 A run may also wait for other runs (`--after`, daemon/after.py) or for the rest of its sweep to
 be made (daemon/sweeps.py): `gate` says so on every pass, from the records alone, and such a run
 holds up no run behind it; one that never will start (a run it waits for ended otherwise) is
@@ -35,20 +40,22 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
 import structlog
 
-from daemon import after, limits, sweeps
+from daemon import after, limits, placement, sweeps
 from daemon.after import Continues, Verdict
+from daemon.api import ApiError
 from daemon.gpus import Inventory, queue_message
 from daemon.launch import Launcher
-from daemon.models import RunRecord, RunState
+from daemon.models import Placement, RunRecord, RunState
 from daemon.ports import Runs
 from daemon.preempt import Preemptor
+from daemon.specs import load_spec
 from daemon.store import LAUNCH_SETTINGS, process_started
 from daemon.targets import Targets
 
@@ -144,6 +151,8 @@ class Scheduler:
             waiting = [r for r in self.daemon.records.values() if r.in_queue]
             pending = [r.not_before for r in waiting if r.not_before]
             pending += [at for r in waiting if (at := limits.too_late_at_of(self.daemon, r)) is not None]
+            config = self.daemon.config
+            pending += [at for r in waiting for _, _, at in placement.overflow_due(config, r) if at > time.time()]
             if pending:
                 wait = max(0.0, min(wait, min(pending) - time.time()) + 0.01)
             with anyio.move_on_after(wait):
@@ -153,6 +162,7 @@ class Scheduler:
         self._soon = False
         self._made = self._sweeps_made()
         try:
+            await self._place()
             for target in sorted({r.target for r in self.queued()}):
                 await self._schedule_target(target)
                 await self._refresh_messages(target)
@@ -218,12 +228,20 @@ class Scheduler:
         verdict = self.gate(record)
         if verdict is not None and verdict.action == "wait":
             return verdict.why
+        now = time.time() if now is None else now
+        later = placement.waiting_words(self.daemon.config, record, now)  # its overflows to come
+        prefs = placement.preferences(record)
+        if len(prefs) > 1 and (record.not_before or 0) <= now:
+            holders = {record.target: held} if held is not None else {}
+            why = [self._unfit(record, t, holders.get(t) or self.daemon.inventory.held(t), None) for t in prefs]
+            given = record.placement.given if record.placement is not None else record.target
+            return f"waiting for one of {given}: {'; '.join(w for w in why if w) or 'placed at the next pass'}" + later
         if record.target in self.daemon.preemptor.drains.targets:
             return (
                 f"waiting: target {record.target} is drained, nothing starts on it until "
                 f"`obd targets undrain {record.target}`"
-            )
-        return self.daemon.inventory.waiting_for(record, now, held)
+            ) + later
+        return self.daemon.inventory.waiting_for(record, now, held) + later
 
     async def _held_back(self, target: str) -> set[str]:
         """The queued runs of `target` that may not start yet (`gate`); those that never will are
@@ -248,14 +266,119 @@ class Scheduler:
 
     def order(self, target: str, runs: list[RunRecord], held: dict[str, str]) -> list[RunRecord]:
         """The queue's order (see the module's docstring)."""
+        return sorted(runs, key=self._sort_key(held))
+
+    def _sort_key(self, held: dict[str, str]) -> Callable[[RunRecord], tuple[Any, ...]]:
+        """A run's place in a target's queue, given the holders of that target's GPUs now."""
         per_owner: dict[Any, int] = {}  # GPUs each user holds on the target now
         for rid in held.values():
             owner = self.daemon.records[rid].owner_uid if rid in self.daemon.records else None
             per_owner[owner] = per_owner.get(owner, 0) + 1
         # A run paused by a preemption keeps its place: its chain's first queueing, not its attempt's.
-        return sorted(
-            runs, key=lambda r: (-r.priority, per_owner.get(r.owner_uid, 0), r.queue_since or r.created, r.id)
-        )
+        return lambda r: (-r.priority, per_owner.get(r.owner_uid, 0), r.queue_since or r.created, r.id)
+
+    # --- placement over several targets, and overflow (daemon/placement.py) ----------------------
+
+    def _unfit(self, record: RunRecord, target: str, held: dict[str, str], head: RunRecord | None) -> str:
+        """Why a queued run cannot start on `target` now, in words ("" when it can)."""
+        if target in self.daemon.preemptor.drains.targets:
+            return f"{target} is drained"
+        inventory = self.daemon.inventory
+        if inventory.choose(record, held, target) is None:
+            gpus = inventory.of(target)
+            wanted = inventory.wanted(record, target)
+            holders = sorted({rid for d, rid in held.items() if d in {g.id for g in gpus}})
+            by = f" (by {', '.join(holders)})" if holders else ""
+            free = len(gpus) - len([g for g in gpus if g.id in held])
+            if isinstance(wanted, list):
+                missing = [w for w in wanted if w not in {g.id for g in gpus}]
+                if missing:
+                    return f"{target} has no GPU {', '.join(missing)}"
+                return f"{target}'s GPUs {','.join(wanted)} are held{by}"
+            if wanted > len(gpus):
+                return f"{target} has {len(gpus)} GPUs, it asks for {wanted}"
+            if free == 0:
+                return f"{target}'s {len(gpus)} GPU{'s' if len(gpus) != 1 else ''} all held{by}"
+            return f"{target} has {free} of {len(gpus)} GPUs free, it asks for {wanted}{by}"
+        if head is not None and head.id != record.id:
+            key = self._sort_key(held)
+            if key(head) < key(record):
+                return f"{target}'s free GPUs go to {head.id} first (ahead of it there)"
+        return ""
+
+    async def _place(self) -> None:
+        """Place every queued run of several targets, or with an overflow due, on the first of its
+        targets that can start it now (daemon/placement.py); the runs of higher priority (then the
+        longest waiting) first, each taking the devices it will be given, so two never count on the
+        same free GPU."""
+        daemon = self.daemon
+        config = daemon.config
+        now = time.time()
+        runs = [r for r in self.queued() if placement.watched(config, r)]
+        if not runs:
+            return
+        held: dict[str, dict[str, str]] = {}
+        heads: dict[str, RunRecord | None] = {}
+
+        def held_on(target: str) -> dict[str, str]:
+            if target not in held:
+                held[target] = dict(daemon.inventory.held(target))
+            return held[target]
+
+        def head_of(target: str) -> RunRecord | None:
+            if target not in heads:
+                ready = [r for r in self.queued(target) if (r.not_before or 0) <= now and self._may_leave(r)]
+                heads[target] = self.order(target, ready, held_on(target))[0] if ready else None
+            return heads[target]
+
+        runs.sort(key=lambda r: (-r.priority, r.queue_since or r.created, r.id))
+        for n, record in enumerate(runs, 1):
+            if n % SLICE == 0:
+                await anyio.lowlevel.checkpoint()
+            if not record.in_queue or daemon.lock(record.id).locked() or (record.not_before or 0) > now:
+                continue
+            if not self._may_leave(record):
+                continue
+            reasons: list[str] = []
+            for target, source in placement.candidates(config, record, now):
+                try:
+                    why = self._unfit(record, target, held_on(target), head_of(target))
+                except ApiError as exc:  # a target its config no longer serves
+                    why = f"{target}: {exc}"
+                if why:
+                    reasons.append(why)
+                    continue
+                for device in daemon.inventory.choose(record, held_on(target), target) or []:
+                    held_on(target)[device] = record.id  # taken: a run after it does not count on it
+                if target != record.target or len(placement.preferences(record)) > 1:
+                    why = placement.placed_why(record, target, source, config, reasons)
+                    await self._place_on(record, target, why)
+                break
+
+    def _may_leave(self, record: RunRecord) -> bool:
+        verdict = self.gate(record)
+        return verdict is None or verdict.action == "start"
+
+    async def _place_on(self, record: RunRecord, target: str, why: str) -> None:
+        """Put a queued run on `target` (where it starts in this pass), saying where and why."""
+        daemon = self.daemon
+        if record.target == target and record.placement is not None and record.placement.why == why:
+            return
+        spec = load_spec(daemon, record.id) if record.target != target else None
+        async with daemon.editing(record):
+            if not record.in_queue:
+                return
+            if record.placement is None:  # a run of one target, placed on its overflow
+                record.placement = Placement(given=record.target, targets=[record.target])
+            if record.target != target:
+                try:
+                    placement.settle(daemon.targets, record, target, spec[0] if spec is not None else None)
+                except ApiError as exc:
+                    log.warning("placement_failed", run_id=record.id, target=target, error=str(exc))
+                    return
+            record.placement.why = why
+            record.note(why)
+        log.info("run_placed", run_id=record.id, target=target, why=why)
 
     async def _schedule_target(self, target: str) -> None:
         inventory = self.daemon.inventory

@@ -13,8 +13,9 @@ import json
 import os
 from collections.abc import Collection
 
-from daemon.api import StartRequest
+from daemon.api import ApiError, StartRequest
 from daemon.config import ConfigError
+from daemon.placement import reachable
 from daemon.ports import Runs
 from daemon.store import LAUNCH_SETTINGS
 from executors.base import RunAs
@@ -28,9 +29,9 @@ def uses_caller_environment(daemon: Runs, target: str) -> bool:
     """Whether a job on this target starts from its caller's environment: only a local target's
     (this machine's). SSH, Slurm and pod jobs start from their machine's, so the caller's
     environment is neither kept nor used for them."""
-    try:
-        return is_this_machine(daemon.config.target(target))
-    except ConfigError:
+    try:  # any target it may run on: of several (`--target a,b`, a pool), and their overflows
+        return any(is_this_machine(daemon.config.target(t)) for t in reachable(daemon.config, target))
+    except (ConfigError, ApiError):
         return False  # an unknown target: the start is refused, nothing is kept
 
 

@@ -73,7 +73,16 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class LocalTarget(StrictModel):
+class TargetBase(StrictModel):
+    """What every kind of target says of where its waiting runs may go instead (docs/placement.md):
+    a run queued on it longer than `overflow_after` (a run paused by a preemption or a drain
+    included) continues on the target `overflow` names, once that one can start it."""
+
+    overflow: str | None = Field(default=None, min_length=1)
+    overflow_after: Margin = 600.0
+
+
+class LocalTarget(TargetBase):
     kind: Literal["local"] = "local"
     workdir: Path | None = None  # default: <state_dir>/jobs
     python: str | None = None  # the interpreter that runs obd's job wrapper
@@ -107,7 +116,7 @@ class LocalTarget(StrictModel):
         return value
 
 
-class SshTarget(StrictModel):
+class SshTarget(TargetBase):
     kind: Literal["ssh"]
     host: str
     port: int = Field(default=22, ge=1, le=65535)
@@ -133,7 +142,7 @@ class SshTarget(StrictModel):
     price_per_gpu_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
-class RunpodTarget(StrictModel):
+class RunpodTarget(TargetBase):
     kind: Literal["runpod"]
     gpu_type: str | list[str] = "NVIDIA GeForce RTX 4090"
     gpu_count: int = Field(default=1, ge=1, le=64)
@@ -239,7 +248,7 @@ class SlurmLogin(StrictModel):
     connect_timeout: Timeout = 15.0
 
 
-class SlurmTarget(StrictModel):
+class SlurmTarget(TargetBase):
     """A Slurm cluster: jobs submitted with sbatch on this machine, or on `login` over SSH.
 
     `workdir` must be on the filesystem the compute nodes share with the submitting machine:
@@ -325,7 +334,7 @@ class SlurmTarget(StrictModel):
         return slurm_time_seconds(self.time) if self.time else None
 
 
-class RayTarget(StrictModel):
+class RayTarget(TargetBase):
     """A Ray cluster reached through its Jobs API (the dashboard's HTTP port, or KubeRay's service).
 
     Each run is one Ray job whose entrypoint is obd's job wrapper. `workdir` must be on a filesystem
@@ -416,6 +425,7 @@ __all__ = [
     "SshTarget",
     "StrictModel",
     "Target",
+    "TargetBase",
     "Timeout",
     "parse_duration",
     "slurm_time_seconds",

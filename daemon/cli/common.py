@@ -36,9 +36,20 @@ def on_this_machine(target: str | None, targets: Callable[[], list[dict[str, Any
     jobs start from their caller's environment. `local` always is; of another name the daemon's
     list of targets says so (`targets()`, asked only then: its `this_machine`, which the service
     fills from the kind's capability), since this client may not be able to read the config."""
-    if target == LOCAL_TARGET:
-        return True
-    return any(t.get("name") == target and t.get("this_machine") for t in targets())
+    if target is None or target == LOCAL_TARGET:
+        return target == LOCAL_TARGET
+    return reaches_this_machine(target, targets())
+
+
+def reaches_this_machine(target: str, targets: list[dict[str, Any]]) -> bool:
+    """Whether a run of `--target` (one target, a pool, or `a,b` in order of preference) may run
+    on the daemon's machine: any target it names, a pool's or their overflows (docs/placement.md)."""
+    names = {part.strip() for part in target.split(",")}
+    named = [t for t in targets if t.get("name") in names or names & set(t.get("pools") or ())]
+    overflows = {t.get("overflow") for t in named}
+    return any(t.get("this_machine") for t in named) or any(
+        t.get("this_machine") for t in targets if t.get("name") in overflows
+    )
 
 
 SHELLS = ("bash", "zsh", "fish")

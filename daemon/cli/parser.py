@@ -518,7 +518,12 @@ def _add_start(train: Any) -> argparse.ArgumentParser:
         description="Start a run of COMMAND on a target; print its id.",
         epilog=START_EXAMPLES,
     )
-    s.add_argument("--target", default="local", help="where to run it: a target of the config (default: local)")
+    s.add_argument(
+        "--target",
+        default="local",
+        help="where to run it: a target of the config (default: local), a pool of them, or targets in order "
+        "of preference (a,b,c: it starts on the first with free GPUs; docs/placement.md)",
+    )
     s.add_argument("--name", help="a name to find the run by (obd train status NAME)")
     s.add_argument(
         "--cwd", metavar="DIR", help="the job's directory (local: default here; ssh/pods: uploaded into src/)"

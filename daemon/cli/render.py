@@ -569,6 +569,7 @@ def status(r: dict[str, Any]) -> str:
         f"state     {r['state']}",
         f"message   {r.get('message') or '-'}",
         f"target    {r.get('target')}  {r.get('remote_dir') or ''}",
+        *([f"placed    {(r.get('placement') or {}).get('why')}"] if (r.get("placement") or {}).get("why") else []),
         f"command   {' '.join(r.get('command') or [])}",
         f"progress  {progress_text(r.get('progress'))}",
     ]

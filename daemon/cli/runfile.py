@@ -40,7 +40,8 @@ RENAMED = {"secret": "secrets"}  # a flag given once per name is a list of names
 COMMAND, SCRIPT, ARGS = "command", "script", "args"  # the job's command (not flags)
 ENV, NAMES, GPUS, CWD, CHECKPOINT = "env", "names", "gpus", "cwd", "checkpoint"  # flags of a shape of their own
 BOOL, LIST, TYPED, TEXT = "bool", "list", "typed", "text"  # any other flag, by its argparse action
-SHAPES = {"env": ENV, "secret": NAMES, "gpus": GPUS, "cwd": CWD, "checkpoint": CHECKPOINT}
+TARGETS = "targets"  # `--target`: one target or pool, or several in order of preference
+SHAPES = {"env": ENV, "secret": NAMES, "gpus": GPUS, "cwd": CWD, "checkpoint": CHECKPOINT, "target": TARGETS}
 GRID = "grid"  # a sweep's grid: `obd train sweep -f` (no flag of `obd train start`)
 
 DOC = "docs/run-file.md"
@@ -355,6 +356,12 @@ def _checked(key: Key, value: Any, origin: Origin) -> Any:
         return env
     if kind == GPUS:
         return _gpus(value, origin, wrong)
+    if kind == TARGETS:  # "box", "a,b", or ["a", "b"]: targets in order of preference (docs/placement.md)
+        if isinstance(value, str) and value.strip():
+            return value
+        if isinstance(value, list) and value and all(isinstance(v, str) and v.strip() and "," not in v for v in value):
+            return list(value)
+        raise wrong('a target or pool ("box"), or targets in order of preference (["a", "b"] or "a,b")')
     if kind == GRID:
         return _grid(value, origin, wrong)
     if kind == CHECKPOINT:
@@ -563,6 +570,8 @@ def to_argument(key: Key, value: Any) -> Any:
         return [f"{name}={text}" for name, text in value.items()]
     if key.kind == GPUS:
         return gpus_text(value)
+    if key.kind == TARGETS:
+        return ",".join(value) if isinstance(value, list) else value
     if key.kind == TYPED:
         return key.convert(str(value)) if key.convert else value
     if key.kind == LIST and key.convert is not None:

@@ -41,7 +41,9 @@ def from_record(record: dict[str, Any], keys: dict[str, Key] | None = None) -> d
     """The run file that starts a run like this one again: its command and every option it was
     started with, as the record keeps them (env's names only: no value is in a record)."""
     keys = schema() if keys is None else keys
-    values: dict[str, Any] = {COMMAND: list(record.get("command") or []), "target": record.get("target", "local")}
+    # Its targets as given (`a,b`, a pool: docs/placement.md), not only the one it was placed on.
+    target = (record.get("placement") or {}).get("given") or record.get("target", "local")
+    values: dict[str, Any] = {COMMAND: list(record.get("command") or []), "target": target}
     for name in ("name", "cwd", "output_to"):
         if record.get(name):
             values[name] = record[name]

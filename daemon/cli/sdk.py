@@ -45,6 +45,7 @@ from daemon.cli.common import (
     LOCAL_TARGET,
     RECONNECT_FOR,
     STATE_EXIT,
+    reaches_this_machine,
 )
 from daemon.cli.sdk_io import copy_outputs, exec_in_run
 from daemon.cli.sdk_results import (
@@ -184,7 +185,7 @@ def on_this_machine_steps(target: str) -> Steps[bool]:
     if target == LOCAL_TARGET:
         return True
     targets = yield _Call("targets", {})
-    return any(t.get("name") == target and t.get("this_machine") for t in targets)
+    return reaches_this_machine(target, targets)
 
 
 def start_steps(

@@ -1,0 +1,217 @@
+"""Placement over several targets and overflow (issue 36 items 3 and 4, docs/placement.md), through
+the real daemon: `--target a,b` (and a pool, and the Python API's list) starts on the first target
+whose GPUs are free, waits while all are held and starts on the first that frees; a retry whose
+target is down goes to the next; a run paused by a drain continues on its target's overflow target
+after the wait, from its snapshot carried to a real sshd, its later losses an uninterrupted run's
+bitwise; a placement naming what the config lacks is refused saying what to give.
+
+Two targets of the local kind with distinct names and fake GPU ids stand for two boxes (as
+test_preemption.py's config gives GPU ids without a GPU)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.config import ConfigError, load_config
+from tests.conftest import FAST_CONFIG, DaemonProc, kill_job_groups, wait_for
+from tests.sshd import SshServer, free_port, running_sshd
+
+SLEEP = ("sh", "-c", "sleep 300")
+FAST_RETRY = '\n[retry]\nbackoff = "0.2s"\n'
+
+
+def two_boxes(short_tmp: Path, extra: str = "") -> str:
+    """`local` and `spare`, one GPU id each, and the pool `gpus` of both."""
+    return (
+        FAST_CONFIG
+        + FAST_RETRY
+        + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
+        + f'\n[targets.spare]\nkind = "local"\ngpus = ["0"]\nworkdir = "{short_tmp / "spare"}"\n'
+        + '\n[pools.gpus]\ntargets = ["local", "spare"]\n'
+        + extra
+    )
+
+
+def start(d: DaemonProc, *args: str) -> str:
+    out = d.cli("train", "start", *args)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def status(d: DaemonProc, rid: str) -> str:
+    out = d.cli("train", "status", rid)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def notes(record: dict) -> str:
+    return "\n".join(h["reason"] for h in record["history"])
+
+
+@pytest.fixture
+def boxes(make_daemon, short_tmp: Path) -> DaemonProc:
+    d = make_daemon(two_boxes(short_tmp))
+    d.start()
+    return d
+
+
+def test_a_run_of_two_targets_starts_on_the_second_when_the_firsts_gpus_are_all_held(
+    boxes: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import obd
+
+    d = boxes
+    blocker = start(d, "--", *SLEEP)
+    d.wait_state(blocker, "running")
+
+    for name in ("OBD_SOCKET", "OBD_CONFIG", "OBD_STATE_DIR"):
+        monkeypatch.setenv(name, d.env[name])
+    with obd.Client() as client:  # the Python API takes the run file's list
+        placed = client.start(["sh", "-c", "echo placed"], target=["local", "spare"])
+    done = d.wait_state(placed.id, "succeeded", "failed")
+    assert done["state"] == "succeeded", done["message"]
+    assert done["target"] == "spare" and done["gpus"] == ["0"]
+    assert done["placement"]["targets"] == ["local", "spare"]
+    said = f"placed on spare: local's 1 GPU all held (by {blocker})"
+    assert said in status(d, placed.id)  # where, and why
+    assert said in notes(done)
+    assert d.record(blocker)["state"] == "running"  # nothing was paused for it
+    again = d.cli("train", "status", placed.id, "--as-file")
+    assert 'target = "local,spare"' in again.stdout, again.stdout  # started again, it is placed again
+
+    first = start(d, "--target", "spare,local", "--", "sh", "-c", "echo first")  # its first choice is free
+    done = d.wait_state(first, "succeeded", "failed")
+    assert done["target"] == "spare" and "placed on spare: the first of spare,local" in status(d, first)
+    d.call("cancel", id=blocker)
+
+
+def test_a_run_of_a_pool_waits_while_every_target_is_full_and_starts_on_the_first_that_frees(
+    boxes: DaemonProc,
+) -> None:
+    d = boxes
+    here = start(d, "--", *SLEEP)
+    there = start(d, "--target", "spare", "--", *SLEEP)
+    for rid in (here, there):
+        d.wait_state(rid, "running")
+
+    waiting = start(d, "--target", "gpus", "--", "sh", "-c", "echo freed")
+    record = wait_for(lambda: "spare's" in (r := d.record(waiting))["message"] and r, 30, 0.1, "its message")
+    assert record["state"] == "queued" and record["target"] == "local"
+    message = record["message"]
+    assert f"local's 1 GPU all held (by {here})" in message and f"spare's 1 GPU all held (by {there})" in message
+    assert "waiting for one of gpus" in message
+
+    d.call("cancel", id=there)  # the second frees first: it starts there
+    done = d.wait_state(waiting, "succeeded", "failed")
+    assert done["state"] == "succeeded", done["message"]
+    assert done["target"] == "spare"
+    assert f"placed on spare: local's 1 GPU all held (by {here})" in status(d, waiting)
+    d.call("cancel", id=here)
+
+
+def test_a_retry_whose_target_is_down_goes_to_the_next_target(make_daemon, short_tmp: Path) -> None:
+    closed = free_port()  # nothing listens there: the host is down
+    down = (
+        f'\n[targets.down]\nkind = "ssh"\nhost = "127.0.0.1"\nport = {closed}\nconnect_timeout = 2\n'
+        f'accept_unknown_host = true\nknown_hosts = "{short_tmp / "known_hosts"}"\n'
+    )
+    d = make_daemon(two_boxes(short_tmp, down))
+    d.start()
+    rid = start(d, "--target", "down,local", "--retry", "1", "--", "sh", "-c", "echo here")
+    failed = d.wait_state(rid, "failed", "succeeded", timeout=60)
+    assert failed["target"] == "down" and failed["message"].startswith("launch failed"), failed["message"]
+    retried = wait_for(lambda: d.record(rid)["retried_by"], 60, 0.1, "the retry")
+    done = d.wait_state(retried, "succeeded", "failed", timeout=60)
+    assert done["state"] == "succeeded", done["message"]
+    assert done["target"] == "local" and done["attempt"] == 2
+    assert done["placement"]["targets"] == ["local", "down"]  # the target that was down, last
+
+
+def test_a_placement_naming_what_the_config_lacks_is_refused_saying_what_to_give(
+    boxes: DaemonProc, short_tmp: Path
+) -> None:
+    d = boxes
+    out = d.cli("train", "start", "--target", "local,nope", "--", "true")
+    assert out.returncode == 2, out.stdout + out.stderr
+    said = out.stderr
+    assert "unknown target or pool 'nope'" in said and "the targets are: local, spare" in said, said
+    assert "the pools: gpus" in said and "--target a,b" in said and "obd targets list" in said, said
+    assert d.call("list", all=True) == []  # nothing was made
+
+    bad = short_tmp / "bad.toml"
+    for text, expected in (
+        (two_boxes(short_tmp, '\n[pools.more]\ntargets = ["local", "box"]\n'), "[pools.more]: no target box"),
+        (two_boxes(short_tmp, '\n[pools.spare]\ntargets = ["local"]\n'), "spare is also a target's name"),
+        (two_boxes(short_tmp).replace('gpus = ["0"]\n', 'gpus = ["0"]\noverflow = "elsewhere"\n', 1), "no such"),
+        (
+            two_boxes(short_tmp)
+            .replace('gpus = ["0"]\n', 'gpus = ["0"]\noverflow = "spare"\n', 1)
+            .replace('workdir = "', 'overflow = "local"\nworkdir = "', 1),
+            "the overflows go round (local -> spare -> local)",
+        ),
+    ):
+        bad.write_text(text)
+        with pytest.raises(ConfigError) as refused:
+            load_config(bad, environ={})
+        assert expected in str(refused.value)
+
+
+# --- overflow: a drained target's paused run continues on its overflow target -------------------
+
+
+@pytest.fixture
+def sshd() -> Iterator[SshServer]:
+    yield from running_sshd()
+
+
+@pytest.fixture
+def overflowing(make_daemon, sshd: SshServer, short_tmp: Path) -> Iterator[DaemonProc]:
+    """This machine (`local`, two GPU ids) whose runs overflow to an SSH host (`box`) after 2 s."""
+    pytest.importorskip("transformers")
+    from tests.daemon.test_resume_elsewhere import ssh_target
+
+    config = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0", "1"]\noverflow = "box"\n'
+    config += 'overflow_after = "2s"\n' + ssh_target("box", sshd, short_tmp / "box", sys.executable)
+    d = make_daemon(config)
+    d.start()
+    yield d
+    kill_job_groups((short_tmp / "box").glob("*/job.pid"))
+
+
+def test_a_drained_targets_paused_run_continues_on_its_overflow_target_after_the_wait_bitwise(
+    overflowing: DaemonProc, short_tmp: Path
+) -> None:
+    from tests.daemon.test_resume_elsewhere import steps, trainer
+
+    d = overflowing
+    project = short_tmp / "project"
+    project.mkdir()
+    whole = d.wait_state(start(d, "--cwd", str(project), "--", *trainer()), "succeeded", "failed", timeout=300)
+    assert whole["state"] == "succeeded", whole["message"]
+    reference = steps(whole)
+
+    rid = start(d, "--cwd", str(project), "--", *trainer("--hold-at", "4"))
+    wait_for(lambda: (d.record(rid)["progress"].get("step") or 0) >= 4, 180, 0.1, "step 4")
+    out = d.cli("targets", "drain", "local", "--wait", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    paused = wait_for(lambda: (r := d.record(rid))["retried_by"] and r, 60, 0.1, "the paused run requeued")
+    assert paused["state"] == "stopped" and paused["snapshot"]["step"] == 5, paused["message"]
+
+    after = paused["retried_by"]
+    done = d.wait_state(after, "succeeded", "failed", timeout=300)
+    assert done["state"] == "succeeded", done["message"]
+    assert done["target"] == "box" and done["chain"] == rid and done["resumed_from"] == rid
+    assert done["paused"]["why"] == "target local drained"
+    said = status(d, after)
+    assert "placed on box, the overflow of local after 2s waiting: local is drained" in said, said
+    assert f"checkpoint-5 of {rid} carried from target local to box" in notes(done)
+
+    later = steps(done)
+    assert min(later) == 6 and max(later) == max(reference)  # none twice, none skipped
+    assert later == {s: reference[s] for s in later}  # bitwise: losses and grad norms
+    assert done["trackers"] == d.record(rid)["trackers"]  # one chain, one curve
+    d.cli("targets", "undrain", "local")
