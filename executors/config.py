@@ -356,6 +356,12 @@ class RayTarget(TargetBase):
     num_gpus: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     memory: int | None = Field(default=None, ge=0)  # bytes
     resources: dict[str, float] = Field(default_factory=dict)  # custom resources, such as {"node_a": 1}
+    # A multi-node run (docs/ray.md): a placement group of `nodes` bundles, one a Ray node
+    # (STRICT_SPREAD), each asking the resources above; the command runs on each node as given, or
+    # under torchrun with its c10d rendezvous on the first bundle's node (`launcher`).
+    nodes: int = Field(default=1, ge=1, le=1000)
+    launcher: Literal["command", "torchrun"] = "command"
+    nproc_per_node: int | None = Field(default=None, ge=1, le=1024)  # torchrun's; default num_gpus or 1
     # Ray's runtime_env for every job, in Ray's terms (pip, conda, env_vars, working_dir as a URI).
     runtime_env: dict[str, Any] = Field(default_factory=dict)
     # How long Ray waits after its SIGTERM before its SIGKILL when obd cancels a job (Ray's
@@ -365,12 +371,6 @@ class RayTarget(TargetBase):
     secrets: list[str] = Field(default_factory=list)  # names read from the daemon's environment
     retry: int = Field(default=0, ge=0, le=100)  # the default of `obd train start --retry`
     # The default of `obd train start --keep-checkpoints` (docs/checkpoints.md); None: keep them all.
-    # A multi-node run (docs/ray.md): a placement group of `nodes` bundles, one a Ray node
-    # (STRICT_SPREAD), each asking the resources above; the command runs on each node as given, or
-    # under torchrun with its c10d rendezvous on the first bundle's node (`launcher`).
-    nodes: int = Field(default=1, ge=1, le=1000)
-    launcher: Literal["command", "torchrun"] = "command"
-    nproc_per_node: int | None = Field(default=None, ge=1, le=1024)  # torchrun's; default num_gpus or 1
     keep_checkpoints: int | None = Field(default=None, ge=1, le=100000)
     # What an hour of one GPU costs here, in US dollars: `--max-cost-usd` needs it (docs/limits.md).
     price_per_gpu_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)

@@ -50,8 +50,8 @@ from trainer_plugin import jobctl, rundir, slurm_batch
 log = structlog.get_logger("obd.ray")
 
 SUBMIT_RECORD = "ray_submit.json"  # in the run directory: the submission id, and when it was submitted
-
 NODES_SCRIPT = "ray_nodes.py"  # in a multi-node run's directory: obd's Ray driver (executors/ray/nodes.py)
+
 
 def entrypoint(python: str, run_dir: str) -> str:
     """The Ray job's entrypoint (a shell command): exec the job wrapper from the run's plugin/, its
@@ -79,9 +79,9 @@ def submit_body(target: RayTarget, job: JobSpec, python: str) -> dict[str, Any]:
         "runtime_env": runtime_env,
         "metadata": {"obd_run_id": job.run_id, "obd_run_dir": job.remote_dir.rstrip("/")},
     }
-    optional = {
     if target.nodes > 1:
         return body  # the driver asks nothing: the placement group's bundles ask the resources
+    optional = {
         "entrypoint_num_cpus": target.num_cpus,
         "entrypoint_num_gpus": target.num_gpus,
         "entrypoint_memory": target.memory,
@@ -105,7 +105,6 @@ def headers(target: RayTarget) -> dict[str, str]:
     return out
 
 
-def read_run(run_dir: str, job: dict[str, Any] | None, now: float) -> dict[str, Any]:
 def per_node(target: RayTarget) -> int:
     """torchrun's processes on each node: `nproc_per_node`, else one a GPU asked for, else one."""
     return target.nproc_per_node or int(target.num_gpus or 0) or 1
@@ -140,6 +139,7 @@ def nodes_plan(target: RayTarget, job: JobSpec) -> dict[str, Any]:
     }
 
 
+def read_run(run_dir: str, job: dict[str, Any] | None, now: float) -> dict[str, Any]:
     """One run directory's probe, its status from its files and Ray's view of its job."""
     result = jobctl.probe_dir(run_dir, with_job=False)
     facts = slurm_batch.file_facts(run_dir)
@@ -259,8 +259,8 @@ class RayExecutor:
             await self.host.put_file(os.path.join(rd, NODES_SCRIPT), Path(nodes.__file__).read_bytes())
             spec["command"] = [python, os.path.join(rd, NODES_SCRIPT), rd]
         await self.host.put_file(paths.job_spec, json.dumps(spec).encode())
-        await self.host.put_file(paths.slurm_launch, json.dumps(plan).encode())
         plan = launch_plan(self.target, python)
+        await self.host.put_file(paths.slurm_launch, json.dumps(plan).encode())
         sid = states.submission_id(rd)
         record_path = os.path.join(rd, SUBMIT_RECORD)
         try:
@@ -330,8 +330,9 @@ class RayExecutor:
 
     async def exec_in_run(self, spec: ExecSpec, io: ExecIO) -> int:
         raise ExecutorError(
-            f"`obd train exec` and `obd train shell` are not available on Ray target {self.name} yet: the job runs "
-            "on a Ray node obd does not log into; `obd train logs RUN` shows its output (docs/ray.md)"
+            f"`obd train exec` and `obd train shell` are not supported on Ray target {self.name}: Ray's Jobs API "
+            "has no way into a running job (no command beside it, no input, no terminal); `obd train logs "
+            f"{spec.run_id}` shows its output and {spec.remote_dir} (on the shared filesystem) its files (docs/ray.md)"
         )
 
     # --- files: on the filesystem this machine shares with the cluster ------------------------------

@@ -14,7 +14,7 @@ from executors.kinds import Capability, Kind, register
 class RayKind(Kind):
     name = "ray"
     config = RayTarget
-    # No EXEC: obd does not log into a Ray node (`obd train exec` says so).
+    # No EXEC: Ray's Jobs API has no way into a running job (`obd train exec` says so; docs/ray.md).
     capabilities = frozenset({Capability.SHARED_MACHINE, Capability.CARRIES_FILES})
 
     def make_executor(self, name: str, target: RayTarget, state_dir: Path, remote_poll: float) -> Executor:

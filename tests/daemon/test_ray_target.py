@@ -208,6 +208,10 @@ def test_a_cancel_ends_the_ray_job_and_leaves_no_process(ray: RayDaemon) -> None
     rid = start(ray, "ray", "sh", "-c", "sleep 300 & sleep 300 & echo children started; wait")
     ray.wait_state(rid, "running", timeout=120)
     wait_for(lambda: "children started" in ray.cli("train", "logs", rid).stdout, 60, 0.2, "the job's children")
+    # No exec into a Ray job (the kind has no `exec` capability): refused saying why and what to use.
+    refused = ray.cli("train", "exec", rid, "--", "pwd")
+    assert refused.returncode != 0 and "not supported on Ray target ray" in refused.stderr, refused.stderr
+    assert f"obd train logs {rid}" in refused.stderr
     out = ray.cli("train", "cancel", rid, "--wait", timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     record = ray.record(rid)
