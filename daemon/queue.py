@@ -107,6 +107,7 @@ class Scheduler:
         self._started = process_started()  # a sweep member made before it, its sweep not whole: cut short
         self._whole: set[str] = set()  # sweeps every member of which is saved
         self._made: dict[str, int] | None = None  # during a pass: how many members of each sweep are saved
+        self._holders: dict[str, dict[str, str]] | None = None  # during a pass: each target's GPU holders
         self._soon = False
         self._holds = 0  # operations on many runs under way (`holding`)
         self._kicked_while_held = False
@@ -161,6 +162,7 @@ class Scheduler:
     async def schedule(self) -> None:
         self._soon = False
         self._made = self._sweeps_made()
+        self._holders = {}
         try:
             await self._place()
             for target in sorted({r.target for r in self.queued()}):
@@ -168,6 +170,7 @@ class Scheduler:
                 await self._refresh_messages(target)
         finally:
             self._made = None
+            self._holders = None
 
     def _sweeps_made(self) -> dict[str, int]:
         """How many members of each sweep are saved (a member may start once all are)."""
@@ -233,7 +236,7 @@ class Scheduler:
         prefs = placement.preferences(record)
         if len(prefs) > 1 and (record.not_before or 0) <= now:
             holders = {record.target: held} if held is not None else {}
-            why = [self._unfit(record, t, holders.get(t) or self.daemon.inventory.held(t), None) for t in prefs]
+            why = [self._unfit(record, t, holders.get(t) or self._held_now(t), None) for t in prefs]
             given = record.placement.given if record.placement is not None else record.target
             return f"waiting for one of {given}: {'; '.join(w for w in why if w) or 'placed at the next pass'}" + later
         if record.target in self.daemon.preemptor.drains.targets:
@@ -314,7 +317,7 @@ class Scheduler:
         daemon = self.daemon
         config = daemon.config
         now = time.time()
-        runs = [r for r in self.queued() if placement.watched(config, r)]
+        runs = [r for r in daemon.records.values() if r.in_queue and placement.watched(config, r)]
         if not runs:
             return
         held: dict[str, dict[str, str]] = {}
@@ -354,6 +357,14 @@ class Scheduler:
                     why = placement.placed_why(record, target, source, config, reasons)
                     await self._place_on(record, target, why)
                 break
+
+    def _held_now(self, target: str) -> dict[str, str]:
+        """The holders of a target's GPUs, looked up once a pass (a look at every run)."""
+        if self._holders is None:
+            return self.daemon.inventory.held(target)
+        if target not in self._holders:
+            self._holders[target] = self.daemon.inventory.held(target)
+        return self._holders[target]
 
     def _may_leave(self, record: RunRecord) -> bool:
         verdict = self.gate(record)
