@@ -297,3 +297,33 @@ def test_a_two_node_run_cancelled_while_it_trains_leaves_no_process_on_either_no
     assert ray.cluster.job(rid)["status"] == "STOPPED"
     assert "cancelled: ending every node's processes" in (Path(ray.record(rid)["remote_dir"]) / "job.log").read_text()
     wait_for(lambda: run_processes(rid) == [], 30, 0.2, "every process of the job, on both nodes, to be gone")
+
+
+def test_a_run_moved_from_this_machine_to_ray_and_back_trains_every_step_bitwise_as_one_chain(
+    ray: RayDaemon, short_tmp: Path
+) -> None:
+    command = [sys.executable, PLAIN, "--output_dir", "mine", "--max_steps", "400"]
+    reference = ray.wait_state(start(ray, "local", *command, cwd=short_tmp), "succeeded", "failed", timeout=300)
+    assert reference["state"] == "succeeded", reference["message"]
+    # Slow steps (the numbers are the same): the run is still training when each move is asked.
+    rid = start(ray, "local", *command, "--step-sleep", "0.2", "--hold-at", "4", cwd=short_tmp)
+    wait_for(lambda: (ray.record(rid)["progress"]["step"] or 0) >= 4, 240, 0.3, "the run to train here")
+    chain = [rid]
+    for to in ("ray_worker", "local"):
+        out = ray.cli("train", "move", chain[-1], "--to", to, "--wait", timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        move = ray.record(chain[-1])["move"]
+        assert move["state"] == "done" and move["to"] == to, move
+        chain.append(move["run"])
+        assert ray.record(chain[-1])["target"] == to and ray.record(chain[-1])["resumed_from"] == chain[-2]
+    out = ray.cli("train", "stop", chain[-1], "--wait", timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = [ray.record(r) for r in chain]
+    assert [r["state"] for r in records] == ["stopped", "stopped", "stopped"], [r["message"] for r in records]
+    assert ray.cluster.job(chain[1])["status"] == "SUCCEEDED"  # the Ray leg ended on its own, at its snapshot
+    trained = [losses(r) for r in records]
+    for before, after, record in zip(trained, trained[1:], records, strict=False):
+        assert min(after) == record["snapshot"]["step"] + 1 == max(before) + 1  # none twice, none skipped
+    every = {step: value for leg in trained for step, value in leg.items()}
+    assert every == {step: losses(reference)[step] for step in every}  # bitwise, on both targets
+    assert len(every) > records[1]["snapshot"]["step"]  # the last leg trained here again
