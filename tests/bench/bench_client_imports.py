@@ -13,6 +13,9 @@ neither this checkout's state nor PYTHONDONTWRITEBYTECODE changes the figures.
   README's system-Python install does, not editable), paired with a bare `python -c pass` of the
   same venv, interleaved: the median of the pairs' ratios, and the median times. The client finds
   the socket as a user's does (no OBD_SOCKET: the config file looked for, then STATE_DIR/obd.sock).
+  Two console scripts: the one pip 25 and later (and uv) write, and the one older pip wrote
+  (distlib's template, which imports `re` for its own first line: ~20 modules the client never
+  needs), timed in the same rounds.
 - The daemon's start to a socket that answers (a ping), with only `local`, with a Runpod target (a
   loopback fake of the API), an SSH target (a host that refuses) and a Slurm target (no cluster):
   interleaved starts, the median of each and what each remote kind adds.
@@ -46,8 +49,16 @@ from tests.fakes.runpod_api import FakeRunpod
 
 PACKAGES = ("daemon", "executors", "trainer_plugin", "runner")
 CONFIG = '[daemon]\npoll_interval = "1s"\nremote_poll_interval = "1s"\n'
-# pip's console script, as it writes it for `obd = "daemon.cli:main"`.
+# pip's console script, as pip 25 and later write it for `obd = "daemon.cli:main"` (its
+# PipScriptMaker: no `re`, for the start's sake), and as older pip wrote it (distlib's template).
 CONSOLE_SCRIPT = """#!{python}
+import sys
+from daemon.cli import main
+if __name__ == '__main__':
+    sys.argv[0] = sys.argv[0].removesuffix('.exe')
+    sys.exit(main())
+"""
+OLD_PIP_SCRIPT = """#!{python}
 # -*- coding: utf-8 -*-
 import re
 import sys
@@ -78,10 +89,10 @@ def bare_venv(path: Path, site: Path) -> Path:
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True
     )
     Path(found.stdout.strip(), "obd-bench.pth").write_text(f"{site}\n")
-    script = path / "bin" / "obd"
-    script.write_text(CONSOLE_SCRIPT.format(python=python))
-    script.chmod(0o755)
-    return script
+    for name, template in (("obd", CONSOLE_SCRIPT), ("obd-old-pip", OLD_PIP_SCRIPT)):
+        (path / "bin" / name).write_text(template.format(python=python))
+        (path / "bin" / name).chmod(0o755)
+    return path / "bin" / "obd"
 
 
 def fill_store(state_dir: Path, runs: int) -> None:
@@ -208,32 +219,37 @@ def bench_list(work: Path, site: Path, runs: int, pairs: int) -> dict[str, float
             "OBD_CONFIG": str(work / "no-config.toml"),
             "LANG": "C.UTF-8",
         }
-        listing = [python, str(script), "train", "list", "--all", "--json"]
+        args = ["train", "list", "--all", "--json"]
+        listing = [python, str(script), *args]
+        old = [python, str(script.parent / "obd-old-pip"), *args]
         check = subprocess.run(listing, env=env, capture_output=True, text=True)
         assert check.returncode == 0 and check.stdout.count('"id"') == runs, check.stderr
         bare = [python, "-c", "pass"]
         for _ in range(3):  # warm the page cache
-            _wall(bare, env), _wall(listing, env)
-        base, full, ratios, cpu_ratios = [], [], [], []
+            _wall(bare, env), _wall(listing, env), _wall(old, env)
+        base, full, ratios, cpu_ratios, old_ratios = [], [], [], [], []
         for i in range(pairs):
-            if i % 2:  # which goes first alternates
-                b, f = _wall(bare, env), _wall(listing, env)
-            else:
-                f, b = _wall(listing, env), _wall(bare, env)
+            order = [("bare", bare), ("new", listing), ("old", old)]
+            got = dict((name, _wall(argv, env)) for name, argv in order[i % 3 :] + order[: i % 3])  # rotated
+            b, f = got["bare"], got["new"]
             base.append(b[0])
             full.append(f[0])
             ratios.append(f[0] / b[0])
             cpu_ratios.append(f[1] / b[1] if b[1] else float("nan"))
+            old_ratios.append(got["old"][0] / b[0])
         module_count, import_ms = own_imports(listing, env)
+        old_count, _ = own_imports(old, env)
     finally:
         d.stop()
     return {
         "ratio_median": statistics.median(ratios),
         "cpu_ratio_median": statistics.median(cpu_ratios),
+        "old_pip_ratio_median": statistics.median(old_ratios),
         "list_ms": statistics.median(full) * 1000,
         "bare_ms": statistics.median(base) * 1000,
         "import_ms": import_ms,
         "modules_imported": module_count,
+        "old_pip_modules_imported": old_count,
     }
 
 
@@ -299,7 +315,8 @@ def report(result: dict[str, dict[str, float]], runs: int) -> str:
         f"ratio {ls['ratio_median']:.2f} (median of pairs; {ls['list_ms']:.1f} ms vs {ls['bare_ms']:.1f} ms; "
         f"the client's own CPU time: ratio {ls['cpu_ratio_median']:.2f}; "
         f"modules imported beyond the bare interpreter's: {ls['modules_imported']:.0f}, in "
-        f"{ls['import_ms']:.1f} ms)\n"
+        f"{ls['import_ms']:.1f} ms); with older pip's console script (imports `re`): ratio "
+        f"{ls['old_pip_ratio_median']:.2f}, {ls['old_pip_modules_imported']:.0f} modules\n"
         f"daemon start to an answering socket: local only {rd['local_s'] * 1000:.0f} ms; with a Runpod target "
         f"{rd['runpod_s'] * 1000:.0f} ms (+{rd['runpod_adds_s'] * 1000:.0f} ms); with an SSH target "
         f"{rd['ssh_s'] * 1000:.0f} ms (+{rd['ssh_adds_s'] * 1000:.0f} ms); with a Slurm target "
