@@ -9,6 +9,10 @@ executor, and a snapshot request reaches the job as a file there, as on every ot
 
 A run's handle names the Ray job (`ray job obd-<run id>`, its submission id). A probe of every run
 of the executor is one `GET /api/jobs/` and a read of each run directory.
+
+A target with `nodes` > 1 is Ray placement for a multi-node run: the wrapper's command is then
+obd's Ray driver (`nodes.py`, copied into the run directory), which runs the command on one
+bundle a node of a placement group, under torchrun where the target says so.
 """
 
 from __future__ import annotations
