@@ -327,3 +327,21 @@ def test_a_run_moved_from_this_machine_to_ray_and_back_trains_every_step_bitwise
     every = {step: value for leg in trained for step, value in leg.items()}
     assert every == {step: losses(reference)[step] for step in every}  # bitwise, on both targets
     assert len(every) > records[1]["snapshot"]["step"]  # the last leg trained here again
+
+
+def test_a_ray_stop_by_hand_of_a_two_node_run_is_a_preempted_snapshot_taken_by_every_rank(
+    ray: RayDaemon, short_tmp: Path
+) -> None:
+    command = [sys.executable, PLAIN, "--output_dir", "mine", "--max_steps", "12", "--hold-at", "3"]
+    rid = start(ray, "ray_pair", *command, cwd=short_tmp)
+    wait_for(lambda: (ray.record(rid)["progress"]["step"] or 0) >= 3, 300, 0.3, "both ranks to train on Ray")
+    # Not obd's cancel (a cluster drained, an admin's `ray job stop`): Ray's TERM reaches the job's driver.
+    ray.cluster.run("ray", "job", "stop", "--no-wait", f"--address=http://127.0.0.1:{API_PORT}", f"obd-{rid}")
+    record = ray.wait_state(rid, "stopped", "failed", "cancelled", "lost", "succeeded", timeout=240)
+    assert record["state"] == "stopped" and record["snapshot"]["reason"] == "preempted", record["message"]
+    step = record["snapshot"]["step"]
+    log = (Path(record["remote_dir"]) / "job.log").read_text()
+    assert log.count("obd: snapshot at step") == 1, log[-3000:]
+    ended = sorted(line for line in log.splitlines() if line.startswith("train ended at step"))
+    assert ended == [f"train ended at step {step} of 12 (rank {rank})" for rank in (0, 1)], log[-3000:]
+    wait_for(lambda: run_processes(rid) == [], 30, 0.2, "every process of the job, on both nodes, to be gone")
