@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 PLAN = "ray_nodes.json"
+NOT_PLACED_FIRST, NOT_PLACED_EVERY = 10, 300  # seconds: when a placement group still waiting is said
 # Run before the node's command (which it execs): a TERM to it when the actor's process dies, Ray
 # having killed it (PR_SET_PDEATHSIG, kept across exec), so nothing of a node outlives its actor.
 TERM_WITH_PARENT = (
@@ -123,10 +124,14 @@ def main(run_dir: str) -> int:
     bundle = {k: float(v) for k, v in (plan.get("bundle") or {}).items() if v}
     group = placement.placement_group([dict(bundle) for _ in range(nodes)], strategy="STRICT_SPREAD")
     say(f"waiting for {nodes} Ray nodes with {bundle or 'nothing'} each (a placement group, one bundle a node)")
+    waited = 0
     while not cancelled:
         ready, _ = ray.wait([group.ready()], timeout=1.0)
         if ready:
             break
+        waited += 1
+        if waited % NOT_PLACED_EVERY == NOT_PLACED_FIRST:
+            say(not_placed(nodes, bundle, [n for n in ray.nodes() if n.get("Alive")], waited))
     if cancelled:
         return 143
     actor = ray.remote(Node)
@@ -166,6 +171,17 @@ def main(run_dir: str) -> int:
     codes = [int(c) for c in ray.get(runs)]
     say(f"the nodes' exit codes: {codes}")
     return first_failure or max(codes)
+
+
+def not_placed(nodes: int, bundle: dict[str, float], alive: list[dict[str, Any]], waited: int) -> str:
+    """Why the run has not started after `waited` seconds: the nodes alive, and how many of them
+    have what one bundle asks (a bundle a node: fewer such nodes than `nodes` wait for more)."""
+    fit = [n for n in alive if all(float((n.get("Resources") or {}).get(k, 0)) >= v for k, v in bundle.items())]
+    return (
+        f"not placed after {waited} s: {nodes} bundles of {bundle} wanted, one a node; the cluster has "
+        f"{len(alive)} node(s) alive, {len(fit)} of them with that much in all (busy or not); the run waits for "
+        "them (an autoscaler may add nodes; `obd train cancel RUN` ends the wait)"
+    )
 
 
 def say(line: str) -> None:

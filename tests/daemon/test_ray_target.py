@@ -44,6 +44,7 @@ def ray_config(workdir: Path) -> str:
         + f"\n[targets.ray_worker]\n{common}resources = {{ second_node = 1 }}\n"
         # A placement group of two bundles, one a node: torchrun on each, one rank a node.
         + f'\n[targets.ray_pair]\n{common}nodes = 2\nlauncher = "torchrun"\n'
+        + f"\n[targets.ray_three]\n{common}nodes = 3\n"
     )
 
 
@@ -345,3 +346,17 @@ def test_a_ray_stop_by_hand_of_a_two_node_run_is_a_preempted_snapshot_taken_by_e
     ended = sorted(line for line in log.splitlines() if line.startswith("train ended at step"))
     assert ended == [f"train ended at step {step} of 12 (rank {rank})" for rank in (0, 1)], log[-3000:]
     wait_for(lambda: run_processes(rid) == [], 30, 0.2, "every process of the job, on both nodes, to be gone")
+
+
+def test_a_multi_node_run_the_cluster_cannot_place_says_why_it_waits_and_its_cancel_ends_the_wait(
+    ray: RayDaemon,
+) -> None:
+    rid = start(ray, "ray_three", "sh", "-c", "echo never placed")  # three nodes wanted, two alive
+    said = "3 bundles of {'CPU': 1.0} wanted, one a node; the cluster has 2 node(s) alive, 2 of them"
+    wait_for(lambda: said in ray.cli("train", "logs", rid).stdout, 120, 0.5, "the driver to say why it waits")
+    assert ray.record(rid)["state"] == "running"
+    out = ray.cli("train", "cancel", rid, "--wait", timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ray.record(rid)["state"] == "cancelled" and ray.cluster.job(rid)["status"] == "STOPPED"
+    assert "never placed" not in ray.cli("train", "logs", rid).stdout
+    wait_for(lambda: run_processes(rid) == [], 30, 0.2, "every process of the job to be gone")
