@@ -108,7 +108,7 @@ class PolicySection(StrictModel):
         return value
 
 
-RetryCause = Literal["exit", "lost", "launch", "preempted", "deadline"]
+RetryCause = Literal["exit", "lost", "launch", "preempted", "deadline", "cost"]
 RETRY_CAUSES: tuple[RetryCause, ...] = get_args(RetryCause)
 
 
@@ -118,7 +118,9 @@ class RetrySection(StrictModel):
     backoff: Timeout = 10.0  # before the second attempt; doubled for each one after
     max_backoff: LongTimeout = 600.0
     # What a retry can help with: a non-zero exit, a lost job, a failed launch, a preemption
-    # (a `preempted` snapshot, a pod stopped outside obd), a `deadline` snapshot.
+    # (a `preempted` snapshot, a pod stopped outside obd), a `deadline` snapshot (a pod's
+    # max_hours, Slurm's time limit), a `cost` snapshot (a pod's max_cost_usd: the next attempt
+    # continues on a new pod; the chain's own budget is --max-cost-usd, docs/placement.md).
     on: list[RetryCause] = Field(default_factory=lambda: list(RETRY_CAUSES))
 
 

@@ -236,7 +236,7 @@ class Scheduler:
         prefs = placement.preferences(record)
         if len(prefs) > 1 and (record.not_before or 0) <= now:
             holders = {record.target: held} if held is not None else {}
-            why = [self._unfit(record, t, holders.get(t) or self._held_now(t), None) for t in prefs]
+            why = [self._unfit_now(record, t, holders.get(t)) for t in prefs]
             given = record.placement.given if record.placement is not None else record.target
             return f"waiting for one of {given}: {'; '.join(w for w in why if w) or 'placed at the next pass'}" + later
         if record.target in self.daemon.preemptor.drains.targets:
@@ -357,6 +357,13 @@ class Scheduler:
                     why = placement.placed_why(record, target, source, config, reasons)
                     await self._place_on(record, target, why)
                 break
+
+    def _unfit_now(self, record: RunRecord, target: str, held: dict[str, str] | None) -> str:
+        """`_unfit` for a queued run's message: a target gone from the config says so, never breaks the pass."""
+        try:
+            return self._unfit(record, target, held or self._held_now(target), None)
+        except ApiError as exc:
+            return f"{target}: {exc}"
 
     def _held_now(self, target: str) -> dict[str, str]:
         """The holders of a target's GPUs, looked up once a pass (a look at every run)."""

@@ -2,7 +2,7 @@
 `daemon/checkpoints.py`).
 
 A run started with `--retry N` that ends for a reason a retry can help with (`[retry] on`: a
-non-zero exit, a lost job, a failed launch, a preemption, a `deadline` snapshot; never a cancel
+non-zero exit, a lost job, a failed launch, a preemption, a `deadline` or a pod's `cost` snapshot; never a cancel
 by a user nor an invalid proof) is started again as the next attempt of its chain, after a
 backoff that doubles each time, from the newest trusted checkpoint of the whole chain (or from
 the start when no attempt has one): recovery never goes backwards because an attempt died
@@ -57,7 +57,9 @@ def retry_cause(record: RunRecord) -> str | None:
     if record.limits is not None and record.limits.reached is not None:
         return None
     if record.state == RunState.stopped and record.snapshot is not None:
-        return record.snapshot.reason if record.snapshot.reason in ("deadline", "preempted") else None
+        # A machine's cap (a pod's max_hours or max_cost_usd, Slurm's time limit): a new machine
+        # continues it (the chain's own limits were taken above).
+        return record.snapshot.reason if record.snapshot.reason in ("deadline", "cost", "preempted") else None
     if record.state != RunState.failed or record.stop.invalid_proof:
         return None
     if record.message.startswith("launch failed") or "launch was cut short" in record.message:

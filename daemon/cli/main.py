@@ -498,6 +498,10 @@ def _targets_list(args: argparse.Namespace) -> int:
             detail = "GPUs " + ", ".join(f"{g['id']}:{g.get('held_by') or 'free'}" for g in gpus)
         queued = f", {row['queued']} queued" if row.get("queued") else ""
         queued += ", drained" if row.get("drained") else ""
+        # Where runs may also go (docs/placement.md): its pools, and its overflow after its wait.
+        queued += f", pools {', '.join(row['pools'])}" if row.get("pools") else ""
+        if row.get("overflow"):
+            queued += f", overflow to {row['overflow']} after {render.duration(row.get('overflow_after'))}"
         print(render.printable(f"{row['name']:20} {row['kind']:8} {detail}{queued}".rstrip()))
     return 0
 

@@ -18,7 +18,12 @@ import pytest
 
 from daemon.config import ConfigError, load_config
 from tests.conftest import FAST_CONFIG, DaemonProc, kill_job_groups, wait_for
+from tests.daemon import pods
+from tests.executors.runpod.conftest import kill_jobs
+from tests.fakes.runpod_api import FakeRunpod
 from tests.sshd import SshServer, free_port, running_sshd
+
+pod_sshd, fake = pods.pod_sshd, pods.fake  # the fixtures
 
 SLEEP = ("sh", "-c", "sleep 300")
 FAST_RETRY = '\n[retry]\nbackoff = "0.2s"\n'
@@ -105,6 +110,9 @@ def test_a_run_of_a_pool_waits_while_every_target_is_full_and_starts_on_the_firs
     assert f"local's 1 GPU all held (by {here})" in message and f"spare's 1 GPU all held (by {there})" in message
     assert "waiting for one of gpus" in message
 
+    listed = d.cli("targets", "list").stdout
+    assert "pools gpus" in listed, listed
+
     d.call("cancel", id=there)  # the second frees first: it starts there
     done = d.wait_state(waiting, "succeeded", "failed")
     assert done["state"] == "succeeded", done["message"]
@@ -188,6 +196,7 @@ def test_a_drained_targets_paused_run_continues_on_its_overflow_target_after_the
     from tests.daemon.test_resume_elsewhere import steps, trainer
 
     d = overflowing
+    assert "overflow to box after 2s" in d.cli("targets", "list").stdout
     project = short_tmp / "project"
     project.mkdir()
     whole = d.wait_state(start(d, "--cwd", str(project), "--", *trainer()), "succeeded", "failed", timeout=300)
@@ -215,3 +224,36 @@ def test_a_drained_targets_paused_run_continues_on_its_overflow_target_after_the
     assert later == {s: reference[s] for s in later}  # bitwise: losses and grad norms
     assert done["trackers"] == d.record(rid)["trackers"]  # one chain, one curve
     d.cli("targets", "undrain", "local")
+
+
+# --- a pod at its cap continues on a new pod ------------------------------------------------------
+
+FAKE_JOB = str(Path(__file__).with_name("fake_plugin_job.py"))
+
+
+def test_a_pod_run_at_its_cost_cap_with_a_retry_left_continues_on_a_new_pod_from_its_snapshot(
+    make_daemon, fake: FakeRunpod, pod_sshd: SshServer, short_tmp: Path
+) -> None:
+    # $0.69/h and a $0.002 cap: the pod's cost snapshot is asked ~8 s after it starts.
+    cap = 'max_cost_usd = 0.002\nsnapshot_margin = 3\nretry = 1\n[retry]\nbackoff = "0.5s"\n'
+    d = pods.make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, cap)
+    try:
+        rid = start(d, "--target", "pods", "--", sys.executable, FAKE_JOB, "snapshot")
+        first = d.wait_state(rid, "stopped", "failed", "cancelled", "succeeded", timeout=120)
+        assert first["state"] == "stopped" and first["snapshot"]["reason"] == "cost", first["message"]
+        step = first["snapshot"]["step"]
+
+        second_id = wait_for(lambda: d.record(rid)["retried_by"], 60, 0.2, "the attempt on a new pod")
+        second = d.wait_state(second_id, "stopped", "failed", "cancelled", "succeeded", timeout=120)
+        assert second["state"] == "stopped" and second["snapshot"]["reason"] == "cost", second["message"]
+        assert second["attempt"] == 2 and second["chain"] == rid and second["target"] == "pods"
+        assert second["target_info"]["pod_id"] != first["target_info"]["pod_id"]  # a new pod
+        assert second["resume_checkpoint"].endswith(f"/resume/checkpoint-{step}")  # carried to it
+        assert f"checkpoint-{step} of {rid} carried from target pods to pods" in notes(second)
+        assert f"retrying (cost): attempt 2 of 2 is {second_id}" in notes(d.record(rid))
+        assert f"resumed from step {step}" in d.cli("train", "logs", second_id).stdout
+        assert second["snapshot"]["step"] > step  # it trained on there
+        assert fake.live_pods() == []
+        assert d.record(second_id)["retried_by"] is None  # no retry left: the chain ends stopped
+    finally:
+        kill_jobs(short_tmp / "pod")
