@@ -26,6 +26,7 @@ from tests.sshd import SshServer, free_port, running_sshd
 pod_sshd, fake = pods.pod_sshd, pods.fake  # the fixtures
 
 SLEEP = ("sh", "-c", "sleep 300")
+FAKE_JOB = str(Path(__file__).with_name("fake_plugin_job.py"))  # speaks the snapshot protocol, a step each 0.05 s
 FAST_RETRY = '\n[retry]\nbackoff = "0.2s"\n'
 
 
@@ -139,6 +140,59 @@ def test_a_retry_whose_target_is_down_goes_to_the_next_target(make_daemon, short
     assert done["placement"]["targets"] == ["local", "down"]  # the target that was down, last
 
 
+def overflowing_boxes(short_tmp: Path) -> str:
+    """`local` (GPU 0) whose waiting runs overflow to `spare` (GPU 1) after a second."""
+    return (
+        FAST_CONFIG
+        + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\nmin_runtime = "1s"\noverflow = "spare"\n'
+        + 'overflow_after = "1s"\n'
+        + f'\n[targets.spare]\nkind = "local"\ngpus = ["1"]\nworkdir = "{short_tmp / "spare"}"\n'
+    )
+
+
+def test_a_run_queued_longer_than_its_targets_overflow_wait_starts_on_the_overflow_target(
+    make_daemon, short_tmp: Path
+) -> None:
+    d = make_daemon(overflowing_boxes(short_tmp))
+    d.start()
+    blocker = start(d, "--", *SLEEP)
+    d.wait_state(blocker, "running")
+    rid = start(d, "--", "sh", "-c", "echo overflowed")
+    done = d.wait_state(rid, "succeeded", "failed")
+    assert done["state"] == "succeeded", done["message"]
+    assert done["target"] == "spare" and done["gpus"] == ["1"]
+    assert done["history"][0]["state"] == "queued"  # it waited on local first
+    said = f"placed on spare, the overflow of local after 1s waiting: local's 1 GPU all held (by {blocker})"
+    assert said in status(d, rid)
+    d.call("cancel", id=blocker)
+
+
+def test_a_run_paused_by_a_preemption_continues_on_the_overflow_target_from_its_snapshot(
+    make_daemon, short_tmp: Path
+) -> None:
+    d = make_daemon(overflowing_boxes(short_tmp))
+    d.start()
+    victim = start(d, "--", sys.executable, FAKE_JOB, "snapshot")
+    wait_for(lambda: (r := d.record(victim))["state"] == "running" and r["snapshots"], 30, 0.05, "the victim")
+    wait_for(lambda: (d.record(victim)["progress"].get("step") or 0) > 30, 30, 0.05, "a second of steps")
+    urgent = start(d, "--gpus", "device=0", "--priority", "5", "--", *SLEEP)  # GPU 0 only: never on spare
+
+    paused = wait_for(lambda: (r := d.record(victim))["retried_by"] and r, 60, 0.1, "the victim paused")
+    assert paused["state"] == "stopped" and paused["snapshot"]["reason"] == "preempted", paused["message"]
+    step = paused["snapshot"]["step"]
+    again = wait_for(lambda: (r := d.record(paused["retried_by"]))["state"] == "running" and r, 60, 0.1)
+    assert again["target"] == "spare" and again["gpus"] == ["1"] and again["resumed_from"] == victim
+    assert again["chain"] == victim and again["paused"]["by"] == urgent
+    assert f"checkpoint-{step} of {victim} carried from target local to spare" in notes(again)
+    assert f"placed on spare, the overflow of local after 1s waiting: local's 1 GPU all held (by {urgent})" in (
+        status(d, again["id"])
+    )
+    job_log = Path(again["remote_dir"]) / "job.log"
+    wait_for(lambda: f"resumed from step {step}" in job_log.read_text(), 30, 0.1, "the resume's first line")
+    for run in (urgent, again["id"]):
+        d.call("cancel", id=run)
+
+
 def test_a_placement_naming_what_the_config_lacks_is_refused_saying_what_to_give(
     boxes: DaemonProc, short_tmp: Path
 ) -> None:
@@ -227,8 +281,6 @@ def test_a_drained_targets_paused_run_continues_on_its_overflow_target_after_the
 
 
 # --- a pod at its cap continues on a new pod ------------------------------------------------------
-
-FAKE_JOB = str(Path(__file__).with_name("fake_plugin_job.py"))
 
 
 def test_a_pod_run_at_its_cost_cap_with_a_retry_left_continues_on_a_new_pod_from_its_snapshot(
