@@ -120,6 +120,14 @@ def manifest_here(root: Path) -> Manifest:
     return found
 
 
+def sizes_here(root: Path) -> dict[str, int]:
+    """The size of every file an upload of `root` carries, from one stat each."""
+    from executors.remote import walk_upload
+
+    _, files, _ = walk_upload(root)
+    return {rel.as_posix(): os.lstat(root / rel).st_size for rel in files}
+
+
 async def manifest_there(executor: Executor, root: str) -> Manifest:
     """The same listing, of `root` on the executor's machine, by one command with its python."""
     from executors.remote import EXCLUDED_NAMES
@@ -185,12 +193,21 @@ async def carry_checkpoint(
         await source_executor.download(where, stage / name)
         local = stage / name
     try:
-        sent = await anyio.to_thread.run_sync(manifest_here, local)
-        if not sent:
+        sizes = await anyio.to_thread.run_sync(sizes_here, local)
+        if not sizes:
             raise CarryFailed(f"{where} of run {source.id} holds no file to carry")
+        sent: Manifest = {}
+
+        async def hash_here() -> None:
+            sent.update(await anyio.to_thread.run_sync(manifest_here, local))
+
+        # The hashing here reads what the upload reads, at the same time (the page cache serves
+        # one of them): a carry costs the upload and the check on arrival, not a pass more.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hash_here)
+            await _upload_watched(host, executor, local, dest, into, sum(sizes.values()))
         if wanted is not None and (bad := differences(wanted, sent)):
             raise CarryFailed(_refusal(source, name, f"the copy brought from target {source.target}", bad))
-        await _upload_watched(host, executor, local, dest, into, sum(s for s, _ in sent.values()))
         arrived = await manifest_there(executor, dest)
         if bad := differences(sent, arrived):
             raise CarryFailed(_refusal(source, name, f"the copy on target {executor.name}", bad))
