@@ -304,7 +304,7 @@ def failed_at_load(record: RunRecord) -> BadCheckpoint | None:
 
 
 # What the plugin writes in job.log as it hands OBD_RESUME_FROM to the Trainer's train()
-# (trainer_plugin/inject.py `_with_resume`), before the Trainer loads it.
+# (trainer_plugin/plugin/inject.py `_with_resume`), before the Trainer loads it.
 RESUMING = "obd: resuming from "
 LOG_HEAD = 4 << 20  # how much of job.log is looked at for it
 

@@ -177,7 +177,7 @@ async def serve(daemon: ExecHost, req: ExecRequest, peer: Peer, channel: Channel
     failed: list[Exception] = []
     try:
         # The session ends with its run: where the run's end did not end the command already (its
-        # cgroup's or its identity's end, trainer_plugin/contain.py), leaving this ends its group.
+        # cgroup's or its identity's end, trainer_plugin/tools/contain.py), leaving this ends its group.
         async with anyio.create_task_group() as tg:
 
             async def run_it() -> None:

@@ -25,7 +25,8 @@ from daemon.stop import apply_probe, final_state, request_snapshot
 from daemon.store import StoreError
 from daemon.targets import Supervision, Targets
 from executors.base import Executor, ExecutorError, JobHandle, JobState, JobStatus, RunEvents, RunProbe
-from trainer_plugin import jobctl, rundir
+from trainer_plugin import rundir
+from trainer_plugin.tools import jobctl
 
 log = structlog.get_logger("obd")
 

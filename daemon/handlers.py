@@ -66,7 +66,7 @@ from daemon.targets import Targets
 from executors.base import Executor, ExecutorError
 from executors.factory import is_this_machine, makes_pods
 from trainer_plugin import rundir
-from trainer_plugin.creds import hand_over
+from trainer_plugin.tools.creds import hand_over
 from trainer_plugin.rundir import normalise_reason
 
 log = structlog.get_logger("obd")

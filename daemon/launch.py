@@ -47,7 +47,8 @@ from daemon.trackers import chain_tensorboard_dir, continued, tracker_env
 from executors.base import Executor, ExecutorError, JobSpec, LaunchUncertain, RunAs
 from executors.factory import job_env_names, makes_pods
 from executors.gpus import visible_devices
-from trainer_plugin import creds, rundir
+from trainer_plugin import rundir
+from trainer_plugin.tools import creds
 
 log = structlog.get_logger("obd")
 
@@ -616,10 +617,11 @@ class Launcher:
                     log.info("leftovers_removed", run_id=record.id, files=removed, why="a plugin copy cut short")
 
     def _plugin_stage(self) -> Path:
-        """The plugin/ directory every run gets, staged once per content."""
-        files: dict[str, Path] = {f"trainer_plugin/{p.name}": p for p in sorted(PLUGIN_SRC.glob("*.py"))}
-        if (PLUGIN_SRC / "sitecustomize.py").exists():
-            files["sitecustomize.py"] = PLUGIN_SRC / "sitecustomize.py"
+        """The plugin/ directory every run gets, staged once per content: the `trainer_plugin`
+        package as it is here (its two rooms, `plugin/` and `tools/`, under
+        `plugin/trainer_plugin/`), and the plugin's `sitecustomize.py` at the top."""
+        files: dict[str, Path] = {f"trainer_plugin/{rel}": path for rel, path in package_files(PLUGIN_SRC).items()}
+        files["sitecustomize.py"] = PLUGIN_SRC / "plugin" / "sitecustomize.py"
         with contextlib.suppress(ImportError):
             from runner import TARGET_FILES
 
@@ -636,6 +638,15 @@ class Launcher:
                 shutil.copy2(path, tmp / rel)
             os.replace(tmp, stage)
         return stage
+
+
+def package_files(root: Path) -> dict[str, Path]:
+    """The Python files of the package at `root`, by their path relative to it (no caches)."""
+    return {
+        path.relative_to(root).as_posix(): path
+        for path in sorted(root.rglob("*.py"))
+        if "__pycache__" not in path.relative_to(root).parts
+    }
 
 
 def clear_temporaries(directory: str, started: float, depth: int = 3) -> list[str]:

@@ -35,7 +35,7 @@ from daemon.targets import Supervision
 from executors.base import Executor, ExecutorError, RunProbe
 from executors.factory import make_pod_driver, makes_pods
 from executors.runpod import Finding, PodEnd, PodInfo, PodObservation, PodPhase
-from trainer_plugin import jobctl
+from trainer_plugin.tools import jobctl
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable

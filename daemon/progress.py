@@ -48,7 +48,7 @@ def eta_seconds(begin: BeginLine, log: LogLine, max_steps: int | None, now: floa
     return max(0.0, (max_steps - log.step) * per_step - max(0.0, now - log.time))
 
 
-# How long a stop waits for a safe point at most (trainer_plugin/interrupt.py: the thread's look
+# How long a stop waits for a safe point at most (trainer_plugin/plugin/interrupt.py: the thread's look
 # every 0.2 s, then a grace of 0.8 s for the loop's own safe point before it is interrupted).
 SAFE_POINT_SECONDS = 1.0
 # A save not measured yet: what a small LoRA checkpoint takes on a local disk.

@@ -297,7 +297,7 @@ def after_train_stop(record: RunRecord, probe: RunProbe) -> str | None:
 
     The plugin's `end` line says training finished and its `after_train` phase line names the
     script's code after train() (a final evaluation, `save_model`, a push) the stop cuts short
-    (trainer_plugin/interrupt.py). Rather than wait `proof_timeout` for a proof, the job is
+    (trainer_plugin/plugin/interrupt.py). Rather than wait `proof_timeout` for a proof, the job is
     cancelled at once, its record saying so (`state_from_exit`).
     """
     st = record.stop

@@ -21,7 +21,7 @@ from collections.abc import Collection
 from daemon.models import RunRecord, Trackers
 from executors.base import BeginLine
 from trainer_plugin import rundir
-from trainer_plugin.trackers import TRACKER_DIR, TRACKER_NAME
+from trainer_plugin.plugin.trackers import TRACKER_DIR, TRACKER_NAME
 
 WANDB_RUN_ID, WANDB_RESUME = "WANDB_RUN_ID", "WANDB_RESUME"
 MLFLOW_RUN_ID = "MLFLOW_RUN_ID"

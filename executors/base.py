@@ -203,7 +203,7 @@ class SaveLine(BaseModel):
 class PhaseLine(BaseModel):
     """metrics.jsonl's last `phase` line: where the job's time goes now (`training`, `evaluating`,
     `saving`, `after_train`), from the step it is at; after training, `cut` names the script's code a
-    stop cuts short (trainer_plugin/interrupt.py)."""
+    stop cuts short (trainer_plugin/plugin/interrupt.py)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -8,7 +8,7 @@ exec`/`shell` session of the run is moved into it before its command runs (the c
 on a pipe until then). No process there can move itself out (that needs write access to the
 daemon's cgroup), so a `setsid` and double fork stays in; the wrapper ends all of it at the
 run's end (`cgroup.kill`) and removes the directory. Elsewhere the run's processes are found by
-their identity, `OBD_RUN_ID` among the processes of the run's user (trainer_plugin/contain.py).
+their identity, `OBD_RUN_ID` among the processes of the run's user (trainer_plugin/tools/contain.py).
 
 `Containment.lingering` tells the GPU inventory which ended runs still have a process, so a
 device is never handed out while a process of its previous holder remains.
@@ -22,7 +22,8 @@ from collections.abc import Mapping
 
 import structlog
 
-from trainer_plugin import contain, rundir
+from trainer_plugin import rundir
+from trainer_plugin.tools import contain
 
 log = structlog.get_logger("obd.containment")
 

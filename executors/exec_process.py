@@ -31,7 +31,7 @@ import anyio
 import anyio.to_thread
 
 from executors.base import ExecInput, ExecIO, ExecSpec, ExecutorError, RunAs, TermSize
-from trainer_plugin import contain
+from trainer_plugin.tools import contain
 
 # What of the daemon's environment a command gets (never its secrets): where Slurm's config is,
 # the language and time zone. The user's own HOME, USER, LOGNAME and SHELL are added.

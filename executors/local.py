@@ -1,6 +1,6 @@
 """The local executor: jobs on the daemon's own machine, detached so they outlive it.
 
-The job is started by the job wrapper (`trainer_plugin/supervisor.py`, through `jobctl.py
+The job is started by the job wrapper (`trainer_plugin/tools/supervisor.py`, through `jobctl.py
 start`, the same wrapper used on SSH hosts and pods) in its own session and process group; the
 daemon is not its parent, so a restart of the daemon never touches it. Under systemd the
 wrapper is launched in its own transient scope (`systemd-run --scope`), outside the service's
@@ -8,7 +8,7 @@ cgroup, so `systemctl restart obd` kills no job.
 
 Under a root daemon a run directory is its owner's, and everything in it is as hostile as its
 owner: every read, write, copy and listing in it is done with the owner's filesystem rights
-(`trainer_plugin/creds.py`, in the worker thread doing it), so no link or file planted there
+(`trainer_plugin/tools/creds.py`, in the worker thread doing it), so no link or file planted there
 makes root read, copy or write anything the owner could not. Whether a job runs, how it ended
 and which processes are its come from the wrapper, which stays root, and its facts directory
 (`STATE_DIR/facts/<run id>/`, the daemon's own): never from a file in the run directory.
@@ -48,11 +48,12 @@ from executors.base import (
     RunProbe,
 )
 from executors.containment import Containment, find_base
-from trainer_plugin import creds, jobctl, rundir
+from trainer_plugin import rundir
+from trainer_plugin.tools import creds, jobctl, supervisor
 
 log = structlog.get_logger("obd.local")
 
-JOBCTL = Path(jobctl.__file__).resolve()
+SUPERVISOR = Path(supervisor.__file__).resolve()  # the job wrapper, run by path
 
 
 class DirWatch:
@@ -325,7 +326,7 @@ class LocalExecutor:
         # -S -E: the wrapper needs only the standard library, and starts faster without site-packages
         # and the daemon's PYTHON* variables. The spec comes on stdin with the values: job.json is
         # a file the user could rewrite before a root wrapper read it.
-        wrapper = [self.interpreter, "-S", "-E", str(JOBCTL), "start", str(run_dir), "--spec-stdin"]
+        wrapper = [self.interpreter, "-S", "-E", str(SUPERVISOR), "start", str(run_dir), "--spec-stdin"]
         facts = self.facts(job.remote_dir)
         if facts is not None:
             wrapper += ["--facts", facts]

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import io
+import posixpath
 import re
 import shlex
 import tarfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from trainer_plugin import contain, creds, jobctl, jobserve, rundir, supervisor
+from trainer_plugin import rundir
+from trainer_plugin.tools import contain, creds, jobctl, jobserve, supervisor
 
-# The files a target needs to start, watch and cancel jobs: jobctl.py, the job wrapper
-# (supervisor.py, creds.py, contain.py), the helper (jobserve.py) and the contract they import.
+# The files a target needs to start, watch and cancel jobs, installed flat into one directory:
+# jobctl.py, the job wrapper (supervisor.py, creds.py, contain.py), the helper (jobserve.py) and
+# the contract they import (trainer_plugin/tools/__init__.py: the tools' two layouts).
 TOOL_FILES: tuple[Path, ...] = (
     Path(jobctl.__file__),
     Path(rundir.__file__),
@@ -100,6 +103,11 @@ def jobctl_remote_path(workdir: str) -> str:
     return f"{tools_remote_dir(workdir)}/jobctl.py"
 
 
+def beside(jobctl_path: str, name: str) -> str:
+    """Another tool file of the same flat directory as `jobctl_path` (the wrapper, the helper)."""
+    return posixpath.join(posixpath.dirname(jobctl_path), name)
+
+
 def setup_script(workdir: str, python: str | None, venv: str | None) -> str:
     """One shell script run once per connection: resolve the workdir, create `.obd/`, install
     the tool files from the tar on stdin unless that exact version is there, and report the
@@ -164,14 +172,15 @@ def parse_setup(stdout: str) -> dict[str, str]:
 
 
 def start_command(python: str, jobctl_path: str, remote_dir: str) -> str:
-    """`setsid nohup PY jobctl start DIR --secrets-stdin`, with stdin (the secrets) passed on.
+    """`setsid nohup PY supervisor.py start DIR --secrets-stdin` (the wrapper, beside jobctl.py),
+    with stdin (the secrets) passed on.
 
     The launcher runs as a background child of a non-interactive shell, so it is not a
     process-group leader and `setsid` acts in place instead of forking and returning at once;
     stdin is handed over explicitly through fd 3 (a background job's stdin would be /dev/null).
     Where `setsid` is missing (not Linux), the wrapper's own setsid() still detaches the job.
     """
-    launch = join([python, jobctl_path, "start", remote_dir, "--secrets-stdin"])
+    launch = join([python, beside(jobctl_path, "supervisor.py"), "start", remote_dir, "--secrets-stdin"])
     return (
         "exec 3<&0\n"
         "if command -v setsid >/dev/null 2>&1; then\n"
@@ -184,13 +193,13 @@ def start_command(python: str, jobctl_path: str, remote_dir: str) -> str:
 
 
 def helper_command(python: str, jobctl_path: str) -> str:
-    """`exec PY -S jobctl.py serve`: the persistent helper of a connection (executors/ssh/helper.py).
+    """`exec PY -S jobserve.py` (beside jobctl.py): the persistent helper of a connection (executors/ssh/helper.py).
 
     As little as can be for the shell sshd runs it with: that shell replaces itself with the
     helper at once. (It still reads ~/.bashrc first: bash does for any command under sshd.)
     `-S`: the helper needs only the standard library, and starts faster without site-packages.
     """
-    return "exec " + join([python, "-S", jobctl_path, "serve"])
+    return "exec " + join([python, "-S", beside(jobctl_path, "jobserve.py")])
 
 
 def jobctl_command(python: str, jobctl_path: str, *args: str) -> str:

@@ -40,17 +40,20 @@ PLUGIN_SRC = REPO_ROOT / "trainer_plugin"
 def stage_plugin(plugin_dir: Path) -> Path:
     """Lay out `plugin_dir` as the daemon lays out a run's `plugin/` (daemon.service `_plugin_stage`).
 
-    `trainer_plugin/*.py` go into `plugin_dir/trainer_plugin/`, `sitecustomize.py` also to the
-    top, and `TARGET_FILES` (the wrapper) to the top. With `plugin_dir` first on PYTHONPATH the
-    job imports the plugin as the `trainer_plugin` package only: its modules (`runtime`, `dist`,
-    `loop`, ...) never become top-level names that could shadow the job's own packages.
+    The `trainer_plugin` package goes into `plugin_dir/trainer_plugin/` as it is (`plugin/`,
+    `tools/`, `rundir.py`), its `plugin/sitecustomize.py` also to the top, and `TARGET_FILES` (the
+    wrapper) to the top. With `plugin_dir` first on PYTHONPATH the job imports the plugin as the
+    `trainer_plugin` package only: its modules (`runtime`, `dist`, `loop`, ...) never become
+    top-level names that could shadow the job's own packages.
     """
     package = plugin_dir / "trainer_plugin"
-    package.mkdir(parents=True, exist_ok=True)
-    for source in sorted(PLUGIN_SRC.glob("*.py")):
-        shutil.copy2(source, package / source.name)
-    if (PLUGIN_SRC / "sitecustomize.py").exists():
-        shutil.copy2(PLUGIN_SRC / "sitecustomize.py", plugin_dir / "sitecustomize.py")
+    for source in sorted(PLUGIN_SRC.rglob("*.py")):
+        rel = source.relative_to(PLUGIN_SRC)
+        if "__pycache__" in rel.parts:
+            continue
+        (package / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, package / rel)
+    shutil.copy2(PLUGIN_SRC / "plugin" / "sitecustomize.py", plugin_dir / "sitecustomize.py")
     for source in TARGET_FILES:
         shutil.copy2(source, plugin_dir / Path(source).name)
     return plugin_dir

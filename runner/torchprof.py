@@ -1,4 +1,4 @@
-"""Read what `trainer_plugin/torch_profile.py` wrote: `torch_kernels.csv` and `torch_profile.json`."""
+"""Read what `trainer_plugin/plugin/torch_profile.py` wrote: `torch_kernels.csv` and `torch_profile.json`."""
 
 from __future__ import annotations
 

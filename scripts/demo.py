@@ -127,7 +127,7 @@ def _end(daemon: subprocess.Popen[bytes], root: Path) -> None:
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait()
-    from trainer_plugin import jobctl
+    from trainer_plugin.tools import jobctl
 
     for pidfile in (root / "state").glob("jobs/*/job.pid"):
         handle = jobctl.read_handle(str(pidfile.parent))

@@ -171,7 +171,7 @@ class DaemonProc:
 
 def kill_job_groups(pidfiles: Iterable[Path]) -> None:
     """Tests end with no job left behind: KILL the group of every job.pid whose job still lives."""
-    from trainer_plugin import jobctl
+    from trainer_plugin.tools import jobctl
 
     for pidfile in pidfiles:
         handle = jobctl.read_handle(str(pidfile.parent))

@@ -1,9 +1,10 @@
 """The run directory's contract as code: its file names, the reason words, the limits, the proof rule.
 
 docs/contract.md ("The run directory on the target") spelled out once, so the daemon, the executors, the
-job wrapper (jobctl), the in-job plugin and the pod watchdog cannot disagree on it. Standard
-library only: it runs on targets that have nothing of obd installed, beside jobctl.py and
-watchdog.py as a plain sibling module, and inside the job as part of the `trainer_plugin` package.
+job wrapper (jobctl), the in-job plugin and the pod watchdog cannot disagree on it: the one module
+both rooms of `trainer_plugin` (`plugin/`, `tools/`) import. Standard library only: it runs on
+targets that have nothing of obd installed, as a plain module beside the tools (or in the folder
+above them), and inside the job as part of the `trainer_plugin` package.
 """
 
 from __future__ import annotations
@@ -161,9 +162,14 @@ class RunPaths(_DirPaths):
         """`plugin`: obd's trainer_plugin files for this run, first on the job's PYTHONPATH."""
         return self.file(PLUGIN)
 
-    def plugin_module(self, name: str) -> str:
-        """`plugin/trainer_plugin/<name>`: one file of the plugin package (a tool run by path)."""
-        return posixpath.join(self.run_dir, PLUGIN, "trainer_plugin", name)
+    def package_file(self, rel: str) -> str:
+        """`plugin/trainer_plugin/<rel>`: one file of the run's copy of the `trainer_plugin` package."""
+        return posixpath.join(self.run_dir, PLUGIN, "trainer_plugin", rel)
+
+    def tool(self, name: str) -> str:
+        """`plugin/trainer_plugin/tools/<name>`: one of the job-side tools in the run's copy, run by
+        path (Slurm's batch helper, the pod watchdog); it finds `rundir.py` in the folder above."""
+        return self.package_file(f"tools/{name}")
 
     @property
     def sources(self) -> str:

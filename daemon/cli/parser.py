@@ -161,7 +161,7 @@ def version_text() -> str:
     """obd's version, the trainer plugin's (what jobs run) and the Python obd runs on."""
     from importlib import metadata
 
-    from trainer_plugin.runtime import VERSION as PLUGIN_VERSION
+    from trainer_plugin.plugin.runtime import VERSION as PLUGIN_VERSION
 
     version = "unknown (not installed: run from a source tree)"
     for dist in (DIST, "obd"):  # an install from before the rename is still named obd

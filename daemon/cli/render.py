@@ -82,7 +82,7 @@ def progress_text(progress: dict[str, Any] | None) -> str:
     return text
 
 
-# The plugin's phases (trainer_plugin/interrupt.py) other than training, as `status` and `list` say them.
+# The plugin's phases (trainer_plugin/plugin/interrupt.py) other than training, as `status` and `list` say them.
 PHASE_WORDS = {
     "evaluating": "evaluating",
     "saving": "saving a checkpoint",

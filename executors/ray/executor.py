@@ -49,7 +49,8 @@ from executors.config import RayTarget
 from executors.local import LocalExecutor
 from executors.ray import nodes, states
 from executors.ray.api import JobsApi
-from trainer_plugin import jobctl, rundir, slurm_batch
+from trainer_plugin import rundir
+from trainer_plugin.tools import jobctl, slurm_batch
 
 log = structlog.get_logger("obd.ray")
 
@@ -61,7 +62,7 @@ def entrypoint(python: str, run_dir: str) -> str:
     """The Ray job's entrypoint (a shell command): exec the job wrapper from the run's plugin/, its
     output and the command's appended to the run's job.log."""
     paths = rundir.RunPaths(run_dir.rstrip("/"))
-    wrapper = paths.plugin_module("slurm_batch.py")
+    wrapper = paths.tool("slurm_batch.py")
     argv = " ".join(shlex.quote(a) for a in (python, wrapper, "batch", paths.run_dir))
     return f"exec {argv} >> {shlex.quote(paths.job_log)} 2>&1"
 

@@ -1,6 +1,6 @@
 """What Ray's job states mean to obd, and a run's status from its run directory and Ray's view (pure).
 
-The job wrapper (the Slurm batch wrapper, `trainer_plugin/slurm_batch.py batch`, which needs
+The job wrapper (the Slurm batch wrapper, `trainer_plugin/tools/slurm_batch.py batch`, which needs
 nothing of Slurm on one node) writes the end marker and `exit_code` into the run directory on the
 shared filesystem; Ray says whether the job is queued, running, or ended and why. The run
 directory decides where it can (`slurm_batch.settled`), Ray where it cannot.

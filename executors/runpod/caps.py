@@ -9,7 +9,7 @@ its lease): the daemon never lets a pod outlive its first cap by more than `aban
 
 The watchdog gets no credential from obd: the account's key never goes to the pod, where the job
 could read it. It ends its own pod with the key Runpod puts in every pod's environment, scoped to
-that pod (`trainer_plugin/watchdog.py`, "Credentials").
+that pod (`trainer_plugin/tools/watchdog.py`, "Credentials").
 """
 
 from __future__ import annotations
@@ -25,11 +25,18 @@ from executors.base import Executor, JobHandle, JobSpec
 from executors.runpod.context import PodContext
 from executors.runpod.info import PodInfo
 from trainer_plugin import rundir
+from trainer_plugin.tools import contain, jobctl
 
 log = structlog.get_logger("obd.runpod")
-PLUGIN_DIR = Path(rundir.__file__).resolve().parent
-# What the watchdog imports on the pod, put beside it in the run's plugin directory.
-WATCHDOG_FILES = ("jobctl.py", "rundir.py", "contain.py", "watchdog.py")
+# The watchdog and the tools it imports, put into the run's copy of the package on the pod
+# (`plugin/trainer_plugin/tools/`), with the contract they import in the folder above.
+# (watchdog.py is read, never imported, here: the daemon needs none of its code.)
+WATCHDOG_FILES: tuple[Path, ...] = (
+    Path(jobctl.__file__),
+    Path(contain.__file__),
+    Path(jobctl.__file__).with_name("watchdog.py"),
+)
+CONTRACT_FILE = Path(rundir.__file__)
 # Where the watchdog reads the pod's own environment (and in it the pod-scoped RUNPOD_API_KEY Runpod
 # gives every pod): the container's first process, which Runpod started with it. `{pod_id}` in it
 # is the pod's id (the tests' fake API keeps one file per pod).
@@ -130,13 +137,14 @@ class PodCaps:
     def watchdog_command(self, remote_dir: str) -> list[str]:
         """argv of the watchdog on the pod (no secret: it is given none)."""
         paths = rundir.RunPaths(remote_dir)
-        return [self.ctx.target.python, paths.plugin_module("watchdog.py"), "run", "--config", paths.watchdog_config]
+        return [self.ctx.target.python, paths.tool("watchdog.py"), "run", "--config", paths.watchdog_config]
 
     async def install_tools(self, executor: Executor, remote_dir: str) -> None:
         """Put the watchdog (and what it imports) into the run's plugin dir, idempotently."""
-        for name in WATCHDOG_FILES:
-            data = (PLUGIN_DIR / name).read_bytes()
-            await executor.put_file(rundir.RunPaths(remote_dir).plugin_module(name), data)
+        paths = rundir.RunPaths(remote_dir)
+        await executor.put_file(paths.package_file(CONTRACT_FILE.name), CONTRACT_FILE.read_bytes())
+        for path in WATCHDOG_FILES:
+            await executor.put_file(paths.tool(path.name), path.read_bytes())
 
     async def start_watchdog(self, executor: Executor, remote_dir: str, info: PodInfo) -> JobHandle:
         """Write the watchdog's config and start it detached (jobctl: setsid), with no secret: the

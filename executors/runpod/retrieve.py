@@ -26,9 +26,10 @@ from executors.runpod.context import PodContext, keep_in_book
 from executors.runpod.info import PodInfo
 from executors.runpod.lifecycle import PodLifecycle
 from trainer_plugin import rundir
+from trainer_plugin.tools import jobctl
 
 log = structlog.get_logger("obd.runpod")
-WATCHDOG_SOURCE = Path(rundir.__file__).resolve().parent / "watchdog.py"
+WATCHDOG_SOURCE = Path(jobctl.__file__).resolve().with_name("watchdog.py")  # read, never imported here
 
 
 def safe_relpath(rel: str) -> PurePosixPath | None:

@@ -3,7 +3,7 @@
 That machine is this one (`login` unset) or a login node reached over SSH; either way it is an
 executor of its own (local or SSH: its connection, known hosts and quoting), which this one
 composes: files move through it, and Slurm's commands run there through obd's helper
-(`trainer_plugin/slurm_batch.py`, installed under `<workdir>/.obd/`). The run directory is on
+(`trainer_plugin/tools/slurm_batch.py`, installed under `<workdir>/.obd/`). The run directory is on
 the workdir the compute nodes share, so the job wrapper on a node writes `job.pid`,
 `exit_code`, requests and proofs where the daemon reads them.
 
@@ -51,7 +51,8 @@ from executors.remote import tools_hash
 from executors.slurm import as_user, script
 from executors.slurm.events import SlurmEvents
 from executors.slurm.states import NOTABLE, SlurmJob, parse_sacct, parse_scontrol
-from trainer_plugin import contain, jobctl, rundir, slurm_batch
+from trainer_plugin import rundir
+from trainer_plugin.tools import contain, jobctl, slurm_batch
 
 log = structlog.get_logger("obd.slurm")
 

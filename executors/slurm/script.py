@@ -1,7 +1,7 @@
 """What obd gives sbatch for a run: the options, the batch script and the launch plan (pure functions).
 
 Kept apart from the executor so the exact sbatch line can be checked without a cluster. The
-batch script only execs obd's job wrapper (`trainer_plugin/slurm_batch.py batch`) from the run's
+batch script only execs obd's job wrapper (`trainer_plugin/tools/slurm_batch.py batch`) from the run's
 `plugin/`, which is on the shared workdir, so compute nodes need nothing of obd installed.
 """
 
@@ -78,7 +78,7 @@ def sbatch_arguments(
 def batch_script(python: str, remote_dir: str, run_id: str) -> str:
     """The batch script: exec the job wrapper from the run's plugin/, so it gets Slurm's signals itself."""
     rd = remote_dir.rstrip("/")
-    wrapper = rundir.RunPaths(rd).plugin_module("slurm_batch.py")
+    wrapper = rundir.RunPaths(rd).tool("slurm_batch.py")
     return (
         "#!/bin/sh\n"
         f"# obd run {run_id}: obd's job wrapper writes job.pid and exit_code, turns Slurm's signals\n"

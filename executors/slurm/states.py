@@ -4,7 +4,7 @@ The wrapper's end marker (its exit code) and the proof decide a run's final stat
 target; Slurm's own end state (from squeue, `scontrol show job` or sacct) explains an end the
 wrapper could not record (the job killed at its time limit, with its node, for its memory) and
 is added to the run's message, and wins over a marker's exit 0 where the marker shows Slurm's
-hand (`trainer_plugin/slurm_batch.py`'s `contested`; docs/slurm.md).
+hand (`trainer_plugin/tools/slurm_batch.py`'s `contested`; docs/slurm.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The SSH executor: jobs on a host reached with asyncssh, one shared connection per target.
 
-Jobs start under their own session through `trainer_plugin/jobctl.py`, which the connection
+Jobs start under their own session through `trainer_plugin/tools/jobctl.py`, which the connection
 installs once under `<workdir>/.obd/` (executors/remote.py). Probes, starts, cancels, reads and
 writes go to the connection's persistent helper (`jobctl.py serve` on one channel,
 `helper.py`), which also pushes exits, requests and proofs (the `events` capability,
@@ -41,7 +41,8 @@ from executors.ssh.connection import Session, SshConnection, as_bytes, returncod
 from executors.ssh.events import SshEvents
 from executors.ssh.files import SftpFiles
 from executors.ssh.helper import HelperFailed, NoHelper, SshHelper
-from trainer_plugin import jobserve, rundir
+from trainer_plugin import rundir
+from trainer_plugin.tools import jobserve
 
 log = structlog.get_logger()
 

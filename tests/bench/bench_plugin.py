@@ -122,7 +122,7 @@ def in_job(out: Path, argv: list[str]) -> None:
 
     from transformers import TrainerCallback
 
-    from trainer_plugin.callback import SnapshotCallback
+    from trainer_plugin.plugin.callback import SnapshotCallback
 
     hooks = [
         *sorted(name for name in vars(TrainerCallback) if name.startswith("on_")),
@@ -162,7 +162,7 @@ def in_job(out: Path, argv: list[str]) -> None:
     wakes: list[tuple[int, int]] = []  # (perf_counter_ns at its end, CPU ns)
     watch_class: Any
     try:
-        from trainer_plugin.request_watch import RequestWatch as watch_class
+        from trainer_plugin.plugin.request_watch import RequestWatch as watch_class
     except ImportError:  # a plugin from before the watch (--compare)
         watch_class = None
 
@@ -181,7 +181,7 @@ def in_job(out: Path, argv: list[str]) -> None:
     # The metrics late writer's thread, the same way: the CPU time of each of its turns (a
     # sleep in a wait costs none; a turn that writes overdue step logs costs the write).
     late: list[tuple[int, int]] = []
-    from trainer_plugin.metrics_file import MetricsWriter
+    from trainer_plugin.plugin.metrics_file import MetricsWriter
 
     late_turn = getattr(MetricsWriter, "_late_turn", None)  # a plugin from before it (--compare) has none
     if late_turn is not None:
@@ -196,7 +196,7 @@ def in_job(out: Path, argv: list[str]) -> None:
         setattr(MetricsWriter, "_late_turn", timed_turn)  # noqa: B010 (mypy would refuse the assignment)
     # The stop points' thread (interrupt.py), the same way: the CPU time of each of its looks.
     try:
-        from trainer_plugin.interrupt import StopPoints
+        from trainer_plugin.plugin.interrupt import StopPoints
     except ImportError:  # a plugin from before it (--compare)
         pass
     else:
@@ -307,8 +307,8 @@ def micro_costs(calls: int = 20000) -> dict[str, float]:
     """In this process: microseconds per SnapshotCallback.on_step_end (no request) and per on_log, in a tight loop."""
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from trainer_plugin.callback import SnapshotCallback
-    from trainer_plugin.runtime import RunEnv
+    from trainer_plugin.plugin.callback import SnapshotCallback
+    from trainer_plugin.plugin.runtime import RunEnv
 
     with tempfile.TemporaryDirectory() as run:
         callback = SnapshotCallback(env=RunEnv.from_environ({"OBD_RUN_DIR": run}))
@@ -343,7 +343,7 @@ def decide_in_job(calls: int = 2000) -> None:
     """Under torchrun: time Ranks.decide (the per-step all-reduce, gloo on the CPU) in lockstep; print rank 0's figures."""
     import torch.distributed as dist
 
-    from trainer_plugin.dist import Ranks
+    from trainer_plugin.plugin.dist import Ranks
 
     dist.init_process_group("gloo")
     ranks = Ranks()

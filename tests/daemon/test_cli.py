@@ -269,7 +269,7 @@ def test_start_stop_and_resume_show_examples_and_profile_parse_names_its_directo
 
 
 def test_version_names_obd_and_the_plugin_the_jobs_run(fast: DaemonProc) -> None:
-    from trainer_plugin.runtime import VERSION
+    from trainer_plugin.plugin.runtime import VERSION
 
     out = obd(fast, "--version")
     assert out.returncode == 0

@@ -11,7 +11,7 @@ import pytest
 
 from daemon.store import RunStore
 from tests.conftest import DaemonProc, wait_for
-from trainer_plugin import jobctl
+from trainer_plugin.tools import jobctl
 
 
 def _all_records_parse(d: DaemonProc) -> dict[str, dict]:

@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 
 from tests.conftest import REPO, wait_for
-from trainer_plugin import jobctl
+from trainer_plugin.tools import jobctl
 
 
 def load_demo() -> ModuleType:

@@ -21,7 +21,7 @@ from executors.base import ExecutorError
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 from tests.daemon.test_ssh_target import ssh_config
 from tests.sshd import SshServer, running_sshd
-from trainer_plugin import jobctl
+from trainer_plugin.tools import jobctl
 
 # --- the rule, as a table ---------------------------------------------------------------------
 

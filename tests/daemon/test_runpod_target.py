@@ -107,7 +107,7 @@ def test_the_daemon_asks_for_the_cost_snapshot_itself_when_the_pods_watchdog_is_
     import os
     import signal
 
-    from trainer_plugin import jobctl
+    from trainer_plugin.tools import jobctl
 
     # $0.69/h and a $0.002 cap: the cap is ~10 s after the pod starts, the request ~3 s ahead of it.
     d = make_pods_daemon(make_daemon, fake, pod_sshd, short_tmp, "max_cost_usd = 0.002\nsnapshot_margin = 3\n")
@@ -224,7 +224,7 @@ def test_the_cost_cap_holds_when_the_pods_ssh_and_watchdog_are_gone(make_daemon,
     import os
     import signal
 
-    from trainer_plugin import jobctl
+    from trainer_plugin.tools import jobctl
 
     d = make_pods_daemon(
         make_daemon, fake, pod_sshd, short_tmp, "max_cost_usd = 0.002\nsnapshot_margin = 1\nlease_ttl = 3\n"

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import DaemonProc, wait_for
-from trainer_plugin import jobctl
+from trainer_plugin.tools import jobctl
 
 PY = sys.executable
 
@@ -43,7 +43,7 @@ def test_a_started_job_runs_detached_in_its_own_session_with_the_run_environment
     assert env["OBD_METRICS_FILE"] == f"{rd}/metrics.jsonl"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == f"{rd}/plugin"
     assert env["MY_VAR"] == "a b"
-    assert (rd / "plugin" / "trainer_plugin" / "jobctl.py").exists()
+    assert (rd / "plugin" / "trainer_plugin" / "tools" / "jobctl.py").exists()
     assert record["name"] == "detached" and record["target"] == "local"
     daemon.cli("train", "cancel", rid, "--wait")
 

@@ -19,7 +19,7 @@ from daemon.limits import Rate, carried, lead, learn_save
 from daemon.models import Limits, RunRecord, RunState, Snapshot, Transition
 from executors.base import RunProbe, SaveLine
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc
-from trainer_plugin.jobctl import _metrics_summary
+from trainer_plugin.tools.jobctl import _metrics_summary
 
 PY = sys.executable
 PLAIN = str(REPO / "tests" / "trainer_plugin" / "scripts" / "plain_trainer.py")

@@ -20,7 +20,7 @@ from tests.conftest import DaemonProc, wait_for
 from tests.daemon.test_slurm_target import hpc, jobs_named, start  # noqa: F401 - the shared fixture
 from tests.executors.slurm.cluster import Cluster
 from tests.executors.slurm.conftest import slurm_cluster  # noqa: F401 - the shared fixture
-from trainer_plugin import slurm_batch
+from trainer_plugin.tools import slurm_batch
 
 SLURM_QUERIES = ("squeue", "scontrol", "sacct")
 

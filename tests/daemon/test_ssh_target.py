@@ -73,7 +73,7 @@ def test_a_job_on_an_ssh_target_runs_logs_and_succeeds(box: DaemonProc) -> None:
 
 
 def test_a_cancel_on_an_ssh_target_ends_the_job_and_list_shows_the_run(box: DaemonProc) -> None:
-    from trainer_plugin import jobctl
+    from trainer_plugin.tools import jobctl
 
     rid = start(box, "sleep", "120")
     record = box.wait_state(rid, "running")

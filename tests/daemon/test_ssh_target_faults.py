@@ -193,7 +193,7 @@ def test_a_disk_that_filled_up_since_the_last_run_fails_the_next_start_saying_so
 def test_a_job_that_hangs_after_its_proof_on_an_ssh_target_is_cancelled_and_recorded_stopped(
     make_daemon, sshd: SshServer, short_tmp: Path
 ) -> None:
-    from trainer_plugin import jobctl
+    from trainer_plugin.tools import jobctl
 
     workdir = short_tmp / "remote"
     d = box_daemon(make_daemon, sshd, workdir)
@@ -216,7 +216,7 @@ def test_a_job_that_hangs_after_its_proof_on_an_ssh_target_is_cancelled_and_reco
 def test_a_host_key_that_changes_during_a_follow_keeps_the_run_running_and_status_gives_the_fix(
     make_daemon, sshd: SshServer, short_tmp: Path
 ) -> None:
-    from trainer_plugin import jobctl
+    from trainer_plugin.tools import jobctl
 
     workdir = short_tmp / "remote"
     gate = short_tmp / "gate"

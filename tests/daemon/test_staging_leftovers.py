@@ -32,7 +32,7 @@ def test_a_daemon_killed_while_it_staged_the_plugin_leaves_nothing_once_the_next
     daemon.kill()  # as in the middle of a copy into plugin/: its temporary files stay
     left = [
         plant(plugin / ".sitecustomize.py.tmp.4242.0a1b2c3d4e5f"),
-        plant(plugin / "trainer_plugin" / ".jobctl.py.tmp.4242.a1b2c3d4e5f6"),
+        plant(plugin / "trainer_plugin" / "tools" / ".jobctl.py.tmp.4242.a1b2c3d4e5f6"),
     ]
     half_stage = daemon.state_dir / "plugin-stage" / "0123456789abcdef.tmp4242"
     plant(half_stage / "trainer_plugin" / "rundir.py")
@@ -42,7 +42,7 @@ def test_a_daemon_killed_while_it_staged_the_plugin_leaves_nothing_once_the_next
 
     daemon.start()
     assert [p for p in left if p.exists()] == [] and not half_stage.exists()
-    assert (plugin / "sitecustomize.py").is_file() and (plugin / "trainer_plugin" / "jobctl.py").is_file()
+    assert (plugin / "sitecustomize.py").is_file() and (plugin / "trainer_plugin" / "tools" / "jobctl.py").is_file()
     assert outside.exists()
     assert daemon.record(rid)["state"] == "running"  # the run itself is untouched
     daemon.call("cancel", id=rid)

@@ -98,7 +98,7 @@ def test_a_record_nested_too_deeply_is_reported_not_fatal(tmp_path: Path) -> Non
 
 
 def test_an_atomic_write_replaces_a_planted_link_instead_of_writing_through_it(tmp_path: Path) -> None:
-    from trainer_plugin.jobctl import atomic_write
+    from trainer_plugin.tools.jobctl import atomic_write
 
     victim = tmp_path / "victim"
     victim.write_text("precious")

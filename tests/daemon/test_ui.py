@@ -48,7 +48,7 @@ CHROME_FLAGS = (
 )
 accounts, box = users.accounts, users.box
 
-# A custom training loop under obd's plugin (trainer_plugin.loop): a known loss each step,
+# A custom training loop under obd's plugin (trainer_plugin.plugin.loop): a known loss each step,
 # a step every DT seconds, a checkpoint and a proof when a snapshot is asked for.
 LOOP_JOB = """
 import math, os, re, sys, time

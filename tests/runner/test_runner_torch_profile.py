@@ -13,7 +13,7 @@ from runner.assemble import parse_run
 from runner.format import format_metrics
 
 torch = pytest.importorskip("torch")
-from trainer_plugin.torch_profile import StepProfiler
+from trainer_plugin.plugin.torch_profile import StepProfiler
 
 # torch is imported only where it is installed, so its classes are untyped (Any) to the type checker.
 Module: Any = torch.nn.Module

@@ -24,7 +24,7 @@ import pytest
 from tests import users
 from tests.conftest import FAST_CONFIG, REPO, wait_for
 from tests.users import Box, User
-from trainer_plugin import jobctl
+from trainer_plugin.tools import jobctl
 
 pytestmark = users.needs_root_and_users
 accounts = users.accounts

@@ -22,12 +22,14 @@ JOB_TIMEOUT = 180
 
 
 def install_plugin(plugin: Path) -> Path:
-    """What obd does: trainer_plugin/*.py into plugin/trainer_plugin/, sitecustomize.py also into plugin/."""
-    package = plugin / "trainer_plugin"
-    package.mkdir(parents=True, exist_ok=True)
-    for source in (REPO / "trainer_plugin").glob("*.py"):
-        shutil.copy2(source, package / source.name)
-    shutil.copy2(REPO / "trainer_plugin" / "sitecustomize.py", plugin / "sitecustomize.py")
+    """What obd does: the trainer_plugin package into plugin/trainer_plugin/, its sitecustomize.py also into plugin/."""
+    source = REPO / "trainer_plugin"
+    for path in source.rglob("*.py"):
+        rel = path.relative_to(source)
+        if "__pycache__" not in rel.parts:
+            (plugin / "trainer_plugin" / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, plugin / "trainer_plugin" / rel)
+    shutil.copy2(source / "plugin" / "sitecustomize.py", plugin / "sitecustomize.py")
     return plugin
 
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from tests.conftest import wait_for
-from trainer_plugin.agreement import RankAgreement
+from trainer_plugin.plugin.agreement import RankAgreement
 
 
 class MemoryStore:

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from trainer_plugin.dist import Ranks
+from trainer_plugin.plugin.dist import Ranks
 
 
 class FakeDist:
@@ -79,7 +79,7 @@ class GroupAtExit:
 def test_the_exit_teardown_destroys_a_gloo_group_and_leaves_nccl_to_the_script(
     monkeypatch: pytest.MonkeyPatch, backend: str, destroyed: bool
 ) -> None:
-    from trainer_plugin import dist
+    from trainer_plugin.plugin import dist
 
     group = GroupAtExit(backend)
     monkeypatch.setitem(sys.modules, "torch.distributed", group)

@@ -17,7 +17,7 @@ import pytest
 
 from runner.steps import pace, read_metrics_jsonl
 from tests.trainer_plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero
-from trainer_plugin import runtime
+from trainer_plugin.plugin import runtime
 
 SCRIPT = SCRIPTS / "plain_trainer.py"
 HEARTBEAT_KEYS = {"event", "time", "step", "epoch", "tokens", "heartbeat"}
@@ -137,8 +137,8 @@ def test_the_interval_comes_from_obd_progress_interval(
 CALLBACK_WITH_A_BROKEN_WRITER = """
 import sys
 from transformers import TrainerControl, TrainerState, TrainingArguments
-from trainer_plugin.callback import SnapshotCallback
-from trainer_plugin.runtime import RunEnv
+from trainer_plugin.plugin.callback import SnapshotCallback
+from trainer_plugin.plugin.runtime import RunEnv
 
 run = sys.argv[1]
 callback = SnapshotCallback(env=RunEnv.from_environ({"OBD_RUN_DIR": run, "OBD_PROGRESS_INTERVAL": "0"}))

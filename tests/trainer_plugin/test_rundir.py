@@ -25,11 +25,18 @@ from daemon.models import RunRecord, Snapshot
 from daemon.stop import apply_probe, final_state, judge_proof
 from executors.base import JobState, JobStatus, RunProbe
 from tests.trainer_plugin.conftest import REPO
-from trainer_plugin import jobctl, metrics_file, rundir, runtime
+from trainer_plugin import rundir
+from trainer_plugin.plugin import metrics_file, runtime
 from trainer_plugin.rundir import InvalidProof, Proof, parse_proof
+from trainer_plugin.tools import jobctl
 
 PY = sys.executable
 PLUGIN_SRC = REPO / "trainer_plugin"
+
+
+def source(name: str) -> Path:
+    """A file of the package by its bare name: the contract at its top, a tool in tools/."""
+    return PLUGIN_SRC / name if name == "rundir.py" else PLUGIN_SRC / "tools" / name
 
 
 def proof(**fields: Any) -> bytes:
@@ -161,7 +168,7 @@ def tools(tmp_path: Path) -> Path:
     directory = tmp_path / "tools"
     directory.mkdir()
     for name in ("jobctl.py", "rundir.py", "contain.py"):
-        shutil.copy2(PLUGIN_SRC / name, directory / name)
+        shutil.copy2(source(name), directory / name)
     return directory
 
 
@@ -317,7 +324,7 @@ def test_the_watchdog_as_a_script_beside_jobctl_and_rundir_lists_the_outputs(tmp
     plugin = tmp_path / "plugin"
     plugin.mkdir()
     for name in ("jobctl.py", "rundir.py", "contain.py", "watchdog.py"):
-        shutil.copy2(PLUGIN_SRC / name, plugin / name)
+        shutil.copy2(source(name), plugin / name)
     run = make_run(tmp_path)
     out = subprocess.run(
         [PY, str(plugin / "watchdog.py"), "manifest", str(run)], capture_output=True, text=True, timeout=30, check=False
@@ -329,7 +336,7 @@ def test_the_watchdog_as_a_script_beside_jobctl_and_rundir_lists_the_outputs(tmp
 def fed_on_stdin(run: Path, *names: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [PY, "-", "manifest", str(run), *names],
-        input=(PLUGIN_SRC / "watchdog.py").read_text(),
+        input=source("watchdog.py").read_text(),
         capture_output=True,
         text=True,
         timeout=30,
@@ -342,9 +349,23 @@ def fed_on_stdin(run: Path, *names: str) -> subprocess.CompletedProcess[str]:
 def test_the_watchdog_fed_on_stdin_uses_the_runs_own_copy_of_the_contract(tmp_path: Path) -> None:
     run = make_run(tmp_path / "workdir")
     package = run / "plugin" / "trainer_plugin"
+    (package / "tools").mkdir(parents=True)
+    shutil.copy2(source("rundir.py"), package / "rundir.py")
+    for name in ("jobctl.py", "contain.py"):
+        shutil.copy2(source(name), package / "tools" / name)
+    (run / "job.log").write_text("hello\n")
+    out = fed_on_stdin(run)
+    assert out.returncode == 0, out.stderr
+    assert sorted(f["path"] for f in json.loads(out.stdout)["files"]) == ["exit_code", "job.log"]
+
+
+def test_the_watchdog_fed_on_stdin_uses_a_copy_laid_out_by_the_previous_release(tmp_path: Path) -> None:
+    """A pod started before the tools had a folder of their own: its run's copy is flat in plugin/trainer_plugin/."""
+    run = make_run(tmp_path / "workdir")
+    package = run / "plugin" / "trainer_plugin"
     package.mkdir(parents=True)
     for name in ("jobctl.py", "rundir.py", "contain.py"):
-        shutil.copy2(PLUGIN_SRC / name, package / name)
+        shutil.copy2(source(name), package / name)
     (run / "job.log").write_text("hello\n")
     out = fed_on_stdin(run)
     assert out.returncode == 0, out.stderr
@@ -513,7 +534,8 @@ RUN_ENTRIES = [
     pytest.param(lambda p: p.checkpoint(0), "output/checkpoint-0", id="checkpoint-of-step-zero"),
     pytest.param(lambda p: p.in_output("checkpoint-7"), "output/checkpoint-7", id="in-output"),
     pytest.param(lambda p: p.in_resume("checkpoint-7"), "resume/checkpoint-7", id="in-resume"),
-    pytest.param(lambda p: p.plugin_module("watchdog.py"), "plugin/trainer_plugin/watchdog.py", id="plugin-module"),
+    pytest.param(lambda p: p.tool("watchdog.py"), "plugin/trainer_plugin/tools/watchdog.py", id="tool"),
+    pytest.param(lambda p: p.package_file("rundir.py"), "plugin/trainer_plugin/rundir.py", id="package-file"),
     pytest.param(lambda p: p.file(rundir.CANCELLED), "cancelled", id="file-by-name"),
 ]
 

@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.trainer_plugin.conftest import REPO
-from trainer_plugin import runtime
-from trainer_plugin.metrics_file import MetricsWriter
-from trainer_plugin.runtime import REASONS, RunEnv
+from trainer_plugin.plugin import runtime
+from trainer_plugin.plugin.metrics_file import MetricsWriter
+from trainer_plugin.plugin.runtime import REASONS, RunEnv
 
 
 def env_for(root: Path) -> RunEnv:
@@ -141,7 +141,7 @@ def test_sigterm_only_sets_a_flag_while_installed_and_is_redelivered_if_never_ha
     # In a child process: the redelivered SIGTERM must end it with the default action.
     code = (
         f"import os, signal, sys; sys.path.insert(0, {str(REPO)!r})\n"
-        "from trainer_plugin.runtime import SigtermFlag\n"
+        "from trainer_plugin.plugin.runtime import SigtermFlag\n"
         "flag = SigtermFlag(); flag.install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "print('alive', flag.pending, flush=True)\n"
@@ -157,7 +157,7 @@ def test_sigterm_only_sets_a_flag_while_installed_and_is_redelivered_if_never_ha
 def test_a_consumed_sigterm_is_not_redelivered() -> None:
     code = (
         f"import os, signal, sys; sys.path.insert(0, {str(REPO)!r})\n"
-        "from trainer_plugin.runtime import SigtermFlag\n"
+        "from trainer_plugin.plugin.runtime import SigtermFlag\n"
         "flag = SigtermFlag(); flag.install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "assert flag.consume() and not flag.consume()\n"
@@ -228,7 +228,7 @@ def test_a_child_forked_while_step_logs_wait_never_writes_them_a_second_time(tmp
     # (atexit handlers included): only the parent writes the job's metrics.
     code = f"""
 import os, sys, time
-from trainer_plugin.metrics_file import MetricsWriter
+from trainer_plugin.plugin.metrics_file import MetricsWriter
 writer = MetricsWriter({str(path)!r})
 usual = {USUAL!r}
 now = time.monotonic()

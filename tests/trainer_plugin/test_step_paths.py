@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from tests.trainer_plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero, read_jsonl, wait_until
 from tests.trainer_plugin.test_distributed_trainer import final_steps
-from trainer_plugin import metrics_file
-from trainer_plugin.request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
+from trainer_plugin.plugin import metrics_file
+from trainer_plugin.plugin.request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
 
 # A SnapshotCallback driven by hand through step ends, as the Trainer drives it. Between two
 # step ends it sleeps STEP seconds (a real step releases the GIL in torch's ops, so the watch's
@@ -39,9 +39,9 @@ from trainer_plugin.request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
 DRIVE_STEP_ENDS = """
 import json, os, sys, threading, time
 from transformers import TrainerControl, TrainerState, TrainingArguments
-from trainer_plugin import callback as cb
-from trainer_plugin.callback import SnapshotCallback
-from trainer_plugin.runtime import RunEnv
+from trainer_plugin.plugin import callback as cb
+from trainer_plugin.plugin.callback import SnapshotCallback
+from trainer_plugin.plugin.runtime import RunEnv
 
 run, actions, steps, step_seconds, watch = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 if watch == "lookup":
@@ -213,8 +213,8 @@ DRIVE_LOGS = """
 import json, math, sys
 import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
-from trainer_plugin.callback import SnapshotCallback
-from trainer_plugin.runtime import RunEnv
+from trainer_plugin.plugin.callback import SnapshotCallback
+from trainer_plugin.plugin.runtime import RunEnv
 
 def revive(value):
     if isinstance(value, dict) and set(value) == {"tensor"}:
@@ -351,7 +351,7 @@ def test_a_numpy_float_in_the_usual_slots_is_written_as_a_plain_number() -> None
 # A job that logs one line and is killed at once (SIGKILL: no handler, no exit code of its own).
 LOG_THEN_DIE = """
 import os, signal, sys
-from trainer_plugin.metrics_file import MetricsWriter, step_log_lines
+from trainer_plugin.plugin.metrics_file import MetricsWriter, step_log_lines
 writer = MetricsWriter(sys.argv[1])
 writer.write("begin", max_steps=10, snapshots=True)
 writer.write_line(step_log_lines([(1.0, 7, 70, {"loss": 0.5, "learning_rate": 0.1, "grad_norm": 1.0, "epoch": 1.0})], 0.0))
@@ -379,9 +379,9 @@ def test_the_last_line_of_a_job_killed_right_after_logging_it_is_in_the_file(run
 DRIVE_BATCH = """
 import json, os, signal, sys, time
 from transformers import TrainerControl, TrainerState, TrainingArguments
-from trainer_plugin import callback as cb, runtime
-from trainer_plugin.callback import SnapshotCallback
-from trainer_plugin.runtime import RunEnv
+from trainer_plugin.plugin import callback as cb, runtime
+from trainer_plugin.plugin.callback import SnapshotCallback
+from trainer_plugin.plugin.runtime import RunEnv
 
 runtime.LOG_BATCH_SECONDS = BATCH = 1.0
 cb.RequestWatch.start = staticmethod(lambda path: None)  # a lookup at every step end: the request is seen at step 6

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy  # noqa: F401  (imported: its RNG is one a data pipeline may draw from)
 import pytest
 
-from trainer_plugin import interrupt
-from trainer_plugin.interrupt import TRAINING, StopAtBoundary, StopPoints
+from trainer_plugin.plugin import interrupt
+from trainer_plugin.plugin.interrupt import TRAINING, StopAtBoundary, StopPoints
 
 
 def points_after(step_seconds: float, monkeypatch: pytest.MonkeyPatch) -> StopPoints:

@@ -158,7 +158,7 @@ def shell_exec(code: int) -> list[str]:
 
 
 def process_gone(handle: JobHandle) -> bool:
-    from trainer_plugin import jobctl
+    from trainer_plugin.tools import jobctl
 
     ids = handle.model_dump()
     return not jobctl.handle_alive(ids) and not jobctl.group_alive(ids)

@@ -13,7 +13,7 @@ import pytest
 
 from executors.base import JobSpec
 from executors.local import DirWatch, LocalExecutor
-from trainer_plugin import jobctl
+from trainer_plugin.tools import jobctl
 
 
 async def _paths(watch: DirWatch, timeout: float = 5.0) -> set[str]:

@@ -103,7 +103,7 @@ async def test_finish_retrieves_and_verifies_every_output_then_terminates_the_po
                  "metrics.jsonl", "snapshot.json", "exit_code"):  # fmt: skip
         assert got[name] == remote[name]
     assert not (local / "output" / "not-mine").exists()  # a link on the pod is never followed
-    assert "plugin/trainer_plugin/watchdog.py" not in got  # obd's own files are not outputs
+    assert "plugin/trainer_plugin/tools/watchdog.py" not in got  # obd's own files are not outputs
     assert json.loads((local / "retrieved.json").read_text())["files"]
 
 
@@ -335,7 +335,7 @@ async def test_an_orphan_found_by_reconcile_can_be_retrieved_and_terminated(
 async def test_the_watchdog_started_beside_the_job_deletes_a_pod_whose_job_never_started(
     make_driver, fake: FakeRunpod, saves: Saves
 ) -> None:
-    from trainer_plugin import jobctl
+    from trainer_plugin.tools import jobctl
 
     driver = make_driver(boot_grace=1.0)
     info = await driver.create("r1", saves)

@@ -16,8 +16,8 @@ import anyio
 import pytest
 
 from tests.fakes.runpod_api import FakeRunpod
-from trainer_plugin import watchdog
-from trainer_plugin.watchdog import Watchdog, manifest
+from trainer_plugin.tools import watchdog
+from trainer_plugin.tools.watchdog import Watchdog, manifest
 
 HOUR = 3600.0
 T0 = 1_700_000_000.0
@@ -75,7 +75,7 @@ class World:
 
     def start_job(self) -> None:
         """A job.pid naming this very process: alive, with the right start time."""
-        from trainer_plugin import jobctl
+        from trainer_plugin.tools import jobctl
 
         me = os.getpid()
         handle = {"pid": me, "start_time": jobctl.process_start_time(me), "boot_id": jobctl.boot_id()}

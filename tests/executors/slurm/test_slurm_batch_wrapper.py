@@ -1,4 +1,4 @@
-"""The batch wrapper of a Slurm job (trainer_plugin/slurm_batch.py batch), run as a real process
+"""The batch wrapper of a Slurm job (trainer_plugin/tools/slurm_batch.py batch), run as a real process
 and sent the signals Slurm sends: USR1 before the time limit, TERM at a preemption or a cancel."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO, wait_for
 
-WRAPPER = REPO / "trainer_plugin" / "slurm_batch.py"
+WRAPPER = REPO / "trainer_plugin" / "tools" / "slurm_batch.py"
 # Waits for a snapshot request, then exits 0 as a job that snapshotted would.
 WAIT_FOR_REQUEST = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.05)\nprint('saw', open(sys.argv[1]).read().strip(), flush=True)\n"
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from executors.config import SlurmTarget, slurm_time_seconds
 from executors.slurm.script import batch_script, launch_plan, sbatch_arguments
 from executors.slurm.states import SlurmJob, end_message, lost_message, parse_sacct, parse_scontrol
-from trainer_plugin.slurm_batch import combine, node_command
+from trainer_plugin.tools.slurm_batch import combine, node_command
 
 
 def target(**keys: object) -> SlurmTarget:
@@ -53,7 +53,7 @@ def test_the_batch_script_execs_the_wrapper_with_every_word_quoted() -> None:
     assert last.startswith("exec ")
     assert shlex.split(last[len("exec ") :]) == [
         "/opt/my venv/bin/python",
-        "/shared/it's here/r1/plugin/trainer_plugin/slurm_batch.py",
+        "/shared/it's here/r1/plugin/trainer_plugin/tools/slurm_batch.py",
         "batch",
         "/shared/it's here/r1",
     ]

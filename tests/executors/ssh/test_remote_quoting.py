@@ -41,10 +41,12 @@ def test_a_tilde_user_workdir_is_expanded_by_the_remote_shell() -> None:
     assert sh(f"printf %s {remote.path_expr('~')}") == "/home/someone"
 
 
-def test_the_start_command_hands_stdin_to_jobctl_and_returns_its_status(tmp_path: Path) -> None:
-    fake = tmp_path / "fake jobctl.py"
+def test_the_start_command_hands_stdin_to_the_wrapper_beside_jobctl_and_returns_its_status(tmp_path: Path) -> None:
+    tools = tmp_path / "tools $(date)"
+    tools.mkdir()
+    fake = tools / "supervisor.py"
     fake.write_text("import sys, os; print(sys.stdin.read(), os.getsid(0) == os.getpid(), sys.argv[1:]); sys.exit(3)")
-    script = remote.start_command("python3", str(fake), "/x/run $(date)")
+    script = remote.start_command("python3", str(tools / "jobctl.py"), "/x/run $(date)")
     r = subprocess.run(["sh", "-c", script], input="SECRETS", capture_output=True, text=True, check=False)
     assert r.returncode == 3
     assert r.stdout.strip() == "SECRETS True ['start', '/x/run $(date)', '--secrets-stdin']"
@@ -52,17 +54,17 @@ def test_the_start_command_hands_stdin_to_jobctl_and_returns_its_status(tmp_path
 
 
 def test_the_helper_command_replaces_the_shell_with_the_helper_and_quotes_its_paths(tmp_path: Path) -> None:
-    fake = tmp_path / "a dir $(touch pwned)" / "jobctl.py"
+    fake = tmp_path / "a dir $(touch pwned)" / "jobserve.py"
     fake.parent.mkdir()
     fake.write_text("import os, sys; print(os.getpid(), sys.flags.no_site, sys.argv[1:])")
-    script = remote.helper_command("python3", str(fake)) + "; echo the shell went on"
+    script = remote.helper_command("python3", str(fake.with_name("jobctl.py"))) + "; echo the shell went on"
     out = subprocess.run(
         ["sh", "-c", f"echo $$; {script}"], capture_output=True, text=True, check=True, cwd=tmp_path
     ).stdout
     shell_pid, line = out.splitlines()
     pid, no_site, argv = line.split(" ", 2)
     assert pid == shell_pid  # exec: the shell is gone, the helper took its place
-    assert (no_site, argv) == ("1", "['serve']")
+    assert (no_site, argv) == ("1", "[]")  # jobserve.py, beside jobctl.py, with no subcommand
     assert not (tmp_path / "pwned").exists()
 
 

@@ -25,7 +25,8 @@ from executors.ssh.helper import CRASHES_BEFORE_REST, HelperFailed, NoHelper
 from tests.executors.ssh.conftest import SKIP
 from tests.executors.ssh.helpers import job, make_target, wait_file, wait_state
 from tests.sshd import SshServer
-from trainer_plugin import jobserve, rundir
+from trainer_plugin import rundir
+from trainer_plugin.tools import jobserve
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def python_that_cannot_serve(tmp_path: Path) -> Path:
     script = tmp_path / "python-no-serve"
     script.write_text(
         "#!/bin/sh\n"
-        'for a in "$@"; do [ "$a" = serve ] && { echo "this python cannot serve" >&2; exit 3; }; done\n'
+        'for a in "$@"; do case "$a" in */jobserve.py) echo "this python cannot serve" >&2; exit 3;; esac; done\n'
         f'exec {sys.executable} "$@"\n'
     )
     script.chmod(0o755)

@@ -35,11 +35,13 @@ import subprocess
 import sys
 import time
 
-try:  # imported as trainer_plugin.slurm_batch
-    from . import jobctl, rundir
-except ImportError:  # run as a script beside jobctl.py and rundir.py
+try:  # imported as trainer_plugin.tools.slurm_batch
+    from .. import rundir
+    from . import jobctl
+except ImportError:  # run by path beside jobctl.py, which finds rundir.py
     import jobctl  # type: ignore[no-redef, import-not-found]
-    import rundir  # type: ignore[no-redef, import-not-found]
+
+    rundir = jobctl.rundir
 
 SUBMIT_GRACE = 120.0  # a submit whose intent is younger than this may still be under way
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from . import rundir
-from .rundir import DEFAULT_REASON, REASONS, REQUEST_LIMIT, atomic_write, fsync_dir, parse_request
+from .. import rundir
+from ..rundir import DEFAULT_REASON, REASONS, REQUEST_LIMIT, atomic_write, fsync_dir, parse_request
 
 VERSION = "0.1.0"
 # Set to 1 (or true, yes) in the job's environment, by the script itself or its command line

@@ -32,7 +32,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import rundir, runtime
+from .. import rundir
+from . import runtime
 from .dist import Ranks, tear_down_at_exit
 from .interrupt import Boundary
 from .metrics_file import MetricsWriter

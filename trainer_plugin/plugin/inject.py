@@ -20,6 +20,7 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any, NoReturn
 
+from . import trainer_args
 from .dist import Ranks
 from .interrupt import StopAtBoundary
 from .runtime import SNAPSHOT_RETURNS, RunEnv, log_error, stopped_for_snapshot
@@ -28,20 +29,6 @@ from .trackers import continue_in_args
 TARGET = "transformers.trainer"
 MARKER = "_obd_patched"  # set on the patched functions, so patching twice is a no-op
 CALLBACK_MARKER = "obd_snapshot_callback"  # class attribute of SnapshotCallback, whichever copy defines it
-
-_resume_used = False  # OBD_RESUME_FROM applies to the first train() call of the process only
-_resumed_now = False  # the train() under way resumed from OBD_RESUME_FROM
-
-
-def _train_returned() -> None:
-    global _resumed_now
-    _resumed_now = False
-
-
-def resumed_from_obd() -> bool:
-    """Whether the train() under way resumed from the checkpoint obd named (OBD_RESUME_FROM)."""
-    return _resumed_now
-
 
 _snapshot_exit = False  # train() ended the job for a snapshot: the interpreter's teardown is skipped
 
@@ -175,11 +162,11 @@ def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         env = RunEnv.from_environ()
         if env.active:
-            args, kwargs = _with_training_args(args, kwargs, env)
+            args, kwargs = trainer_args.with_training_args(args, kwargs, env)
         original(self, *args, **kwargs)
         if env.active:
-            redirect_output_dir(self.args, env)
-            continue_in_args(self.args, requested_output_dir(self.args))  # the chain's tracker run
+            trainer_args.redirect_output_dir(self.args, env)
+            continue_in_args(self.args, trainer_args.requested_output_dir(self.args))  # the chain's tracker run
             ensure_callback(self, env)
 
     setattr(__init__, MARKER, True)
@@ -191,18 +178,18 @@ def _wrap_train(original: Callable[..., Any]) -> Callable[..., Any]:
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         env = RunEnv.from_environ()
         if env.active:
-            redirect_output_dir(self.args, env)
+            trainer_args.redirect_output_dir(self.args, env)
             dedupe_callbacks(self)
             for callback in _snapshot_callbacks(self):
                 callback.trainer = weakref.ref(self)  # it counts tokens in this Trainer's loop
-            args, kwargs = _with_resume(args, kwargs, env)
+            args, kwargs = trainer_args.with_resume(args, kwargs, env)
         try:
             result = original(self, *args, **kwargs)
         except StopAtBoundary as stop:  # a stop between two step ends (interrupt.py)
             _snapshot_at_boundary(self, stop)
             raise  # not reached: the job ends at its snapshot, or the save failed
         finally:
-            _train_returned()
+            trainer_args.train_returned()
         if env.active:
             _end_job_if_stopped(self)
         return result
@@ -312,49 +299,6 @@ def _end_job_if_stopped(trainer: Any) -> None:
     _exit_for_snapshot()
 
 
-def redirect_output_dir(training_args: Any, env: RunEnv) -> None:
-    """Point the Trainer's output_dir at the run's output/, remembering what the script asked for."""
-    if training_args is None or not env.output_dir:
-        return
-    if getattr(training_args, "_obd_output_dir_requested", None) is None:
-        # Set once: the same TrainingArguments object may serve several Trainers.
-        training_args._obd_output_dir_requested = str(training_args.output_dir)
-    training_args.output_dir = env.output_dir
-
-
-def requested_output_dir(training_args: Any) -> str | None:
-    """What the script had asked for as output_dir before obd redirected it."""
-    value = getattr(training_args, "_obd_output_dir_requested", None)
-    return value if value is not None else getattr(training_args, "output_dir", None)
-
-
-def _with_training_args(args: tuple, kwargs: dict, env: RunEnv) -> tuple[tuple, dict]:
-    # Trainer(model=None, args=None, ...): find `args` by keyword or position and redirect it
-    # before __init__ runs, so the script's output_dir is never even created.
-    if "args" in kwargs:
-        if kwargs["args"] is None:
-            kwargs = {**kwargs, "args": _default_training_args(env)}
-        else:
-            redirect_output_dir(kwargs["args"], env)
-    elif len(args) > 1:
-        if args[1] is None:
-            args = (args[0], _default_training_args(env), *args[2:])
-        else:
-            redirect_output_dir(args[1], env)
-    else:
-        kwargs = {**kwargs, "args": _default_training_args(env)}
-    return args, kwargs
-
-
-def _default_training_args(env: RunEnv) -> Any:
-    # What Trainer builds when given no arguments, minus the stray ./tmp_trainer directory.
-    from transformers import TrainingArguments
-
-    training_args: Any = TrainingArguments(output_dir=env.output_dir)
-    training_args._obd_output_dir_requested = "tmp_trainer"
-    return training_args
-
-
 def _snapshot_callbacks(trainer: Any) -> list[Any]:
     handler = getattr(trainer, "callback_handler", None)
     return [cb for cb in getattr(handler, "callbacks", ()) if getattr(cb, CALLBACK_MARKER, False)]
@@ -364,9 +308,8 @@ def ensure_callback(trainer: Any, env: RunEnv) -> None:
     """Add the SnapshotCallback unless the script already passed one."""
     if _snapshot_callbacks(trainer):
         return
-    # The one import back into callback.py (which imports transformers, and this module): made
-    # when a Trainer is made, so installing the patch imports nothing heavy. Named in
-    # pyproject.toml's no-circle contract.
+    # Imported when a Trainer is made (callback.py imports transformers), so installing the patch
+    # imports nothing heavy. One way only: the callback never imports this module.
     from .callback import SnapshotCallback
 
     trainer.add_callback(SnapshotCallback(env=env, auto=True))
@@ -381,27 +324,3 @@ def dedupe_callbacks(trainer: Any) -> None:
     for cb in found:
         if cb is not keep:
             trainer.callback_handler.remove_callback(cb)
-
-
-def _with_resume(args: tuple, kwargs: dict, env: RunEnv) -> tuple[tuple, dict]:
-    """Resume the first train() call from OBD_RESUME_FROM unless the script named a checkpoint itself."""
-    global _resume_used
-    if not env.resume_from or _resume_used:
-        return args, kwargs
-    _resume_used = True
-    given = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-    if isinstance(given, str) and given:
-        log_error(f"obd: the script resumes from {given}; OBD_RESUME_FROM={env.resume_from} is not used")
-        return args, kwargs
-    if not os.path.isdir(env.resume_from):
-        raise FileNotFoundError(f"obd: OBD_RESUME_FROM={env.resume_from} is not a directory")
-    # None, False and True (= "the last checkpoint in output_dir", which is the run's empty output/)
-    # all mean: resume from the checkpoint obd was asked to resume from.
-    if args:
-        args = (env.resume_from, *args[1:])
-    else:
-        kwargs = {**kwargs, "resume_from_checkpoint": env.resume_from}
-    log_error(f"obd: resuming from {env.resume_from}")
-    global _resumed_now
-    _resumed_now = True
-    return args, kwargs

@@ -1,6 +1,7 @@
 """The job wrapper: starts a run's job detached, and supervises it to its end (standard library only).
 
-`jobctl.py start RUN_DIR` forks the wrapper and prints its handle, which the wrapper sends back
+`python3 supervisor.py start RUN_DIR [--secrets-stdin | --spec-stdin] [--clean-env] [--facts DIR]`
+(run by path, beside jobctl.py) forks the wrapper and prints its handle, which the wrapper sends back
 through a pipe (a file in the run directory is never read back for it). The wrapper leads a
 session and process group of its own for the job's lifetime, and is the one source of how the
 job ended, as Slurm's slurmstepd is:
@@ -16,7 +17,7 @@ job ended, as Slurm's slurmstepd is:
   run where the daemon made one, executors/containment.py) the job is moved into the run's
   cgroup before it runs anything, and every process there (the run's exec sessions' too) is
   ended; with `run_id`, so is every process of the job's user started with the run's
-  `OBD_RUN_ID` (trainer_plugin/contain.py). A GPU is free only once every process of the run
+  `OBD_RUN_ID` (trainer_plugin/tools/contain.py). A GPU is free only once every process of the run
   is gone.
 - The job's command, environment and account come on stdin (`--spec-stdin`) from a root
   daemon, never from `job.json`, a file the user could rewrite before the wrapper reads it.
@@ -33,13 +34,15 @@ import sys
 import time
 from typing import Any
 
-try:  # imported as trainer_plugin.supervisor
-    from . import contain, creds, jobctl, rundir
-except ImportError:  # run beside jobctl.py, rundir.py, contain.py and creds.py
+try:  # imported as trainer_plugin.tools.supervisor
+    from .. import rundir
+    from . import contain, creds, jobctl
+except ImportError:  # run by path (`python3 supervisor.py start ...`) beside jobctl.py, which finds rundir.py
     import contain  # type: ignore[no-redef, import-not-found]
     import creds  # type: ignore[no-redef, import-not-found]
     import jobctl  # type: ignore[no-redef, import-not-found]
-    import rundir  # type: ignore[no-redef, import-not-found]
+
+    rundir = jobctl.rundir
 
 PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE = 5.0  # TERM to KILL for what the job left behind
@@ -253,7 +256,7 @@ def _json_object(data: bytes) -> dict[str, Any]:
 
 
 def read_start_input(run_dir: str, argv: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The job's spec and values, as `jobctl.py start` was given them: both on stdin
+    """The job's spec and values, as `supervisor.py start` was given them: both on stdin
     (`--spec-stdin`, a root daemon's way), or job.json and the values on stdin (`--secrets-stdin`)."""
     if "--spec-stdin" in argv:
         payload = _json_object(sys.stdin.buffer.read())
@@ -265,3 +268,20 @@ def read_start_input(run_dir: str, argv: list[str]) -> tuple[dict[str, Any], dic
     spec = _json_object(rundir.read_regular(rundir.RunPaths(run_dir).job_spec, rundir.JOB_SPEC_LIMIT) or b"{}")
     values = _json_object(sys.stdin.buffer.read()) if "--secrets-stdin" in argv else {}
     return spec, values
+
+
+def main(argv: list[str]) -> int:
+    """`start RUN_DIR [--secrets-stdin | --spec-stdin] [--clean-env] [--facts DIR]`: start the
+    job under the wrapper, and print its handle (one JSON line) once it runs."""
+    if len(argv) < 2 or argv[0] != "start":
+        print(__doc__, file=sys.stderr)
+        return 2
+    spec, values = read_start_input(argv[1], argv)
+    facts = argv[argv.index("--facts") + 1] if "--facts" in argv else None
+    started = start(argv[1], spec, values, clean_env="--clean-env" in argv, facts=facts)
+    print(json.dumps(started), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

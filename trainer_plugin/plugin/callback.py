@@ -17,7 +17,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from . import inject
+from ..rundir import PREEMPTED, checkpoint_name, checkpoint_relpath
+from . import trainer_args
 from .agreement import RankAgreement
 from .dist import Ranks, tear_down_at_exit
 from .interrupt import (
@@ -32,7 +33,6 @@ from .interrupt import (
 )
 from .metrics_file import MetricsWriter
 from .request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
-from .rundir import PREEMPTED, checkpoint_name, checkpoint_relpath
 from .runtime import (
     SNAPSHOT_ATTRIBUTE,
     VERSION,
@@ -126,12 +126,12 @@ class SnapshotCallback(TrainerCallback):
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.env.active:
-            inject.redirect_output_dir(args, self.env)
+            trainer_args.redirect_output_dir(args, self.env)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if not self.env.active:
             return
-        inject.redirect_output_dir(args, self.env)  # in case the script changed it after __init__
+        trainer_args.redirect_output_dir(args, self.env)  # in case the script changed it after __init__
         self._ranks = Ranks()
         self._metrics.close()
         self._metrics = MetricsWriter(self.env.metrics_path if self._ranks.is_zero else None)
@@ -155,7 +155,7 @@ class SnapshotCallback(TrainerCallback):
             snapshots=True,
             version=VERSION,
             run_id=self.env.run_id,
-            output_dir_requested=inject.requested_output_dir(args),
+            output_dir_requested=trainer_args.requested_output_dir(args),
             output_dir=args.output_dir,
             start_step=state.global_step,
             resume_from=self.env.resume_from,
@@ -531,7 +531,7 @@ class SnapshotCallback(TrainerCallback):
         """A run resumed from a snapshot taken during an evaluation performs that evaluation first, at the same step."""
         source = self.env.resume_from
         trainer = self.trainer() if self.trainer is not None else None
-        if not source or trainer is None or not inject.resumed_from_obd():
+        if not source or trainer is None or not trainer_args.resumed_from_obd():
             return
         try:
             with open(os.path.join(source, INTERRUPTED_MARKER)) as f:
@@ -743,8 +743,3 @@ def parameter_counts(model: Any) -> dict[str, int | None]:
     if total <= 0:
         return {"model_params": None, "trainable_params": None}
     return {"model_params": total, "trainable_params": trainable}
-
-
-# Importing the callback by hand under obd (no sitecustomize, e.g. `python -S`) still gets the
-# Trainer patched for output_dir, OBD_RESUME_FROM and single-callback dedupe.
-inject.install()

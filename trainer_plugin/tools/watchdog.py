@@ -1,7 +1,8 @@
 """The pod watchdog: runs on a Runpod pod beside the job and holds the caps when obd is gone.
 
-Standard library only (plus its siblings jobctl.py and rundir.py, also standard library): obd
-uploads it with them into the run's `plugin/trainer_plugin/` and starts it detached before the job:
+Standard library only (plus its sibling jobctl.py and the rundir.py that finds, also standard
+library): obd uploads it with them into the run's `plugin/trainer_plugin/tools/` (rundir.py into
+the folder above) and starts it detached before the job:
 
     python3 watchdog.py run --config RUN_DIR/watchdog.json    # no credential given: see "Credentials"
     python3 watchdog.py manifest RUN_DIR [PATH...]             # size and sha256 of the outputs, as JSON
@@ -50,10 +51,11 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-try:  # imported as trainer_plugin.watchdog
-    from . import jobctl, rundir
+try:  # imported as trainer_plugin.tools.watchdog
+    from .. import rundir
+    from . import jobctl
 except ImportError:
-    try:  # run as a script beside jobctl.py, which imports its sibling rundir.py
+    try:  # run by path beside jobctl.py, which finds rundir.py (beside it, or in the folder above)
         import jobctl  # type: ignore[no-redef, import-not-found]
 
         rundir = jobctl.rundir
@@ -515,15 +517,23 @@ def manifest(run_dir: str, names: tuple[str, ...] | list[str] | None = None) -> 
 
 
 def _tool_dirs(run_dir: str) -> list[str]:
-    """Directories that may hold jobctl.py with its rundir.py, for `run_dir`: the run's plugin
-    copy, then obd's SSH tools directories of its workdir, newest first.
+    """Directories that may hold jobctl.py with its rundir.py (beside it, or in the folder above),
+    for `run_dir`: the run's plugin copy (`plugin/trainer_plugin/tools/`), the same copy as the
+    previous release laid it out (flat in `plugin/trainer_plugin/`: a pod started before the
+    tools had a folder of their own), then obd's tools directories of its workdir, newest first.
 
     These folder names are spelt here, not taken from rundir.py, because they are how to find it.
     """
     workdir = os.path.dirname(os.path.abspath(run_dir))
     tools = glob.glob(os.path.join(workdir, ".obd", "tools-*"))
     tools.sort(key=lambda d: os.stat(d).st_mtime if os.path.isdir(d) else 0.0, reverse=True)
-    return [os.path.join(run_dir, "plugin", "trainer_plugin"), *tools]
+    package = os.path.join(run_dir, "plugin", "trainer_plugin")
+    return [os.path.join(package, "tools"), package, *tools]
+
+
+def _has_rundir(directory: str) -> bool:
+    """Whether jobctl.py in `directory` finds a rundir.py: beside it, or in the folder above."""
+    return any(os.path.isfile(os.path.join(d, "rundir.py")) for d in (directory, os.path.dirname(directory)))
 
 
 def import_tools(run_dir: str, like: bytes | None = None) -> None:
@@ -541,7 +551,7 @@ def import_tools(run_dir: str, like: bytes | None = None) -> None:
                 source = f.read()
         except OSError:
             continue
-        if (like is not None and source != like) or not os.path.isfile(os.path.join(directory, "rundir.py")):
+        if (like is not None and source != like) or not _has_rundir(directory):
             continue
         sys.path.insert(0, directory)
         import jobctl as found

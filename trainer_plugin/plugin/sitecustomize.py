@@ -15,7 +15,7 @@ def _obd_install() -> None:
     if not os.environ.get("OBD_RUN_DIR"):
         return
     try:
-        from trainer_plugin import inject
+        from trainer_plugin.plugin import inject
 
         inject.install()
     except Exception as exc:

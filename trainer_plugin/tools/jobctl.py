@@ -1,23 +1,23 @@
 """The target-side control of a run directory and its job (standard library only).
 
-obd copies this file, with the `rundir.py` it imports (the run directory's contract) and the job
-wrapper (`supervisor.py`, `creds.py`), into every run's `plugin/` (and, for SSH targets, into
-`<workdir>/.obd/tools-<hash>/`) and runs it *on the target*, so the same code starts, watches
-and cancels jobs on this machine, over SSH and on a pod:
+obd copies this file, with the `rundir.py` it imports (the run directory's contract), the job
+wrapper (`supervisor.py`, `creds.py`, `contain.py`) and the SSH helper (`jobserve.py`), into every
+run's `plugin/trainer_plugin/` (and, for SSH targets and pods, flat into
+`<workdir>/.obd/tools-<hash>/`) and runs it *on the target*, so the same code watches and cancels
+jobs on this machine, over SSH and on a pod:
 
-    python3 jobctl.py start RUN_DIR [--secrets-stdin | --spec-stdin] [--clean-env] [--facts DIR]
     python3 jobctl.py cancel RUN_DIR [--grace S]         # TERM the job's processes, grace, KILL
     python3 jobctl.py probe < [{"dir": ..., "handle": ...}, ...]   # one read of many runs
     python3 jobctl.py checkpoints RUN_DIR                # bytes held by each output/checkpoint-<step>
     python3 jobctl.py remove-checkpoint RUN_DIR NAME     # delete one (checkpoint retention), say what it freed
-    python3 -S jobctl.py serve                           # the persistent helper of an SSH connection
 
-Doing the pid checks on the target itself means a pid is never checked on one round trip
-and signalled on another, and a reused pid (start time differs) is never mistaken for the job.
-`main` hands `start` to the wrapper (supervisor.py) and `serve` to the helper (jobserve.py), which
-both use this module's functions: the one import circle of the job-side tools, lazy and in
-main only, named in pyproject.toml's no-circle contract. With a facts directory (`--facts DIR`: where the wrapper records the job's handle and end, a
-place of the daemon's own), how the job ends is read there and never from the run directory.
+The job is started by the wrapper's own command (`python3 supervisor.py start RUN_DIR ...`) and an
+SSH connection's helper is `python3 -S jobserve.py`: both use this module's functions, and this
+module imports neither. Doing the pid checks on the target itself means a pid is never checked on
+one round trip and signalled on another, and a reused pid (start time differs) is never mistaken
+for the job. With a facts directory (`--facts DIR`: where the wrapper records the job's handle
+and end, a place of the daemon's own), how the job ends is read there and never from the run
+directory.
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ import sys
 import time
 from typing import Any
 
-try:  # imported as trainer_plugin.jobctl
-    from . import contain, rundir
-except ImportError:  # run as a script (`python3 jobctl.py ...`) beside rundir.py and contain.py
+try:  # imported as trainer_plugin.tools.jobctl
+    from .. import rundir
+    from . import contain
+except ImportError:  # run by path, or imported by bare name (tools/__init__.py: the two layouts)
+    # rundir.py is beside this file in a flat copy, in the folder above in a copy of the package.
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import contain  # type: ignore[no-redef, import-not-found]
     import rundir  # type: ignore[no-redef, import-not-found]
 
@@ -799,22 +802,18 @@ def _put_back(out: int, trash: str, name: str) -> str:
     return f"{rundir.OUTPUT}/{name}"
 
 
+# The commands of the previous release's `jobctl.py` that are now commands of their own files.
+MOVED = {"start": "python3 supervisor.py start RUN_DIR ...", "serve": "python3 -S jobserve.py"}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 1:
         print(__doc__, file=sys.stderr)
         return 2
     command = argv[0]
-    if command == "start" and len(argv) >= 2:
-        # The wrapper lives in its own module, which imports this one (the shared helpers).
-        try:
-            from . import supervisor
-        except ImportError:  # run as a script beside supervisor.py
-            import supervisor  # type: ignore[no-redef, import-not-found]
-        spec, values = supervisor.read_start_input(argv[1], argv)
-        facts = argv[argv.index("--facts") + 1] if "--facts" in argv else None
-        started = supervisor.start(argv[1], spec, values, clean_env="--clean-env" in argv, facts=facts)
-        print(json.dumps(started), flush=True)
-        return 0
+    if command in MOVED:
+        print(f"obd: `jobctl.py {command}` is now `{MOVED[command]}`, beside this file", file=sys.stderr)
+        return 2
     if command == "cancel" and len(argv) >= 2:
         grace = float(argv[argv.index("--grace") + 1]) if "--grace" in argv else 10.0
         handle = json.loads(argv[argv.index("--handle") + 1]) if "--handle" in argv else None
@@ -838,14 +837,6 @@ def main(argv: list[str]) -> int:
             print(f"remove-checkpoint: {exc}", file=sys.stderr)
             return 1
         return 0
-    if command == "serve":
-        try:
-            from . import jobserve
-        except ImportError:  # run as a script beside jobserve.py
-            import jobserve  # type: ignore[no-redef, import-not-found]
-        out = sys.stdout.buffer
-        sys.stdout = sys.stderr  # nothing but answers may reach the channel
-        return jobserve.serve(sys.stdin.buffer, out)
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -1,4 +1,4 @@
-"""The persistent helper of an SSH connection: `python3 -S jobctl.py serve` (standard library only).
+"""The persistent helper of an SSH connection: `python3 -S jobserve.py` (standard library only).
 
 Kept apart from jobctl.py, which starts, watches and cancels jobs on every target; this file
 only answers and pushes over one SSH channel, calling jobctl's functions for the work.
@@ -24,16 +24,18 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import BinaryIO
 
-try:  # imported as trainer_plugin.jobserve
-    from . import jobctl, rundir
-except ImportError:  # run beside jobctl.py and rundir.py (`python3 jobctl.py serve`)
+try:  # imported as trainer_plugin.tools.jobserve
+    from .. import rundir
+    from . import jobctl
+except ImportError:  # run by path (`python3 -S jobserve.py`) beside jobctl.py, which finds rundir.py
     import jobctl  # type: ignore[no-redef, import-not-found]
-    import rundir  # type: ignore[no-redef, import-not-found]
+
+    rundir = jobctl.rundir
 
 
 # --- serve: the persistent helper of an SSH connection -------------------------------------
 #
-# `python3 -S jobctl.py serve` lives as long as its SSH channel: it reads requests, one JSON object
+# `python3 -S jobserve.py` lives as long as its SSH channel: it reads requests, one JSON object
 # a line, on stdin and answers each with one line on stdout carrying the request's id, so many can
 # be in flight at once; anything that may block (a slow disk, a cancel's grace) runs in a thread of
 # its own. It also pushes, unasked, what is written in the run directories it was told to watch
@@ -286,10 +288,12 @@ def _read_at(path: str, offset: int, limit: int) -> bytes:
 
 
 def _serve_start(run_dir: str, values: dict, clean_env: bool, python: str | None) -> dict:
-    """`PYTHON jobctl.py start` as its own process in a new session, the values on its stdin, as
-    the remote command did under `setsid nohup` (SIGHUP is ignored here): the target's `python`
-    as configured runs it, and the helper never forks from its threads."""
-    argv = [python or sys.executable, os.path.abspath(jobctl.__file__), "start", run_dir, "--secrets-stdin"]
+    """`PYTHON supervisor.py start` (the wrapper, beside this file) as its own process in a new
+    session, the values on its stdin, as the remote command did under `setsid nohup` (SIGHUP is
+    ignored here): the target's `python` as configured runs it, and the helper never forks from
+    its threads."""
+    wrapper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
+    argv = [python or sys.executable, wrapper, "start", run_dir, "--secrets-stdin"]
     if clean_env:
         argv.append("--clean-env")
     proc = subprocess.run(
@@ -406,3 +410,17 @@ def serve(stdin: BinaryIO, stdout: BinaryIO) -> int:
         if raw.strip():
             server.handle(raw)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """Serve the channel on stdin and stdout (no arguments; `serve`, the previous release's word, is taken too)."""
+    if argv not in ([], ["serve"]):
+        print(__doc__, file=sys.stderr)
+        return 2
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but answers may reach the channel
+    return serve(sys.stdin.buffer, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
