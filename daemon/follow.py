@@ -180,10 +180,19 @@ class Follower:
             self._loops.discard(key)
 
     def _runs(self, key: str, state: RunState) -> list[RunRecord]:
+        """The runs of target `key` in `state` (running: and those pending in a scheduler, `has_job`).
+        A look at every record each poll: the state first, inline (5,000 queued runs are most of
+        them, and a property's call each was most of a poll's cost)."""
         targets = self.daemon.targets
-        if state == RunState.running:  # and those pending in a scheduler
-            return [r for r in self.daemon.records.values() if r.has_job and targets.key(r) == key]
-        return [r for r in self.daemon.records.values() if r.state == state and targets.key(r) == key]
+        records = self.daemon.records.values()
+        if state == RunState.running:
+            running, queued = RunState.running, RunState.queued
+            return [
+                r
+                for r in records
+                if ((s := r.state) == running or (s == queued and r.job is not None)) and targets.key(r) == key
+            ]
+        return [r for r in records if r.state == state and targets.key(r) == key]
 
     def _what_to_read(self, key: str, sweep: float) -> set[str] | None:
         """The run directories the next read covers; None: every run of the target."""

@@ -191,12 +191,11 @@ class Preemptor:
         default, min_runtime = self.settings(target)
         out = []
         for r in self.daemon.records.values():
+            if r.state != RunState.running or r.target != target or not r.gpus:
+                continue  # the cheap looks first: 5,000 queued runs are looked at on every pass
             started = running_since(r)
             if (
-                r.target != target
-                or r.state != RunState.running
-                or not r.gpus
-                or not self.may_snapshot(r)
+                not self.may_snapshot(r)
                 or not (r.preemptible if r.preemptible is not None else default)
                 or (below is not None and r.priority >= below)
                 or r.preempt is not None

@@ -491,7 +491,7 @@ class ControlServer:
 
 async def _send(stream: SocketStream, message: dict) -> None:
     result = message.get("result")
-    if isinstance(result, RawJSON):  # encoded once, where it is kept (the run list)
-        await stream.send(b'{"ok": true, "result": ' + result + b"}\n")
+    if isinstance(result, RawJSON):  # encoded once, where it is kept (the run list); copied once more
+        await stream.send(b"".join((b'{"ok": true, "result": ', result, b"}\n")))
         return
     await stream.send(json.dumps(message).encode() + b"\n")

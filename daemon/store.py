@@ -41,11 +41,11 @@ import structlog
 from pydantic import ValidationError
 
 from daemon.models import RunRecord, check_run_id
-from trainer_plugin.rundir import atomic_write, is_run_id
+from trainer_plugin.rundir import atomic_write, fsync_dir, is_run_id
 
 log = structlog.get_logger("obd.store")
 RECORD_LIMIT = 16 * 1024 * 1024
-WRITERS = 64  # records of one batch written at once (ext4 commits fsyncs made together at once)
+WRITERS = 8  # threads of a trip (its fsyncs made together: ext4 commits them at once)
 DROPS_PER_TRIP = 128  # files a trip removes at most (1,000 unlinks in one trip held others' saves a second)
 # A run's launch settings (daemon/queue.py), written before its first record: alone in a
 # directory, they are what a start cut short left.
@@ -202,20 +202,20 @@ class RunStore:
                 ended.set()
 
     def _write_batch(self, batch: Batch) -> None:
-        """The writer thread's trip: every record of the batch, each whole (StoreError kept), a
-        few at a time (a filesystem commits fsyncs made together at once). Saves in one batch were
-        made concurrently (a caller waits for its save before it makes the next), so their order
-        on disk is free."""
-
-        def one(item: tuple[str, tuple[int, bytes, dict[str, bytes]]]) -> None:
-            run_id, (seq, data, beside) = item
-            try:
-                self._write(run_id, seq, data, beside)
-            except StoreError as exc:
-                batch.failed[run_id] = str(exc)  # the caller says it (a queue message: the next save)
-
-        def drop(item: tuple[str, str]) -> None:
-            run_id, name = item
+        """The writer thread's trip: every record of the batch, each whole (StoreError kept), then
+        the files dropped. Saves in one batch were made concurrently (a caller waits for its save
+        before it makes the next), so their order on disk is free. A few saves are written one by
+        one (`_write`); more in phases (`_write_many`): their fsyncs made together."""
+        items = list(batch.items.items())
+        if len(items) < 4:
+            for run_id, (seq, data, beside) in items:
+                try:
+                    self._write(run_id, seq, data, beside)
+                except StoreError as exc:
+                    batch.failed[run_id] = str(exc)  # the caller says it (a queue message: the next save)
+        else:
+            self._write_many(items, batch.failed)
+        for run_id, name in sorted(batch.drops):  # after the saves (a file is never dropped before it is written)
             try:
                 os.unlink(self.run_dir(run_id) / name)
             except (FileNotFoundError, NotADirectoryError):
@@ -223,27 +223,93 @@ class RunStore:
             except OSError as exc:  # left for the next start's catch-up, which removes it again
                 log.warning("file_not_removed", run_id=run_id, file=name, error=str(exc))
 
-        items = list(batch.items.items())
-        drops = sorted(batch.drops)
-        if len(items) + len(drops) < 4:
-            for item in items:
-                one(item)
-            for dropped in drops:
-                drop(dropped)
-            return
-        workers = min(WRITERS, max(len(items), len(drops)))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="obd-store") as pool:
-            list(pool.map(one, items))
-            list(pool.map(drop, drops))  # after the saves (a file is never dropped before it is written)
+    def _write_many(self, items: list[tuple[str, tuple[int, bytes, dict[str, bytes]]]], failed: dict[str, str]) -> None:
+        """Many records written as `_write` writes one, a phase at a time over all of them by a few
+        threads (WRITERS), so that the fsyncs of a trip of 100 new runs are made together (ext4
+        commits them at once), and the event loop's thread never waits long for the GIL behind
+        dozens of writers: every temporary file written (a record's files beside it first), all
+        fsynced, each renamed over its file (`run.json` last, unless a newer save of that record
+        is already on disk), then each directory fsynced once, and `runs/` once when a directory
+        was made (a new run's directory is durable too). A record whose files fail (a full disk)
+        keeps its old record and is said in `failed`; the others are written all the same."""
+        with ThreadPoolExecutor(max_workers=min(WRITERS, len(items)), thread_name_prefix="obd-store") as pool:
+            staged = list(pool.map(self._stage, items))
+            for one in staged:
+                if one.error is not None:
+                    failed[one.run_id] = self._failure(one.run_id, one.error)
+            ready = [one for one in staged if one.error is None and one.files]
+            fds = [(f.fd, one) for one in ready for f in one.files]
+            for (_, one), error in zip(fds, pool.map(_fsync_or_error, fds), strict=True):
+                if error is not None and one.error is None:
+                    one.error = error
+                    failed[one.run_id] = self._failure(one.run_id, error)
+            for one in ready:
+                if one.error is not None:
+                    one.discard()
+            renamed = list(pool.map(self._rename, [one for one in ready if one.error is None]))
+            for one in renamed:
+                if one.error is not None:
+                    failed[one.run_id] = self._failure(one.run_id, one.error)
+            directories = {str(one.directory) for one in renamed if one.error is None and one.files}
+            if any(one.made_dir for one in staged):
+                directories.add(str(self.runs_dir))
+            list(pool.map(fsync_dir, sorted(directories)))
+
+    def _stage(self, item: tuple[str, tuple[int, bytes, dict[str, bytes]]]) -> _Staged:
+        """A record's files written under temporary names (none when a newer save of it is on disk)."""
+        run_id, (seq, data, beside) = item
+        one = _Staged(run_id, seq, self.run_dir(run_id))
+        if self._on_disk.get(run_id, 0) > seq:
+            return one
+        try:
+            try:
+                os.mkdir(one.directory, 0o700)
+                one.made_dir = True
+            except FileExistsError:
+                pass
+            except FileNotFoundError:  # no runs/ yet
+                one.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                one.made_dir = True
+            for name, content in (*beside.items(), ("run.json", data)):
+                one.files.append(_write_temporary(one.directory / name, content))
+        except OSError as exc:
+            one.discard()
+            one.error = exc
+        return one
+
+    def _rename(self, one: _Staged) -> _Staged:
+        """A staged record's files over the old ones, unless a newer save of it is on disk."""
+        with self._lock_of(one.run_id):
+            if self._on_disk.get(one.run_id, 0) > one.seq:  # written meanwhile by `save`, newer
+                one.discard()
+                one.files = []
+                return one
+            try:
+                one.rename()
+            except OSError as exc:
+                one.discard()
+                one.error = exc
+                return one
+            self._on_disk[one.run_id] = one.seq
+        return one
+
+    def _lock_of(self, run_id: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(run_id, threading.Lock())
+
+    def _failure(self, run_id: str, exc: OSError) -> str:
+        path = self.record_path(run_id)
+        return (
+            f"could not save the record of run {run_id} ({exc.strerror or exc}); "
+            f"the previous record in {path} is intact. Free space in {self.state_dir} and retry"
+        )
 
     def _write(self, run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> None:
         """Write a record's bytes atomically, unless a newer save of it is already on disk; the
         files `beside` it first, each whole, their directory made durable once with the record's."""
         directory = self.run_dir(run_id)
         path = directory / "run.json"
-        with self._locks_lock:
-            lock = self._locks.setdefault(run_id, threading.Lock())
-        with lock:
+        with self._lock_of(run_id):
             if self._on_disk.get(run_id, 0) > seq:
                 return
             try:
@@ -252,10 +318,7 @@ class RunStore:
                     _replace(directory / name, content)
                 atomic_write(str(path), data, 0o600)
             except OSError as exc:
-                raise StoreError(
-                    f"could not save the record of run {run_id} ({exc.strerror or exc}); "
-                    f"the previous record in {path} is intact. Free space in {self.state_dir} and retry"
-                ) from exc
+                raise StoreError(self._failure(run_id, exc)) from exc
             self._on_disk[run_id] = seq
 
     def load(self, run_id: str) -> RunRecord:
@@ -285,28 +348,91 @@ class RunStore:
         return records, bad
 
 
-def _replace(path: Path, data: bytes) -> None:
-    """`atomic_write` less its directory's fsync, which the record's write beside it makes: a fresh
-    temporary name opened O_EXCL|O_NOFOLLOW (a planted link never redirects it), fsynced, renamed."""
-    while True:
-        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{os.urandom(6).hex()}")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            break
-        except FileExistsError:
-            continue
+@dataclass
+class _Temporary:
+    """A file's new bytes written under a temporary name beside it, still open (to be fsynced)."""
+
+    tmp: Path
+    path: Path
+    fd: int
+
+
+@dataclass
+class _Staged:
+    """One record of a trip (`RunStore._write_many`): its files written under temporary names."""
+
+    run_id: str
+    seq: int
+    directory: Path
+    files: list[_Temporary] = field(default_factory=list)
+    made_dir: bool = False  # its directory was made by this trip (`runs/` is fsynced)
+    error: OSError | None = None
+
+    def rename(self) -> None:
+        """Each file over its old one, in order (`run.json` last); the descriptors closed."""
+        for f in self.files:
+            os.close(f.fd)
+            f.fd = -1
+        for f in self.files:
+            os.replace(f.tmp, f.path)
+
+    def discard(self) -> None:
+        """Close and remove what was written: the old files stay as they are."""
+        for f in self.files:
+            if f.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(f.fd)
+                f.fd = -1
+            with contextlib.suppress(OSError):
+                os.unlink(f.tmp)
+
+
+def _write_temporary(path: Path, data: bytes) -> _Temporary:
+    """`data` written to a fresh temporary name beside `path` (opened O_EXCL|O_NOFOLLOW: a planted
+    link never redirects it), left open and not yet fsynced."""
+    tmp, fd = _open_temporary(path)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    os.close(fd)
-    os.replace(tmp, path)
+    return _Temporary(tmp, path, fd)
+
+
+def _open_temporary(path: Path) -> tuple[Path, int]:
+    while True:
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{os.urandom(6).hex()}")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            continue
+
+
+def _fsync_or_error(item: tuple[int, object]) -> OSError | None:
+    try:
+        os.fsync(item[0])
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """`atomic_write` less its directory's fsync, which the record's write beside it makes: a fresh
+    temporary name opened O_EXCL|O_NOFOLLOW (a planted link never redirects it), fsynced, renamed."""
+    written = _write_temporary(path, data)
+    try:
+        os.fsync(written.fd)
+    except BaseException:
+        os.close(written.fd)
+        with contextlib.suppress(OSError):
+            os.unlink(written.tmp)
+        raise
+    os.close(written.fd)
+    os.replace(written.tmp, path)
 
 
 def _encode(record: RunRecord) -> bytes:

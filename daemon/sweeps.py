@@ -52,7 +52,8 @@ STOPPED_QUEUED = "cancelled while queued: its sweep was stopped (`obd train resu
 METRICS_CHUNK = 4 << 20  # one read of a member's metrics.jsonl
 METRICS_CHUNKS = 16  # at most this many reads a look (what is left is read by the next look)
 MEMBERS_AT_ONCE = 64  # members a stop or cancel acts on together (their saves share the writer's trips)
-SLICE = 100  # members taken out of the queue between two turns of the event loop (others answered meanwhile)
+SLICE = 100  # members a trip of the store's writer takes (their saves' fsyncs made together)
+TURN = 25  # members made, changed or told between two turns of the event loop (others answered meanwhile)
 CANCELLED_QUEUED = "cancelled by the user while queued"
 
 
@@ -353,9 +354,11 @@ class Sweeps:
                 copies.append((record, store.save_later(record, beside={SPEC: json.dumps(spec).encode()})))
                 if n % SLICE == 0:
                     await self._handed_over(copies[-1][1], slices)
+                elif n % TURN == 0:
+                    await anyio.lowlevel.checkpoint()
             await store.flush()
             for n, (record, batch) in enumerate(copies, 1):
-                if n % SLICE == 0:
+                if n % TURN == 0:
                     await anyio.lowlevel.checkpoint()
                 if record.id in batch.failed:
                     failed = failed or batch.failed[record.id]
@@ -504,8 +507,8 @@ class Sweeps:
         """The lowest loss in a run's metrics.jsonl, read on from where the last look stopped (where
         it is: the copy obd brought home from a pod, else its target); unknown while unreadable."""
         best = self._best.setdefault(record.id, _Best())
-        if not record.remote_dir:
-            return best
+        if not record.remote_dir or never_ran(record):
+            return best  # no job wrote there: no look (1,000 queued members, 1,000 reads on the loop)
         home = self.daemon.store.run_dir(record.id) / "retrieved" / rundir.METRICS
         local = record.state.final and home.is_file()
         path = rundir.RunPaths(record.remote_dir).metrics
@@ -606,6 +609,8 @@ class Sweeps:
                     taken.append(record)
                     if len(taken) % SLICE == 0:
                         await self._handed_over(batch, slices)
+                    elif len(taken) % TURN == 0:
+                        await anyio.lowlevel.checkpoint()
                 await daemon.store.flush()
                 failed = {rid for batch in batches for rid in batch.failed}
                 for record in taken:
@@ -616,7 +621,7 @@ class Sweeps:
                     lock.release()
             answer = []
             for n, record in enumerate(taken, 1):
-                if n % SLICE == 0:
+                if n % TURN == 0:
                     await anyio.lowlevel.checkpoint()
                 daemon.touch(record)
                 daemon.final_event(record.id).set()
@@ -693,6 +698,13 @@ def cancel_queued(record: RunRecord) -> None:
         record.stop.cancel_by = "user"
         record.note("cancel requested by the user")
     record.transition(RunState.cancelled, CANCELLED_QUEUED)
+
+
+def never_ran(record: RunRecord) -> bool:
+    """Whether no job of the run ever ran (queued, or ended without running): it has no metrics."""
+    if record.in_queue:
+        return True
+    return record.state.final and not any(entry.state == RunState.running for entry in record.history)
 
 
 def tag_values(record: RunRecord) -> dict[str, str]:

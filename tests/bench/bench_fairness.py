@@ -12,6 +12,12 @@ OBD_BENCH_CANCEL_BUDGET seconds, default 300, is cut short: then how many member
 the others' answer times (p50, p99, max) while the sweeps were made and while the cancel ran. The
 goal (issue 33): the others answered within 100 ms p99, a sweep of 1,000 made or cancelled in
 about a second. OBD_BENCH_SWEEPS and OBD_BENCH_MEMBERS change the load (5 x 1,000 by default).
+
+To compare two versions, run it from each tree with the same Python, in turns, on the same box
+(the figures of a shared 2-core box move by 2x from one minute to the next):
+
+    git archive OLD | tar -x -C /tmp/before && cd /tmp/before && /path/to/.venv/bin/python -m pytest \
+        -m bench -s -p no:cacheprovider tests/bench/bench_fairness.py   # then the same in this tree
 """
 
 from __future__ import annotations

@@ -212,3 +212,55 @@ def test_a_sweep_made_and_cancelled_is_on_disk_the_moment_the_daemon_answers_eve
     rows = d.call("list", sweep=made["sweep"])
     assert len(rows) == 300 and {r["state"] for r in rows} == {"cancelled"}
     d.call("cancel", id=holder)
+
+
+def test_a_full_disk_during_a_trip_of_many_saves_keeps_every_old_record_whole(tiny_disk: Path) -> None:
+    store = RunStore(tiny_disk)
+    records = [_record(f"20260101-000000-{i:06x}") for i in range(8)]
+    for r in records:
+        store.save(r)
+    before = {r.id: store.record_path(r.id).read_bytes() for r in records}
+    with open(tiny_disk / "filler", "wb") as f:
+        with contextlib.suppress(OSError):
+            f.write(b"\0" * (1 << 20))
+    for r in records:
+        r.command = ["x" * 20_000]  # none fits in what is left
+
+    async def main() -> list[BaseException]:
+        failed: list[BaseException] = []
+
+        async def save(r: RunRecord) -> None:
+            try:
+                await store.save_async(r, beside={"launch.json": b"{}"})
+            except StoreError as exc:
+                failed.append(exc)
+
+        async with anyio.create_task_group() as tg:  # one trip of the writer: saves made together
+            for r in records:
+                tg.start_soon(save, r)
+        return failed
+
+    failed = anyio.run(main)
+    assert len(failed) == len(records) and all("previous record" in str(e) and "intact" in str(e) for e in failed)
+    for r in records:
+        assert store.record_path(r.id).read_bytes() == before[r.id]
+        assert sorted(p.name for p in store.run_dir(r.id).iterdir()) == ["run.json"]  # no temporary file left
+
+
+def test_a_list_shows_each_run_as_last_saved_and_new_runs_in_their_place(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = make_daemon(ONE_GPU)
+    d.start()
+    holder = d.call("start", command=["sleep", "600"], gpus="1")["id"]
+    d.wait_state(holder, "running")
+    grid = [{"name": "a", "values": [str(i) for i in range(30)]}]
+    made = [r["id"] for r in d.call("sweep", command=["sleep", "{a}"], gpus="1", grid=grid)["runs"]]
+    assert [r["id"] for r in d.call("list")] == [holder, *made]
+    assert [r["id"] for r in d.call("list")] == [holder, *made]  # asked again, nothing changed
+
+    d.call("cancel", id=made[3])  # the answers kept are of before: each says the run as saved now
+    assert {r["id"]: r["state"] for r in d.call("list", all=True)}[made[3]] == "cancelled"
+    late = d.call("start", command=["sleep", "600"], gpus="1")["id"]
+    rows = d.call("list")
+    assert [r["id"] for r in rows] == [holder, *made, late]
+    assert {r["id"]: r["state"] for r in rows}[made[3]] == "cancelled"
+    d.call("cancel", id=holder)
