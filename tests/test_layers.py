@@ -52,3 +52,22 @@ def test_the_client_importing_the_service_is_reported(tmp_path: Path) -> None:
     render.write_text(render.read_text() + "\nfrom daemon.follow import Follower  # the service in the client\n")
     broken = _lint(root)
     assert broken.returncode != 0 and "daemon.cli.render -> daemon.follow" in broken.stdout
+
+
+def test_no_import_circle_is_whitelisted_and_one_brought_back_is_reported(tmp_path: Path) -> None:
+    text = (REPO / "pyproject.toml").read_text()
+    acyclic = text.split('type = "acyclic_siblings"', 1)[1].split("[[tool.importlinter.contracts]]", 1)[0]
+    assert "ignore_imports" not in acyclic
+    root = _copy(tmp_path)
+    callback = root / "trainer_plugin" / "plugin" / "callback.py"
+    callback.write_text(callback.read_text() + "\nfrom . import inject as _inject  # the circle that was\n")
+    broken = _lint(root)
+    assert broken.returncode != 0 and "No import circle among the modules of a package BROKEN" in broken.stdout
+
+
+def test_a_tool_importing_the_plugin_is_reported(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    jobctl = root / "trainer_plugin" / "tools" / "jobctl.py"
+    jobctl.write_text(jobctl.read_text() + "\nfrom ..plugin import runtime as _runtime  # a room into the other\n")
+    broken = _lint(root)
+    assert broken.returncode != 0 and "trainer_plugin.tools.jobctl -> trainer_plugin.plugin.runtime" in broken.stdout
