@@ -226,8 +226,9 @@ class Scheduler:
         return verdict
 
     def waiting_for(self, record: RunRecord, now: float | None = None, held: dict[str, str] | None = None) -> str:
-        """What a queued run waits for now, in words: the runs it waits for, else its target's drain,
-        else its backoff or GPUs."""
+        """What a queued run waits for now, in words: the runs it waits for, else why none of its
+        targets can take it (a run of several), else its target's drain, else its backoff or GPUs;
+        then the overflows still to come (daemon/placement.py)."""
         verdict = self.gate(record)
         if verdict is not None and verdict.action == "wait":
             return verdict.why
