@@ -1,4 +1,4 @@
-"""An upgrade across the two rooms of trainer_plugin/ (issue 35 item 4), on an SSH target.
+"""An upgrade across the two rooms of trainer_plugin/ (issue 35 item 4), on SSH and Slurm targets.
 
 The release before it ran the job-side tools flat in `<workdir>/.obd/tools-<hash>/` with the
 wrapper started as `jobctl.py start`; this one starts it as `supervisor.py start` from a tools
@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, DaemonProc, kill_job_groups, wait_for
+from tests.daemon.test_slurm_target import jobs_named, slurm_config
 from tests.daemon.test_ssh_target import ssh_config
+from tests.executors.slurm.cluster import Cluster
+from tests.executors.slurm.conftest import run_processes, slurm_cluster  # noqa: F401 - the shared fixture
 from tests.sshd import SshServer, running_sshd
 from trainer_plugin.tools import jobctl
 
@@ -141,3 +144,56 @@ def test_ssh_runs_started_by_the_release_before_the_two_rooms_are_followed_stopp
         assert (new_tools / "supervisor.py").is_file() and (new_tools / "jobserve.py").is_file()
     finally:
         kill_job_groups(workdir.glob("*/job.pid"))
+
+
+def test_slurm_jobs_submitted_by_the_release_before_the_two_rooms_run_their_own_copy_and_are_followed_and_cancelled(
+    previous: Path,
+    make_daemon,
+    slurm_cluster: Cluster,
+    short_tmp: Path,  # noqa: F811
+) -> None:
+    """A job still queued in Slurm at the upgrade starts afterwards with the batch helper of its own
+    run directory (the earlier, flat layout); this release follows it to its end and cancels another."""
+    cluster = slurm_cluster
+    d = make_daemon(slurm_config(short_tmp / "shared"))
+    d.env.update(cluster.env)
+    blocker = cluster.run(
+        "sbatch", "--parsable", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap=sleep 300"
+    ).stdout.strip()
+    try:
+        wait_for(lambda: any(j["id"] == blocker and j["state"] == "RUNNING" for j in cluster.jobs()), 30)
+        _start_previous_daemon(previous, d)
+
+        def start(*command: str, name: str) -> str:
+            out = _previous_cli(previous, d, "train", "start", "--target", "hpc", "--name", name, "--", *command)
+            assert out.returncode == 0, out.stderr
+            return out.stdout.strip()
+
+        finishes = start("sh", "-c", "echo ran after the upgrade", name="finishes")
+        cancelled = start("sleep", "300", name="cancelled")
+        for rid in (finishes, cancelled):
+            d.wait_state(rid, "queued", timeout=30)
+            wait_for(lambda rid=rid: jobs_named(cluster, rid), 30, 0.2, "the run's Slurm job")
+        (job,) = jobs_named(cluster, finishes)
+        script = cluster.run("scontrol", "write", "batch_script", job["id"], "-").stdout
+        run_dir = Path(d.record(finishes)["remote_dir"])
+        assert f"{run_dir}/plugin/trainer_plugin/slurm_batch.py" in script  # the earlier layout, flat
+        assert not (run_dir / "plugin" / "trainer_plugin" / "tools").exists()
+
+        d.stop()  # the earlier daemon goes while its jobs wait in Slurm
+        d.start()  # this version
+        cluster.run("scancel", blocker, check=False)  # the queued jobs start now, under this daemon
+
+        record = d.wait_state(finishes, "succeeded", "failed", "cancelled", timeout=120)
+        assert record["state"] == "succeeded", record["message"]
+        assert d.cli("train", "logs", finishes).stdout.strip() == "ran after the upgrade"
+        d.wait_state(cancelled, "running", timeout=60)
+        out = d.cli("train", "cancel", cancelled, "--wait")
+        assert out.returncode == 0, out.stderr
+        assert d.record(cancelled)["state"] == "cancelled"
+        assert run_processes(cancelled) == []
+    finally:
+        d.stop()
+        cluster.run("scancel", blocker, check=False)
+        cluster.run("scancel", "--user=root", check=False)
+        wait_for(lambda: not cluster.stepds(), 30, 0.2, "the cluster's jobs to end")
