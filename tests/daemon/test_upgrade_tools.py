@@ -149,8 +149,8 @@ def test_ssh_runs_started_by_the_release_before_the_two_rooms_are_followed_stopp
 def test_slurm_jobs_submitted_by_the_release_before_the_two_rooms_run_their_own_copy_and_are_followed_and_cancelled(
     previous: Path,
     make_daemon,
-    slurm_cluster: Cluster,
-    short_tmp: Path,  # noqa: F811
+    slurm_cluster: Cluster,  # noqa: F811 - the shared fixture, imported above
+    short_tmp: Path,
 ) -> None:
     """A job still queued in Slurm at the upgrade starts afterwards with the batch helper of its own
     run directory (the earlier, flat layout); this release follows it to its end and cancels another."""
