@@ -36,7 +36,7 @@ from daemon.cli.sdk_results import (
     SweepStarted,
     WaitTimeout,
 )
-from daemon.wire import FINAL, STATES
+from daemon.common.wire import FINAL, STATES
 
 if TYPE_CHECKING:
     from daemon.cli.aio import AsyncClient, AsyncRun

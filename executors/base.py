@@ -171,7 +171,7 @@ class BeginLine(BaseModel):
     start_step: Int = None
     snapshots: Flag = None  # the plugin announces it can snapshot (exactly `true`)
     version: Text = None
-    mlflow_run_id: Text = None  # the MLflow run the job's Trainer opened (daemon/trackers.py)
+    mlflow_run_id: Text = None  # the MLflow run the job's Trainer opened (daemon/service/trackers.py)
 
 
 class LogLine(BaseModel):
@@ -407,7 +407,7 @@ class Executor(Protocol):
 
     async def checkpoint_sizes(self, remote_dir: str) -> dict[str, int]:
         """The bytes each real `output/checkpoint-<step>` of a run directory holds (for retention,
-        daemon/retention.py); links are never followed."""
+        daemon/service/retention.py); links are never followed."""
         ...
 
     async def remove_checkpoint(self, remote_dir: str, name: str) -> int:

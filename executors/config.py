@@ -1,7 +1,7 @@
 """What a `[targets.NAME]` section holds: one pydantic model per kind of target, and durations.
 
 These live below the daemon so the executors that serve a target read its settings without
-importing `daemon/`; `daemon/config.py` builds the whole config from them. Unknown keys are
+importing `daemon/`; `daemon/service/config.py` builds the whole config from them. Unknown keys are
 errors (a typo must not silently fall back to a default), and durations are seconds or
 strings with a unit (`90s`, `30m`, `2h`).
 """

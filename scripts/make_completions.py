@@ -95,7 +95,7 @@ def walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[No
 
 
 def _pods_parser() -> argparse.ArgumentParser:
-    from daemon.cli.pods import build_parser
+    from daemon.service.pods_admin import build_parser
 
     return build_parser()
 

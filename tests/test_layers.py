@@ -49,9 +49,41 @@ def test_the_layer_contracts_hold_and_a_broken_one_is_reported(tmp_path: Path) -
 def test_the_client_importing_the_service_is_reported(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     render = root / "daemon" / "cli" / "render.py"
-    render.write_text(render.read_text() + "\nfrom daemon.follow import Follower  # the service in the client\n")
+    render.write_text(
+        render.read_text() + "\nfrom daemon.service.follow import Follower  # the service in the client\n"
+    )
     broken = _lint(root)
-    assert broken.returncode != 0 and "daemon.cli.render -> daemon.follow" in broken.stdout
+    assert broken.returncode != 0 and "daemon.cli.render -> daemon.service.follow" in broken.stdout
+
+
+def test_the_client_and_the_service_are_apart_by_a_contract_with_no_ignored_import(tmp_path: Path) -> None:
+    text = (REPO / "pyproject.toml").read_text()
+    apart = text.split('layers = ["cli | service", "common"]', 1)
+    assert len(apart) == 2 and 'containers = ["daemon"]' in apart[0].rsplit("[[tool.importlinter.contracts]]", 1)[1]
+    assert "ignore_imports" not in apart[1].split("[[tool.importlinter.contracts]]", 1)[0]
+    root = _copy(tmp_path)
+    wire = root / "daemon" / "common" / "wire.py"
+    wire.write_text(
+        wire.read_text() + "\nfrom daemon.service import models as _models  # the shared part leaning on one side\n"
+    )
+    broken = _lint(root)
+    assert broken.returncode != 0 and "daemon.common.wire -> daemon.service.models" in broken.stdout
+
+
+def test_the_client_reaches_the_machinery_only_through_its_one_door() -> None:
+    from daemon.cli import machinery
+
+    dynamic = ("import_module(", "__import__(", "importlib.util")
+    reaching = [
+        str(path.relative_to(REPO))
+        for path in sorted((REPO / "daemon" / "cli").rglob("*.py"))
+        if path.name != "machinery.py" and any(word in path.read_text() for word in dynamic)
+    ]
+    assert reaching == [], "the client imports obd's machinery through daemon/cli/machinery.py only"
+    for name, spec in machinery.ENTRIES.items():
+        module = spec.partition(":")[0]
+        assert module.startswith(("daemon.service.", "runner.")), name
+        assert callable(machinery.entry(name)), name
 
 
 def test_no_import_circle_is_whitelisted_and_one_brought_back_is_reported(tmp_path: Path) -> None:

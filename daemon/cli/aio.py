@@ -23,7 +23,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from daemon.cli import sdk, sdk_io, sdk_results
 from daemon.cli.client import BUSY_RETRY_FOR, IDEMPOTENT, MAX_REPLY, unreachable_message
-from daemon.wire import MAX_MESSAGE
+from daemon.common.wire import MAX_MESSAGE
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ import json
 import socket
 import time
 
-from daemon.wire import MAX_MESSAGE
+from daemon.common.wire import MAX_MESSAGE
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing or pathlib: `obd` starts faster
 if TYPE_CHECKING:

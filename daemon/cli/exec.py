@@ -1,6 +1,6 @@
 """`obd train exec RUN -- COMMAND` and `obd train shell RUN`: the client's side (standard library only).
 
-The request takes its connection over (daemon/exec_session.py): the daemon sends the command's
+The request takes its connection over (daemon/service/exec_session.py): the daemon sends the command's
 output as it comes (`{"out": B64}`, `{"err": B64}`) and its exit status (`{"exit": N}`), which
 becomes obd's; this side sends what it reads on stdin (`{"in": B64}`, then `{"eof": true}`) and,
 on a terminal, its size (`{"size": [ROWS, COLS]}`) now and on every SIGWINCH. A shell puts this
@@ -24,7 +24,7 @@ from typing import Any
 
 from daemon.cli.client import Client, DaemonUnreachable, RequestFailed, unreachable_message
 from daemon.cli.common import UsageError
-from daemon.wire import MAX_MESSAGE
+from daemon.common.wire import MAX_MESSAGE
 
 CHUNK = 65536  # the most of stdin sent in one message
 

@@ -21,7 +21,7 @@ from daemon.cli.common import (
     STATE_EXIT,
     on_this_machine,
 )
-from daemon.wire import FINAL
+from daemon.common.wire import FINAL
 
 
 def _width() -> int | None:
@@ -221,9 +221,9 @@ def _metrics(result: dict[str, Any], as_json: bool) -> int:
     if as_json:
         print(json.dumps(metrics, indent=1))
         return 0
-    from runner.format import format_metrics
+    from daemon.cli import machinery
 
-    print(render.printable_lines(format_metrics(metrics)))
+    print(render.printable_lines(machinery.entry("format_metrics")(metrics)))
     return 0
 
 

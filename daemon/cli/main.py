@@ -29,7 +29,7 @@ from daemon.cli.common import (
     UsageError,
     on_this_machine,
 )
-from daemon.wire import FINAL
+from daemon.common.wire import FINAL
 
 # What a command needs beyond this is imported where it is used (the parser, json, the client,
 # rendering, sweeps, following, run files, pathlib, typing...): each module costs the command's
@@ -149,7 +149,7 @@ def _list_json(argv: list[str]) -> int | None:
     given, line = found
     import _socket
 
-    from daemon.paths import client_socket_str
+    from daemon.common.paths import client_socket_str
 
     path = client_socket_str(given.get("--socket"), given.get("--config"), given.get("--state-dir"))
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
@@ -212,13 +212,15 @@ def _main(argv: list[str]) -> int:
         print(f"obd: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.cmd == "daemon":
-        return _daemon(args)
+        from daemon.cli import machinery
+
+        return int(machinery.entry("daemon")(args))
     if args.cmd == "completion":
         return _completion(args.shell)
     if args.cmd == "profile":
-        from runner.cli import profile_parse_main
+        from daemon.cli import machinery
 
-        return profile_parse_main([args.dir] + (["--json"] if args.json else []))
+        return int(machinery.entry("profile")([args.dir] + (["--json"] if args.json else [])))
     if args.cmd == "targets" and args.action == "list":
         return _targets_list(args)
     from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
@@ -229,10 +231,10 @@ def _main(argv: list[str]) -> int:
         except (DaemonUnreachable, DaemonBusy, RequestFailed) as exc:  # a denied drain: exit 77
             return _said(exc)
     if args.cmd in ("targets", "pods"):
-        from daemon.cli.admin import admin_main
-
         args.unknown = unknown
-        return admin_main(args)
+        from daemon.cli import machinery
+
+        return int(machinery.entry("admin")(args))
     client = Client(_socket_path(args))
     try:
         if getattr(args, "view", None) is not None:
@@ -245,8 +247,8 @@ def _main(argv: list[str]) -> int:
 
 
 def _socket_path(args: argparse.Namespace) -> str:
-    """The daemon's socket, found as the daemon finds it (daemon/paths.py: as a string, without pathlib)."""
-    from daemon.paths import client_socket_str
+    """The daemon's socket, found as the daemon finds it (daemon/common/paths.py: as a string, without pathlib)."""
+    from daemon.common.paths import client_socket_str
 
     return client_socket_str(args.socket, args.config, args.state_dir)
 
@@ -374,37 +376,6 @@ def _completion(shell: str) -> int:
     return 0
 
 
-def _daemon(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    import anyio
-
-    from daemon.config import ConfigError, load_config
-    from daemon.log import configure
-    from daemon.service import Daemon
-
-    try:
-        config = load_config(
-            Path(args.config) if args.config else None,
-            state_dir=Path(args.state_dir) if args.state_dir else None,
-            socket=Path(args.socket) if args.socket else None,
-        )
-    except ConfigError as exc:
-        print(f"obd: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        configure(args.log_level or config.daemon.log_level)
-    except ValueError as exc:
-        print(f"obd: [daemon] {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    anyio.run(Daemon(config).run)
-    # A worker thread may still sit in a call to a remote that does not answer (a hung cloud API),
-    # abandoned on purpose: it must not hold the exit up. Everything the daemon keeps is on disk.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
     env: dict[str, str] = {}
     for pair in pairs:
@@ -510,7 +481,7 @@ def _targets_from_config(config: str | None) -> list[dict[str, Any]]:
     import tomllib
     from pathlib import Path
 
-    from daemon.paths import default_config_path
+    from daemon.common.paths import default_config_path
 
     path = Path(config) if config else default_config_path()
     try:

@@ -1,4 +1,4 @@
-"""`obd train move RUN --to T [--gpus N] [--wait]`: the client's side (the daemon's: daemon/move.py).
+"""`obd train move RUN --to T [--gpus N] [--wait]`: the client's side (the daemon's: daemon/service/move.py).
 
 Without --wait it asks and says so; with --wait it shows one line of progress (the snapshot, then
 the bytes of the checkpoint arrived on T and their rate, then the new run's first step there)

@@ -24,7 +24,7 @@ from daemon.cli.common import (
     EXIT_CODES,
     SHELLS,
 )
-from daemon.wire import STATES
+from daemon.common.wire import STATES
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (a few ms of every command)
 if TYPE_CHECKING:
@@ -414,7 +414,7 @@ def _add_targets(sub: Any) -> None:
 
 
 def _add_pods(sub: Any) -> None:
-    # `obd pods` has its own parser (daemon/cli/pods.py): list, rm, retrieve and their options.
+    # `obd pods` has its own parser (daemon/service/pods_admin.py): list, rm, retrieve and their options.
     pods = sub.add_parser(
         "pods",
         add_help=False,

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from xml.sax.saxutils import escape, quoteattr
 
 from daemon.cli.render import printable
-from daemon.wire import MAX_TAIL_LINES, READ_LIMIT
+from daemon.common.wire import MAX_TAIL_LINES, READ_LIMIT
 
 MAX_CHAIN = 100  # runs followed back through resumed_from; more means a loop or a mistake
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")

@@ -14,7 +14,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import Any
 
-from daemon.wire import FINAL
+from daemon.common.wire import FINAL
 
 # Characters that change how the text around them is laid out or read: C0/C1 controls
 # (escape, newline, backspace...), line and paragraph separators, lone surrogates (which cannot

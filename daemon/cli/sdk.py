@@ -17,7 +17,7 @@ code, over the same socket.
 
 Results are small frozen dataclasses (`RunStatus`, `Progress`, `Snapshot`, `Outputs`) made from
 the record the daemon sends, which each keeps whole as `.record` for the fields they do not name:
-the client may not import pydantic (the service's models, daemon/models.py), and a dataclass of
+the client may not import pydantic (the service's models, daemon/service/models.py), and a dataclass of
 the standard library costs nothing at import.
 
 What the sync and the async clients do is written once, here, as generators that yield the
@@ -61,7 +61,7 @@ from daemon.cli.sdk_results import (
     WaitTimeout,
     translated,
 )
-from daemon.wire import FINAL, MAX_OFFSET, READ_LIMIT, STATES
+from daemon.common.wire import FINAL, MAX_OFFSET, READ_LIMIT, STATES
 
 T = TypeVar("T")
 
@@ -426,7 +426,7 @@ def list_params(
 
 def default_socket(socket: str | os.PathLike[str] | None) -> Path:
     """The socket as the command finds it: this one, else OBD_SOCKET, the config's, the default."""
-    from daemon.paths import client_socket
+    from daemon.common.paths import client_socket
 
     return client_socket(os.fspath(socket) if socket is not None else None)
 

@@ -25,7 +25,7 @@ from daemon.cli.sdk_results import (
     RequestFailed,
     error_for,
 )
-from daemon.wire import MAX_MESSAGE
+from daemon.common.wire import MAX_MESSAGE
 
 
 def copy_outputs(reply: Mapping[str, Any], to: str | os.PathLike[str] | None, which: str | int | None) -> Outputs:

@@ -22,7 +22,7 @@ from daemon.cli.common import (
     EXIT_USAGE,
     LOCAL_TARGET,
 )
-from daemon.wire import FINAL
+from daemon.common.wire import FINAL
 
 # --- errors: the exit codes of `obd` as attributes ----------------------------------------------
 

@@ -14,7 +14,7 @@ from daemon.cli import render
 from daemon.cli.client import Client, RequestFailed
 from daemon.cli.common import EXIT_CANCELLED, EXIT_ERROR, EXIT_NO_SNAPSHOT, EXIT_OK, STATE_EXIT, UsageError
 from daemon.cli.follow import Patient, _Feedback, _wait
-from daemon.wire import FINAL
+from daemon.common.wire import FINAL
 
 
 def parse_grid(texts: list[str]) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """Runpod as a kind of target (`kind = "runpod"`): each run gets a pod of its own, made, watched,
-priced and ended by obd (daemon/pods.py supervises it)."""
+priced and ended by obd (daemon/service/pods.py supervises it)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class RunpodKind(Kind):
     name = "runpod"
     config = RunpodTarget
     capabilities = frozenset({Capability.MAKES_PODS, Capability.EXEC, Capability.CARRIES_FILES})
-    supervision = "daemon.pods:PodSupervision"
+    supervision = "daemon.service.pods:PodSupervision"
 
     def gpus_counted(self, target: RunpodTarget, held: int) -> int | None:
         return target.gpu_count

@@ -17,7 +17,7 @@ class SlurmKind(Kind):
     capabilities = frozenset(
         {Capability.SCHEDULES_JOBS, Capability.SHARED_MACHINE, Capability.EXEC, Capability.CARRIES_FILES}
     )
-    supervision = "daemon.slurm:SlurmSupervision"
+    supervision = "daemon.service.slurm:SlurmSupervision"
 
     def make_executor(self, name: str, target: SlurmTarget, state_dir: Path, remote_poll: float) -> Executor:
         from executors.slurm.executor import SlurmExecutor

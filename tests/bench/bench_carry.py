@@ -6,7 +6,7 @@ A real sshd on loopback (tests/sshd.py) is the other target. A checkpoint of `--
 random bytes, `--size-mb` in all, lies on this machine, as a local run's does. Timed, interleaved
 (carry, scp, carry, scp, ...), each into a fresh directory on the "remote" side:
 
-- `carry`: daemon/carry.py's `carry_checkpoint`, what `obd train resume --target`/`move` does:
+- `carry`: daemon/service/carry.py's `carry_checkpoint`, what `obd train resume --target`/`move` does:
   every file's sha256 here, the upload through the SSH executor (SFTP on its connection), the
   progress count on the destination once a second, and every file's sha256 there before the
   job could start;
@@ -37,8 +37,8 @@ import anyio
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from daemon.carry import carry_checkpoint
-from daemon.models import RunRecord
+from daemon.service.carry import carry_checkpoint
+from daemon.service.models import RunRecord
 from executors.ssh import SshExecutor
 from tests.executors.ssh.helpers import make_target
 from tests.sshd import SshServer

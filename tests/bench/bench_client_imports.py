@@ -43,8 +43,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from daemon.cli.client import Client, DaemonUnreachable
-from daemon.models import RunRecord, RunState
-from daemon.store import RunStore
+from daemon.service.models import RunRecord, RunState
+from daemon.service.store import RunStore
 from tests.fakes.runpod_api import FakeRunpod
 
 PACKAGES = ("daemon", "executors", "trainer_plugin", "runner")

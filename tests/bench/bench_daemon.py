@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from daemon.models import RunRecord, RunState
-from daemon.store import RunStore
+from daemon.service.models import RunRecord, RunState
+from daemon.service.store import RunStore
 from tests.conftest import DaemonProc, kill_job_groups, kill_leftover_jobs, wait_for
 
 CONFIG = '[daemon]\npoll_interval = "1s"\n[stop]\ncancel_grace = "2s"\n'

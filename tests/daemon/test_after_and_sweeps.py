@@ -1,5 +1,5 @@
 """Runs that wait for runs (`--after`) and sweeps (`obd train sweep`), issue 26 items 3 and 4:
-the rules as tables (daemon/after.py, daemon/sweeps.py), then real daemons and jobs."""
+the rules as tables (daemon/service/after.py, daemon/service/sweeps.py), then real daemons and jobs."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from daemon.after import ChainEnd, Verdict, cycle, decide, env_name, parse_after, waited_for
-from daemon.api import ApiError, GridAxis
-from daemon.models import Dependency, RunRecord, RunState, SweepTag
-from daemon.sweeps import STOPPED_QUEUED, combinations, fold_best, gate, substitute, sweep_env
+from daemon.service.after import ChainEnd, Verdict, cycle, decide, env_name, parse_after, waited_for
+from daemon.service.api import ApiError, GridAxis
+from daemon.service.models import Dependency, RunRecord, RunState, SweepTag
+from daemon.service.sweeps import STOPPED_QUEUED, combinations, fold_best, gate, substitute, sweep_env
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 
 PY = sys.executable

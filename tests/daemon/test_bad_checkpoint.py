@@ -15,8 +15,8 @@ from typing import Any
 import anyio
 import pytest
 
-from daemon.checkpoints import bad_checkpoints, chain_resume_point, failed_at_load, load_attempted
-from daemon.models import BadCheckpoint, Progress, RunRecord, RunState
+from daemon.service.checkpoints import bad_checkpoints, chain_resume_point, failed_at_load, load_attempted
+from daemon.service.models import BadCheckpoint, Progress, RunRecord, RunState
 from executors.base import ExecutorError
 from tests.conftest import FAST_CONFIG, REPO, wait_for
 
@@ -54,7 +54,7 @@ def test_an_attempt_that_failed_before_its_first_new_step_marks_the_checkpoint_i
 
 
 def test_the_mark_in_the_history_is_a_notification_event_of_its_own() -> None:
-    from daemon.notify import events
+    from daemon.service.notify import events
 
     record = attempt(state=RunState.running)  # it runs, then fails (a final state is never left)
     record.transition(RunState.failed, "exited with code 1")
@@ -76,7 +76,7 @@ class Chain:
     """Just what chain_resume_point reads: the records, where each attempt's copy is, its target."""
 
     def __init__(self, root: Path, records: list[RunRecord]) -> None:
-        from daemon.config import Config
+        from daemon.service.config import Config
 
         self.records = {r.id: r for r in records}
         self.config = Config()
@@ -119,7 +119,7 @@ def test_a_chain_resumes_from_the_next_older_checkpoint_never_a_bad_one(tmp_path
 def test_a_resumed_runs_retry_after_a_bad_checkpoint_resumes_from_the_parents_next_older_one_not_step_0(
     tmp_path: Path, resumed_at: int, then: str
 ) -> None:
-    from daemon.models import Snapshot
+    from daemon.service.models import Snapshot
 
     for step in (5, 10, 15, 20):
         checkpoint(tmp_path, "bad", step)

@@ -242,13 +242,13 @@ def _walk(parser: Any, path: str = "obd") -> Iterator[tuple[str, Any]]:
 
 def test_every_command_and_every_flag_has_a_one_line_help() -> None:
     from daemon.cli.main import _parser
-    from daemon.cli.pods import build_parser
+    from daemon.service.pods_admin import build_parser
 
     found = list(_walk(_parser()))
     assert len(found) > 100
     missing = [where for where, text in found if not text or text == "==SUPPRESS=="]
     assert missing == []
-    # `obd pods` parses its own options (daemon/cli/pods.py): its commands have help too.
+    # `obd pods` parses its own options (daemon/service/pods_admin.py): its commands have help too.
     assert all(text for where, text in _walk(build_parser(), "obd pods") if where.count(" ") == 2 and "-" not in where)
 
 

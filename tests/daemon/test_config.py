@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import ConfigError, load_config, parse_duration
+from daemon.service.config import ConfigError, load_config, parse_duration
 from tests.conftest import DaemonProc
 
 
@@ -180,7 +180,7 @@ import pytest as _pytest
 def test_durations_out_of_their_range_are_refused_naming_the_key_and_the_range(
     tmp_path, section: str, key: str, value: str, words: str
 ) -> None:
-    from daemon.config import ConfigError, load_config
+    from daemon.service.config import ConfigError, load_config
 
     path = tmp_path / "config.toml"
     path.write_text(f'[{section}]\n{key} = "{value}"\n')
@@ -193,7 +193,7 @@ def test_durations_out_of_their_range_are_refused_naming_the_key_and_the_range(
 
 
 def test_nonsense_settings_are_refused(tmp_path) -> None:
-    from daemon.config import ConfigError, load_config
+    from daemon.service.config import ConfigError, load_config
 
     for body, words in (
         ("[daemon]\nsocket_mode = 0o7777\n", "daemon.socket_mode"),

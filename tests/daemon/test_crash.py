@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.store import RunStore
+from daemon.service.store import RunStore
 from tests.conftest import DaemonProc, wait_for
 from trainer_plugin.tools import jobctl
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.hints import MAY_BE_OOM, KernelLine, hint, last_lines, oom_finding, plain
+from daemon.service.hints import MAY_BE_OOM, KernelLine, hint, last_lines, oom_finding, plain
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 --max-gpu-hours and --max-cost-usd end a run with a `deadline` or `cost` snapshot ahead of the
 limit, summed over every attempt of its chain, on every kind of target.
 
-The rules are pure functions of daemon/limits.py, table-tested first; then real daemons and real
+The rules are pure functions of daemon/service/limits.py, table-tested first; then real daemons and real
 processes: a user's Trainer script that obd did not write (tests/trainer_plugin/scripts/
 plain_trainer.py), the fast fake job (tests/daemon/fake_plugin_job.py `snapshot`: a step every
 0.05 s, a proof of the request's reason), a real sshd on loopback and a real Slurm cluster.
@@ -24,7 +24,7 @@ import pytest
 
 from daemon.cli.parser import deadline_time, duration_seconds, positive_number
 from daemon.cli.render import finish_text, limits_text
-from daemon.limits import (
+from daemon.service.limits import (
     COST_BUDGET,
     DEADLINE_LIMIT,
     GPU_BUDGET,
@@ -45,7 +45,7 @@ from daemon.limits import (
     too_late,
     too_late_at,
 )
-from daemon.models import Limits, RunRecord, RunState, Snapshot, Transition
+from daemon.service.models import Limits, RunRecord, RunState, Snapshot, Transition
 from executors.config import LocalTarget, RunpodTarget, SlurmTarget, SshTarget
 from executors.slurm.script import job_time as slurm_job_time
 from executors.slurm.script import sbatch_arguments

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from daemon.config import ConfigError, load_config
-from daemon.models import RunRecord, RunState
-from daemon.notify import applies, events
+from daemon.service.config import ConfigError, load_config
+from daemon.service.models import RunRecord, RunState
+from daemon.service.notify import applies, events
 from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
 from tests.daemon import pods
 from tests.daemon.pods import KEY, make_pods_daemon
@@ -421,7 +421,7 @@ def test_events_are_state_changes_proofs_and_cost_requests_and_filters_pick_runs
     assert [e.index for e in events(record, 4)] == [4, 6, 7]
     assert [e.id for e in events(record, 7)] == ["r1:7:stopped"]
 
-    from daemon.config import NotifyEntry
+    from daemon.service.config import NotifyEntry
 
     assert applies(NotifyEntry(command=["x"]), record)
     assert applies(NotifyEntry(command=["x"], owners=["alice"], targets=["gpu1"]), record)

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from daemon.models import RunRecord, RunState
-from daemon.store import RunStore
+from daemon.service.models import RunRecord, RunState
+from daemon.service.store import RunStore
 
 OLD = Path(__file__).parent / "records_a91c419"
 FILES = sorted(OLD.glob("*.json"))

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from daemon import paths
-from daemon.config import load_config
+from daemon.common import paths
+from daemon.service.config import load_config
 from tests.conftest import REPO, DaemonProc, kill_leftover_jobs, wait_for
 
 _VARS = ("OBD_STATE_DIR", "OBD_SOCKET", "OBD_CONFIG", "XDG_STATE_HOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR")
@@ -311,7 +311,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def test_configured_for_a_terminal_the_log_is_key_value_text_not_json(capsys: pytest.CaptureFixture[str]) -> None:
     import structlog
 
-    from daemon.log import configure
+    from daemon.service.log import configure
 
     try:
         configure("info", json_output=False)
@@ -328,7 +328,7 @@ def test_configured_for_a_terminal_the_log_is_key_value_text_not_json(capsys: py
 
 def _log_one_line(stderr: Any) -> None:
     code = (
-        "import structlog; from daemon.log import configure; configure('info');"
+        "import structlog; from daemon.service.log import configure; configure('info');"
         "structlog.get_logger('obd').info('run_started', run_id='r-9', pid=7)"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -372,7 +372,7 @@ def test_library_chatter_is_kept_below_warning_and_rendered_like_obds_own_lines(
     import logging
     import sys
 
-    from daemon.log import configure
+    from daemon.service.log import configure
 
     err = io.StringIO()
     old = sys.stderr

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import ConfigError, load_config
+from daemon.service.config import ConfigError, load_config
 from tests.conftest import FAST_CONFIG, DaemonProc, kill_job_groups, wait_for
 from tests.daemon import pods
 from tests.executors.runpod.conftest import kill_jobs

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.preempt import Candidate, choose_victims
+from daemon.service.preempt import Candidate, choose_victims
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 
 PY = sys.executable
@@ -312,8 +312,8 @@ def test_the_queue_of_a_drained_target_says_the_drain_and_the_command_that_undra
 def test_a_queued_attempt_is_counted_among_every_attempt_its_chain_may_make(
     attempt: int, retries: int, preemptions: int, said: str | None
 ) -> None:
-    from daemon.models import RunRecord
-    from daemon.queue import queued_why
+    from daemon.service.models import RunRecord
+    from daemon.service.queue import queued_why
 
     assert queued_why(RunRecord(id="r", attempt=attempt, retries=retries, preemptions=preemptions)) == said
 

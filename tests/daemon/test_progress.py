@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.models import RunRecord
-from daemon.progress import update_progress
+from daemon.service.models import RunRecord
+from daemon.service.progress import update_progress
 from executors.base import JobState, JobStatus, RunProbe
 
 T0 = 1_700_000_000.0

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.config import ConfigError, load_config
-from daemon.prometheus import Family, exposition, histogram
+from daemon.service.config import ConfigError, load_config
+from daemon.service.prometheus import Family, exposition, histogram
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 from tests.daemon import pods
 from tests.daemon.pods import make_pods_daemon

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from daemon.cli import render
-from daemon.models import RunRecord, RunState, Snapshot
+from daemon.service.models import RunRecord, RunState, Snapshot
 
 CLEAR_SCREEN = "\x1b[2J\x1b[H"
 RETITLE = "\x1b]0;owned\x07"

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from daemon.models import RunRecord, RunState, Snapshot
-from daemon.retention import Held, is_run_dir, plan, protections
+from daemon.service.models import RunRecord, RunState, Snapshot
+from daemon.service.retention import Held, is_run_dir, plan, protections
 from executors.base import ExecutorError
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 from tests.daemon.test_ssh_target import ssh_config

@@ -1,4 +1,4 @@
-"""The run state machine (daemon/run_states.py): every allowed edge is taken, every other one refused, and a
+"""The run state machine (daemon/service/run_states.py): every allowed edge is taken, every other one refused, and a
 final state is never left (issue 35, item 3)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from daemon import wire
-from daemon.models import RunRecord, RunState
-from daemon.run_states import EDGES, IllegalTransition
+from daemon.common import wire
+from daemon.service.models import RunRecord, RunState
+from daemon.service.run_states import EDGES, IllegalTransition
 
 PAIRS = list(itertools.product(wire.STATES, repeat=2))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.store import RunStore
+from daemon.service.store import RunStore
 from tests.conftest import DaemonProc, wait_for
 from tests.daemon import pods
 from tests.daemon.pods import KEY, make_pods_daemon

@@ -1,6 +1,6 @@
 """A limit's lead learned from the Trainer's own periodic saves (issue 26 item 1; docs/limits.md):
 the plugin times each checkpoint save (`save` lines in metrics.jsonl), the probe finds the newest
-one, and daemon/limits.py takes it as the chain's last measured save, so a chain's first stop is
+one, and daemon/service/limits.py takes it as the chain's last measured save, so a chain's first stop is
 asked ahead of a save as long as its saves really take, not only the floor.
 
 The rules first (pure functions), then the probe's reading of a metrics file, then a real Trainer
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.limits import Rate, carried, lead, learn_save
-from daemon.models import Limits, RunRecord, RunState, Snapshot, Transition
+from daemon.service.limits import Rate, carried, lead, learn_save
+from daemon.service.models import Limits, RunRecord, RunState, Snapshot, Transition
 from executors.base import RunProbe, SaveLine
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc
 from trainer_plugin.tools.jobctl import _metrics_summary

@@ -300,8 +300,8 @@ def test_a_secret_the_target_lists_comes_from_the_daemons_environment(
 
 
 def test_a_secret_the_target_lists_but_nobody_has_refuses_the_start() -> None:
-    from daemon.api import ApiError
-    from daemon.launch import target_secrets
+    from daemon.service.api import ApiError
+    from daemon.service.launch import target_secrets
 
     with pytest.raises(ApiError, match=r"HUB_TOKEN.*systemctl edit obd") as err:
         target_secrets("box", ["HUB_TOKEN"], {}, {})

@@ -160,7 +160,7 @@ import sys
 from pathlib import Path
 from executors.config import RunpodTarget
 from executors.factory import make_pod_driver
-import daemon.service, daemon.handlers, daemon.server, daemon.pods
+import daemon.service.daemon, daemon.service.handlers, daemon.service.server, daemon.service.pods
 target = RunpodTarget(kind="runpod", workdir="/workspace/obd")
 make_pod_driver("pods", target, Path({str(short_tmp)!r}))
 print(",".join(m for m in ("runpod", "asyncssh") if m in sys.modules))

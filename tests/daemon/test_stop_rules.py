@@ -1,4 +1,4 @@
-"""The stop rules (daemon/stop.py) row by row against the contract (docs/contract.md), with no daemon and no process.
+"""The stop rules (daemon/service/stop.py) row by row against the contract (docs/contract.md), with no daemon and no process.
 
 One row per line of SPEC's "Run states" and "Snapshot and stop", named by the rule it checks.
 Three lines are not decided here and have no row: a launch that failed (the launcher fails the
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from daemon.models import RunRecord, RunState, Snapshot
-from daemon.stop import Verdict, apply_probe, fallback_reason, final_state
+from daemon.service.models import RunRecord, RunState, Snapshot
+from daemon.service.stop import Verdict, apply_probe, fallback_reason, final_state
 from executors.base import JobState, JobStatus, RunProbe
 from trainer_plugin import rundir
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from daemon.models import RunRecord, RunState
-from daemon.store import RunStore, StoreError
+from daemon.service.models import RunRecord, RunState
+from daemon.service.store import RunStore, StoreError
 from tests.conftest import FAST_CONFIG
 
 
@@ -150,7 +150,7 @@ def test_a_record_larger_than_the_limit_is_reported_and_one_at_the_limit_loads(
     path = store.record_path(padded.id)
     text = path.read_text()
     limit = len(text) + 100
-    monkeypatch.setattr("daemon.store.RECORD_LIMIT", limit)
+    monkeypatch.setattr("daemon.service.store.RECORD_LIMIT", limit)
     path.write_text(text + " " * 100)  # exactly at the limit: JSON allows the trailing spaces
     records, bad = store.load_all()
     assert set(records) == {small.id, padded.id} and bad == []

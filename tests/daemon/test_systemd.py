@@ -6,7 +6,7 @@ import os
 import socket
 from pathlib import Path
 
-from daemon.systemd import Notifier
+from daemon.service.systemd import Notifier
 from executors.local import systemd_scope_prefix
 from tests.conftest import REPO, DaemonProc
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import handlers
-from daemon.handlers import newlines_back, tail_start
+from daemon.service import handlers
+from daemon.service.handlers import newlines_back, tail_start
 
 
 async def tail_of(data: bytes, lines: int) -> bytes:

@@ -2,7 +2,7 @@
 resumed from it, logs to one experiment-tracker run: one W&B run id, one MLflow run once a job
 opened one, one TensorBoard directory; never in place of a value the user set.
 
-The rules first (daemon/trackers.py, trainer_plugin/plugin/trackers.py), then real jobs under a real
+The rules first (daemon/service/trackers.py, trainer_plugin/plugin/trackers.py), then real jobs under a real
 daemon: a job that prints what it got, over a retry; and a user's Trainer script with
 report_to=["wandb", "mlflow", "tensorboard"] (W&B offline, MLflow on a file store), stopped and
 resumed twice.
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from daemon.models import RunRecord, Trackers
-from daemon.trackers import chain_tensorboard_dir, continued, learn, tracker_env, wandb_run_id
+from daemon.service.models import RunRecord, Trackers
+from daemon.service.trackers import chain_tensorboard_dir, continued, learn, tracker_env, wandb_run_id
 from executors.base import BeginLine
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 from trainer_plugin.plugin.trackers import continue_in_args

@@ -27,11 +27,11 @@ ROOMS = (
     "executors/slurm/",
     "executors/runpod/",
     "executors/ray/",
-    "daemon/config.py",
-    "daemon/pods.py",
-    "daemon/pod_record.py",
-    "daemon/slurm.py",
-    "daemon/cli/pods.py",
+    "daemon/service/config.py",
+    "daemon/service/pods.py",
+    "daemon/service/pod_record.py",
+    "daemon/service/slurm.py",
+    "daemon/service/pods_admin.py",
 )
 NAMED = re.compile(
     r"\b(?:Local|Ssh|Runpod|Slurm|Ray)Target\b|\.kind\s*[!=]=\s*[\"'](?:local|ssh|slurm|runpod|ray)[\"']"

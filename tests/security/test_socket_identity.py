@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-from daemon.api import Peer
-from daemon.launch import caller_groups
-from daemon.server import make_socket_dir, peer_groups, peer_identity
+from daemon.service.api import Peer
+from daemon.service.launch import caller_groups
+from daemon.service.server import make_socket_dir, peer_groups, peer_identity
 from tests import users
 from tests.conftest import FAST_CONFIG
 from tests.users import Box

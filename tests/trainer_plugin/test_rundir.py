@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.models import RunRecord, Snapshot
-from daemon.stop import apply_probe, final_state, judge_proof
+from daemon.service.models import RunRecord, Snapshot
+from daemon.service.stop import apply_probe, final_state, judge_proof
 from executors.base import JobState, JobStatus, RunProbe
 from tests.trainer_plugin.conftest import REPO
 from trainer_plugin import rundir
@@ -399,7 +399,7 @@ def test_the_watchdog_fed_on_stdin_with_no_contract_anywhere_says_so_and_lists_t
 
 def plugin_env(run: Path) -> runtime.RunEnv:
     """The plugin's view of the run from the environment the daemon gives the job."""
-    from daemon.launch import job_env
+    from daemon.service.launch import job_env
 
     record = RunRecord(id="r1", command=["x"])
     return runtime.RunEnv.from_environ(job_env(record, str(run)))

@@ -50,7 +50,7 @@ def test_any_other_non_empty_content_is_a_plain_requested(tmp_path: Path, conten
 
 @given(st.binary(max_size=300))
 def test_parsing_never_fails_and_agrees_with_the_daemon_on_every_content(data: bytes) -> None:
-    from daemon.models import normalise_reason
+    from daemon.service.models import normalise_reason
 
     assert runtime.parse_request(data) == normalise_reason(data.decode("utf-8", "replace"))
     assert runtime.parse_request(data) in (None, *REASONS)

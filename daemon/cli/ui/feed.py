@@ -18,7 +18,7 @@ from typing import Any
 from daemon.cli import plot
 from daemon.cli.client import Client, RequestFailed
 from daemon.cli.ui.hub import Hub
-from daemon.wire import FINAL
+from daemon.common.wire import FINAL
 
 LOG_TAIL_LINES = 300  # lines of the log a page opens with
 ACTIVE_TICK = 1.0  # seconds between two reads of an active run's files

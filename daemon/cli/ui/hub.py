@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.cli.client import Client, DaemonBusy, DaemonUnreachable, RequestFailed
-from daemon.wire import FINAL
+from daemon.common.wire import FINAL
 
 WATCH_TIMEOUT = 25.0  # seconds the daemon holds a watch before it answers "nothing changed"
 POD_REFRESH = 60.0  # seconds between two reads of a pod run's spend when nothing else changed

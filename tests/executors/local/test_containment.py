@@ -125,8 +125,8 @@ async def test_an_ended_runs_gpu_stays_held_while_a_process_carrying_its_identit
     queue is woken once it is gone."""
     import anyio
 
-    from daemon.gpus import Inventory
-    from daemon.models import RunRecord, RunState
+    from daemon.service.gpus import Inventory
+    from daemon.service.models import RunRecord, RunState
     from executors.containment import Containment
     from executors.gpus import Gpu
 
@@ -168,8 +168,8 @@ async def test_an_ended_runs_gpu_stays_held_while_nvidia_smi_lists_a_process_of_
     none of its user's is listed on it (a stand-in nvidia-smi here: this machine has no GPU)."""
     import anyio
 
-    from daemon.gpus import Inventory
-    from daemon.models import RunRecord, RunState
+    from daemon.service.gpus import Inventory
+    from daemon.service.models import RunRecord, RunState
     from executors.containment import Containment
     from executors.gpus import Gpu
 

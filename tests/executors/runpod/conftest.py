@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from daemon.config import RunpodTarget
+from daemon.service.config import RunpodTarget
 from executors.runpod import PodInfo, RunpodDriver
 from executors.runpod.api import RunpodApi
 from tests.fakes.runpod_api import FakeRunpod

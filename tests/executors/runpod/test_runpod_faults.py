@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.config import RunpodTarget
+from daemon.service.config import RunpodTarget
 from executors.base import ExecutorError
 from executors.runpod import PodInfo, RunpodDriver
 from tests.executors.runpod.conftest import Saves, fast_api

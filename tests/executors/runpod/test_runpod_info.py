@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from daemon.models import RunRecord
+from daemon.service.models import RunRecord
 from executors.runpod import PodInfo, PodPhase
 from tests.executors.runpod.conftest import Saves
 from tests.fakes.runpod_api import FakeRunpod

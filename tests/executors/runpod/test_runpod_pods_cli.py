@@ -1,4 +1,4 @@
-"""`obd pods list | rm | retrieve` (daemon/cli/pods.py), straight through the driver (no daemon)."""
+"""`obd pods list | rm | retrieve` (daemon/service/pods_admin.py), straight through the driver (no daemon)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from daemon.cli.pods import format_pods, pods_main
-from daemon.config import Config
+from daemon.service.config import Config
+from daemon.service.pods_admin import format_pods, pods_main
 from tests.executors.runpod.conftest import Saves, fast_api
 from tests.fakes.runpod_api import FakeRunpod
 

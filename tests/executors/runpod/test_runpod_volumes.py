@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 from pydantic import ValidationError
 
-from daemon.config import ConfigError, RunpodTarget, load_config
+from daemon.service.config import ConfigError, RunpodTarget, load_config
 from executors.base import ExecutorError
 from tests.executors.runpod.conftest import Saves
 from tests.fakes.runpod_api import FakeRunpod

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import anyio
 
-from daemon.config import SshTarget
+from daemon.service.config import SshTarget
 from executors.base import JobHandle, JobSpec, JobState, JobStatus
 from executors.ssh import SshExecutor
 from tests.sshd import SshServer

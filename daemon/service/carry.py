@@ -1,0 +1,263 @@
+"""Carrying a checkpoint to another target, for a run resumed there (`obd train resume RUN --target T`).
+
+Only the checkpoint's directory travels, through the executors' own file operations (streamed,
+file by file). Every file's size and sha256 is known before it leaves: read where the bytes are
+(this machine: hashed here, in chunks; another target: listed there by one command) and checked
+again on the copy brought here, if one was needed, and where it arrives (one command on the
+destination, with the target's python), before the job starts. A file that differs fails the
+launch saying which, and nothing is ever deleted at the source: the run stays resumable there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from daemon.service.models import RunRecord
+from daemon.service.ports import Runs
+from daemon.service.targets import Targets
+from executors.base import Executor, ExecutorError
+from trainer_plugin import rundir
+
+log = structlog.get_logger("obd")
+
+Manifest = dict[str, tuple[int, str]]  # a file's path under the checkpoint -> (size, sha256)
+CHUNK = 1 << 20
+LIST_TIMEOUT = 3600.0  # hashing a checkpoint of hundreds of GB on a slow disk
+
+# The listing run on a target: `python -c LISTING DIR EXCLUDED_JSON` prints {path: [size, sha256]}
+# of every regular file under DIR, as `walk_upload` chooses what an upload carries (links are
+# carried as links, never followed; caches and virtual environments stay behind). Standard
+# library only, any Python 3: nothing need be installed there.
+LISTING = r"""
+import hashlib, json, os, sys
+root, excluded = sys.argv[1], set(json.loads(sys.argv[2]))
+found = {}
+for top, dirs, files in os.walk(root):
+    keep = []
+    for d in dirs:
+        p = os.path.join(top, d)
+        if not os.path.islink(p) and d not in excluded and not os.path.isfile(os.path.join(p, "pyvenv.cfg")):
+            keep.append(d)
+    dirs[:] = keep
+    for name in files:
+        p = os.path.join(top, name)
+        if os.path.islink(p) or not os.path.isfile(p):
+            continue
+        h, n = hashlib.sha256(), 0
+        with open(p, "rb") as f:
+            while True:
+                chunk = f.read(1 << 20)
+                if not chunk:
+                    break
+                h.update(chunk)
+                n += len(chunk)
+        found[os.path.relpath(p, root).replace(os.sep, "/")] = [n, h.hexdigest()]
+json.dump(found, sys.stdout)
+"""
+
+
+# The size arrived so far: `python -c ARRIVED DIR` prints the bytes of the regular files under DIR.
+ARRIVED = r"""
+import os, sys
+n = 0
+for top, dirs, files in os.walk(sys.argv[1]):
+    for name in files:
+        p = os.path.join(top, name)
+        if not os.path.islink(p):
+            try:
+                n += os.path.getsize(p)
+            except OSError:
+                pass
+print(n)
+"""
+PROGRESS_EVERY = 1.0  # seconds between two looks at what arrived
+
+
+class CarryHost(Runs, Protocol):
+    """What a carry uses of the daemon: its records (and store), and its targets."""
+
+    @property
+    def targets(self) -> Targets: ...
+
+
+class CarryFailed(ExecutorError):
+    """A checkpoint did not arrive whole: the launch fails, and nothing was deleted at the source."""
+
+
+@dataclass(frozen=True)
+class Carried:
+    """What a carry moved, for the new run's history."""
+
+    files: int
+    size: int
+
+
+def manifest_here(root: Path) -> Manifest:
+    """Size and sha256 of every file an upload of `root` carries (`walk_upload`'s), read in chunks."""
+    from executors.remote import walk_upload  # tarfile and jobctl: when a carry comes, not at the daemon's start
+
+    _, files, _ = walk_upload(root)
+    found: Manifest = {}
+    for rel in files:
+        digest, size = hashlib.sha256(), 0
+        fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+        found[rel.as_posix()] = (size, digest.hexdigest())
+    return found
+
+
+def sizes_here(root: Path) -> dict[str, int]:
+    """The size of every file an upload of `root` carries, from one stat each."""
+    from executors.remote import walk_upload
+
+    _, files, _ = walk_upload(root)
+    return {rel.as_posix(): os.lstat(root / rel).st_size for rel in files}
+
+
+async def manifest_there(executor: Executor, root: str) -> Manifest:
+    """The same listing, of `root` on the executor's machine, by one command with its python."""
+    from executors.remote import EXCLUDED_NAMES
+
+    python = await executor.python()
+    argv = [python, "-c", LISTING, root, json.dumps(sorted(EXCLUDED_NAMES))]
+    result = await executor.run_command(argv, timeout=LIST_TIMEOUT)
+    if result.returncode != 0:
+        raise CarryFailed(
+            f"listing {root} on target {executor.name} with {python} failed (exit {result.returncode}): "
+            f"{result.stderr.decode(errors='replace')[-300:].strip()}"
+        )
+    try:
+        raw = json.loads(result.stdout)
+        return {str(path): (int(size), str(digest)) for path, (size, digest) in raw.items()}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise CarryFailed(f"the listing of {root} on target {executor.name} is not what it prints: {exc}") from exc
+
+
+def differences(sent: Manifest, got: Manifest) -> list[str]:
+    """Each file whose copy differs from what was sent, said in a few words."""
+    said = []
+    for path, (size, digest) in sorted(sent.items()):
+        if path not in got:
+            said.append(f"{path} is missing")
+        elif got[path][0] != size:
+            said.append(f"{path} has {got[path][0]} bytes, not {size}")
+        elif got[path][1] != digest:
+            said.append(f"{path}'s sha256 differs")
+    said += [f"{path} was not sent" for path in sorted(set(got) - set(sent))]
+    return said
+
+
+async def carry_checkpoint(
+    host: CarryHost,
+    source: RunRecord,
+    name: str,
+    executor: Executor,
+    dest: str,
+    stage: Path,
+    into: RunRecord | None = None,
+) -> Carried:
+    """Carry `source`'s checkpoint `name` to `dest` on `executor`'s machine, every file verified
+    on arrival. Read in place when it is on this machine and the daemon may read it as itself;
+    else from the copy obd retrieved (a pod's), else brought into `stage` first (removed after).
+    The bytes arrived so far are shown on `into`'s progress while it uploads (`carry_bytes`)."""
+    targets = host.targets
+    where = rundir.RunPaths(source.remote_dir).in_output(name)
+    retrieved = Path(rundir.RunPaths(host.store.run_dir(source.id) / "retrieved").in_output(name))
+    on_this_machine = targets.of(source).answers_at_once()
+    wanted: Manifest | None = None
+    staged = False
+    if retrieved.is_dir():
+        local = retrieved
+    elif on_this_machine and source.owner_uid in (None, os.geteuid()):
+        local = Path(where)
+    else:
+        source_executor = targets.executor(source)
+        if not on_this_machine:  # what the source holds, to check the copy brought here against
+            wanted = await manifest_there(source_executor, where)
+        await anyio.to_thread.run_sync(shutil.rmtree, stage, True)
+        staged = True
+        await source_executor.download(where, stage / name)
+        local = stage / name
+    try:
+        sizes = await anyio.to_thread.run_sync(sizes_here, local)
+        if not sizes:
+            raise CarryFailed(f"{where} of run {source.id} holds no file to carry")
+        sent: Manifest = {}
+
+        async def hash_here() -> None:
+            sent.update(await anyio.to_thread.run_sync(manifest_here, local))
+
+        # The hashing here reads what the upload reads, at the same time (the page cache serves
+        # one of them): a carry costs the upload and the check on arrival, not a pass more.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hash_here)
+            await _upload_watched(host, executor, local, dest, into, sum(sizes.values()))
+        if wanted is not None and (bad := differences(wanted, sent)):
+            raise CarryFailed(_refusal(source, name, f"the copy brought from target {source.target}", bad))
+        arrived = await manifest_there(executor, dest)
+        if bad := differences(sent, arrived):
+            raise CarryFailed(_refusal(source, name, f"the copy on target {executor.name}", bad))
+    finally:
+        if staged:
+            await anyio.to_thread.run_sync(shutil.rmtree, stage, True)
+    size = sum(s for s, _ in sent.values())
+    log.info("checkpoint_carried", run_id=source.id, checkpoint=name, to=executor.name, files=len(sent), size=size)
+    return Carried(files=len(sent), size=size)
+
+
+async def _upload_watched(
+    host: CarryHost, executor: Executor, local: Path, dest: str, into: RunRecord | None, total: int
+) -> None:
+    """The upload, with what has arrived shown on `into`'s progress (bytes, of the total, and the
+    rate) once a second, read on the destination by one small command: the upload is the
+    executor's own (a copy here, SFTP over SSH), which counts nothing itself."""
+    if into is None:
+        await executor.upload(local, dest)
+        return
+    began = time.monotonic()
+
+    def show(done: int) -> None:
+        elapsed = max(time.monotonic() - began, 1e-6)
+        into.progress.carry_bytes, into.progress.carry_total = min(done, total), total
+        into.progress.carry_rate = round(min(done, total) / elapsed, 1)
+        host.touch(into)
+
+    async def watch() -> None:
+        python = await executor.python()
+        while True:
+            await anyio.sleep(PROGRESS_EVERY)
+            with anyio.move_on_after(PROGRESS_EVERY * 5):
+                result = await executor.run_command([python, "-c", ARRIVED, dest], timeout=PROGRESS_EVERY * 5)
+                if result.returncode == 0 and result.stdout.strip().isdigit():
+                    show(int(result.stdout.strip()))
+
+    show(0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        await executor.upload(local, dest)
+        tg.cancel_scope.cancel()
+    show(total)
+    log.info("carry_progress", run_id=into.id, bytes=total, seconds=round(time.monotonic() - began, 2))
+
+
+def _refusal(source: RunRecord, name: str, which: str, bad: list[str]) -> str:
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return (
+        f"{name} of run {source.id} did not arrive whole ({which}: {'; '.join(bad[:5])}{more}), so the job was not "
+        f"started; nothing was deleted on target {source.target}, where the run stays resumable: "
+        f"`obd train resume {source.id} --target TARGET` tries again"
+    )

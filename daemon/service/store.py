@@ -1,0 +1,517 @@
+"""The run store: one `runs/<id>/run.json` per run, each saved whole or not at all.
+
+A save writes a temporary file beside the record, fsyncs it, renames it over the record and
+fsyncs the directory, so a SIGKILL or a power cut at any moment leaves the old record or the
+new one, never half of one; a full disk leaves the old record and raises `StoreError`.
+
+Saves are made off the event loop (`save_async`): the bytes are taken at once, written and
+fsynced by a worker thread, and the caller goes on once they are durable, so a daemon that answers
+about a record has it on disk, and others are answered meanwhile. Saves made while the thread is
+busy are written together on its next trip (a sweep of 1,000 cancelled is a few trips, not 1,000
+round trips of the loop); a record saved twice before its trip is written once, with its newest
+bytes, and a newer save is never overwritten by an older one (each save has a sequence number).
+A file a record no longer needs beside it (a launch.json once its chain ended) is removed by the
+same trips (`drop_later`), after the saves of its trip, DROPS_PER_TRIP a trip: 1,000 unlinks
+never hold the event loop, nor another user's save for long. A caller saving many records (a
+sweep made or cancelled) hands them over a slice at a time (`save_later`, `written`), so that
+a trip is never so long that a save of someone else's waits a second behind it.
+
+What such a kill leaves is cleared when the records are loaded (`load_all`, at the daemon's
+start): the temporary files of atomic writes (`.NAME.tmp.*`) made before this process started,
+and the directory of a start cut short before its record was first saved (no `run.json`, only
+its `launch.json` or such temporary files, or nothing): its `obd train start` never answered,
+so no one knows the run, and it would otherwise be listed `unreadable` for ever. A directory
+with anything else in it is left as it is and listed `unreadable`, for a person to look at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import structlog
+from pydantic import ValidationError
+
+from daemon.service.models import RunRecord, check_run_id
+from trainer_plugin.rundir import atomic_write, fsync_dir, is_run_id
+
+log = structlog.get_logger("obd.store")
+RECORD_LIMIT = 16 * 1024 * 1024
+WRITERS = 8  # threads of a trip (its fsyncs made together: ext4 commits them at once)
+DROPS_PER_TRIP = 128  # files a trip removes at most (1,000 unlinks in one trip held others' saves a second)
+# A run's launch settings (daemon/service/queue.py), written before its first record: alone in a
+# directory, they are what a start cut short left.
+LAUNCH_SETTINGS = "launch.json"
+_IMPORTED_AT = time.time()
+
+
+def process_started() -> float:
+    """When this process started, in wall-clock seconds (from /proc; where /proc cannot say, when
+    this module was imported, which the daemon does as it starts)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # since boot
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])  # to the hundredth (btime is to the second)
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a name is that of an atomic write's temporary file (`rundir.atomic_write`)."""
+    return name.startswith(".") and ".tmp." in name
+
+
+class StoreError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    """A record that could not be read; reported, never overwritten, never fatal."""
+
+    run_id: str
+    path: Path
+    error: str
+
+
+@dataclass
+class Batch:
+    """Saves waiting for one trip of the writer thread: each record's newest bytes (and their
+    sequence number), in the order of their last save, and the errors of those that failed."""
+
+    items: dict[str, tuple[int, bytes, dict[str, bytes]]] = field(default_factory=dict)
+    drops: set[tuple[str, str]] = field(default_factory=set)  # (run id, file name) removed after the saves
+    flushing: bool = False  # a flush of it is asked for (`drop_later`)
+    failed: dict[str, str] = field(default_factory=dict)
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+class RunStore:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.runs_dir = state_dir / "runs"
+        self._seq = 0  # each save's number: the newest bytes of a record win on disk
+        self._on_disk: dict[str, int] = {}  # the number of each record's save on disk
+        self._locks: dict[str, threading.Lock] = {}  # one write of a record at a time
+        self._locks_lock = threading.Lock()
+        self._open: Batch | None = None  # saves not yet taken by the writer thread
+        self._writing: anyio.Event | None = None  # set when the thread's trip under way ends
+
+    def ensure(self) -> None:
+        self.runs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.runs_dir / check_run_id(run_id)
+
+    def record_path(self, run_id: str) -> Path:
+        return self.run_dir(run_id) / "run.json"
+
+    def save(self, record: RunRecord) -> None:
+        """Save a record now, in the caller's thread; durable when it returns."""
+        seq = self._number(record.id)
+        if self._open is not None:
+            self._open.items.pop(record.id, None)  # older bytes, never to be written after these
+        self._write(record.id, seq, _encode(record), {})
+
+    async def save_async(self, record: RunRecord, beside: dict[str, bytes] | None = None) -> None:
+        """Save a record off the event loop; durable when it returns (the module's docstring). The
+        wait is shielded: a caller cancelled meanwhile still has its record on disk. `beside`:
+        files written in its directory before it, in the same trip (a new run's launch.json)."""
+        batch = self.save_later(record, beside)
+        with anyio.CancelScope(shield=True):
+            await self._until_written(batch)
+        if record.id in batch.failed:
+            raise StoreError(batch.failed[record.id])
+
+    def save_later(self, record: RunRecord, beside: dict[str, bytes] | None = None) -> Batch:
+        """Take a record's bytes now for the writer's next trip, without waiting for it (`flush`
+        waits for every save taken so far)."""
+        if self._open is None:
+            self._open = Batch()
+        _, _, before = self._open.items.pop(record.id, (0, b"", {}))
+        self._open.items[record.id] = (self._number(record.id), _encode(record), {**before, **(beside or {})})
+        return self._open
+
+    def drop_later(self, run_id: str, name: str) -> bool:
+        """Remove a file beside a record (not the record) on the writer's next trip, after that
+        trip's saves; a missing one is no error. True when no flush of that trip is asked for yet:
+        the caller asks for one (`flush`), else the file waits for the next save's trip."""
+        check_run_id(run_id)
+        if name == "run.json" or "/" in name:
+            raise ValueError(f"{name!r}: only a file beside a record is dropped, never the record")
+        if self._open is None:
+            self._open = Batch()
+        self._open.drops.add((run_id, name))
+        first, self._open.flushing = not self._open.flushing, True
+        return first
+
+    async def flush(self) -> None:
+        """Wait until every save taken so far is on disk (or failed, and said so in the log), and
+        every file dropped so far is removed (DROPS_PER_TRIP a trip: one trip each)."""
+        with anyio.CancelScope(shield=True):
+            while True:
+                if self._writing is not None:  # a trip under way holds saves taken before now
+                    await self._writing.wait()
+                    continue
+                if self._open is None:
+                    return
+                await self._until_written(self._open)
+                if self._open is not None and not self._open.flushing:
+                    return  # saves made since: their callers wait for them
+
+    async def written(self, batch: Batch) -> None:
+        """Wait until the saves of `batch` (what `save_later` answered) are on disk, or failed."""
+        with anyio.CancelScope(shield=True):
+            await self._until_written(batch)
+
+    def _number(self, run_id: str) -> int:
+        check_run_id(run_id)
+        self._seq += 1
+        return self._seq
+
+    async def _until_written(self, batch: Batch) -> None:
+        """Wait for `batch`'s trip; when no trip is under way, make it (the first waiter writes)."""
+        while not batch.done.is_set():
+            if self._writing is not None:
+                await self._writing.wait()
+                continue
+            taken, self._open = self._open, None
+            assert taken is batch  # not done, not being written: it is the open one
+            if len(taken.drops) > DROPS_PER_TRIP:  # the rest by the next trip, so that saves never wait long
+                rest = sorted(taken.drops)[DROPS_PER_TRIP:]
+                taken.drops.difference_update(rest)
+                self._open = Batch(drops=set(rest), flushing=True)
+            self._writing = ended = anyio.Event()
+            began = time.monotonic()
+            try:
+                await anyio.to_thread.run_sync(self._write_batch, taken)
+                log.debug("store_trip", records=len(taken.items), dropped=len(taken.drops), s=time.monotonic() - began)
+            finally:
+                self._writing = None
+                taken.done.set()
+                ended.set()
+
+    def _write_batch(self, batch: Batch) -> None:
+        """The writer thread's trip: every record of the batch, each whole (StoreError kept), then
+        the files dropped. Saves in one batch were made concurrently (a caller waits for its save
+        before it makes the next), so their order on disk is free. A few saves are written one by
+        one (`_write`); more in phases (`_write_many`): their fsyncs made together."""
+        items = list(batch.items.items())
+        if len(items) < 4:
+            for run_id, (seq, data, beside) in items:
+                try:
+                    self._write(run_id, seq, data, beside)
+                except StoreError as exc:
+                    batch.failed[run_id] = str(exc)  # the caller says it (a queue message: the next save)
+        else:
+            self._write_many(items, batch.failed)
+        for run_id, name in sorted(batch.drops):  # after the saves (a file is never dropped before it is written)
+            try:
+                os.unlink(self.run_dir(run_id) / name)
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            except OSError as exc:  # left for the next start's catch-up, which removes it again
+                log.warning("file_not_removed", run_id=run_id, file=name, error=str(exc))
+
+    def _write_many(self, items: list[tuple[str, tuple[int, bytes, dict[str, bytes]]]], failed: dict[str, str]) -> None:
+        """Many records written as `_write` writes one, a phase at a time over all of them by a few
+        threads (WRITERS), so that the fsyncs of a trip of 100 new runs are made together (ext4
+        commits them at once), and the event loop's thread never waits long for the GIL behind
+        dozens of writers: every temporary file written (a record's files beside it first), all
+        fsynced, each renamed over its file (`run.json` last, unless a newer save of that record
+        is already on disk), then each directory fsynced once, and `runs/` once when a directory
+        was made (a new run's directory is durable too). A record whose files fail (a full disk)
+        keeps its old record and is said in `failed`; the others are written all the same."""
+        with ThreadPoolExecutor(max_workers=min(WRITERS, len(items)), thread_name_prefix="obd-store") as pool:
+            staged = list(pool.map(self._stage, items))
+            for one in staged:
+                if one.error is not None:
+                    failed[one.run_id] = self._failure(one.run_id, one.error)
+            ready = [one for one in staged if one.error is None and one.files]
+            fds = [(f.fd, one) for one in ready for f in one.files]
+            for (_, one), error in zip(fds, pool.map(_fsync_or_error, fds), strict=True):
+                if error is not None and one.error is None:
+                    one.error = error
+                    failed[one.run_id] = self._failure(one.run_id, error)
+            for one in ready:
+                if one.error is not None:
+                    one.discard()
+            renamed = list(pool.map(self._rename, [one for one in ready if one.error is None]))
+            for one in renamed:
+                if one.error is not None:
+                    failed[one.run_id] = self._failure(one.run_id, one.error)
+            directories = {str(one.directory) for one in renamed if one.error is None and one.files}
+            if any(one.made_dir for one in staged):
+                directories.add(str(self.runs_dir))
+            list(pool.map(fsync_dir, sorted(directories)))
+
+    def _stage(self, item: tuple[str, tuple[int, bytes, dict[str, bytes]]]) -> _Staged:
+        """A record's files written under temporary names (none when a newer save of it is on disk)."""
+        run_id, (seq, data, beside) = item
+        one = _Staged(run_id, seq, self.run_dir(run_id))
+        if self._on_disk.get(run_id, 0) > seq:
+            return one
+        try:
+            try:
+                os.mkdir(one.directory, 0o700)
+                one.made_dir = True
+            except FileExistsError:
+                pass
+            except FileNotFoundError:  # no runs/ yet
+                one.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                one.made_dir = True
+            for name, content in (*beside.items(), ("run.json", data)):
+                one.files.append(_write_temporary(one.directory / name, content))
+        except OSError as exc:
+            one.discard()
+            one.error = exc
+        return one
+
+    def _rename(self, one: _Staged) -> _Staged:
+        """A staged record's files over the old ones, unless a newer save of it is on disk."""
+        with self._lock_of(one.run_id):
+            if self._on_disk.get(one.run_id, 0) > one.seq:  # written meanwhile by `save`, newer
+                one.discard()
+                one.files = []
+                return one
+            try:
+                one.rename()
+            except OSError as exc:
+                one.discard()
+                one.error = exc
+                return one
+            self._on_disk[one.run_id] = one.seq
+        return one
+
+    def _lock_of(self, run_id: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(run_id, threading.Lock())
+
+    def _failure(self, run_id: str, exc: OSError) -> str:
+        path = self.record_path(run_id)
+        return (
+            f"could not save the record of run {run_id} ({exc.strerror or exc}); "
+            f"the previous record in {path} is intact. Free space in {self.state_dir} and retry"
+        )
+
+    def _write(self, run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> None:
+        """Write a record's bytes atomically, unless a newer save of it is already on disk; the
+        files `beside` it first, each whole, their directory made durable once with the record's."""
+        directory = self.run_dir(run_id)
+        path = directory / "run.json"
+        with self._lock_of(run_id):
+            if self._on_disk.get(run_id, 0) > seq:
+                return
+            try:
+                directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                for name, content in beside.items():
+                    _replace(directory / name, content)
+                atomic_write(str(path), data, 0o600)
+            except OSError as exc:
+                raise StoreError(self._failure(run_id, exc)) from exc
+            self._on_disk[run_id] = seq
+
+    def load(self, run_id: str) -> RunRecord:
+        return parse_record(self.record_path(run_id), run_id)
+
+    def load_all(self, started: float | None = None) -> tuple[dict[str, RunRecord], list[BadRecord]]:
+        """Every record, and those that cannot be read; what a crash left before `started` (this
+        process's start by default) is cleared first (see the module's docstring)."""
+        started = process_started() if started is None else started
+        records: dict[str, RunRecord] = {}
+        bad: list[BadRecord] = []
+        if not self.runs_dir.is_dir():
+            return records, bad
+        for name in sorted(os.listdir(self.runs_dir)):
+            entry = self.runs_dir / name
+            if name.startswith(".") or not entry.is_dir():
+                continue
+            path = entry / "run.json"
+            _clear_leftovers(entry, started)
+            if _drop_unrecorded_start(entry):
+                continue
+            try:
+                check_run_id(entry.name)
+                records[entry.name] = parse_record(path, entry.name)
+            except (StoreError, ValueError) as exc:
+                bad.append(BadRecord(entry.name, path, str(exc)))
+        return records, bad
+
+
+@dataclass
+class _Temporary:
+    """A file's new bytes written under a temporary name beside it, still open (to be fsynced)."""
+
+    tmp: Path
+    path: Path
+    fd: int
+
+
+@dataclass
+class _Staged:
+    """One record of a trip (`RunStore._write_many`): its files written under temporary names."""
+
+    run_id: str
+    seq: int
+    directory: Path
+    files: list[_Temporary] = field(default_factory=list)
+    made_dir: bool = False  # its directory was made by this trip (`runs/` is fsynced)
+    error: OSError | None = None
+
+    def rename(self) -> None:
+        """Each file over its old one, in order (`run.json` last); the descriptors closed."""
+        for f in self.files:
+            os.close(f.fd)
+            f.fd = -1
+        for f in self.files:
+            os.replace(f.tmp, f.path)
+
+    def discard(self) -> None:
+        """Close and remove what was written: the old files stay as they are."""
+        for f in self.files:
+            if f.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(f.fd)
+                f.fd = -1
+            with contextlib.suppress(OSError):
+                os.unlink(f.tmp)
+
+
+def _write_temporary(path: Path, data: bytes) -> _Temporary:
+    """`data` written to a fresh temporary name beside `path` (opened O_EXCL|O_NOFOLLOW: a planted
+    link never redirects it), left open and not yet fsynced."""
+    tmp, fd = _open_temporary(path)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return _Temporary(tmp, path, fd)
+
+
+def _open_temporary(path: Path) -> tuple[Path, int]:
+    while True:
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{os.urandom(6).hex()}")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            continue
+
+
+def _fsync_or_error(item: tuple[int, object]) -> OSError | None:
+    try:
+        os.fsync(item[0])
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """`atomic_write` less its directory's fsync, which the record's write beside it makes: a fresh
+    temporary name opened O_EXCL|O_NOFOLLOW (a planted link never redirects it), fsynced, renamed."""
+    written = _write_temporary(path, data)
+    try:
+        os.fsync(written.fd)
+    except BaseException:
+        os.close(written.fd)
+        with contextlib.suppress(OSError):
+            os.unlink(written.tmp)
+        raise
+    os.close(written.fd)
+    os.replace(written.tmp, path)
+
+
+def _encode(record: RunRecord) -> bytes:
+    return record.model_dump_json(indent=1).encode() + b"\n"
+
+
+def _clear_leftovers(directory: Path, started: float) -> None:
+    """Remove the temporary files of atomic writes cut short (a SIGKILL between write and rename)
+    made before `started`: a newer one may be a write under way, by this daemon."""
+    try:
+        names = [name for name in os.listdir(directory) if is_temporary(name)]
+    except OSError:
+        return
+    removed = []
+    for name in names:
+        path = directory / name
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < started:
+                path.unlink()
+                removed.append(name)
+    if removed:
+        log.info("leftovers_removed", run_id=directory.name, files=removed, why="atomic writes cut short")
+
+
+def _drop_unrecorded_start(directory: Path) -> bool:
+    """Remove the directory of a start cut short before its record was first saved (its launch
+    settings alone, or nothing, and no `run.json`); True when it was removed."""
+    if not is_run_id(directory.name) or os.path.lexists(directory / "run.json"):
+        return False
+    try:
+        names = os.listdir(directory)
+        if any(name != LAUNCH_SETTINGS for name in names):
+            return False  # something more: left for a person, listed unreadable
+        if names and not stat.S_ISREG(os.lstat(directory / LAUNCH_SETTINGS).st_mode):
+            return False
+        for name in names:
+            os.unlink(directory / name)
+        os.rmdir(directory)
+    except OSError as exc:
+        log.warning("unrecorded_start_not_removed", run_id=directory.name, error=str(exc))
+        return False
+    log.warning(
+        "unrecorded_start_removed",
+        run_id=directory.name,
+        files=names,
+        why="a start cut short before its record was saved; no one was told its id",
+    )
+    return True
+
+
+def parse_record(path: Path, run_id: str) -> RunRecord:
+    """Read one record; a malformed one raises StoreError saying where it is broken."""
+    try:
+        with open(path, "rb") as f:
+            # Its size, not the limit: a read of the limit reserves 16 MiB for every record.
+            data = f.read(min(os.fstat(f.fileno()).st_size, RECORD_LIMIT) + 1)
+    except FileNotFoundError as exc:
+        raise StoreError(f"{path}: missing run record") from exc
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot be read: {exc.strerror}") from exc
+    if len(data) > RECORD_LIMIT:
+        raise StoreError(f"{path}: larger than {RECORD_LIMIT} bytes, not a run record")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise StoreError(f"{path}: not UTF-8 at byte {exc.start}") from exc
+    except json.JSONDecodeError as exc:
+        raise StoreError(
+            f"{path}: malformed JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); the record was left as it is"
+        ) from exc
+    except RecursionError as exc:
+        raise StoreError(f"{path}: JSON nested too deeply to be a run record; the record was left as it is") from exc
+    try:
+        record = RunRecord.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise StoreError(f"{path}: invalid record at {where}: {first['msg']}") from exc
+    if record.id != run_id:
+        raise StoreError(f"{path}: the record names run {record.id!r}, not {run_id!r}")
+    return record
