@@ -14,20 +14,26 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
 import structlog
 
+from daemon.service.carry_local import Unpacker, Who, listing, local_to_local, pack_stream, who_owns
 from daemon.service.models import RunRecord
 from daemon.service.ports import Runs
 from daemon.service.targets import Targets
 from executors.base import Executor, ExecutorError
 from trainer_plugin import rundir
+
+if TYPE_CHECKING:
+    from executors.ssh.files import SftpFiles
 
 log = structlog.get_logger("obd")
 
@@ -178,6 +184,17 @@ async def carry_checkpoint(
     where = rundir.RunPaths(source.remote_dir).in_output(name)
     retrieved = Path(rundir.RunPaths(host.store.run_dir(source.id) / "retrieved").in_output(name))
     on_this_machine = targets.of(source).answers_at_once()
+    dest_here = into is not None and targets.of(into).answers_at_once()
+    if on_this_machine or dest_here or retrieved.is_dir():
+        # An end on this machine: its files read or written by a helper that is the run's user
+        # (daemon/service/carry_local.py), never by the daemon itself.
+        went = await _carry_as_users(host, source, name, executor, dest, into, retrieved, on_this_machine, dest_here)
+        if went is not None:
+            size = sum(s for s, _ in went.values())
+            log.info(
+                "checkpoint_carried", run_id=source.id, checkpoint=name, to=executor.name, files=len(went), size=size
+            )
+            return Carried(files=len(went), size=size)
     wanted: Manifest | None = None
     staged = False
     if retrieved.is_dir():
@@ -252,6 +269,130 @@ async def _upload_watched(
         tg.cancel_scope.cancel()
     show(total)
     log.info("carry_progress", run_id=into.id, bytes=total, seconds=round(time.monotonic() - began, 2))
+
+
+def sftp_of(executor: Executor) -> SftpFiles | None:
+    """The SFTP files of an SSH host's or a pod's executor (or a Slurm login node's), if it has them."""
+    from executors.ssh.files import SftpFiles  # asyncssh: when a carry comes, not at the daemon's start
+
+    for candidate in (executor, getattr(executor, "host", None)):
+        files = getattr(candidate, "files", None)
+        if isinstance(files, SftpFiles):
+            return files
+    return None
+
+
+async def _carry_as_users(
+    host: CarryHost,
+    source: RunRecord,
+    name: str,
+    executor: Executor,
+    dest: str,
+    into: RunRecord | None,
+    retrieved: Path,
+    on_this_machine: bool,
+    dest_here: bool,
+) -> Manifest | None:
+    """A carry with an end on this machine: the source read as its run's owner (the copy obd
+    retrieved of a pod's outputs, the daemon's own, as the daemon), the destination written as
+    the new run's owner, by the helper of carry_local.py; SFTP for the end that is an SSH host or
+    a pod (its configured account). What arrived, checked; None where no helper serves (an end
+    that is neither this machine nor SFTP): the carry goes on through the daemon's stage."""
+    from executors.remote import EXCLUDED_NAMES
+
+    excluded = sorted(EXCLUDED_NAMES)
+    targets = host.targets
+    src_here = retrieved.is_dir() or on_this_machine
+    src_path = str(retrieved) if retrieved.is_dir() else rundir.RunPaths(source.remote_dir).in_output(name)
+    src_who = Who(None, "the daemon's own user") if retrieved.is_dir() else who_owns(source.owner_uid)
+    dst_who = who_owns(into.owner_uid if into is not None else None)
+    source_executor = targets.executor(source) if not retrieved.is_dir() else None
+    src_python = await source_executor.python() if source_executor is not None and on_this_machine else sys.executable
+    dst_python = await executor.python()
+    if src_here and dest_here:
+        if src_python == sys.executable and dst_who.account is not None:
+            src_python = dst_python  # the retrieved copy read by the daemon, with the Python the user runs
+        written = await anyio.to_thread.run_sync(
+            local_to_local, src_python, src_path, src_who, dst_python, dest, dst_who, excluded
+        )
+        _show(host, into, sum(s for s, _ in written.values()), None)
+        arrived = await anyio.to_thread.run_sync(listing, dst_python, dest, dst_who, LISTING, excluded)
+        if bad := differences(written, arrived):
+            raise CarryFailed(_refusal(source, name, f"the copy on target {executor.name}", bad))
+        return written
+    if src_here:  # to an SSH host or a pod
+        files = sftp_of(executor)
+        if files is None:
+            return None
+        sent: Manifest = {}
+        began, done = time.monotonic(), 0
+        _show(host, into, 0, None)
+        async for path, size, mode, chunks in pack_stream(src_python, src_path, src_who, excluded):
+
+            async def counted(
+                chunks: AsyncIterator[bytes] = chunks, path: str = path, size: int = size
+            ) -> AsyncIterator[bytes]:
+                nonlocal done
+                digest = hashlib.sha256()
+                async for chunk in chunks:
+                    digest.update(chunk)
+                    done += len(chunk)
+                    _show(host, into, done, began)
+                    yield chunk
+                sent[path] = (size, digest.hexdigest())
+
+            await files.write_from(f"{dest}/{path}", counted(), mode)
+        if not sent:
+            raise CarryFailed(f"{src_path} of run {source.id} holds no file to carry")
+    else:  # from an SSH host or a pod, to this machine
+        assert source_executor is not None
+        files = sftp_of(source_executor)
+        if files is None:
+            return None
+        where = rundir.RunPaths(source.remote_dir).in_output(name)
+        sent = await manifest_there(source_executor, where)  # what the source holds
+        if not sent:
+            raise CarryFailed(f"{where} of run {source.id} holds no file to carry")
+        began, done = time.monotonic(), 0
+        _show(host, into, 0, None)
+        async with Unpacker(dst_python, dest, dst_who) as unpacker:
+            for path, (size, _) in sorted(sent.items()):
+
+                async def feed(sink: Any, path: str = path) -> None:
+                    async def counted(chunk: bytes) -> None:
+                        nonlocal done
+                        done += len(chunk)
+                        _show(host, into, done, began)
+                        await sink(chunk)
+
+                    await files.read_into(f"{where}/{path}", counted)
+
+                await unpacker.send(path, size, 0o600, feed)
+            written = await unpacker.finish()
+        if bad := differences(sent, written):
+            raise CarryFailed(_refusal(source, name, f"the copy written on target {executor.name}", bad))
+    if dest_here:
+        arrived = await anyio.to_thread.run_sync(listing, dst_python, dest, dst_who, LISTING, excluded)
+    else:
+        arrived = await manifest_there(executor, dest)
+    if bad := differences(sent, arrived):
+        raise CarryFailed(_refusal(source, name, f"the copy on target {executor.name}", bad))
+    return sent
+
+
+def _show(host: CarryHost, into: RunRecord | None, done: int, began: float | None) -> None:
+    """What arrived so far on `into`'s progress (bytes, and the rate), at most a few times a second."""
+    if into is None:
+        return
+    now = time.monotonic()
+    if began is not None and now - getattr(into, "_carry_shown", 0.0) < PROGRESS_EVERY / 4:
+        return
+    object.__setattr__(into, "_carry_shown", now)
+    into.progress.carry_bytes = done
+    into.progress.carry_total = max(done, into.progress.carry_total or 0)
+    if began is not None:
+        into.progress.carry_rate = round(done / max(now - began, 1e-6), 1)
+    host.touch(into)
 
 
 def _refusal(source: RunRecord, name: str, which: str, bad: list[str]) -> str:

@@ -100,6 +100,11 @@ class PolicySection(StrictModel):
     max_priority: int = Field(default=0, ge=0, le=100)  # for every user not named below (any lower one too)
     max_priority_users: dict[str, int] = Field(default_factory=dict)  # user name -> their highest
     max_priority_groups: dict[str, int] = Field(default_factory=dict)  # group name -> its members' highest
+    # Which targets a user may use (start, resume --target, move --to, placement, overflow): a target
+    # named in neither table is every member's; one named in either is only for the users listed
+    # for it and the members of the groups listed for it (root and admin_group: every target).
+    target_users: dict[str, list[str]] = Field(default_factory=dict)  # target -> user names
+    target_groups: dict[str, list[str]] = Field(default_factory=dict)  # target -> group names
 
     @field_validator("max_priority_users", "max_priority_groups")
     @classmethod
@@ -275,6 +280,17 @@ class Config(StrictModel):
                 f'[targets.local] has kind = "{local.kind}": the name `local` is this machine; '
                 "give that target another name"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _policy_names_targets(self) -> Config:
+        known = {"local", *self.targets}
+        for table in ("target_users", "target_groups"):
+            unknown = sorted(set(getattr(self.policy, table)) - known)
+            if unknown:
+                raise ValueError(
+                    f"[policy] {table}: no target {', '.join(unknown)}; the targets are: {', '.join(sorted(known))}"
+                )
         return self
 
     @model_validator(mode="after")

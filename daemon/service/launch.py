@@ -32,11 +32,13 @@ from daemon.service.after import resolve as resolve_after
 from daemon.service.api import ApiError, Peer, StartRequest
 from daemon.service.carry import carry_checkpoint
 from daemon.service.checkpoints import Checkpoint, resume_point
+from daemon.service.config import Config
 from daemon.service.follow import Follower
 from daemon.service.gpus import Inventory, parse_wanted, queue_message
 from daemon.service.limits import carry, check_start, from_request, job_time_of
-from daemon.service.models import Paused, RunRecord, RunState, SweepTag
-from daemon.service.placement import for_next_attempt, placement_of, preferences, reachable, settle
+from daemon.service.models import Paused, Placement, RunRecord, RunState, SweepTag
+from daemon.service.placement import for_next_attempt, overflows, placement_of, preferences, reachable, settle
+from daemon.service.policy import check_target, may_use, target_rule
 from daemon.service.ports import Runs
 from daemon.service.specs import SPEC, load_spec, spec_bytes
 from daemon.service.stop import write_pending_request
@@ -95,6 +97,32 @@ def target_secrets(target: str, names: list[str], given: dict[str, str], environ
 
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
 RESERVED_NAMES = frozenset({"PYTHONPATH"})  # obd leads it with the run's plugin/
+
+
+def usable_targets(
+    config: Config, peer: Peer, given: str, first: str, placed: Placement | None
+) -> tuple[str, Placement | None, list[str]]:
+    """The targets of `--target GIVEN` this caller may use (`[policy] target_users`/`target_groups`,
+    docs/security.md), and what the run's history says of those left out. A target the caller named
+    that they may not use is refused (ApiError), as is a list or pool with none they may use; a
+    pool's members they may not use are left out, and so is an overflow (said, never refused)."""
+    policy = config.policy
+    prefs = list(placed.targets) if placed is not None else [first]
+    named = {part.strip() for part in given.split(",")} - set(config.pools)
+    others = sorted({"local", *config.targets})
+    for target in prefs:
+        if target in named or all(not may_use(policy, peer, t) for t in prefs):
+            check_target(policy, peer, target, f"a run on target {target}", others)
+    notes = [f"target {t} of {given} left out: {target_rule(policy, t)}" for t in prefs if not may_use(policy, peer, t)]
+    prefs = [t for t in prefs if may_use(policy, peer, t)]
+    for name, over, _ in overflows(config, prefs):
+        if over not in prefs and not may_use(policy, peer, over):
+            notes.append(f"overflow of target {name} to {over} skipped: {target_rule(policy, over)}")
+    if placed is not None and len(prefs) > 1:
+        placed = Placement(given=placed.given, targets=prefs)
+    elif placed is not None:
+        placed = None
+    return prefs[0], placed, notes
 
 
 def check_names(env: dict[str, str], secrets: dict[str, str]) -> None:
@@ -220,6 +248,7 @@ class Launcher:
         `created`: its place in the queue, for the members of a sweep made together, in their order."""
         daemon = self.daemon
         first, placed = placement_of(daemon.config, req.target)  # one target, or several (daemon/service/placement.py)
+        first, placed, skipped = usable_targets(daemon.config, peer, req.target, first, placed)  # [policy]
         supervision = daemon.targets.get(first)
         check_names(req.env, req.secrets)
         run_as = account_for(peer)
@@ -248,6 +277,8 @@ class Launcher:
             await anyio.to_thread.run_sync(check_cwd, req.cwd, run_as)
         record = self._new_record(req, peer.uid)
         record.target, record.placement = first, placed
+        for note in skipped:
+            record.note(note)
         if created is not None:
             record.created = created
         try:
@@ -356,6 +387,9 @@ class Launcher:
         async with daemon.editing(record):
             leaving = record.state == RunState.queued  # not when it was cancelled meanwhile
             if leaving:
+                # Launching from the moment it is `preparing`: the follow's look for runs an
+                # earlier daemon left preparing must not take it back while its state is saved.
+                self.launching.add(record.id)
                 record.gpus = devices
                 record.not_before = None
                 if record.paused is not None:  # a paused run resumes: its pause is over
@@ -365,7 +399,6 @@ class Launcher:
         if not leaving:
             return
         source = daemon.records.get(record.resumed_from or "")
-        self.launching.add(record.id)
         daemon.start_soon(self._launch, record, req, source, run_as)
 
     async def next_attempt(

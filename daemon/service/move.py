@@ -25,6 +25,7 @@ import structlog
 
 from daemon.service.api import ApiError, MoveRequest, Peer, ResumeRequest
 from daemon.service.models import Move, RunRecord, RunState
+from daemon.service.policy import check_target
 from daemon.service.stop import StopHost, request_snapshot
 from executors.base import ExecutorError
 
@@ -71,6 +72,8 @@ class Mover:
                 "state",
             )
         self._check(record, req.to)
+        # A target the mover may not use is refused before anything is asked of the run ([policy]).
+        check_target(daemon.config.policy, peer, req.to, f"obd train move {record.id} --to {req.to}")
         move = Move(to=req.to, gpus=req.gpus, uid=peer.uid, gid=peer.gid)
         self._asked[record.id] = ResumeRequest(
             op="resume",

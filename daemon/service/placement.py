@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from daemon.service.api import ApiError, StartRequest
 from daemon.service.config import Config, ConfigError
 from daemon.service.models import Placement, RunRecord
+from daemon.service.policy import may_use, owner_peer, restricted
 from daemon.service.targets import Targets
 
 # The causes of a retry that say the target itself failed (its job was lost, its launch failed):
@@ -107,10 +108,19 @@ def waiting_since(record: RunRecord) -> float:
 
 def overflow_due(config: Config, record: RunRecord) -> list[tuple[str, str, float]]:
     """(target, overflow target, when it applies) for the run's preferences, the overflows not
-    among them already."""
+    among them already, nor kept from the run's owner by `[policy]` (skipped: said at its start)."""
     prefs = preferences(record)
     since = waiting_since(record)
-    return [(name, over, since + wait) for name, over, wait in overflows(config, prefs) if over not in prefs]
+    return [
+        (name, over, since + wait)
+        for name, over, wait in overflows(config, prefs)
+        if over not in prefs and may_use_owner(config, record, over)
+    ]
+
+
+def may_use_owner(config: Config, record: RunRecord, target: str) -> bool:
+    """Whether the run's owner may use `target` (`[policy] target_users`/`target_groups`)."""
+    return not restricted(config.policy, target) or may_use(config.policy, owner_peer(record.owner_uid), target)
 
 
 def watched(config: Config, record: RunRecord) -> bool:

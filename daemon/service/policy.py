@@ -124,6 +124,64 @@ def check_resume_priority(policy: PolicySection, peer: Peer, source: RunRecord, 
     )
 
 
+# --- which targets a user may use -------------------------------------------------------------
+
+
+def owner_peer(uid: int | None) -> Peer:
+    """A run's owner as a caller: their uid, their login's groups (for what the daemon does on its
+    own for a run, an overflow, with no socket to read them from). None: the daemon's own user."""
+    if uid is None:
+        return Peer(uid=os.geteuid(), gid=os.getegid())
+    try:
+        gid = pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        gid = -1
+    return Peer(uid=uid, gid=gid)
+
+
+def restricted(policy: PolicySection, target: str) -> bool:
+    """Whether `target` is kept for some users and groups (named in target_users or target_groups)."""
+    return target in policy.target_users or target in policy.target_groups
+
+
+def may_use(policy: PolicySection, peer: Peer, target: str) -> bool:
+    """Whether this caller may run on `target`: every member may use a target the policy does not
+    name; one it names, only the users and groups listed for it (and root, the daemon's user, the admins)."""
+    if not restricted(policy, target) or unlimited(policy, peer):
+        return True
+    if user_name(peer.uid) in policy.target_users.get(target, []):
+        return True
+    return any(in_group(peer, group) for group in policy.target_groups.get(target, []))
+
+
+def target_rule(policy: PolicySection, target: str) -> str:
+    """Who may use `target`, as the config says it."""
+    users = policy.target_users.get(target, [])
+    groups = policy.target_groups.get(target, [])
+    who = [*(f"user {u}" for u in users), *(f"the group {g}" for g in groups)]
+    return (
+        f"target {target} is only for {', '.join(who) if who else 'no one'} "
+        f"(target_users / target_groups in {WHERE}), and the admins{' (' + policy.admin_group + ')' if policy.admin_group else ''}"
+    )
+
+
+def allowed_of(policy: PolicySection, peer: Peer, targets: list[str]) -> list[str]:
+    return [t for t in targets if may_use(policy, peer, t)]
+
+
+def check_target(policy: PolicySection, peer: Peer, target: str, what: str, others: list[str] | None = None) -> None:
+    """Refuse `what` on a target this caller may not use, naming the rule and what to do."""
+    if may_use(policy, peer, target):
+        return
+    usable = [t for t in (others or []) if t != target and may_use(policy, peer, t)]
+    instead = f"use a target you may use ({', '.join(usable)})" if usable else "use another target"
+    raise ApiError(
+        f"{what} refused: {user_name(peer.uid)} may not use target {target}: {target_rule(policy, target)}. "
+        f"{instead[0].upper() + instead[1:]}, or ask the administrator to add you to the rule",
+        "denied",
+    )
+
+
 def queued_of(daemon: PolicyHost, uid: int) -> int:
     """How many runs of this user wait in the queue."""
     return sum(1 for r in daemon.records.values() if r.owner_uid == uid and r.in_queue)

@@ -13,7 +13,7 @@ import contextlib
 import os
 import posixpath
 import secrets as _secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
@@ -28,6 +28,8 @@ from executors.ssh.connection import Session, SshConnection, quietly, returncode
 
 log = structlog.get_logger()
 T = TypeVar("T")
+STREAM_CHUNK = 4 << 20  # a stream's reads: asyncssh asks for its blocks of one read in parallel
+STREAM_TIMEOUT = 24 * 3600.0  # one file of a checkpoint, however large, over however slow a link
 
 
 def link_stays_inside(target: str) -> bool:
@@ -230,6 +232,57 @@ class SftpFiles:
             raise ExecutorError(
                 f"upload of {local} to {remote_path} on {self.address} failed: {exc.reason}{hint}"
             ) from exc
+
+    # --- streams (a checkpoint carried between targets, daemon/service/carry.py) --------------
+
+    async def write_from(self, remote_path: str, chunks: AsyncIterator[bytes], mode: int = 0o600) -> None:
+        """Write a file whose bytes come from `chunks` (read once, so never retried) as a fresh file
+        renamed into place, its directory made when missing."""
+        parent = str(PurePosixPath(remote_path).parent)
+
+        async def op(sftp: asyncssh.SFTPClient, s: Session) -> None:
+            tmp = f"{parent}/.{PurePosixPath(remote_path).name}.tmp.{_secrets.token_hex(4)}"
+            attrs = asyncssh.SFTPAttrs(permissions=mode & 0o777)
+            try:
+                f = await sftp.open(tmp, "wb", attrs)
+            except asyncssh.SFTPNoSuchFile:
+                await self._mkdir(sftp, s, parent)
+                f = await sftp.open(tmp, "wb", attrs)
+            try:
+                async for chunk in chunks:
+                    self.conn.round_trips += 1
+                    await f.write(chunk)
+                await f.close()
+                await sftp.posix_rename(tmp, remote_path)
+            except BaseException:
+                await quietly(f.close())
+                await quietly(sftp.remove(tmp))
+                raise
+
+        try:
+            await self._op(f"a write of {remote_path}", op, retry=False, timeout=STREAM_TIMEOUT)
+        except asyncssh.SFTPError as exc:
+            raise ExecutorError(
+                f"could not write {remote_path} on {self.address}: {exc.reason or type(exc).__name__}"
+                f"{disk_hint(parent) if isinstance(exc, asyncssh.SFTPFailure) else ''}"
+            ) from exc
+
+    async def read_into(self, remote_path: str, sink: Callable[[bytes], Awaitable[None]]) -> None:
+        """Hand the bytes of the regular file `remote_path` to `sink`, chunk by chunk (never retried)."""
+
+        async def op(sftp: asyncssh.SFTPClient, s: Session) -> None:
+            attrs = await sftp.lstat(remote_path)
+            if attrs.type != asyncssh.FILEXFER_TYPE_REGULAR:
+                raise LinkRefused(f"{remote_path} on {self.address} is not a regular file: nothing was copied")
+            async with sftp.open(remote_path, "rb") as f:
+                while data := await f.read(STREAM_CHUNK):
+                    self.conn.round_trips += 1
+                    await sink(data if isinstance(data, bytes) else data.encode())
+
+        try:
+            await self._op(f"a read of {remote_path}", op, retry=False, timeout=STREAM_TIMEOUT)
+        except asyncssh.SFTPError as exc:
+            raise ExecutorError(f"could not read {remote_path} on {self.address}: {exc.reason}") from exc
 
     # --- downloads --------------------------------------------------------------------------
 
