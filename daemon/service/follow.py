@@ -543,6 +543,8 @@ class Follower:
         )
         requeue = not started and bool(record.gpus)
         async with self.daemon.editing(record):
+            if record.state != RunState.preparing or record.id in self.daemon.launcher.launching:
+                return  # this daemon took it up meanwhile (the queue launched it again): its launch decides
             if started:
                 record.job = record.job or probe.handle
                 record.transition(RunState.running, "launched; re-attached after a daemon restart")

@@ -1,6 +1,7 @@
 """structlog set-up: key-value events, JSON lines when stderr is not a terminal.
 
-Every line the daemon writes goes through the same renderer, the libraries' included: the
+Every line the daemon writes goes through the same renderer, the libraries' included (and
+Python's warnings, through `logging.captureWarnings`): the
 standard `logging` root gets one handler that formats their records like obd's own events, so
 a log meant for a machine is all JSON. Libraries speak at WARNING and above unless the level is
 `debug` (asyncssh logs whole remote commands at INFO; the runpod SDK turns INFO on for
@@ -49,3 +50,6 @@ def configure(level: str = "info", json_output: bool | None = None) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    # Python's warnings (a library's DeprecationWarning at import: asyncssh's DSA with cryptography
+    # 51) go through the same handler, as JSON lines, not as bare text on stderr.
+    logging.captureWarnings(True)

@@ -102,7 +102,7 @@ def test_jobs_are_launched_in_their_own_systemd_scope_under_the_service(short_tm
         rid = d.cli("train", "start", "--", "true").stdout.strip()
         assert d.wait_state(rid, "succeeded")["exit_code"] == 0
         args = log.read_text()
-        assert "--scope" in args and f"--unit=obd-run-{rid}" in args and "jobctl.py start" in args
+        assert "--scope" in args and f"--unit=obd-run-{rid}" in args and "supervisor.py start" in args
     finally:
         d.stop()
 

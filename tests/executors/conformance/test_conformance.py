@@ -94,7 +94,9 @@ async def test_a_probe_reads_the_job_s_status_metrics_request_and_checkpoints_in
     ex = kind.executor
     plan = Plan(
         prints="training\n",
-        writes=(("metrics.jsonl", f"{BEGIN}\n{LOG}\n"), ("output/checkpoint-3/model.bin", "w" * 100)),
+        # The checkpoint before the log line the probe waits for: a probe between the two (Slurm's
+        # shared directory, a loaded machine) would see the line and not yet the checkpoint.
+        writes=(("output/checkpoint-3/model.bin", "w" * 100), ("metrics.jsonl", f"{BEGIN}\n{LOG}\n")),
         gate="go",
         exit_code=0,
     )
