@@ -49,9 +49,19 @@ class _Supervision:
         return True  # the source is this machine
 
 
+class _ThisMachine:
+    """The source target's executor, as far as a carry asks it: the Python its jobs run."""
+
+    async def python(self) -> str:
+        return sys.executable
+
+
 class _Targets:
     def of(self, record: RunRecord) -> _Supervision:
         return _Supervision()
+
+    def executor(self, record: RunRecord) -> _ThisMachine:
+        return _ThisMachine()
 
 
 class _Store:
