@@ -509,8 +509,15 @@ class LocalExecutor:
 
 
 def private_dir(path: Path) -> None:
-    """Make a run directory (and missing parents) readable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+    """Make a run directory readable by its owner only, and the parents it lacks passable (not
+    listable) by everyone: a job run as its user must reach its own directory."""
+    missing = [p for p in reversed(path.parents) if not p.exists()]
+    for parent in missing:
+        with contextlib.suppress(FileExistsError):
+            parent.mkdir()
+            # Set, not asked of mkdir: its mode is masked by the daemon's umask (077), which made
+            # a second local target's workdir 0700 and its users' runs fail, permission denied.
+            parent.chmod(0o711)
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
 

@@ -74,3 +74,24 @@ async def test_a_job_gets_its_spec_and_values_on_stdin_never_in_a_file_and_a_cle
         if path.is_file():
             assert b"v4lue" not in path.read_bytes() and b"s3cret" not in path.read_bytes(), path
     assert stat.S_IMODE(rd.stat().st_mode) == 0o700
+
+
+def test_a_run_directory_under_a_new_workdir_is_private_and_its_new_parents_passable_under_the_daemons_umask(
+    tmp_path: Path,
+) -> None:
+    """The daemon runs with umask 077; a second local target's workdir made for its first run
+    must still let the run's user reach their own directory (0711 parents, a 0700 run directory)."""
+    from executors.local import private_dir
+
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    old = os.umask(0o077)
+    try:
+        private_dir(tmp_path / "srv" / "obd" / "jobs2" / "20261205-000000-aaaaaa")
+        private_dir(mine / "run")
+    finally:
+        os.umask(old)
+    for made in ("srv", "srv/obd", "srv/obd/jobs2"):
+        assert stat.S_IMODE((tmp_path / made).stat().st_mode) == 0o711, made
+    assert stat.S_IMODE((tmp_path / "srv/obd/jobs2/20261205-000000-aaaaaa").stat().st_mode) == 0o700
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700  # a directory that was there is left as it was
