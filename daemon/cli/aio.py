@@ -293,6 +293,21 @@ class AsyncRun:
         steps = sdk.resume_steps(self.id, checkpoint, command, env, secrets, env_clear, retry, target, gpus)
         return AsyncRun(self.client, await self.client._run(steps))
 
+    async def move(
+        self,
+        to: str,
+        gpus: str | int | None = None,
+        env: Mapping[str, str] | None = None,
+        secrets: Iterable[str] = (),
+        env_clear: bool = False,
+        wait: bool = False,
+    ) -> AsyncRun:
+        """`Run.move`: a snapshot here, the checkpoint carried to target `to`, the training continued
+        there; with `wait`, the new run once it trained a step there."""
+        steps = sdk.move_steps(self.id, to, gpus, env, secrets, env_clear, wait)
+        record = await self.client._run(steps)
+        return AsyncRun(self.client, record) if wait else self
+
     def logs(self, follow: bool = False, tail: int | None = None) -> AsyncIterator[str]:
         """`Run.logs`, as an async iterator: `async for line in run.logs(follow=True)`."""
         return self.client._iterate(sdk.logs_steps(self.id, follow, tail))

@@ -361,7 +361,7 @@ def move_steps(
         if move.get("run"):  # a wait on the new run blocks while it is not final
             yield _Call("wait", {"id": move["run"], "timeout": 1.0})
         elif record["state"] in FINAL:
-            time.sleep(0.2)
+            yield _Sleep(0.2)  # the async client's event loop goes on meanwhile
         record = yield _Call("wait", {"id": record["id"], "timeout": 1.0})
 
 

@@ -118,3 +118,50 @@ def test_a_move_cut_short_by_a_daemon_restart_is_completed_when_it_comes_back(
     new = d.wait_state(source["move"]["run"], "succeeded", "failed", timeout=300)
     assert new["state"] == "succeeded" and new["target"] == "box", new["message"]
     assert min(steps(new)) == 4
+
+
+def test_the_python_apis_move_waits_for_the_new_run_sync_and_async(
+    make_daemon, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Run.move(to, wait=True)` and `AsyncRun.move`: the run that continues the moved one, once it
+    trained a step there (two targets of this machine, a job that speaks the snapshot protocol)."""
+    import inspect
+    import sys
+
+    import anyio
+
+    import obd
+    from tests.conftest import FAST_CONFIG
+
+    assert inspect.signature(obd.AsyncRun.move) == inspect.signature(obd.Run.move).replace(return_annotation="AsyncRun")
+    config = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
+    config += f'\n[targets.spare]\nkind = "local"\ngpus = ["0"]\nworkdir = "{short_tmp / "spare"}"\n'
+    d = make_daemon(config)
+    d.start()
+    for name in ("OBD_SOCKET", "OBD_CONFIG", "OBD_STATE_DIR"):
+        monkeypatch.setenv(name, d.env[name])
+    job = [sys.executable, str(Path(__file__).with_name("fake_plugin_job.py")), "snapshot"]
+
+    with obd.Client() as client:
+        run = client.start(job)
+        wait_for(lambda: (r := d.record(run.id))["snapshots"] and (r["progress"].get("step") or 0) > 3, 60, 0.05)
+        there = run.move("spare", wait=True)
+    assert isinstance(there, obd.Run) and there.id != run.id
+    moved = d.record(run.id)
+    assert moved["state"] == "stopped" and moved["move"] == {**moved["move"], "state": "done", "run": there.id}
+    new = d.record(there.id)
+    assert new["target"] == "spare" and new["resumed_from"] == run.id
+    assert (new["progress"].get("step") or 0) > moved["snapshot"]["step"]  # it trained on there
+    assert "obd's Python API" in notes(moved)
+
+    async def back() -> obd.AsyncRun:
+        async with obd.AsyncClient() as client:
+            return await (await client.run(there.id)).move("local", wait=True)
+
+    again = anyio.run(back)
+    assert isinstance(again, obd.AsyncRun)
+    record = d.record(again.id)
+    assert record["target"] == "local" and record["resumed_from"] == there.id
+    assert d.record(there.id)["move"]["state"] == "done"
+    assert "carried from target spare to local" in notes(record)
+    d.call("cancel", id=again.id)
