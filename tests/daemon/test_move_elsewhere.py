@@ -1,10 +1,11 @@
-"""`obd train move RUN --to T` (issue 36's "Done when") from this machine to a Slurm cluster and to
-a pod, through the real daemon: a user's unchanged Trainer script (tests/trainer_plugin/scripts/
-plain_trainer.py) snapshotted here, its checkpoint carried to T (a Slurm target's shared
-directory; a pod of the fake Runpod API, whose SSH is a loopback sshd), every file's sha256
-verified on arrival, and the training continued there as the next run of the chain: its losses
-after the snapshot an uninterrupted run's bitwise, one curve in `obd train plot` and the web view.
-The moves to and from an SSH host are tests/daemon/test_move.py's and test_resume_elsewhere.py's."""
+"""`obd train move RUN --to T` (issue 36's "Done when") from an SSH host to this machine, and from
+this machine to a Slurm cluster and to a pod, through the real daemon: a user's unchanged Trainer
+script (tests/trainer_plugin/scripts/plain_trainer.py) snapshotted where it runs, its checkpoint
+carried to T (this machine's run directory; a Slurm target's shared directory; a pod of the fake
+Runpod API, whose SSH is a loopback sshd), every file's sha256 verified on arrival, and the
+training continued there as the next run of the chain: its losses after the snapshot an
+uninterrupted run's bitwise, one curve in `obd train plot` and the web view. The move from this
+machine to an SSH host, and what a failed carry leaves, are tests/daemon/test_move.py's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ import pytest
 
 from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
 from tests.daemon import pods
-from tests.daemon.test_resume_elsewhere import STEPS, notes, start
+from tests.daemon.test_resume_elsewhere import (  # noqa: F401 - the fixture
+    STEPS,
+    notes,
+    sshd,
+    start,
+    trainer,
+    two_places,
+)
 from tests.daemon.test_slurm_target import jobs_named
 from tests.executors.runpod.conftest import kill_jobs
 from tests.executors.slurm.cluster import Cluster
@@ -37,33 +45,38 @@ def losses(metrics: Path) -> dict[int, tuple[float, float]]:
     return {x["step"]: (x["loss"], x.get("grad_norm")) for x in lines if x.get("event") == "log" and "loss" in x}
 
 
-def moved_bitwise(d: DaemonProc, project: Path, to: str, metrics_of=lambda r: Path(r["remote_dir"])) -> dict:
-    """An uninterrupted run here, then the same run moved to `to` at step HOLD + 1: the move exits
-    0, the run continues there as the next run of its chain, every later step's loss and gradient
-    norm are the uninterrupted run's, and `plot` and the web view draw one curve of both. The
-    new run's record."""
+def moved_bitwise(
+    d: DaemonProc, project: Path, to: str, metrics_of=lambda r: Path(r["remote_dir"]), source: str = "local"
+) -> dict:
+    """An uninterrupted run here, then the same run started on `source` and moved to `to` at step
+    HOLD + 1: the move exits 0, the run continues there as the next run of its chain, every later
+    step's loss and gradient norm are the uninterrupted run's, and `plot` and the web view draw
+    one curve of both. The new run's record."""
     whole = d.wait_state(start(d, project), "succeeded", "failed", timeout=300)
     assert whole["state"] == "succeeded", whole["message"]
     reference = losses(Path(whole["remote_dir"]) / "metrics.jsonl")
     assert sorted(reference) == list(range(1, STEPS + 1))
 
-    rid = start(d, project, "--hold-at", str(HOLD))  # trains on past step HOLD only once a snapshot is asked
+    out = d.cli("train", "start", "--target", source, "--cwd", str(project), "--", *trainer("--hold-at", str(HOLD)))
+    assert out.returncode == 0, out.stderr
+    rid = out.stdout.strip()  # trains on past step HOLD only once a snapshot is asked
     wait_for(lambda: (d.record(rid)["progress"].get("step") or 0) >= HOLD, 180, 0.1, f"step {HOLD} of {rid}")
     out = d.cli("train", "move", rid, "--to", to, "--wait", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
 
-    source = d.record(rid)
+    moved = d.record(rid)
     snap = HOLD + 1
-    assert source["state"] == "stopped" and source["snapshot"]["step"] == snap, source["message"]
-    move = source["move"]
+    assert moved["state"] == "stopped" and moved["snapshot"]["step"] == snap, moved["message"]
+    assert moved["target"] == source
+    move = moved["move"]
     assert move["state"] == "done" and move["to"] == to, move
-    assert (Path(source["remote_dir"]) / "output" / f"checkpoint-{snap}").is_dir()  # nothing deleted here
+    assert (Path(moved["remote_dir"]) / "output" / f"checkpoint-{snap}").is_dir()  # nothing deleted there
 
     new = d.record(move["run"])
     assert new["target"] == to and new["resumed_from"] == rid
     said = notes(new)
-    assert f"checkpoint-{snap} of {rid} carried from target local to {to}" in said, said
-    assert "sha256 verified on arrival" in said and f"moved from run {rid} of target local" in said
+    assert f"checkpoint-{snap} of {rid} carried from target {source} to {to}" in said, said
+    assert "sha256 verified on arrival" in said and f"moved from run {rid} of target {source}" in said
     assert new["resume_checkpoint"].endswith(f"/resume/checkpoint-{snap}")  # the carried copy, not the source's
     assert f"resumed   from {rid}" in d.cli("train", "status", new["id"]).stdout
 
@@ -72,7 +85,7 @@ def moved_bitwise(d: DaemonProc, project: Path, to: str, metrics_of=lambda r: Pa
     there = losses(metrics_of(new) / "metrics.jsonl")
     assert sorted(there) == list(range(snap + 1, STEPS + 1))  # none twice, none skipped
     assert there == {s: reference[s] for s in there}  # bitwise: losses and grad norms
-    assert new["trackers"] == source["trackers"]  # the tracker run continued
+    assert new["trackers"] == moved["trackers"]  # the tracker run continued
 
     # One chain: `plot` and the web view draw one curve, the source's steps then the new run's.
     out = d.cli("train", "plot", new["id"], "--json")
@@ -101,6 +114,19 @@ def web_curve(d: DaemonProc, rid: str) -> dict:
         raise AssertionError("no curve")
     finally:
         feed.close()
+
+
+# --- an SSH host -> local -------------------------------------------------------------------------
+
+
+def test_a_run_moved_from_an_ssh_host_to_this_machine_continues_here_bitwise_as_one_chain(
+    two_places: DaemonProc,  # noqa: F811 - the fixture
+    short_tmp: Path,
+) -> None:
+    project = short_tmp / "project"  # uploaded to the host, used in place here
+    project.mkdir()
+    new = moved_bitwise(two_places, project, "local", source="box")
+    assert not new["remote_dir"].startswith(str(short_tmp / "box"))
 
 
 # --- local -> Slurm ------------------------------------------------------------------------------
