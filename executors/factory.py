@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from executors.base import Executor, PodCost
-from executors.config import AnyTarget, RunpodTarget, SlurmTarget
+from executors.config import AnyTarget
 from executors.kinds import Capability, kind_of, kinds
+from executors.runpod.config import RunpodTarget
+from executors.slurm.config import SlurmTarget
 
 if TYPE_CHECKING:
     from executors.gpus import Gpu

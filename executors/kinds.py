@@ -1,10 +1,11 @@
 """The registry of the kinds of target: each kind is one class, registered from its own package.
 
-A kind says what it is as data (its config model, its `Capability` set) and fills a few small
-hooks (its executor, its GPUs, what a run there counts and costs). Nothing else names a kind: the
-factory (executors/factory.py) and the daemon ask the registry. Adding a kind is its package
-(config model, executor, `Kind` subclass) plus one line in `KIND_MODULES`; docs/architecture.md
-lists what a kind implements.
+A kind says what it is as data (its config model, on executors/config_base.py's `TargetBase`; its
+`Capability` set) and fills a few small hooks (its executor, its GPUs, what a run there counts and
+costs), typed with its own model (`Kind[ItsTarget]`). Nothing else names a kind: the factory
+(executors/factory.py) and the daemon ask the registry, and executors/config.py's union of the
+targets' models is built from it. Adding a kind is its package (config model, executor, `Kind`
+subclass) plus one line in `KIND_MODULES`; docs/architecture.md lists what a kind implements.
 
 The kinds' modules are light (no SDK, no SSH library at import): the registry imports them all on
 its first lookup, and each imports its heavy parts only when it makes an executor.
@@ -16,21 +17,25 @@ import importlib
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from executors.base import Executor, ExecutorError, PodCost
+from executors.config_base import TargetBase
 
 if TYPE_CHECKING:
     from executors.gpus import Gpu
 
-# One line per kind: the module that registers it (the registration line of a new kind).
+# One line per kind: the module that registers it (the registration line of a new kind). The
+# order is the config union's (executors/config.py), whose errors list the kinds in it.
 KIND_MODULES = (
     "executors.local_kind",
     "executors.ssh.kind",
-    "executors.slurm.kind",
     "executors.runpod.kind",
+    "executors.slurm.kind",
     "executors.ray.kind",
 )
+
+C = TypeVar("C", bound=TargetBase)  # a kind's config model
 
 
 class Capability(str, Enum):
@@ -45,11 +50,14 @@ class Capability(str, Enum):
     CARRIES_FILES = "carries_files"  # files in and out (checkpoints, sources) through the executor
 
 
-class Kind:
-    """One kind of target: its name, config model, capabilities and hooks (defaults: a remote machine)."""
+class Kind(Generic[C]):
+    """One kind of target: its name, config model, capabilities and hooks (defaults: a remote machine).
+
+    A kind subclasses `Kind[ItsTarget]`, so its hooks read its model's keys typed; the defaults
+    read only `TargetBase`'s."""
 
     name: ClassVar[str]
-    config: ClassVar[type[Any]]  # the pydantic model of its section in the daemon's config
+    config: ClassVar[type[TargetBase]]  # the pydantic model of its section in the daemon's config, `C`
     capabilities: ClassVar[frozenset[Capability]]
     # Its daemon-side supervision, "module:Class" imported on first use (None: a machine target's).
     supervision: ClassVar[str | None] = None
@@ -57,48 +65,50 @@ class Kind:
     def has(self, capability: Capability) -> bool:
         return capability in self.capabilities
 
-    def make_executor(self, name: str, target: Any, state_dir: Path, remote_poll: float) -> Executor:
+    def make_executor(self, name: str, target: C, state_dir: Path, remote_poll: float) -> Executor:
         raise ExecutorError(
             f"target {name!r} of kind {self.name!r} has no machine of its own; each run gets one "
             "(`obd pods list` shows the pods)"
         )
 
-    def gpu_inventory(self, target: Any) -> list[Gpu]:
+    def gpu_inventory(self, target: C) -> list[Gpu]:
         """The GPUs obd hands out to the target's runs (only where it `HANDS_OUT_GPUS`)."""
         return []
 
-    def gpus_counted(self, target: Any, held: int) -> int | None:
+    def gpus_counted(self, target: C, held: int) -> int | None:
         """The GPUs a run counts for its GPU-hours and price; None where the config does not say."""
-        return getattr(target, "gpu_count", None)
+        return None
 
     def run_price(
-        self, target: Any, gpus: int, target_info: Mapping[str, Any], at: float
+        self, target: C, gpus: int, target_info: Mapping[str, Any], at: float
     ) -> tuple[float | None, float | None]:
-        """(US dollars an hour, dollars its own machine had cost at `at`); (None, None) without a price."""
-        price = getattr(target, "price_per_gpu_hour", None)
+        """(US dollars an hour, dollars its own machine had cost at `at`); (None, None) without a price.
+        By default the config's price per GPU-hour (`PricedTarget.price_per_gpu_hour`) × the run's GPUs."""
+        price = target.gpu_hour_price()
         return (None, None) if price is None else (price * gpus, None)
 
-    def has_price(self, target: Any) -> bool:
-        return getattr(target, "price_per_gpu_hour", None) is not None
+    def has_price(self, target: C) -> bool:
+        return target.gpu_hour_price() is not None
 
     def pod_cost(self, target_info: Mapping[str, Any], at: float) -> PodCost | None:
         """The pod a run's record keeps and what it had cost at `at` (only a kind that makes pods)."""
         return None
 
-    def preemption(self, target: Any) -> tuple[bool, float]:
+    def preemption(self, target: C) -> tuple[bool, float]:
         """(whether its runs are preemptible by default, the least seconds a run runs before it may be)."""
         return False, 0.0
 
-    def job_env_names(self, target: Any) -> list[str]:
+    def job_env_names(self, target: C) -> list[str]:
         """Names passed from the daemon's own environment to every job (this machine's `env`)."""
         return []
 
 
-_KINDS: dict[str, Kind] = {}
+_KINDS: dict[str, Kind[Any]] = {}
 _loaded = False
+K = TypeVar("K", bound="Kind[Any]")
 
 
-def register(kind: Kind) -> Kind:
+def register(kind: K) -> K:
     """Called once by each kind's module (listed in KIND_MODULES)."""
     if kind.name in _KINDS and type(_KINDS[kind.name]) is not type(kind):
         raise RuntimeError(f"two kinds of target are named {kind.name!r}")
@@ -114,13 +124,13 @@ def _load() -> None:
         _loaded = True
 
 
-def kinds() -> dict[str, Kind]:
+def kinds() -> dict[str, Kind[Any]]:
     """Every registered kind, by name."""
     _load()
     return dict(_KINDS)
 
 
-def kind_named(name: str) -> Kind:
+def kind_named(name: str) -> Kind[Any]:
     _load()
     try:
         return _KINDS[name]
@@ -129,6 +139,6 @@ def kind_named(name: str) -> Kind:
         raise ExecutorError(f"no kind of target is named {name!r}; the kinds are: {known}") from None
 
 
-def kind_of(target: Any) -> Kind:
+def kind_of(target: TargetBase) -> Kind[Any]:
     """The kind of a target's config (its `kind` key)."""
-    return kind_named(str(target.kind))
+    return kind_named(target.kind)

@@ -4,17 +4,17 @@ from their caller's environment, preemption and drain."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from executors.base import Executor
-from executors.config import LocalTarget
 from executors.kinds import Capability, Kind, register
+from executors.local_config import LocalTarget
 
 if TYPE_CHECKING:
     from executors.gpus import Gpu
 
 
-class LocalKind(Kind):
+class LocalKind(Kind[LocalTarget]):
     name = "local"
     config = LocalTarget
     capabilities = frozenset(
@@ -40,7 +40,7 @@ class LocalKind(Kind):
         given = configured(target.gpus, target.gpu_vendor)
         return discover() if given is None else given
 
-    def gpus_counted(self, target: Any, held: int) -> int | None:
+    def gpus_counted(self, target: LocalTarget, held: int) -> int | None:
         return held  # those obd gave the run
 
     def preemption(self, target: LocalTarget) -> tuple[bool, float]:

@@ -45,10 +45,10 @@ from executors.base import (
     RunProbe,
     TargetUnreachable,
 )
-from executors.config import RayTarget
 from executors.local import LocalExecutor
 from executors.ray import nodes, states
 from executors.ray.api import JobsApi
+from executors.ray.config import RayTarget
 from trainer_plugin import rundir
 from trainer_plugin.tools import jobctl, slurm_batch
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from executors.base import Executor
-from executors.config import RayTarget
 from executors.kinds import Capability, Kind, register
+from executors.ray.config import RayTarget
 
 
-class RayKind(Kind):
+class RayKind(Kind[RayTarget]):
     name = "ray"
     config = RayTarget
     # No EXEC: Ray's Jobs API has no way into a running job (`obd train exec` says so; docs/ray.md).
@@ -21,6 +21,9 @@ class RayKind(Kind):
         from executors.ray.executor import RayExecutor
 
         return RayExecutor(name, target)
+
+    def gpus_counted(self, target: RayTarget, held: int) -> int | None:
+        return target.gpu_count  # its num_gpus, rounded up
 
 
 RAY = register(RayKind())

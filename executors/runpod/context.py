@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from executors.base import ExecutorError
-from executors.config import RunpodTarget, SshTarget
 from executors.runpod.api import Pod, RunpodApi
 from executors.runpod.book import PodBook, owner_id
+from executors.runpod.config import RunpodTarget
 from executors.runpod.info import PodInfo
+from executors.ssh.config import SshTarget
 from trainer_plugin.rundir import is_run_id
 
 if TYPE_CHECKING:

@@ -17,15 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from executors.base import Executor, JobHandle
-from executors.config import RunpodTarget, SshTarget
 from executors.runpod.api import Pod, RunpodApi
 from executors.runpod.book import PodBook
 from executors.runpod.caps import CONTAINER_ENVIRON, PodCaps
+from executors.runpod.config import RunpodTarget
 from executors.runpod.context import PodContext, Save
 from executors.runpod.info import PodInfo, PodObservation
 from executors.runpod.lifecycle import PodLifecycle
 from executors.runpod.reconcile import Finding, Reconciler
 from executors.runpod.retrieve import Retrieval
+from executors.ssh.config import SshTarget
 
 
 class RunpodDriver:

@@ -7,14 +7,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from executors.base import PodCost
-from executors.config import RunpodTarget
 from executors.kinds import Capability, Kind, register
+from executors.runpod.config import RunpodTarget
 
 # What a pod's record (`target_info`, executors/runpod/info.py's PodInfo) says its kind is.
 POD_RECORD_KIND = "runpod"
 
 
-class RunpodKind(Kind):
+class RunpodKind(Kind[RunpodTarget]):
     name = "runpod"
     config = RunpodTarget
     capabilities = frozenset({Capability.MAKES_PODS, Capability.EXEC, Capability.CARRIES_FILES})
@@ -23,11 +23,11 @@ class RunpodKind(Kind):
     def gpus_counted(self, target: RunpodTarget, held: int) -> int | None:
         return target.gpu_count
 
-    def has_price(self, target: Any) -> bool:
+    def has_price(self, target: RunpodTarget) -> bool:
         return True  # the pod's own rate
 
     def run_price(
-        self, target: Any, gpus: int, target_info: Mapping[str, Any], at: float
+        self, target: RunpodTarget, gpus: int, target_info: Mapping[str, Any], at: float
     ) -> tuple[float | None, float | None]:
         """The pod's rate and its spend from its creation to its end (or `at`): billed whether or not the job runs."""
         from executors.runpod.info import PodInfo

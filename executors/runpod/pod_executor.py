@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from executors.base import ExecIO, ExecSpec, ExecutorError, JobHandle, JobSpec
-from executors.config import SshTarget
 from executors.ssh import SshExecutor
+from executors.ssh.config import SshTarget
 
 
 class AccountKeyRefused(ExecutorError):

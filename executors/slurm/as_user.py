@@ -32,7 +32,7 @@ import anyio
 import anyio.to_thread
 
 from executors.base import CommandResult, RunAs
-from executors.config import SlurmTarget
+from executors.slurm.config import SlurmTarget
 
 # What of the daemon's environment the user's Slurm commands get (the daemon's secrets never):
 # where Slurm's config is, the language and time zone; the user's own HOME, USER and LOGNAME.

@@ -46,11 +46,12 @@ from executors.base import (
     RunProbe,
     TargetUnreachable,
 )
-from executors.config import SlurmTarget, SshTarget
 from executors.remote import tools_hash
 from executors.slurm import as_user, script
+from executors.slurm.config import SlurmTarget
 from executors.slurm.events import SlurmEvents
 from executors.slurm.states import NOTABLE, SlurmJob, parse_sacct, parse_scontrol
+from executors.ssh.config import SshTarget
 from trainer_plugin import rundir
 from trainer_plugin.tools import contain, jobctl, slurm_batch
 

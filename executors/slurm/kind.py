@@ -4,14 +4,13 @@ them on its own terms (time limits, node failures, preemption), which the daemon
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from executors.base import Executor
-from executors.config import SlurmTarget
 from executors.kinds import Capability, Kind, register
+from executors.slurm.config import SlurmTarget
 
 
-class SlurmKind(Kind):
+class SlurmKind(Kind[SlurmTarget]):
     name = "slurm"
     config = SlurmTarget
     capabilities = frozenset(
@@ -24,7 +23,7 @@ class SlurmKind(Kind):
 
         return SlurmExecutor(name, target)
 
-    def gpus_counted(self, target: SlurmTarget, held: Any) -> int | None:
+    def gpus_counted(self, target: SlurmTarget, held: int) -> int | None:
         return None if target.gpus_per_node is None else target.gpus_per_node * target.nodes
 
 

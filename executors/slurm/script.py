@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from executors import remote
-from executors.config import SlurmTarget, slurm_time_seconds
+from executors.slurm.config import SlurmTarget, slurm_time_seconds
 from trainer_plugin import rundir
 
 

@@ -26,8 +26,8 @@ import structlog
 
 from executors import remote
 from executors.base import AuthError, ExecutorError, HostKeyError, TargetUnreachable, WorkdirError
-from executors.config import SshTarget
 from executors.retry import Backoff, FailureGate
+from executors.ssh.config import SshTarget
 
 # The ciphers asked for, AES-GCM first: asyncssh's ChaCha20-Poly1305 (its default first choice,
 # as OpenSSH's is) moved half the bytes a second that its AES-GCM did on this project's machine

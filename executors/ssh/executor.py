@@ -35,8 +35,8 @@ from executors.base import (
     RunProbe,
     TargetUnreachable,
 )
-from executors.config import SshTarget
 from executors.ssh import exec_remote
+from executors.ssh.config import SshTarget
 from executors.ssh.connection import Session, SshConnection, as_bytes, returncode, tail
 from executors.ssh.events import SshEvents
 from executors.ssh.files import SftpFiles

@@ -21,6 +21,7 @@ ROOMS = (
     "executors/config.py",
     "executors/kinds.py",
     "executors/factory.py",
+    "executors/local_config.py",
     "executors/local_kind.py",
     "executors/local.py",
     "executors/ssh/",
