@@ -183,8 +183,8 @@ async def carry_checkpoint(
     targets = host.targets
     where = rundir.RunPaths(source.remote_dir).in_output(name)
     retrieved = Path(rundir.RunPaths(host.store.run_dir(source.id) / "retrieved").in_output(name))
-    on_this_machine = targets.of(source).answers_at_once()
-    dest_here = into is not None and targets.of(into).answers_at_once()
+    on_this_machine = files_here(targets, source)
+    dest_here = into is not None and files_here(targets, into)
     if on_this_machine or dest_here or retrieved.is_dir():
         # An end on this machine: its files read or written by a helper that is the run's user
         # (daemon/service/carry_local.py), never by the daemon itself.
@@ -234,6 +234,13 @@ async def carry_checkpoint(
     size = sum(s for s, _ in sent.values())
     log.info("checkpoint_carried", run_id=source.id, checkpoint=name, to=executor.name, files=len(sent), size=size)
     return Carried(files=len(sent), size=size)
+
+
+def files_here(targets: Targets, record: RunRecord) -> bool:
+    """Whether the run's directory is in this machine's files: a target of this machine, or one
+    whose machines see them (a Slurm cluster whose `sbatch` is here, a Ray cluster of this
+    machine's files), so its end of a carry is the helper's that is the run's user."""
+    return targets.of(record).answers_at_once() or targets.executor(record).shares_filesystem
 
 
 async def _upload_watched(
