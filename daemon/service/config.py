@@ -33,6 +33,7 @@ from executors.config import (
     Timeout,
     parse_duration,
 )
+from executors.kinds import kinds
 
 
 class ConfigError(Exception):
@@ -351,14 +352,13 @@ __all__ = [
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "tuple", "none"})
-_KIND_TAGS = frozenset({"local", "ssh", "runpod", "slurm", "ray"})
 
 
 def _key_path(loc: tuple[int | str, ...]) -> str:
     """Where a configuration error is, as the file spells it: pydantic's tags for the member of
     a union it tried (a target's kind, `list[str]`, `int`, `function-after[...]`) left out."""
     parts = [str(p) for p in loc]
-    if len(parts) >= 3 and parts[0] == "targets" and parts[2] in _KIND_TAGS:
+    if len(parts) >= 3 and parts[0] == "targets" and parts[2] in kinds():  # the registry's, a new kind's too
         del parts[2]
     return ".".join(p for p in parts if not ("[" in p or p in _TYPE_TAGS or p.startswith("function-")))
 
