@@ -19,6 +19,7 @@ import pwd
 import secrets as pysecrets
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -533,7 +534,8 @@ class Launcher:
                 record.remote_dir = f"{workdir.rstrip('/')}/{record.id}"
         rd = record.remote_dir
         await executor.make_run_dir(rd, run_as)
-        await executor.upload(self._plugin_stage(), rundir.RunPaths(rd).plugin)
+        stage = await anyio.to_thread.run_sync(self._plugin_stage)  # every plugin file read and hashed: not on the loop
+        await executor.upload(stage, rundir.RunPaths(rd).plugin)
         cwd = record.cwd
         if cwd and not Path(cwd).is_dir():
             cwd = None  # the client's directory went away before the launch: the run directory instead
@@ -659,6 +661,10 @@ class Launcher:
             from runner import TARGET_FILES
 
             files.update({p.name: Path(p) for p in TARGET_FILES})
+        with _STAGING:  # run in a worker thread: two launches at once never stage into one temporary
+            return self._staged(files)
+
+    def _staged(self, files: dict[str, Path]) -> Path:
         digest = hashlib.sha256()
         for rel, path in sorted(files.items()):
             digest.update(rel.encode() + b"\0" + path.read_bytes())
@@ -671,6 +677,9 @@ class Launcher:
                 shutil.copy2(path, tmp / rel)
             os.replace(tmp, stage)
         return stage
+
+
+_STAGING = threading.Lock()
 
 
 def package_files(root: Path) -> dict[str, Path]:

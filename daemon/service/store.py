@@ -7,14 +7,16 @@ new one, never half of one; a full disk leaves the old record and raises `StoreE
 Saves are made off the event loop (`save_async`): the bytes are taken at once, written and
 fsynced by a worker thread, and the caller goes on once they are durable, so a daemon that answers
 about a record has it on disk, and others are answered meanwhile. Saves made while the thread is
-busy are written together on its next trip (a sweep of 1,000 cancelled is a few trips, not 1,000
-round trips of the loop); a record saved twice before its trip is written once, with its newest
-bytes, and a newer save is never overwritten by an older one (each save has a sequence number).
-A file a record no longer needs beside it (a launch.json once its chain ended) is removed by the
-same trips (`drop_later`), after the saves of its trip, DROPS_PER_TRIP a trip: 1,000 unlinks
-never hold the event loop, nor another user's save for long. A caller saving many records (a
-sweep made or cancelled) hands them over a slice at a time (`save_later`, `written`), so that
-a trip is never so long that a save of someone else's waits a second behind it.
+busy are written together on its next trip; a record saved twice before its trip is written once,
+with its newest bytes, and a newer save is never overwritten by an older one (each save has a
+sequence number). Two lanes of trips: the saves of operations on many records (a sweep made or
+cancelled: `save_later`, `written`) and the files dropped go by the bulk lane, one trip at a time;
+single saves (`save_async`: a start, a run's change) by the express lane, whose trips go on while
+a bulk trip is under way, so that another user's start never waits seconds behind a sweep's
+thousand records. A record is written by one trip at a time (a trip holding a record that the
+other lane's trip under way holds waits for it first), and has at most one save waiting, in one
+lane. A file a record no longer needs beside it (a launch.json once its chain ended) is removed
+by the bulk lane's trips (`drop_later`), after the saves of its trip, DROPS_PER_TRIP a trip.
 
 What such a kill leaves is cleared when the records are loaded (`load_all`, at the daemon's
 start): the temporary files of atomic writes (`.NAME.tmp.*`) made before this process started,
@@ -45,8 +47,9 @@ from trainer_plugin.rundir import atomic_write, fsync_dir, is_run_id
 
 log = structlog.get_logger("obd.store")
 RECORD_LIMIT = 16 * 1024 * 1024
-WRITERS = 8  # threads of a trip (its fsyncs made together: ext4 commits them at once)
-DROPS_PER_TRIP = 128  # files a trip removes at most (1,000 unlinks in one trip held others' saves a second)
+WRITERS = 8  # threads of a trip writing its temporary files (creating one blocks on a busy disk: 2 were 2x slower)
+FSYNCERS = 32  # threads of a trip waiting on its fsyncs and unlinks (no GIL held: ext4 commits them together)
+DROPS_PER_TRIP = 256  # files a bulk trip removes at most (unlinks of synced files: milliseconds each on a busy disk)
 # A run's launch settings (daemon/service/queue.py), written before its first record: alone in a
 # directory, they are what a start cut short left.
 LAUNCH_SETTINGS = "launch.json"
@@ -89,11 +92,29 @@ class Batch:
     """Saves waiting for one trip of the writer thread: each record's newest bytes (and their
     sequence number), in the order of their last save, and the errors of those that failed."""
 
+    lane: _Lane
     items: dict[str, tuple[int, bytes, dict[str, bytes]]] = field(default_factory=dict)
     drops: set[tuple[str, str]] = field(default_factory=set)  # (run id, file name) removed after the saves
     flushing: bool = False  # a flush of it is asked for (`drop_later`)
     failed: dict[str, str] = field(default_factory=dict)
     done: anyio.Event = field(default_factory=anyio.Event)
+
+
+@dataclass
+class _Lane:
+    """Trips of the writer one at a time: the saves waiting for the next (`open`), the trip under
+    way (`writing`, set when it ends) and the records it holds (`taken`)."""
+
+    name: str
+    open: Batch | None = None
+    writing: anyio.Event | None = None
+    taken: set[str] = field(default_factory=set)
+    trips: int = 0  # trips made (tests count them)
+
+    def batch(self) -> Batch:
+        if self.open is None:
+            self.open = Batch(self)
+        return self.open
 
 
 class RunStore:
@@ -104,8 +125,8 @@ class RunStore:
         self._on_disk: dict[str, int] = {}  # the number of each record's save on disk
         self._locks: dict[str, threading.Lock] = {}  # one write of a record at a time
         self._locks_lock = threading.Lock()
-        self._open: Batch | None = None  # saves not yet taken by the writer thread
-        self._writing: anyio.Event | None = None  # set when the thread's trip under way ends
+        self.bulk = _Lane("bulk")  # many records of one operation, and the files dropped
+        self.express = _Lane("express")  # single saves: never behind a bulk trip
 
     def ensure(self) -> None:
         self.runs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -119,28 +140,39 @@ class RunStore:
     def save(self, record: RunRecord) -> None:
         """Save a record now, in the caller's thread; durable when it returns."""
         seq = self._number(record.id)
-        if self._open is not None:
-            self._open.items.pop(record.id, None)  # older bytes, never to be written after these
-        self._write(record.id, seq, _encode(record), {})
+        beside = self._pending(record.id)  # older bytes, never to be written after these
+        self._write(record.id, seq, _encode(record), beside)
 
     async def save_async(self, record: RunRecord, beside: dict[str, bytes] | None = None) -> None:
         """Save a record off the event loop; durable when it returns (the module's docstring). The
         wait is shielded: a caller cancelled meanwhile still has its record on disk. `beside`:
         files written in its directory before it, in the same trip (a new run's launch.json)."""
-        batch = self.save_later(record, beside)
+        batch = self._take(self.express, record, beside)
         with anyio.CancelScope(shield=True):
             await self._until_written(batch)
         if record.id in batch.failed:
             raise StoreError(batch.failed[record.id])
 
     def save_later(self, record: RunRecord, beside: dict[str, bytes] | None = None) -> Batch:
-        """Take a record's bytes now for the writer's next trip, without waiting for it (`flush`
-        waits for every save taken so far)."""
-        if self._open is None:
-            self._open = Batch()
-        _, _, before = self._open.items.pop(record.id, (0, b"", {}))
-        self._open.items[record.id] = (self._number(record.id), _encode(record), {**before, **(beside or {})})
-        return self._open
+        """Take a record's bytes now for the bulk lane's next trip, without waiting for it (`written`
+        waits for the batch answered, `flush` for every save taken so far)."""
+        return self._take(self.bulk, record, beside)
+
+    def _take(self, lane: _Lane, record: RunRecord, beside: dict[str, bytes] | None) -> Batch:
+        """A record's bytes in `lane`'s open batch, in place of any save of it still waiting (in
+        either lane: the files to write beside it are kept)."""
+        seq = self._number(record.id)
+        before = self._pending(record.id)
+        batch = lane.batch()
+        batch.items[record.id] = (seq, _encode(record), {**before, **(beside or {})})
+        return batch
+
+    def _pending(self, run_id: str) -> dict[str, bytes]:
+        """A save of the record waiting in either lane taken out; the files it had to write beside it."""
+        for lane in (self.bulk, self.express):
+            if lane.open is not None and run_id in lane.open.items:
+                return lane.open.items.pop(run_id)[2]
+        return {}
 
     def drop_later(self, run_id: str, name: str) -> bool:
         """Remove a file beside a record (not the record) on the writer's next trip, after that
@@ -149,25 +181,25 @@ class RunStore:
         check_run_id(run_id)
         if name == "run.json" or "/" in name:
             raise ValueError(f"{name!r}: only a file beside a record is dropped, never the record")
-        if self._open is None:
-            self._open = Batch()
-        self._open.drops.add((run_id, name))
-        first, self._open.flushing = not self._open.flushing, True
+        batch = self.bulk.batch()
+        batch.drops.add((run_id, name))
+        first, batch.flushing = not batch.flushing, True
         return first
 
     async def flush(self) -> None:
         """Wait until every save taken so far is on disk (or failed, and said so in the log), and
         every file dropped so far is removed (DROPS_PER_TRIP a trip: one trip each)."""
         with anyio.CancelScope(shield=True):
-            while True:
-                if self._writing is not None:  # a trip under way holds saves taken before now
-                    await self._writing.wait()
-                    continue
-                if self._open is None:
-                    return
-                await self._until_written(self._open)
-                if self._open is not None and not self._open.flushing:
-                    return  # saves made since: their callers wait for them
+            for lane in (self.bulk, self.express):
+                while True:
+                    if lane.writing is not None:  # a trip under way holds saves taken before now
+                        await lane.writing.wait()
+                        continue
+                    if lane.open is None:
+                        break
+                    await self._until_written(lane.open)
+                    if lane.open is not None and not lane.open.flushing:
+                        break  # saves made since: their callers wait for them
 
     async def written(self, batch: Batch) -> None:
         """Wait until the saves of `batch` (what `save_later` answered) are on disk, or failed."""
@@ -180,24 +212,39 @@ class RunStore:
         return self._seq
 
     async def _until_written(self, batch: Batch) -> None:
-        """Wait for `batch`'s trip; when no trip is under way, make it (the first waiter writes)."""
+        """Wait for `batch`'s trip; when no trip of its lane is under way, make it (the first waiter
+        writes). A record the other lane's trip under way holds is written after that trip."""
+        lane = batch.lane
+        other = self.express if lane is self.bulk else self.bulk
         while not batch.done.is_set():
-            if self._writing is not None:
-                await self._writing.wait()
+            if lane.writing is not None:
+                await lane.writing.wait()
                 continue
-            taken, self._open = self._open, None
+            taken, lane.open = lane.open, None
             assert taken is batch  # not done, not being written: it is the open one
             if len(taken.drops) > DROPS_PER_TRIP:  # the rest by the next trip, so that saves never wait long
                 rest = sorted(taken.drops)[DROPS_PER_TRIP:]
                 taken.drops.difference_update(rest)
-                self._open = Batch(drops=set(rest), flushing=True)
-            self._writing = ended = anyio.Event()
+                lane.open = Batch(lane, drops=set(rest), flushing=True)
+            lane.writing = ended = anyio.Event()
+            lane.taken = set(taken.items)
+            lane.trips += 1
             began = time.monotonic()
             try:
+                # Only the trip under way now: one the other lane makes after it waits for this one.
+                if other.writing is not None and not other.taken.isdisjoint(lane.taken):
+                    await other.writing.wait()
                 await anyio.to_thread.run_sync(self._write_batch, taken)
-                log.debug("store_trip", records=len(taken.items), dropped=len(taken.drops), s=time.monotonic() - began)
+                log.debug(
+                    "store_trip",
+                    lane=lane.name,
+                    records=len(taken.items),
+                    dropped=len(taken.drops),
+                    s=round(time.monotonic() - began, 4),
+                )
             finally:
-                self._writing = None
+                lane.writing = None
+                lane.taken = set()
                 taken.done.set()
                 ended.set()
 
@@ -215,25 +262,38 @@ class RunStore:
                     batch.failed[run_id] = str(exc)  # the caller says it (a queue message: the next save)
         else:
             self._write_many(items, batch.failed)
-        for run_id, name in sorted(batch.drops):  # after the saves (a file is never dropped before it is written)
-            try:
-                os.unlink(self.run_dir(run_id) / name)
-            except (FileNotFoundError, NotADirectoryError):
-                pass
-            except OSError as exc:  # left for the next start's catch-up, which removes it again
-                log.warning("file_not_removed", run_id=run_id, file=name, error=str(exc))
+        drops = sorted(batch.drops)  # after the saves (a file is never dropped before it is written)
+        if len(drops) < 4:
+            for drop in drops:
+                self._drop(drop)
+        else:
+            with ThreadPoolExecutor(max_workers=min(FSYNCERS, len(drops)), thread_name_prefix="obd-drop") as pool:
+                list(pool.map(self._drop, drops))
+
+    def _drop(self, drop: tuple[str, str]) -> None:
+        run_id, name = drop
+        try:
+            os.unlink(self.run_dir(run_id) / name)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as exc:  # left for the next start's catch-up, which removes it again
+            log.warning("file_not_removed", run_id=run_id, file=name, error=str(exc))
 
     def _write_many(self, items: list[tuple[str, tuple[int, bytes, dict[str, bytes]]]], failed: dict[str, str]) -> None:
-        """Many records written as `_write` writes one, a phase at a time over all of them by a few
-        threads (WRITERS), so that the fsyncs of a trip of 100 new runs are made together (ext4
-        commits them at once), and the event loop's thread never waits long for the GIL behind
-        dozens of writers: every temporary file written (a record's files beside it first), all
-        fsynced, each renamed over its file (`run.json` last, unless a newer save of that record
-        is already on disk), then each directory fsynced once, and `runs/` once when a directory
-        was made (a new run's directory is durable too). A record whose files fail (a full disk)
-        keeps its old record and is said in `failed`; the others are written all the same."""
-        with ThreadPoolExecutor(max_workers=min(WRITERS, len(items)), thread_name_prefix="obd-store") as pool:
-            staged = list(pool.map(self._stage, items))
+        """Many records written as `_write` writes one, a phase at a time over all of them: every
+        temporary file written (a record's files beside it first) by a few threads (WRITERS: the
+        event loop's thread never waits long for the GIL behind dozens of writers), all fsynced
+        by many (FSYNCERS, holding no GIL: the fsyncs of a trip of 1,000 new runs are made
+        together, ext4 commits them at once), each renamed over its file (`run.json` last, unless
+        a newer save of that record is already on disk), then each directory fsynced once, and
+        `runs/` once when a directory was made (a new run's directory is durable too). A record
+        whose files fail (a full disk) keeps its old record and is said in `failed`; the others
+        are written all the same."""
+        with (
+            ThreadPoolExecutor(max_workers=min(WRITERS, len(items)), thread_name_prefix="obd-store") as writers,
+            ThreadPoolExecutor(max_workers=min(FSYNCERS, len(items)), thread_name_prefix="obd-fsync") as pool,
+        ):
+            staged = list(writers.map(self._stage, items))
             for one in staged:
                 if one.error is not None:
                     failed[one.run_id] = self._failure(one.run_id, one.error)
@@ -246,7 +306,7 @@ class RunStore:
             for one in ready:
                 if one.error is not None:
                     one.discard()
-            renamed = list(pool.map(self._rename, [one for one in ready if one.error is None]))
+            renamed = list(writers.map(self._rename, [one for one in ready if one.error is None]))
             for one in renamed:
                 if one.error is not None:
                     failed[one.run_id] = self._failure(one.run_id, one.error)

@@ -581,20 +581,19 @@ class Sweeps:
     async def out_of_queue(
         self, sweep: Sweep, records: list[RunRecord], change: Callable[[RunRecord], None]
     ) -> list[dict[str, Any]]:
-        """Take queued members out of the queue together: each changed by `change` (to a final
-        state) under its lock, saved SLICE at a time by the store's writer (its threads write a
-        slice while the next is changed: a few trips, not 1,000 one-record trips of the loop),
-        then told to the daemon's watchers and parts, SLICE at a time so that others are answered
-        meanwhile; their records, as `public()`. A member whose lock is held (an edit of it under
-        way: its start) or that left the queue meanwhile is left as it is, for the caller's
-        one-by-one way. Shielded: a client that hangs up never leaves members changed in memory
-        and not saved."""
+        """Take queued members out of the queue together, as one edit: each locked and changed by
+        `change` (to a final state) at once, with no turn of the event loop in between, their bytes
+        taken TURN at a time (others answered meanwhile) into one batch of the store's bulk lane,
+        saved by one trip (others' saves go by the express lane meanwhile), then told to the
+        daemon's watchers and parts, TURN at a time; their records, as `public()`. A member whose
+        lock is held (an edit of it under way: its start) or that left the queue meanwhile is left
+        as it is, for the caller's one-by-one way. Shielded: a client that hangs up never leaves
+        members changed in memory and not saved."""
         daemon = self.daemon
         taken: list[RunRecord] = []
         with anyio.CancelScope(shield=True):
             locks: list[anyio.Lock] = []
             batches: list[Batch] = []
-            slices: list[Batch] = []
             try:
                 for record in records:
                     lock = daemon.lock(record.id)
@@ -603,15 +602,15 @@ class Sweeps:
                     lock.acquire_nowait()  # no await between the look and the change
                     locks.append(lock)
                     change(record)
-                    batch = daemon.store.save_later(record)
-                    if not batches or batches[-1] is not batch:  # a trip took the last between two slices
-                        batches.append(batch)
                     taken.append(record)
-                    if len(taken) % SLICE == 0:
-                        await self._handed_over(batch, slices)
-                    elif len(taken) % TURN == 0:
+                for n, record in enumerate(taken, 1):
+                    batch = daemon.store.save_later(record)
+                    if not batches or batches[-1] is not batch:  # a trip took the last meanwhile
+                        batches.append(batch)
+                    if n % TURN == 0:
                         await anyio.lowlevel.checkpoint()
-                await daemon.store.flush()
+                for batch in batches:
+                    await daemon.store.written(batch)
                 failed = {rid for batch in batches for rid in batch.failed}
                 for record in taken:
                     if record.id in failed:  # a full disk: kept in memory, saved again later
