@@ -5,7 +5,9 @@
 
 The share of a step: the workload runs under obd's plugin with every hook of SnapshotCallback
 (its `on_*` methods, inherited no-ops included, and its token count: the Trainer's own call per
-micro-batch, or a forward pre-hook where the Trainer has none) wrapped in `time.perf_counter_ns`. Two figures per run:
+micro-batch, or a forward pre-hook where the Trainer has none) wrapped in `time.perf_counter_ns`, and so
+is obd's wrapper of the Trainer's per-step fetch (`get_batch_samples`, the fetch's own time left out).
+Two figures per run:
 - `share_pct`: all time inside the hooks during `train()`, plus the CPU time of the plugin's
   threads in that time (the request watch's wake-ups, and the turns of the metrics late
   writer, which writes step logs no step end wrote), over the wall time of `train()` (from the end
@@ -56,14 +58,37 @@ DECIDE = "--decide"
 ONCE_HOOKS = ("on_init_end", "on_train_begin", "on_train_end")
 # TrainerCallback's no-ops the Trainer calls every step: what any hook costs here, timer included.
 FLOOR_HOOKS = ("on_optimizer_step", "on_epoch_begin")
+# obd's wrapper of Trainer.get_batch_samples (where the plugin has one), timed like a hook.
+FETCH_WRAPPER = "get_batch_samples wrapper"
 
 
 def install_plugin(plugin: Path, source: Path = PLUGIN) -> None:
-    """Lay the plugin (the `trainer_plugin` directory `source`) out the way obd does in a run directory."""
-    (plugin / "trainer_plugin").mkdir(parents=True)
-    for path in source.glob("*.py"):
-        shutil.copy2(path, plugin / "trainer_plugin" / path.name)
-    shutil.copy2(source / "sitecustomize.py", plugin / "sitecustomize.py")
+    """Lay the plugin (the `trainer_plugin` directory `source`) out the way obd does in a run directory.
+
+    The package as it is under `plugin/trainer_plugin/` (its rooms `plugin/` and `tools/` where it
+    has them), and its `sitecustomize.py` at the top: `plugin/sitecustomize.py` in this layout,
+    the package's own in a flat one (a91c419 and before, for `--compare`).
+    """
+    for path in source.rglob("*.py"):
+        if "__pycache__" in path.parts:
+            continue
+        target = plugin / "trainer_plugin" / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+    site = source / "plugin" / "sitecustomize.py"
+    shutil.copy2(site if site.is_file() else source / "sitecustomize.py", plugin / "sitecustomize.py")
+
+
+def plugin_module(name: str) -> Any:
+    """The in-job plugin's module `name` of whichever copy is imported: `trainer_plugin.plugin.NAME`,
+    or `trainer_plugin.NAME` in a flat copy (a91c419 and before, for `--compare`)."""
+    import importlib
+
+    # By the files of the copy imported, not by trying: an editable install's finder would find
+    # this tree's `trainer_plugin.plugin` beside a flat copy.
+    package = importlib.import_module("trainer_plugin")
+    flat = not any((Path(folder) / "plugin" / "__init__.py").is_file() for folder in package.__path__)
+    return importlib.import_module(f"trainer_plugin.{name}" if flat else f"trainer_plugin.plugin.{name}")
 
 
 def run_once(
@@ -122,7 +147,7 @@ def in_job(out: Path, argv: list[str]) -> None:
 
     from transformers import TrainerCallback
 
-    from trainer_plugin.plugin.callback import SnapshotCallback
+    SnapshotCallback = plugin_module("callback").SnapshotCallback
 
     hooks = [
         *sorted(name for name in vars(TrainerCallback) if name.startswith("on_")),
@@ -155,6 +180,7 @@ def in_job(out: Path, argv: list[str]) -> None:
     for name in hooks:
         if hasattr(SnapshotCallback, name):  # a plugin from before a hook was added (--compare) has not got it
             setattr(SnapshotCallback, name, timed(name, getattr(SnapshotCallback, name)))
+    time_fetch_wrapper(calls.setdefault(FETCH_WRAPPER, []))
 
     # The request watch's thread is plugin time too, on whichever core it runs: the CPU time
     # (thread_time) of each of its wake-ups that ends while training runs (the one that ends it
@@ -162,7 +188,7 @@ def in_job(out: Path, argv: list[str]) -> None:
     wakes: list[tuple[int, int]] = []  # (perf_counter_ns at its end, CPU ns)
     watch_class: Any
     try:
-        from trainer_plugin.plugin.request_watch import RequestWatch as watch_class
+        watch_class = plugin_module("request_watch").RequestWatch
     except ImportError:  # a plugin from before the watch (--compare)
         watch_class = None
 
@@ -181,7 +207,7 @@ def in_job(out: Path, argv: list[str]) -> None:
     # The metrics late writer's thread, the same way: the CPU time of each of its turns (a
     # sleep in a wait costs none; a turn that writes overdue step logs costs the write).
     late: list[tuple[int, int]] = []
-    from trainer_plugin.plugin.metrics_file import MetricsWriter
+    MetricsWriter = plugin_module("metrics_file").MetricsWriter
 
     late_turn = getattr(MetricsWriter, "_late_turn", None)  # a plugin from before it (--compare) has none
     if late_turn is not None:
@@ -196,7 +222,7 @@ def in_job(out: Path, argv: list[str]) -> None:
         setattr(MetricsWriter, "_late_turn", timed_turn)  # noqa: B010 (mypy would refuse the assignment)
     # The stop points' thread (interrupt.py), the same way: the CPU time of each of its looks.
     try:
-        from trainer_plugin.plugin.interrupt import StopPoints
+        StopPoints = plugin_module("interrupt").StopPoints
     except ImportError:  # a plugin from before it (--compare)
         pass
     else:
@@ -224,6 +250,45 @@ def in_job(out: Path, argv: list[str]) -> None:
         share.update(watch_thread_us=sum(inside) / 1e3, late_writer_us=sum(late_inside) / 1e3)
         share["late_turns"] = len(late_inside)
         path.write_text(json.dumps(share))
+
+
+def time_fetch_wrapper(durations: list[int]) -> None:
+    """Time obd's wrapper of Trainer.get_batch_samples (once a step, where a plugin has one), the
+    fetch itself left out: its own time goes into `durations`, with the timer's (conservative)."""
+    import functools
+
+    inject = plugin_module("inject")
+    wrap_fetch = getattr(inject, "_wrap_fetch", None)
+    if wrap_fetch is None:  # a plugin from before the wrapper (--compare): the Trainer's own fetch
+        return
+    inside = [0]
+
+    def timed_wrap_fetch(original: Any) -> Any:
+        def fetch(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[0] = time.perf_counter_ns() - start
+
+        wrapped = wrap_fetch(fetch)
+
+        @functools.wraps(wrapped)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                durations.append(time.perf_counter_ns() - start - inside[0])
+
+        return timed
+
+    inject._wrap_fetch = timed_wrap_fetch
+    trainer = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    patched = getattr(trainer, "get_batch_samples", None)
+    if trainer is not None and patched is not None and getattr(patched, inject.MARKER, False):  # patched: again, timed
+        trainer.get_batch_samples = timed_wrap_fetch(patched.__wrapped__)
+        setattr(trainer.get_batch_samples, inject.MARKER, True)
 
 
 def share_of_a_step(
@@ -307,8 +372,8 @@ def micro_costs(calls: int = 20000) -> dict[str, float]:
     """In this process: microseconds per SnapshotCallback.on_step_end (no request) and per on_log, in a tight loop."""
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from trainer_plugin.plugin.callback import SnapshotCallback
-    from trainer_plugin.plugin.runtime import RunEnv
+    SnapshotCallback = plugin_module("callback").SnapshotCallback
+    RunEnv = plugin_module("runtime").RunEnv
 
     with tempfile.TemporaryDirectory() as run:
         callback = SnapshotCallback(env=RunEnv.from_environ({"OBD_RUN_DIR": run}))
@@ -316,6 +381,10 @@ def micro_costs(calls: int = 20000) -> dict[str, float]:
         state, control = TrainerState(max_steps=10**9), TrainerControl()
         state.global_step = 1
         callback.on_train_begin(args, state, control)
+        points = getattr(callback, "_points", None)
+        if points is not None and hasattr(points, "fetch_begins"):  # as in a job once its first fetch was seen
+            points.fetch_begins(1)
+            points.fetch_ended()
         start = time.perf_counter()
         for _ in range(calls):
             callback.on_step_end(args, state, control)
@@ -343,7 +412,7 @@ def decide_in_job(calls: int = 2000) -> None:
     """Under torchrun: time Ranks.decide (the per-step all-reduce, gloo on the CPU) in lockstep; print rank 0's figures."""
     import torch.distributed as dist
 
-    from trainer_plugin.plugin.dist import Ranks
+    Ranks = plugin_module("dist").Ranks
 
     dist.init_process_group("gloo")
     ranks = Ranks()
@@ -522,7 +591,7 @@ def main() -> int:
     )
     p.add_argument("--json", action="store_true")
     opts = p.parse_args()
-    if opts.compare is not None and not (opts.compare / "callback.py").is_file():
+    if opts.compare is not None and not any((opts.compare / d / "callback.py").is_file() for d in ("plugin", ".")):
         p.error(f"--compare {opts.compare}: no callback.py there; give a trainer_plugin directory")
     opts.share_only = opts.share_only or opts.ranks > 1
     result = benchmark(
