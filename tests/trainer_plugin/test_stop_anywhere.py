@@ -67,6 +67,12 @@ class Job:
     def evaluations(self) -> dict[int, float]:
         return {x["step"]: x["eval_loss"] for x in self.lines() if x["event"] == "metrics" and "eval_loss" in x}
 
+    def counts(self) -> tuple[str, int]:
+        """The training's FLOP count (the script prints it after train()) and its token count (the `end` line)."""
+        flos = [line.split()[1] for line in self.log().splitlines() if line.startswith("total_flos ")]
+        tokens = [x["tokens"] for x in self.lines() if x["event"] == "end"]
+        return flos[-1], tokens[-1]
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
@@ -98,6 +104,7 @@ def stop_and_resume(job: Job, root: Path, reference: Job, *, cut: str, ranks: in
     after = resumed.steps()
     assert min(after) == step + 1 and max(after) == STEPS
     assert after == {s: reference.steps()[s] for s in after}  # bitwise: losses and gradient norms
+    assert resumed.counts() == reference.counts()  # the snapshot's FLOP and token counts were step N's
     return proof, resumed
 
 
@@ -161,6 +168,22 @@ def test_a_stop_inside_a_data_loader_fetch_that_never_returns_interrupts_it(tmp_
     assert resumed.finish() == 0, resumed.log()[-3000:]
     after = resumed.steps()
     assert min(after) == 4 and after == {s: reference.steps()[s] for s in after}
+    assert resumed.counts() == reference.counts()
+
+
+def test_a_run_stopped_inside_a_step_and_resumed_counts_the_flops_and_tokens_of_a_run_never_stopped(
+    tmp_path: Path, reference: Job
+) -> None:
+    """The snapshot keeps the FLOPs of its step that the Trainer had not yet added to total_flos
+    (it adds them at the step's log, after the step end) and drops the abandoned micro-batches'."""
+    slow = tmp_path / "slow-micro"
+    job = Job(tmp_path / "a", "--slow-micro", str(slow), "--say-steps")
+    job.wait_line("step 2 ended")
+    slow.write_text("")  # from now on a sample takes 0.2 s: a step's fetch 8 s
+    job.wait_line("slow micro-batches began")
+    proof, resumed = stop_and_resume(job, tmp_path / "b", reference, cut="loading_data")
+    assert 2 <= proof["step"] < STEPS
+    assert resumed.counts() == reference.counts()
 
 
 def test_a_stop_after_train_returned_says_which_code_it_cuts_short(tmp_path: Path) -> None:

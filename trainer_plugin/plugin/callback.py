@@ -8,6 +8,7 @@ writes `snapshot.json`. It also writes `metrics.jsonl`. Outside obd every hook r
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -24,10 +25,8 @@ from .dist import Ranks, tear_down_at_exit
 from .interrupt import (
     AFTER_TRAIN,
     EVALUATING,
-    FULL_RNG_STEP_SECONDS,
     INTERRUPTED_MARKER,
     SAVING,
-    TRAINING,
     StopAtBoundary,
     StopPoints,
 )
@@ -170,7 +169,7 @@ class SnapshotCallback(TrainerCallback):
         self._quick_request = self._open_quick_check() if quick else None
         if self.env.snapshot_on_sigterm:  # after the quick check is set: a SIGTERM from now on leaves it
             self._sigterm.install(on_signal=self._leave_quick_path)
-        self._start_points(state)
+        self._start_points(args, state)
         self._redo_interrupted_evaluation()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -194,7 +193,7 @@ class SnapshotCallback(TrainerCallback):
         if self._profiler is not None:
             self._profiler.close()
             self._profiler = None
-            self.__dict__.pop("on_step_begin", None)  # TrainerCallback's no-op again
+            self.__dict__.pop("on_step_begin", None)  # the class's again
         self._sigterm.restore()
         self._end_points(state)
         if self._pending is not None and not self._proven:
@@ -212,23 +211,30 @@ class SnapshotCallback(TrainerCallback):
 
     # --- the request --------------------------------------------------------------------
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        points = self._points
+        if points is not None:  # the step's batches are fetched: its forward passes may move the RNG
+            points.step_begins()
+
     def _profiled_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """`on_step_begin` while a profiler runs; otherwise the Trainer calls TrainerCallback's no-op."""
+        """`on_step_begin` while a profiler runs (an instance attribute over the class's, for this training only)."""
+        SnapshotCallback.on_step_begin(self, args, state, control, **kwargs)
         if self._profiler is not None:
             self._profiler.step_begin(state.global_step + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        points = self._points
-        if points is not None:  # the state of this step is what a stop before the next one saves
-            points.boundary(state.global_step, self._counters(state))
         # Almost every step end is one of the two quick checks and one clock read that says
         # nothing is due (the recheck of the name, step logs to write, a heartbeat). With one
         # process there is no decision to share and the token count goes straight into the
         # state; a SIGTERM or a proof leaves the quick path.
+        now = _monotonic()
+        points = self._points
+        if points is not None:  # the state of this step is what a stop before the next one saves
+            points.boundary(state.global_step, now, state)
         watch = self._quick_watch
         if watch is not None:
             if not watch.seen:  # no system call: inotify saw nothing named like the request
-                if _monotonic() < self._due:
+                if now < self._due:
                     return
                 if not self._recheck_finds_request():
                     self._on_time(state, control)
@@ -239,7 +245,7 @@ class SnapshotCallback(TrainerCallback):
         else:
             quick = self._quick_request
             if quick is not None and not _access(quick, _EXISTS, dir_fd=self._run_dir_fd):
-                if _monotonic() >= self._due:
+                if now >= self._due:
                     self._on_time(state, control)
                 return
         self._step_end(state, control)
@@ -294,6 +300,9 @@ class SnapshotCallback(TrainerCallback):
         decision = self._ranks.decide(reason_code(reason), preempted, tokens)
         if self._count_tokens and self._token_state is None:
             state.num_input_tokens_seen += decision.tokens
+            points = self._points
+            if points is not None:  # the boundary's count is the one with this step's tokens, summed just now
+                points.counted(state.num_input_tokens_seen)
         if decision.code != 0 or decision.preempted:
             self._arm_snapshot(state, control, decision.code, preempted)
         if _monotonic() >= self._due:
@@ -325,6 +334,9 @@ class SnapshotCallback(TrainerCallback):
         # second chance, before training ends.
         if self.env.active and self._pending is not None and not self._proven:
             control.should_save = True
+        points = self._points
+        if points is not None:
+            points.epoch_ends(state)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.env.active:
@@ -383,7 +395,7 @@ class SnapshotCallback(TrainerCallback):
 
     # --- stop anywhere (interrupt.py) ------------------------------------------------------
 
-    def _start_points(self, state: Any) -> None:
+    def _start_points(self, args: Any, state: Any) -> None:
         """Where a stop between two step ends is taken: one process, and not after this process's snapshot."""
         global _after_train
         if _after_train is not None:
@@ -400,7 +412,9 @@ class SnapshotCallback(TrainerCallback):
             if agreement is None:  # no store to agree through: a request waits for the next step end
                 return
         write_phase = self._write_phase if self._ranks.is_zero else None
-        self._points = StopPoints(self.env.request_path, write_phase, agreement).start()
+        points = StopPoints(self.env.request_path, write_phase, agreement, self.trainer)
+        points.several = (getattr(args, "gradient_accumulation_steps", 1) or 1) > 1
+        self._points = points.start()
 
     def _end_points(self, state: Any) -> None:
         """Training ended: after a full training the points watch the script's code after train()."""
@@ -424,10 +438,6 @@ class SnapshotCallback(TrainerCallback):
     def _write_phase(self, phase: str, step: int | None, **fields: Any) -> None:
         self._metrics.write("phase", phase=phase, step=step, **fields)
 
-    @staticmethod
-    def _counters(state: Any) -> dict[str, Any]:
-        return {"num_input_tokens_seen": state.num_input_tokens_seen, "total_flos": state.total_flos}
-
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         points = self._points
         if points is not None:  # a count and one attribute read a micro-batch
@@ -439,29 +449,20 @@ class SnapshotCallback(TrainerCallback):
             points.passed()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._points is not None:
-            self._points.unsafe()
+        points = self._points
+        if points is not None:  # the optimizer step is never interrupted
+            points.safe = False
 
     def evaluating(self, begun: bool, completed: bool = False) -> None:
-        """From inject's wrapper of Trainer.evaluate: an evaluation begins (True) or ended (False).
-
-        It begins at a boundary (nothing drew since the step end): every RNG state is kept then,
-        numpy's and Python's too, so a stop between two of its batches is exact whatever the step's
-        length. A completed one moved the RNG (its DataLoader drew a seed): the boundary's RNG is
-        taken again, so a stop before the next step saves what an uninterrupted run's next step sees.
-        """
+        """From inject's wrapper of Trainer.evaluate: an evaluation begins (True) or ended (False);
+        StopPoints.evaluation_begins/evaluation_ended say what is kept."""
         points = self._points
         if points is None:
             return
-        points.enter(EVALUATING if begun else TRAINING)
-        if points.last is not None and (begun or completed):
-            points.last.take_rng(FULL_RNG_STEP_SECONDS if begun else points.step_seconds)
-
-    def loading(self, begun: bool) -> None:
-        """From inject's wrapper of Trainer.get_batch_samples: the next step's batches are being fetched."""
-        points = self._points
-        if points is not None:
-            points.loading(begun)
+        if begun:
+            points.evaluation_begins()
+        else:
+            points.evaluation_ended(completed)
 
     def saving(self, begun: bool, step: int | None = None) -> None:
         """From inject's wrapper of Trainer._save_checkpoint: a save is never interrupted; after it,
@@ -473,8 +474,7 @@ class SnapshotCallback(TrainerCallback):
             points.unsafe()
             points.enter(SAVING)
         else:
-            points.enter(TRAINING)
-            points.safe = not points.taken and points.last is not None and points.last.step == step
+            points.saved(step)
 
     def _save_is_snapshot(self, state: Any, control: Any) -> None:
         """A save the Trainer made while a request waited: that save, once complete, is the snapshot."""
@@ -499,18 +499,16 @@ class SnapshotCallback(TrainerCallback):
         """The main thread was stopped at a safe point: save the last boundary's state as the snapshot, prove it, end training.
 
         The model, optimizer and scheduler are still that step's (no optimizer step since); what
-        moved is put back: the RNG states and the counters. The Trainer's own `_save_checkpoint`
-        then writes the usual checkpoint, which a resume takes as it takes any other.
+        moved is put back (Boundary.restore): the RNG states and the counters, the FLOPs of the
+        abandoned micro-batches dropped. The Trainer's own `_save_checkpoint` then writes the usual
+        checkpoint, which a resume takes as it takes any other.
         """
         points = self._points
         boundary = points.last if points is not None else None
         state = trainer.state
         if boundary is None or boundary.step != state.global_step:
             raise RuntimeError(f"obd: a stop at step {stop.step} found the training at step {state.global_step}")
-        boundary.restore_rng()
-        for name, value in boundary.counters.items():
-            setattr(state, name, value)
-        trainer.current_flos = 0  # the FLOPs of the abandoned micro-batches
+        boundary.restore(state, trainer)
         self._pending = (state.global_step, stop.reason)
         self.saving(True)
         trainer._save_checkpoint(trainer.model, trial=None)
@@ -550,11 +548,11 @@ class SnapshotCallback(TrainerCallback):
         def redo_first(args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if previous is not None:
                 self.__dict__["on_step_begin"] = previous
-                previous(args, state, control, **kwargs)
             else:
                 self.__dict__.pop("on_step_begin", None)
             log_error(f"obd: the snapshot cut short the evaluation at step {marker.get('step')}; performing it first")
             trainer.evaluate()
+            (previous or functools.partial(SnapshotCallback.on_step_begin, self))(args, state, control, **kwargs)
 
         self.__dict__["on_step_begin"] = redo_first
 

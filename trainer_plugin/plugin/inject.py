@@ -152,9 +152,6 @@ def patch_trainer_class(cls: Any) -> None:
     save = getattr(cls, "_save_checkpoint", None)
     if save is not None and not getattr(save, MARKER, False):
         cls._save_checkpoint = _wrap_save(save)
-    fetch = getattr(cls, "get_batch_samples", None)
-    if fetch is not None and not getattr(fetch, MARKER, False):
-        cls.get_batch_samples = _wrap_fetch(fetch)
 
 
 def _wrap_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -240,25 +237,6 @@ def _wrap_evaluate(original: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(evaluate, MARKER, True)
     return evaluate
-
-
-def _wrap_fetch(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Say on the SnapshotCallback that a step's batches are being fetched (Trainer.get_batch_samples
-    takes all of a step's micro-batches at its start): `status` shows `loading data` once it lasts."""
-
-    @functools.wraps(original)
-    def get_batch_samples(self: Any, *args: Any, **kwargs: Any) -> Any:
-        callbacks = _snapshot_callbacks(self)
-        for callback in callbacks:
-            callback.loading(True)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            for callback in callbacks:
-                callback.loading(False)
-
-    setattr(get_batch_samples, MARKER, True)
-    return get_batch_samples
 
 
 def _snapshot_at_boundary(trainer: Any, stop: StopAtBoundary) -> None:

@@ -10,12 +10,20 @@ accumulation, a data loader stalled in one sample, the script's code after `trai
   step N+1's optimizer step, the model, optimizer and scheduler are still exactly step N's, so
   abandoning what runs then loses nothing but work that is simply done again. The Trainer's own
   checkpoint save and the optimizer step are never safe.
-- At each boundary it keeps what moves before the next one although it belongs to step N: the
-  RNG states (torch's always, a microsecond or two; numpy's and Python's when a step takes longer
-  than `FULL_RNG_STEP_SECONDS`, where their 10-100 µs cost nothing, and at an evaluation's
-  start), the token and FLOP counts. Inside a shorter training step, whose end is near, a
-  micro-batch end does not take a stop (numpy's or Python's RNG may have moved since the
-  boundary): the step end does; only a fetch that stalls is interrupted there.
+- A step end marks the boundary with a few attribute stores (its cost is the release before's,
+  docs/stop-latency.md). What moves before the next one although it belongs to step N (the RNG
+  states, the token and FLOP counts) is copied only where a stop inside the next step could come
+  after it moved: at the step end when a request is already seen, the steps have several
+  micro-batches, steps take `KEEP_RNG_STEP_SECONDS` or more (the copy's ~10 µs are then under
+  1e-4 of a step), or the data path was seen drawing from torch's RNG (looked at every
+  `PROBE_EVERY_STEPS` steps); at an epoch's end (before the next epoch's data loader draws its
+  seed); at an evaluation's start and end. Where nothing was copied nothing moved until the next
+  step begins (the Trainer's `on_step_begin`, after its fetch, before its forward passes): a stop
+  until then (a stalled fetch's) saves the live state; after it, a stop waits for the step end.
+  numpy's and Python's RNG states (10-100 µs) are copied with torch's when steps take
+  `FULL_RNG_STEP_SECONDS` or more, and at an evaluation's start. Inside a shorter training step,
+  whose end is near, a micro-batch end does not take a stop (numpy's or Python's RNG may have
+  moved since the boundary): the step end does; only an interruption (a fetch that stalls) acts there.
 - A thread looks for the request every `POLL_SECONDS`. Once one is there and no safe point of the
   main thread (a step end, a micro-batch end, an evaluation batch) took it within `GRACE_SECONDS`,
   it interrupts the main thread with a real signal (`INTERRUPT_SIGNAL`), so a blocking read or
@@ -41,6 +49,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -54,6 +63,13 @@ POLL_SECONDS = 0.2
 GRACE_SECONDS = 0.8
 # Steps at least this long keep numpy's and Python's RNG states at every boundary too.
 FULL_RNG_STEP_SECONDS = 0.5
+# Steps at least this long copy torch's RNG state at each step end whatever else holds: ~10 µs
+# inside a job, under 1e-4 of such a step, and a stop inside the step is then exact wherever it comes.
+KEEP_RNG_STEP_SECONDS = 0.1
+# Every this many steps one keeps torch's RNG state at its end and looks at the next step's begin
+# (after its fetch) whether the data path drew from it (a collator's random masking, an
+# augmentation in the job's own process): once seen, every step end keeps it.
+PROBE_EVERY_STEPS = 64
 # How long the job must be in a phase said only when it lasts (loading data) before it is said.
 QUIET_PHASE_SECONDS = 1.0
 # A real-time signal, never sent by anyone else, so the job's own handlers (SIGUSR1 from Slurm's
@@ -84,22 +100,40 @@ class StopAtBoundary(BaseException):
 
 @dataclass
 class Boundary:
-    """What a checkpoint at the end of optimizer step `step` holds that moves before the next one."""
+    """What a checkpoint at the end of optimizer step `step` holds that moves before the next one.
+
+    `kept`: the copies below are this boundary's (taken since it, before anything moved); when
+    False, nothing that moves was copied and a stop puts nothing back (the live state is the
+    boundary's, StopPoints.exact says so).
+    """
 
     step: int
     torch_rng: Any = None
     cuda_rng: Any = None
     numpy_rng: Any = None
     python_rng: Any = None
-    counters: dict[str, Any] = field(default_factory=dict)
-    at: float = 0.0  # time.monotonic() when it was taken
+    counters: dict[str, Any] = field(default_factory=dict)  # loop.py's boundary(): none
+    at: float = 0.0  # time.monotonic() when it was taken (loop.py's)
     full: bool = False  # numpy's and Python's RNG states were kept too (or neither was imported)
+    kept: bool = False
+    tokens: Any = None  # state.num_input_tokens_seen when kept
+    total_flos: Any = None  # state.total_flos when kept
+    current_flos: Any = None  # the Trainer's FLOPs not yet added to total_flos, when kept
 
     @classmethod
     def take(cls, step: int, full: bool, counters: dict[str, Any]) -> Boundary:
         b = cls(step, counters=counters, at=time.monotonic())
         b.take_rng(FULL_RNG_STEP_SECONDS if full else 0.0)
         return b
+
+    def keep(self, full: bool, state: Any, trainer: Any) -> None:
+        """Copy what moves now: the RNG states (numpy's and Python's too when `full`) and the
+        Trainer's counters (the FLOPs not yet stored included, so the save's sum is step N's)."""
+        self.take_rng(FULL_RNG_STEP_SECONDS if full else 0.0)
+        self.tokens = getattr(state, "num_input_tokens_seen", None)
+        self.total_flos = getattr(state, "total_flos", None)
+        self.current_flos = getattr(trainer, "current_flos", None)
+        self.kept = True
 
     def take_rng(self, step_seconds: float) -> None:
         """Keep the RNG states as they are now: torch's always, numpy's and Python's for slow steps."""
@@ -117,6 +151,31 @@ class Boundary:
         self.python_rng = random.getstate() if random is not None else None
         self.full = True
 
+    def torch_moved(self) -> bool:
+        """Whether torch's RNG (CPU, and CUDA where used) is no longer the copy kept."""
+        torch = sys.modules.get("torch")
+        if torch is None or self.torch_rng is None:
+            return False
+        if not torch.equal(torch.random.default_generator.get_state(), self.torch_rng):
+            return True
+        if self.cuda_rng is None or not torch.cuda.is_initialized():
+            return False
+        now = torch.cuda.get_rng_state_all()
+        kept = self.cuda_rng
+        return len(now) != len(kept) or any(not torch.equal(now[i], kept[i]) for i in range(len(now)))
+
+    def restore(self, state: Any, trainer: Any) -> None:
+        """Before a stop's save: put back what was kept (nothing when nothing was: it did not move)."""
+        if not self.kept:
+            return
+        self.restore_rng()
+        if self.tokens is not None:
+            state.num_input_tokens_seen = self.tokens
+        if self.total_flos is not None:
+            state.total_flos = self.total_flos
+        if trainer is not None:  # the abandoned micro-batches' FLOPs go; step N's not yet stored stay
+            trainer.current_flos = self.current_flos if self.current_flos is not None else 0
+
     def restore_rng(self) -> None:
         """Put the RNG states back as they were at the boundary (those that were kept)."""
         torch = sys.modules.get("torch")
@@ -133,10 +192,14 @@ class Boundary:
 class StopPoints:
     """One training's phase, safety and last boundary, and the thread that interrupts it for a stop.
 
-    The main thread calls `boundary()` at each step end, `unsafe()` before an optimizer step or a
-    save, `enter(phase)` as phases change, and `check()` at its own safe points (a micro-batch's
-    end, an evaluation batch's). `taken` is set once the request is being acted on, by a step end
-    or here, so it is acted on once.
+    The main thread calls `boundary()` at each step end, `step_begins()` at the next step's begin
+    (its batches fetched), `unsafe()` before an optimizer step or a save, `enter(phase)` as phases
+    change, `epoch_ends()`, `evaluation_begins()`/`evaluation_ended()`, and `check()` at its own
+    safe points (a micro-batch's end, an evaluation batch's). `taken` is set once the request is
+    being acted on, by a step end or here, so it is acted on once. `exact`: a stop now saves
+    exactly the last boundary's state (what moved since was kept); False from a step's begin that
+    found nothing kept until its end. Between a step end and the next step's begin the phase is
+    `loading_data`, said only once it lasts (the fetch, or whatever else holds the next step back).
     """
 
     def __init__(
@@ -144,8 +207,11 @@ class StopPoints:
         request_path: str | None,
         write_phase: Any = None,
         agreement: RankAgreement | None = None,
+        trainer: Callable[[], Any] | None = None,
     ) -> None:
         self.request_path = request_path
+        # The Trainer (a weakref.ref): its FLOPs not yet stored are kept with the boundary.
+        self._trainer = trainer
         self.write_phase = write_phase  # callable(phase, step, **fields): a metrics line, or None
         # Under torch.distributed: where the ranks agree to stop (None: one process).
         self.agreement = agreement
@@ -154,16 +220,25 @@ class StopPoints:
         self.position = 0
         self._verdict = False
         # A phase too frequent to write at each change (loading data: every step), said by the
-        # thread only once it lasted QUIET_PHASE_SECONDS: when it began, and whether it was said.
+        # thread only once it lasted QUIET_PHASE_SECONDS: the fetch the thread first saw, when, and
+        # whether it was said (the thread claims it under the lock before it writes).
         self._quiet_lock = threading.Lock()
-        self._quiet_since: float | None = None
+        self._quiet_fetch = -1
+        self._quiet_since = 0.0
         self._quiet_said = False
+        self.fetches = 0  # stretches between a step end and the next step's begin (the thread's timing)
+        self.steps = 0  # boundaries passed
+        self.several = False  # a step has several micro-batches (set from the Trainer's arguments)
+        self.exact = True
+        self.fetch_draws = False  # a probed fetch moved torch's RNG: every step end keeps it
+        self._probing = False
         self.phase = TRAINING
         self.safe = False
         self.taken = False
         self.reason: str | None = None
         self.last: Boundary | None = None
         self.step_seconds = 0.0
+        self._boundary_at: float | None = None
         self._seen_at = 0.0
         self._signalled_at = 0.0
         self._main = threading.main_thread().ident
@@ -203,20 +278,97 @@ class StopPoints:
 
     # --- the main thread's marks -------------------------------------------------------------
 
-    def boundary(self, step: int, counters: dict[str, Any]) -> None:
-        """Optimizer step `step` ended: its state is the one to save from now until the next one."""
-        now = time.monotonic()
+    def boundary(self, step: int, now: float, state: Any = None) -> None:
+        """Optimizer step `step` ended (at `now`, time.monotonic()): its state is the one to save
+        until the next one. Attribute stores, and a copy of what moves only where needed."""
         self.position += 1
+        self.steps += 1
         last = self.last
         if last is None:  # one Boundary a training, updated in place: no object made a step
             last = self.last = Boundary(step)
-        else:
-            self.step_seconds = now - last.at
-        last.step, last.counters, last.at = step, counters, now
-        last.take_rng(self.step_seconds)
-        if self.phase != TRAINING:
+        if self._boundary_at is not None:
+            self.step_seconds = now - self._boundary_at
+        self._boundary_at = now
+        last.step, last.kept = step, False
+        self.exact = True
+        seconds = self.step_seconds
+        if self.reason is not None or self.several or seconds >= KEEP_RNG_STEP_SECONDS or self.fetch_draws:
+            self._keep(seconds >= FULL_RNG_STEP_SECONDS, state)
+        elif self.steps % PROBE_EVERY_STEPS == 1:  # the first boundary, then every N
+            self._keep(False, state)
+            self._probing = True
+        if self.phase == LOADING_DATA:  # a loop that says no step's begin
+            self._leave_quiet_phase(TRAINING)
+        elif self.phase != TRAINING:
             self.enter(TRAINING)
+        self._between_steps()
         self.safe = not self.taken
+
+    def _between_steps(self) -> None:
+        """From a step end (or an evaluation or save after it) to the next step's begin: `loading_data`,
+        said by the thread only once it lasts."""
+        self.phase = LOADING_DATA
+        self.fetches += 1
+
+    def _keep(self, full: bool, state: Any = None) -> None:
+        """Copy what moves (Boundary.keep), the Trainer's counters with it."""
+        last = self.last
+        if last is None:
+            return
+        trainer = self._trainer() if self._trainer is not None else None
+        if state is None:
+            state = getattr(trainer, "state", None)
+        last.keep(full, state, trainer)
+
+    def counted(self, tokens: int) -> None:
+        """The step end summed the ranks' tokens after the boundary was marked: a copy kept takes the sum."""
+        last = self.last
+        if last is not None and last.kept:
+            last.tokens = tokens
+
+    def step_begins(self) -> None:
+        """A step begins, its batches fetched: its forward passes move the RNG from now on."""
+        if self.phase == LOADING_DATA:
+            self._leave_quiet_phase(TRAINING)
+        last = self.last
+        if last is None:
+            return
+        if self._probing:  # what moved since the step end is the fetch's doing
+            self._probing = False
+            self.fetch_draws = last.torch_moved()
+        if not last.kept:
+            self.exact = False  # a stop waits for the step end, which saves the live state
+
+    def epoch_ends(self, state: Any = None) -> None:
+        """An epoch ended: the next one's data loader draws its seed from torch's RNG before its first fetch."""
+        self._probing = False
+        last = self.last
+        if last is not None and self.exact and not last.kept:
+            self._keep(self.step_seconds >= FULL_RNG_STEP_SECONDS, state)
+
+    def evaluation_begins(self) -> None:
+        """An evaluation begins (at a boundary: nothing drew since): every RNG state is kept, numpy's
+        and Python's too, so a stop between two of its batches is exact whatever the step's length."""
+        self._probing = False
+        self.enter(EVALUATING)
+        last = self.last
+        if last is not None and self.exact and not (last.kept and last.full):
+            self._keep(True)
+
+    def evaluation_ended(self, completed: bool) -> None:
+        """An evaluation ended. A completed one moved the RNG (its DataLoader drew a seed), as it does
+        before the Trainer's own save at this step: the state after it is the one to save from now
+        on, kept again (an evaluation at an epoch's end is followed by the next epoch's seed)."""
+        self.enter(TRAINING)
+        if completed and self.last is not None and self.exact:
+            self._keep(self.step_seconds >= FULL_RNG_STEP_SECONDS)
+        self._between_steps()
+
+    def saved(self, step: int | None) -> None:
+        """The Trainer's checkpoint save ended: safe again if the state is still the boundary's (a save at `step`)."""
+        self.enter(TRAINING)
+        self.safe = not self.taken and self.last is not None and self.last.step == step
+        self._between_steps()
 
     def unsafe(self) -> None:
         self.safe = False
@@ -225,26 +377,31 @@ class StopPoints:
         """A new phase; said in metrics.jsonl for `status` (evaluating, saving, after_train, training)."""
         if phase == self.phase:
             return
+        if self.phase == LOADING_DATA:
+            self._leave_quiet_phase(phase, False)
         self.phase = phase
+        self._say(phase, **fields)
+
+    def _say(self, phase: str, **fields: Any) -> None:
         if self.write_phase is not None:
             step = self.last.step if self.last is not None else None
             with contextlib.suppress(Exception):
                 self.write_phase(phase, step, **fields)
 
-    def loading(self, begun: bool) -> None:
-        """The main thread fetches the next batches (begun) or has them: `loading_data` while it lasts long."""
-        if begun:
-            if self.phase == TRAINING:
-                self.phase, self._quiet_since = LOADING_DATA, time.monotonic()
-            return
-        if self.phase != LOADING_DATA:
+    def _leave_quiet_phase(self, phase: str, say: bool = True) -> None:
+        """Leave `loading_data` for `phase`; say `phase` (when `say`) only if the thread said `loading_data`.
+
+        The thread claims `_quiet_said` before it looks at the phase, under the lock (_say_quiet_phase),
+        so once the phase is changed either it sees that and says nothing, or this sees its claim and
+        waits for its line to be written first."""
+        self.phase = phase
+        if not self._quiet_said:
             return
         with self._quiet_lock:
-            said, self._quiet_said, self._quiet_since = self._quiet_said, False, None
-            if said:
-                self.enter(TRAINING)
-            else:
-                self.phase = TRAINING
+            if self._quiet_said:
+                self._quiet_said = False
+                if say:
+                    self._say(phase)
 
     def passed(self) -> None:
         """The main thread is at one of its own safe points (a micro-batch's end, an evaluation batch's)."""
@@ -258,11 +415,12 @@ class StopPoints:
 
         Inside a short training step (a boundary without numpy's and Python's RNG states) only an
         interruption acts: the step end, which is near, takes the stop with every state exact.
+        Past a fetch that kept nothing (`exact` False) nothing acts: the step end takes it.
         Under torch.distributed the rank parks here until the ranks agree: it stops only where all do.
         """
-        if self.reason is not None and self.safe and not self.taken:
+        if self.reason is not None and self.safe and not self.taken and self.exact:
             last = self.last
-            if not interrupted and self.phase == TRAINING and last is not None and not last.full:
+            if not interrupted and self.phase == TRAINING and last is not None and not (last.kept and last.full):
                 return
             if self.agreement is not None and not self.agreement.park(self.position):
                 return
@@ -299,16 +457,22 @@ class StopPoints:
         return PARKED_POLL_SECONDS if agreeing else POLL_SECONDS
 
     def _say_quiet_phase(self, now: float) -> None:
-        """Say `loading_data` once the fetch lasted long enough for `status` to show it."""
-        since = self._quiet_since
-        if since is None or self._quiet_said or now - since < QUIET_PHASE_SECONDS:
+        """Say `loading_data` once one fetch lasted long enough for `status` to show it (timed from
+        the thread's first look at it: the main thread reads no clock for it)."""
+        if self.phase != LOADING_DATA or self._quiet_said:
+            return
+        fetch = self.fetches
+        if fetch != self._quiet_fetch:
+            self._quiet_fetch, self._quiet_since = fetch, now
+            return
+        if now - self._quiet_since < QUIET_PHASE_SECONDS:
             return
         with self._quiet_lock:
-            if self.phase == LOADING_DATA and not self._quiet_said and self.write_phase is not None:
-                self._quiet_said = True
-                step = self.last.step if self.last is not None else None
-                with contextlib.suppress(Exception):
-                    self.write_phase(LOADING_DATA, step)
+            self._quiet_said = True  # claimed first: see _fetch_phase_ended
+            if self.phase == LOADING_DATA and self.fetches == fetch:
+                self._say(LOADING_DATA)
+            else:
+                self._quiet_said = False
 
     def _turn(self, now: float) -> None:
         self._say_quiet_phase(now)

@@ -40,6 +40,10 @@ class Regression(torch.nn.Module):
             time.sleep(0.2)
         return {"loss": torch.nn.functional.mse_loss(self.net(input_ids.float()).squeeze(-1), labels)}
 
+    def num_parameters(self, exclude_embeddings: bool = True) -> int:
+        """As a transformers model says it: the Trainer counts 6 FLOPs a parameter and input number of a micro-batch."""
+        return sum(p.numel() for p in self.parameters())
+
 
 def said_once(flag: dict[str, bool], key: str, line: str) -> None:
     if not flag.get(key):
@@ -125,6 +129,7 @@ def main() -> int:
     )
     trainer.train()
     print(f"train() returned at step {trainer.state.global_step}", flush=True)
+    print(f"total_flos {trainer.state.total_flos!r}", flush=True)  # a test compares a resumed run's count
     if opts.after_train:
         print("after-train code began", flush=True)
         time.sleep(opts.after_train)
