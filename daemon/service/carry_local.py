@@ -309,6 +309,21 @@ def local_to_local(
     return written
 
 
+def stream_entry(head: dict[str, Any]) -> tuple[str, int, int]:
+    """A file's (path, size, mode) as the user's helper announced it, checked here: that process is
+    the user's (they may trace it and write what they like), and the daemon writes the path on a
+    target with the target's own account. A path that leaves the checkpoint is refused; the mode
+    keeps only the permission bits (no setuid, setgid or sticky bit is carried)."""
+    path = str(head["path"])
+    parts = path.split("/")
+    if path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise CarryRefused(f"{path!r} is not a path inside the checkpoint: nothing was carried")
+    size = int(head["size"])
+    if size < 0:
+        raise CarryRefused(f"{path}: a size of {size} bytes: nothing was carried")
+    return path, size, int(head.get("mode", 0o600)) & 0o777
+
+
 def _said(out: bytes, err: bytes) -> str:
     with contextlib.suppress(ValueError):
         answer = json.loads(out or b"{}")
@@ -341,7 +356,7 @@ async def pack_stream(
                 return
             if kind == b"X":
                 raise CarryRefused(f"reading {src} as {who.name} refused: {head['error']}")
-            size = int(head["size"])
+            path, size, mode = stream_entry(head)
             digest = hashlib.sha256()
 
             async def chunks(size: int = size, digest: Any = digest) -> AsyncIterator[bytes]:
@@ -352,9 +367,9 @@ async def pack_stream(
                     left -= len(chunk)
                     yield chunk
 
-            yield str(head["path"]), size, int(head.get("mode", 0o600)), chunks()
+            yield path, size, mode, chunks()
             if (await read(32)) != digest.digest():
-                raise CarryRefused(f"{head['path']} changed while it was read as {who.name}: nothing was carried")
+                raise CarryRefused(f"{path} changed while it was read as {who.name}: nothing was carried")
     finally:
         await anyio.to_thread.run_sync(_killed, proc)
 
