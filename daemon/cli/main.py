@@ -1,5 +1,6 @@
 # Over 600 lines on purpose for now: one handler per subcommand, each short, all dispatched from one
-# table; the split by verb (train, targets, pods) is the client-layer step of issue 35.
+# table; the machinery's commands left through daemon/cli/machinery.py (issue 35); a split by verb
+# (train, targets) is the next step.
 """The `obd` command. Client commands import only the standard library (no torch, no pydantic).
 
 The exit codes are one table (`EXIT_CODES`, printed by `obd --help` and kept in the README):

@@ -1,3 +1,5 @@
+# Over 600 lines on purpose: every command's flags, help and examples in one place, which the
+# completions and the run-file keys are generated from; each command builds only its own parser.
 """The `obd` command's parsers: every command and flag, with its help and examples.
 
 Standard library only, like every module the client imports; the reason words of a stop come

@@ -1,3 +1,5 @@
+# Over 600 lines on purpose: every text obd prints for people, escaped in one place (a run's
+# strings are hostile); split by what is shown (table, status, progress) is a later step.
 """Text for people: the run table, a run's status and the live progress line (standard library only).
 
 Names, messages, commands, targets and reasons come from users and jobs; none reaches the

@@ -1,3 +1,5 @@
+# Over 600 lines on purpose: the Python API's one public surface (Client, Run, Sweep), each method
+# a few lines over steps shared with the async client (aio.py); results and I/O are apart already.
 """The Python API (`from obd import Client`): what the `obd` command does, from a program.
 
     from obd import Client

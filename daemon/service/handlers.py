@@ -1,3 +1,5 @@
+# Over 600 lines on purpose: the control API as one table of ops, each handler short and checked
+# against its message model here; the session op (exec) and the parts they call live elsewhere.
 """The control API's operations, in one table: each op, the message it takes, and what answers it.
 
 The server (daemon/service/server.py) reads a line, looks the op up here, validates the message
