@@ -218,8 +218,17 @@ def test_a_job_that_kills_its_watchdog_and_spoils_its_outputs_is_stopped_at_the_
         assert record["state"] == "cancelled" and "cost cap" in record["message"], record["message"]
         # Its outputs could not come home, and the pod was ended all the same, abandon_grace after the cap.
         wait_for(lambda: pod_id in fake.terminated, 30, what="the pod to be terminated")
-        said = [record["message"], *(h["reason"] for h in d.record(rid)["history"])]
-        assert any("could not be retrieved" in s and "terminated through the API" in s for s in said), said
+
+        def said() -> list[str]:
+            now = d.record(rid)
+            return [now["message"], *(h["reason"] for h in now["history"])]
+
+        def told(lines: list[str]) -> bool:
+            return any("could not be retrieved" in s and "terminated through the API" in s for s in lines)
+
+        # The run's record says so once the daemon saw the termination's answer (a moment after the
+        # fake API recorded it).
+        wait_for(lambda: told(said()), 30, what="the run's record to say the pod was terminated")
         assert fake.terminated[pod_id]["terminated_at"] < cap_at(record) + grace + 20
     finally:
         kill_jobs(short_tmp / "pod")
