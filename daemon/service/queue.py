@@ -69,6 +69,9 @@ class QueueHost(Runs, Protocol):
     def inventory(self) -> Inventory: ...
 
     @property
+    def version(self) -> int: ...  # bumped by every change of a run (`touch`)
+
+    @property
     def launcher(self) -> Launcher: ...
 
     @property
@@ -85,6 +88,10 @@ SPEC = LAUNCH_SETTINGS
 SAFETY_POLL = 30.0  # the queue is looked at this often even when nothing says it should be
 SOON = 1.0  # ... and this often while a run it waits for is between two attempts (no record changes then)
 SLICE = 100  # queued runs a pass looks at between two turns of the event loop (others answered meanwhile)
+# A target with more than SLICE queued runs has their messages said again at most this often: a
+# refresh looks at every one of them (5,000: a tenth of a second of the event loop), and every start
+# or end of any run is a pass.
+MESSAGES_EVERY = 1.0
 
 
 def queued_why(record: RunRecord) -> str | None:
@@ -108,8 +115,11 @@ class Scheduler:
         self._whole: set[str] = set()  # sweeps every member of which is saved
         self._made: dict[str, int] | None = None  # during a pass: how many members of each sweep are saved
         self._holders: dict[str, dict[str, str]] | None = None  # during a pass: each target's GPU holders
+        self._waiting: list[RunRecord] | None = None  # during a pass: the runs queued when it began, oldest first
         self._soon = False
         self._holds = 0  # operations on many runs under way (`holding`)
+        self._messages_at: dict[str, float] = {}  # each target's last refresh of its queued runs' messages
+        self._messages_due: float | None = None  # a refresh put off (MESSAGES_EVERY): the pass that makes it
         self._kicked_while_held = False
 
     def on_change(self, record: RunRecord) -> None:
@@ -138,6 +148,8 @@ class Scheduler:
 
     def queued(self, target: str | None = None) -> list[RunRecord]:
         """The runs waiting to start (not those a scheduler of their target holds), oldest first."""
+        if self._waiting is not None:  # during a pass: its look at every record, those that left taken out
+            return [r for r in self._waiting if r.in_queue and (target is None or r.target == target)]
         runs = [r for r in self.daemon.records.values() if r.in_queue and (target is None or r.target == target)]
         return sorted(runs, key=lambda r: (r.created, r.id))
 
@@ -154,6 +166,8 @@ class Scheduler:
             pending += [at for r in waiting if (at := limits.too_late_at_of(self.daemon, r)) is not None]
             config = self.daemon.config
             pending += [at for r in waiting for _, _, at in placement.overflow_due(config, r) if at > time.time()]
+            if self._messages_due is not None:
+                pending.append(self._messages_due)
             if pending:
                 wait = max(0.0, min(wait, min(pending) - time.time()) + 0.01)
             with anyio.move_on_after(wait):
@@ -161,8 +175,10 @@ class Scheduler:
 
     async def schedule(self) -> None:
         self._soon = False
+        self._messages_due = None
         self._made = self._sweeps_made()
         self._holders = {}
+        self._waiting = self.queued()  # a run queued meanwhile kicks the queue: the next pass has it
         try:
             await self._place()
             for target in sorted({r.target for r in self.queued()}):
@@ -171,6 +187,7 @@ class Scheduler:
         finally:
             self._made = None
             self._holders = None
+            self._waiting = None
 
     def _sweeps_made(self) -> dict[str, int]:
         """How many members of each sweep are saved (a member may start once all are)."""
@@ -186,12 +203,20 @@ class Scheduler:
         pass that changes nothing saves nothing."""
         daemon = self.daemon
         now = time.time()
-        held = daemon.inventory.held(target)
+        queued = self.queued(target)
+        if len(queued) > SLICE:
+            due = self._messages_at.get(target, 0.0) + MESSAGES_EVERY
+            if now < due:  # said by a pass then (`run` wakes for it)
+                self._messages_due = min(due, self._messages_due or due)
+                return
+            self._messages_at[target] = now
+        held, version = daemon.inventory.held(target), daemon.version
         changed = []
-        for n, record in enumerate(self.queued(target), 1):
+        for n, record in enumerate(queued, 1):
             if n % SLICE == 0:
                 await anyio.lowlevel.checkpoint()
-                held = daemon.inventory.held(target)  # as it is now
+                if daemon.version != version:  # as it is now (a look at every record: not for nothing)
+                    held, version = daemon.inventory.held(target), daemon.version
             if not record.in_queue or daemon.lock(record.id).locked():
                 continue  # an edit of it is under way (a cancel, its start): the next pass looks
             waiting = self.waiting_for(record, now, held)
@@ -318,7 +343,7 @@ class Scheduler:
         daemon = self.daemon
         config = daemon.config
         now = time.time()
-        runs = [r for r in daemon.records.values() if r.in_queue and placement.watched(config, r)]
+        runs = [r for r in self.queued() if placement.watched(config, r)]
         if not runs:
             return
         held: dict[str, dict[str, str]] = {}
