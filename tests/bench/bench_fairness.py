@@ -9,7 +9,9 @@ ping, list and start a CPU-only run (`--gpus 0`) in a loop, on their own connect
 
 Printed: how long each sweep took to make and the cancel took (a cancel still going after
 OBD_BENCH_CANCEL_BUDGET seconds, default 300, is cut short: then how many members it cancelled);
-the others' answer times (p50, p99, max) while the sweeps were made and while the cancel ran. The
+the others' answer times (p50, p99, max) while the sweeps were made and while the cancel ran, and,
+for comparison, the same calls with no load: before the sweeps (nothing queued) and between the
+sweeps and the cancel (every run queued, nothing asked: OBD_BENCH_QUIET seconds each). The
 goal (issue 33): the others answered within 100 ms p99, a sweep of 1,000 made or cancelled in
 about a second. OBD_BENCH_SWEEPS and OBD_BENCH_MEMBERS change the load (5 x 1,000 by default).
 
@@ -41,6 +43,9 @@ accounts = users.accounts
 SWEEPS = int(os.environ.get("OBD_BENCH_SWEEPS", "5"))
 MEMBERS = int(os.environ.get("OBD_BENCH_MEMBERS", "1000"))
 CANCEL_BUDGET = float(os.environ.get("OBD_BENCH_CANCEL_BUDGET", "300"))
+# Seconds the others call alone before the sweeps (nothing queued) and between the sweeps and the
+# cancel (everything queued, nothing under way): what their calls cost without the member's load.
+QUIET = float(os.environ.get("OBD_BENCH_QUIET", "4"))
 
 
 def _config() -> str:
@@ -88,17 +93,22 @@ import json, os, sys, time
 from pathlib import Path
 from daemon.cli.client import Client
 sock, sweeps, members, budget = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+quiet = float(sys.argv[5])
 client = Client(sock, timeout=3600)
 env = {"PATH": "/usr/bin:/bin"}
 out = {"made": [], "sweeps": []}
-out["made_from"] = time.time()
+out["idle_from"] = time.time()
+time.sleep(quiet)  # the others alone: their answers with nothing queued
+out["idle_to"] = out["made_from"] = time.time()
 for n in range(sweeps):
     t = time.perf_counter()
     made = client.call("sweep", command=["sleep", "600", "{a}"], gpus="1", environ=env, client_cwd=os.getcwd(),
                        name=f"load{n}", grid=[{"name": "a", "values": [str(i) for i in range(members)]}])
     out["made"].append(time.perf_counter() - t)
     out["sweeps"].append(made["sweep"])
-out["made_to"] = out["cancel_from"] = time.time()
+out["made_to"] = out["held_from"] = time.time()
+time.sleep(quiet)  # the others with every run queued and nothing under way
+out["held_to"] = out["cancel_from"] = time.time()
 victim = out["sweeps"][-1]
 canceller = Client(sock, timeout=budget)
 t = time.perf_counter()
@@ -161,7 +171,7 @@ def test_others_are_answered_while_one_member_queues_and_cancels_thousands_of_ru
     ]
     try:
         sweeper = subprocess.run(  # type: ignore[call-overload]
-            [f"{box.venv}/bin/python", "-c", SWEEPER, sock, str(SWEEPS), str(MEMBERS), str(CANCEL_BUDGET)],
+            [f"{box.venv}/bin/python", "-c", SWEEPER, sock, str(SWEEPS), str(MEMBERS), str(CANCEL_BUDGET), str(QUIET)],
             env=box.env(box.alice),
             cwd=box.alice.home,
             capture_output=True,
@@ -188,13 +198,22 @@ def test_others_are_answered_while_one_member_queues_and_cancels_thousands_of_ru
         f"{load['cancelled']} of {load['members']} cancelled when it returned"
     )
     for who, calls in (("bob (member)", bob_calls), ("root", root_calls)):
+        print(f"{who} before, nothing queued:     {_line(calls, load['idle_from'], load['idle_to'])}")
+        print(f"{who} all queued, nothing asked:  {_line(calls, load['held_from'], load['held_to'])}")
         print(f"{who} while the sweeps were made: {_line(calls, load['made_from'], load['made_to'])}")
         print(f"{who} while the cancel ran:      {_line(calls, load['cancel_from'], load['cancel_to'])}")
     everyone = bob_calls + root_calls
-    print(f"others, all calls: {_line(everyone, 0, float('inf'))}")
+    loaded = [(load["made_from"], load["made_to"]), (load["cancel_from"], load["cancel_to"])]
+
+    def under_load(calls: list[dict]) -> list[dict]:
+        return [c for c in calls if any(lo <= c["at"] <= hi for lo, hi in loaded)]
+
+    print(f"others, all calls under the member's load: {_line(under_load(everyone), 0, float('inf'))}")
     for op in ("ping", "list", "start"):  # root's list is every active run: 5,000 of them
         for who, calls in (("bob", bob_calls), ("root", root_calls)):
-            print(f"  {who} {op}: {_line([c for c in calls if c.get('op') == op], 0, float('inf'))}")
+            mine = [c for c in calls if c.get("op") == op]
+            print(f"  {who} {op} under load: {_line(under_load(mine), 0, float('inf'))}")
+            print(f"  {who} {op} all queued, nothing asked: {_line(mine, load['held_from'], load['held_to'])}")
     # Whatever the figures: the daemon still answers, and the cancel's members end cancelled.
     if load["cancel_done"]:
         assert load["cancelled"] == load["members"] == MEMBERS
