@@ -608,7 +608,8 @@ def status(r: dict[str, Any]) -> str:
         lines.append(
             "reconcile still being matched with its target after the daemon's start (the target has not answered yet)"
         )
-    paused = r.get("paused") if r.get("state") == "queued" else None
+    # In the record's preemption part (flat in a record of a daemon before the parts).
+    paused = (r.get("preemption") or r).get("paused") if r.get("state") == "queued" else None
     if paused:
         for_what = f"run {paused['by']}" if paused.get("by") else "a drain of its target"
         lines.append(

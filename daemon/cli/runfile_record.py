@@ -56,8 +56,9 @@ def from_record(record: dict[str, Any], keys: dict[str, Key] | None = None) -> d
         values["gpus"] = list(wanted) if isinstance(wanted, list) else wanted
     if record.get("priority"):
         values["priority"] = record["priority"]
-    if record.get("preemptible") is not None:
-        values["preemptible"] = record["preemptible"]
+    preemptible = _part(record, "preemption").get("preemptible")
+    if preemptible is not None:
+        values["preemptible"] = preemptible
     values["retry"] = record.get("retries", 0)
     for name in ("profile", "snapshot_on_sigterm"):
         if record.get(name):
@@ -76,6 +77,13 @@ def from_record(record: dict[str, Any], keys: dict[str, Key] | None = None) -> d
             if value is not None:
                 values[name] = value
     return {name: values[name] for name in keys if name in values}
+
+
+def _part(record: dict[str, Any], name: str) -> dict[str, Any]:
+    """One of the record's parts (`preemption`, `dependencies`, `retention`); the record itself
+    for one of a daemon before the parts, which kept their fields at the top under the same names."""
+    part = record.get(name)
+    return part if isinstance(part, dict) else record
 
 
 def _field(record: dict[str, Any], name: str) -> Any:
@@ -103,7 +111,7 @@ def _deadline(record: dict[str, Any]) -> str | None:
 
 def _after(record: dict[str, Any]) -> list[str] | None:
     """`--after RUN[:STATE,...]` from the record's dependencies, each by the run it was resolved to."""
-    found = record.get("after")
+    found = _part(record, "dependencies").get("after")
     if not isinstance(found, list) or not found:
         return None
     words = []

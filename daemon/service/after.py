@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 from daemon.common import wire
 from daemon.service.api import ApiError, Peer, StartRequest
 from daemon.service.checkpoints import latest_attempt
-from daemon.service.models import Dependency, RunRecord
+from daemon.service.models import DependenciesPart, Dependency, RunRecord
 from daemon.service.ports import Runs
 from daemon.service.targets import Targets
 from trainer_plugin import rundir
@@ -182,8 +182,8 @@ def chain_waits(records: dict[str, RunRecord]) -> Callable[[str], list[str]]:
     """`waits_of` for `cycle` over the records: what each chain waits for, all its attempts' deps."""
     by_chain: dict[str, list[str]] = {}
     for record in records.values():
-        if record.after:
-            by_chain.setdefault(record.chain or record.id, []).extend(d.run for d in record.after)
+        if record.dependencies.after:
+            by_chain.setdefault(record.chain or record.id, []).extend(d.run for d in record.dependencies.after)
     return lambda chain: by_chain.get(chain, [])
 
 
@@ -229,11 +229,17 @@ def resolve(daemon: FindHost, req: StartRequest, peer: Peer, own: str) -> list[D
     return deps
 
 
+def attach(daemon: FindHost, req: StartRequest, peer: Peer, record: RunRecord) -> None:
+    """A new run's dependencies put on its record (saved by the caller): the runs it waits for, each
+    resolved now (`resolve`), and whether it starts whatever they ended in (`--after-any`)."""
+    record.dependencies = DependenciesPart(after=resolve(daemon, req, peer, record.id), after_any=req.after_any)
+
+
 def announced(record: RunRecord) -> str | None:
     """What a new run that waits for runs says it waits for, before the queue looks at them."""
-    if not record.after:
+    if not record.dependencies.after:
         return None
-    return "waiting for " + ", ".join(label(d) for d in record.after)
+    return "waiting for " + ", ".join(label(d) for d in record.dependencies.after)
 
 
 # --- in the queue -----------------------------------------------------------------------------
@@ -251,14 +257,14 @@ def chain_end(daemon: AfterHost, dep: Dependency) -> ChainEnd | None:
 
 def verdict(daemon: AfterHost, record: RunRecord) -> Verdict:
     """`decide` for a queued run, from the records as they are now."""
-    return decide([(dep, chain_end(daemon, dep)) for dep in record.after], record.after_any)
+    return decide([(dep, chain_end(daemon, dep)) for dep in record.dependencies.after], record.dependencies.after_any)
 
 
 def in_between(daemon: AfterHost, record: RunRecord) -> bool:
     """Whether a chain the run waits for has a final newest attempt whose next one is still to be
     made (a retry or a paused run's way back under way): the queue looks again shortly, as the
     end of that step changes no record."""
-    for dep in record.after:
+    for dep in record.dependencies.after:
         end = chain_end(daemon, dep)
         if end is not None and not end.over and end.state in wire.FINAL:
             return True
@@ -308,11 +314,11 @@ def waited_for(records: dict[str, RunRecord], record: RunRecord) -> list[Depende
     current: RunRecord | None = record
     while current is not None and current.id not in seen:
         seen.add(current.id)
-        if current.after:
-            return current.after
+        if current.dependencies.after:
+            return current.dependencies.after
         first = records.get(current.chain or current.id, current)
-        if first.after:
-            return first.after
+        if first.dependencies.after:
+            return first.dependencies.after
         current = records.get(first.resumed_from or "") if first.resumed_from else None
     return []
 

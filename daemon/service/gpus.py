@@ -218,5 +218,5 @@ def queue_message(inventory: Inventory, record: RunRecord, why: str | None = Non
     the runs it waits for; else its backoff or its GPUs)."""
     waiting = waiting or inventory.waiting_for(record)
     if why is None and record.attempt > 1:
-        why = f"attempt {record.attempt} of {record.retries + 1 + record.preemptions}"
+        why = f"attempt {record.attempt} of {record.retries + 1 + record.preemption.preemptions}"
     return f"{why}: {waiting}" if why else waiting

@@ -347,7 +347,7 @@ class Handlers:
         ]
         if bad:
             out["bad_checkpoints"] = bad
-        if record.keep_checkpoints is not None or any(r.pruned for r in chain):
+        if record.retention.keep_checkpoints is not None or any(r.retention.pruned for r in chain):
             with anyio.move_on_after(10):
                 out["checkpoints"] = await self.daemon.retention.usage(record)
 
@@ -513,7 +513,7 @@ class Handlers:
             deadline=req.deadline,
             max_gpu_hours=req.max_gpu_hours,
             max_cost_usd=req.max_cost_usd,
-            keep_checkpoints=source.keep_checkpoints,
+            keep_checkpoints=source.retention.keep_checkpoints,
         )
         answer = await self.start(start, peer, "obd train resume")
         changed = resumed_elsewhere(source, target, req.gpus)
@@ -619,10 +619,11 @@ class Handlers:
 def pause_totals(latest: RunRecord) -> dict[str, Any]:
     """The chain's pauses, as its newest attempt carries them: how many, the time paused in all
     (the one under way counted up to now), and the steps lost (0 when every snapshot was verified)."""
-    paused = latest.paused_seconds
-    if latest.paused is not None and latest.in_queue:
-        paused += max(0.0, time.time() - latest.paused.since)
-    return {"preemptions": latest.preemptions, "paused_seconds": round(paused, 1), "lost_steps": latest.lost_steps}
+    part = latest.preemption
+    paused = part.paused_seconds
+    if part.paused is not None and latest.in_queue:
+        paused += max(0.0, time.time() - part.paused.since)
+    return {"preemptions": part.preemptions, "paused_seconds": round(paused, 1), "lost_steps": part.lost_steps}
 
 
 def resumed_name(daemon: ServiceHost, name: str | None) -> str | None:

@@ -29,7 +29,7 @@ import anyio
 import structlog
 
 from daemon.service.after import announced, output_env
-from daemon.service.after import resolve as resolve_after
+from daemon.service.after import attach as attach_after
 from daemon.service.api import ApiError, Peer, StartRequest
 from daemon.service.carry import carry_checkpoint
 from daemon.service.checkpoints import Checkpoint, resume_point
@@ -37,10 +37,11 @@ from daemon.service.config import Config
 from daemon.service.follow import Follower
 from daemon.service.gpus import Inventory, parse_wanted, queue_message
 from daemon.service.limits import carry, check_start, from_request, job_time_of
-from daemon.service.models import Paused, Placement, RunRecord, RunState, SweepTag
+from daemon.service.models import Paused, Placement, PreemptionPart, RunRecord, RunState, SweepTag
 from daemon.service.placement import for_next_attempt, overflows, placement_of, preferences, reachable, settle
 from daemon.service.policy import check_target, may_use, target_rule
 from daemon.service.ports import Runs
+from daemon.service.retention import set_keep
 from daemon.service.specs import SPEC, load_spec, spec_bytes
 from daemon.service.stop import write_pending_request
 from daemon.service.store import StoreError, is_temporary
@@ -283,7 +284,7 @@ class Launcher:
         if created is not None:
             record.created = created
         try:
-            record.after, record.after_any = resolve_after(daemon, req, peer, record.id), req.after_any
+            attach_after(daemon, req, peer, record)
         except ApiError:
             self._admitting.discard(record.id)  # refused: its id is no one's
             raise
@@ -291,7 +292,7 @@ class Launcher:
         record.gpus_wanted = wanted
         record.retries = req.retry if req.retry is not None else supervision.config.retry
         keep = req.keep_checkpoints
-        record.keep_checkpoints = keep if keep is not None else supervision.config.keep_checkpoints
+        set_keep(record, keep if keep is not None else supervision.config.keep_checkpoints)
         if supervision.shares_filesystem(record):
             # Where the job runs: --cwd, else where `obd train start` ran (a local run's, and a Slurm
             # run's where sbatch is on this machine: its submit directory), used in place.
@@ -327,7 +328,7 @@ class Launcher:
             snapshot_on_sigterm=req.snapshot_on_sigterm,
             env_clear=req.env_clear,
             output_to=req.output_to,
-            preemptible=req.preemptible,
+            preemption=PreemptionPart(preemptible=req.preemptible),
             limits=from_request(req),
         )
 
@@ -346,7 +347,7 @@ class Launcher:
         supervision = daemon.targets.of(record)
         record.trackers = continued(record, source)  # the tracker run its curves continue in
         waits = bool(daemon.inventory.wanted(record)) or record.not_before is not None
-        waits = waits or bool(record.after) or record.sweep is not None  # the queue decides when
+        waits = waits or bool(record.dependencies.after) or record.sweep is not None  # the queue decides when
         waits = waits or len(preferences(record)) > 1  # ... and where (daemon/service/placement.py)
         if waits:
             record.transition(
@@ -393,8 +394,9 @@ class Launcher:
                 self.launching.add(record.id)
                 record.gpus = devices
                 record.not_before = None
-                if record.paused is not None:  # a paused run resumes: its pause is over
-                    record.paused_seconds += max(0.0, time.time() - record.paused.since)
+                paused = record.preemption.paused
+                if paused is not None:  # a paused run resumes: its pause is over
+                    record.preemption.paused_seconds += max(0.0, time.time() - paused.since)
                 gpus = f" with GPU{'s' if len(devices) != 1 else ''} {','.join(devices)}" if devices else ""
                 record.transition(RunState.preparing, f"leaving the queue{gpus}")
         if not leaving:
@@ -422,7 +424,7 @@ class Launcher:
         record.chain = prev.chain or prev.id
         record.attempt = prev.attempt + 1
         record.retries = prev.retries
-        record.keep_checkpoints = prev.keep_checkpoints
+        set_keep(record, prev.retention.keep_checkpoints)
         record.gpus_wanted = prev.gpus_wanted
         record.priority = prev.priority
         record.cwd = prev.cwd
@@ -430,21 +432,27 @@ class Launcher:
         if record.target != prev.target:  # queued elsewhere: that target's directory rule
             settle(self.daemon.targets, record, record.target, req)
         record.not_before = not_before
-        record.preemptible = prev.preemptible
-        record.preemptions = prev.preemptions + (paused is not None)
-        record.paused_seconds, record.lost_steps = prev.paused_seconds, prev.lost_steps + lost_steps
-        record.queue_since = prev.queue_since or prev.created
+        # Its chain's preemption: whether it may be paused, the pause it resumes from, the totals.
+        was = prev.preemption
+        record.preemption = PreemptionPart(
+            preemptible=was.preemptible,
+            paused=paused,
+            preemptions=was.preemptions + (paused is not None),
+            paused_seconds=was.paused_seconds,
+            lost_steps=was.lost_steps + lost_steps,
+            queue_since=was.queue_since or prev.created,
+        )
         record.limits = carry(self.daemon, prev, time.time())  # the chain's limits, and its totals so far
-        record.paused = paused
         record.sweep = prev.sweep
         if point is not None:  # of `prev`, or of an earlier attempt of the chain (point.source)
             record.resumed_from, record.resume_checkpoint = point.source or prev.id, point.name
             record.resume_reason = point.reason
         if paused is not None:
-            times = f"{record.preemptions} time{'s' if record.preemptions != 1 else ''}"
+            n = record.preemption.preemptions
+            times = f"{n} time{'s' if n != 1 else ''}"
             why = f"paused ({paused.why}) since {time.strftime('%H:%M:%S', time.localtime(paused.since))}, {times}"
         else:
-            total = record.retries + 1 + record.preemptions  # a pause's attempt uses no retry
+            total = record.retries + 1 + record.preemption.preemptions  # a pause's attempt uses no retry
             why = f"attempt {record.attempt} of {total} after {prev.id} ended ({cause})"
         return await self._admit(record, req, run_as, prev, why)
 

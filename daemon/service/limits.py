@@ -263,7 +263,7 @@ def too_late_at(record: RunRecord, save_floor: float, margin: float) -> float | 
 
 def chain_start(record: RunRecord) -> float:
     """When the chain first queued: a deadline's span counts from there."""
-    return record.queue_since or record.created
+    return record.preemption.queue_since or record.created
 
 
 def job_time(record: RunRecord, rate: Rate, now: float, save_floor: float, margin: float) -> tuple[float, float] | None:

@@ -113,7 +113,8 @@ class StopState(BaseModel):
 class Limits(BaseModel):
     """A chain's limits (docs/limits.md, daemon/service/limits.py) and what its earlier attempts used: on
     every attempt, the totals carried from attempt to attempt, so they hold across retries,
-    preemptions and restarts of the daemon."""
+    preemptions and restarts of the daemon. Made by limits.py, put on a new attempt by
+    daemon/service/launch.py; daemon/service/follow.py marks the limit it reached."""
 
     time_limit: float | None = None  # seconds of running wall time, summed over the chain's attempts
     deadline: float | None = None  # unix time by which the chain must have stopped
@@ -214,6 +215,64 @@ class Trackers(BaseModel):
     mlflow_run_id: str | None = None  # the MLflow run an attempt's job opened (it must exist on the server)
 
 
+# The record's feature parts, each written by the modules named here and nowhere else
+# (tests/daemon/test_record_parts.py checks it over daemon/ with `ast`): a part's fields are set,
+# appended to or the part replaced only there; every other module reads them. `target_info` is
+# the executor's dict of a run's pod (executors/runpod's PodInfo), converted in pod_record.py only.
+PART_OWNERS: dict[str, tuple[str, ...]] = {
+    "preemption": ("daemon/service/preempt.py", "daemon/service/launch.py"),
+    "dependencies": ("daemon/service/after.py",),
+    "retention": ("daemon/service/retention.py",),
+    "limits": ("daemon/service/launch.py", "daemon/service/follow.py"),
+    "target_info": ("daemon/service/pod_record.py",),
+}
+
+
+class PreemptionPart(BaseModel):
+    """A run's preemption (docs/preemption.md), written by daemon/service/preempt.py (the pause it is
+    asked for: `preempt`) and daemon/service/launch.py (a new attempt: whether it may be paused, the
+    pause it resumes from, its chain's totals carried from attempt to attempt and when its chain
+    first queued; a resumed pause's time added up when it leaves the queue)."""
+
+    preemptible: bool | None = (
+        None  # whether it may be paused for a run of higher priority (None: its target's default)
+    )
+    preempt: Preemption | None = None  # the pause under way
+    paused: Paused | None = None  # the pause this attempt resumes from
+    # The chain's totals, carried from attempt to attempt.
+    preemptions: int = 0
+    paused_seconds: float = 0.0
+    lost_steps: int = 0
+    queue_since: float | None = None  # when its chain first queued (its place among equal priority)
+
+
+class DependenciesPart(BaseModel):
+    """The runs it waits for (`--after`), and whether it starts whatever they ended in (`--after-any`);
+    written by daemon/service/after.py when the run is made."""
+
+    after: list[Dependency] = Field(default_factory=list)
+    after_any: bool = False
+
+
+class RetentionPart(BaseModel):
+    """Checkpoint retention (docs/checkpoints.md), written by daemon/service/retention.py: how many
+    complete checkpoints its chain keeps (None: all), and the checkpoints of its own directory obd
+    deleted for it, with the bytes that freed."""
+
+    keep_checkpoints: int | None = None
+    pruned: list[str] = Field(default_factory=list)
+    pruned_bytes: int = 0
+
+
+# Where each field of a record of the last release (a91c419 and before) went: it kept its name,
+# inside its part. `RunRecord` folds such flat keys into the parts when it loads one.
+FLAT_FIELDS: dict[str, type[BaseModel]] = {
+    "preemption": PreemptionPart,
+    "dependencies": DependenciesPart,
+    "retention": RetentionPart,
+}
+
+
 class RunRecord(BaseModel):
     """Everything obd knows of one run. Saved atomically as `runs/<id>/run.json`."""
 
@@ -241,19 +300,9 @@ class RunRecord(BaseModel):
     gpus: list[str] = Field(default_factory=list)
     priority: int = 0
     not_before: float | None = None  # a retry waits in the queue until then (its backoff)
-    # Preemption: whether it may be paused for a run of higher priority (None: its target's
-    # default), the pause under way, and the one it resumes from; the chain's totals, carried
-    # from attempt to attempt; and when its chain first queued (its place among equal priority).
-    preemptible: bool | None = None
-    preempt: Preemption | None = None
-    paused: Paused | None = None
-    preemptions: int = 0
-    paused_seconds: float = 0.0
-    lost_steps: int = 0
-    queue_since: float | None = None
-    # Runs it waits for (`--after`), and whether it starts whatever they ended in (`--after-any`).
-    after: list[Dependency] = Field(default_factory=list)
-    after_any: bool = False
+    # The parts of its features, each written by its owners (PART_OWNERS above).
+    preemption: PreemptionPart = Field(default_factory=PreemptionPart)  # may it be paused, its pauses
+    dependencies: DependenciesPart = Field(default_factory=DependenciesPart)  # the runs it waits for (--after)
     sweep: SweepTag | None = None  # the sweep it is a member of
     # Recovery: the attempts of one logical run form a chain (its first run's id).
     chain: str | None = None
@@ -274,16 +323,12 @@ class RunRecord(BaseModel):
     snapshot_on_sigterm: bool = False
     profile: bool = False
     stop: StopState = Field(default_factory=StopState)
-    target_info: dict[str, Any] = Field(default_factory=dict)  # executor-specific (pod, host…)
+    target_info: dict[str, Any] = Field(default_factory=dict)  # the executor's: a run's pod (pod_record.py)
     unreachable_since: float | None = None
     metrics: dict[str, Any] | None = None  # RunMetrics, when the run was profiled
     limits: Limits | None = None  # its chain's limits (--time-limit, --deadline, --max-gpu-hours, --max-cost-usd)
     trackers: Trackers | None = None  # the tracker run its chain logs to (None: a run made before obd gave one)
-    # Checkpoint retention (daemon/service/retention.py): how many complete checkpoints its chain keeps
-    # (None: all), and the checkpoints of its own directory obd deleted for it.
-    keep_checkpoints: int | None = None
-    pruned: list[str] = Field(default_factory=list)
-    pruned_bytes: int = 0
+    retention: RetentionPart = Field(default_factory=RetentionPart)  # --keep-checkpoints, what obd pruned
     bad_checkpoint: BadCheckpoint | None = None  # the checkpoint it failed to resume from
     move: Move | None = None  # `obd train move` under way or done (daemon/service/move.py)
     placement: Placement | None = (
@@ -298,6 +343,26 @@ class RunRecord(BaseModel):
             data = dict(data)
             env = data.pop("env")
             data.setdefault("env_names", sorted(str(k) for k in env))
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_fields_into_parts(cls, data: Any) -> Any:
+        """Records written before the parts kept their fields flat (`preemptions`, `after`,
+        `pruned`...): each moves into its part under its own name (a part's own value wins)."""
+        if not isinstance(data, dict):
+            return data
+        flat = {part: [k for k in model.model_fields if k in data] for part, model in FLAT_FIELDS.items()}
+        if not any(flat.values()):
+            return data
+        data = dict(data)
+        for part, keys in flat.items():
+            if not keys:
+                continue
+            given = data.get(part)
+            if isinstance(given, BaseModel):
+                given = given.model_dump()
+            data[part] = {**{k: data.pop(k) for k in keys}, **(given if isinstance(given, dict) else {})}
         return data
 
     @property
@@ -342,9 +407,11 @@ class RunRecord(BaseModel):
             "resumed_from": self.resumed_from,
             "gpus": self.gpus,
             "attempt": self.attempt,
-            "attempts": self.retries + 1 + self.preemptions,  # a pause's attempt uses no retry
-            "paused": self.paused.model_dump() if self.paused is not None and self.in_queue else None,
-            "preemptions": self.preemptions,
+            "attempts": self.retries + 1 + self.preemption.preemptions,  # a pause's attempt uses no retry
+            "paused": (
+                self.preemption.paused.model_dump() if self.preemption.paused is not None and self.in_queue else None
+            ),
+            "preemptions": self.preemption.preemptions,
             "sweep": self.sweep.id if self.sweep is not None else None,
         }
 

@@ -168,7 +168,7 @@ class Preemptor:
 
     def pausing(self, target: str) -> list[RunRecord]:
         """The runs of a target being paused now (asked, their job not ended yet)."""
-        return [r for r in self.daemon.records.values() if r.target == target and r.preempt and r.has_job]
+        return [r for r in self.daemon.records.values() if r.target == target and r.preemption.preempt and r.has_job]
 
     def settings(self, target: str) -> tuple[bool, float]:
         """The target's default `preemptible` and its `min_runtime`."""
@@ -196,9 +196,9 @@ class Preemptor:
             started = running_since(r)
             if (
                 not self.may_snapshot(r)
-                or not (r.preemptible if r.preemptible is not None else default)
+                or not (r.preemption.preemptible if r.preemption.preemptible is not None else default)
                 or (below is not None and r.priority >= below)
-                or r.preempt is not None
+                or r.preemption.preempt is not None
                 or r.stop.requested_at is not None
                 or r.stop.cancel_by is not None
                 or started is None
@@ -245,7 +245,7 @@ class Preemptor:
         for r in list(self.daemon.records.values()):
             if r.target != target or not (r.has_job or r.state == RunState.preparing):
                 continue
-            if r.preempt is not None:
+            if r.preemption.preempt is not None:
                 paused.append(r.id)  # a pause already under way
             elif r.stop.requested_at is not None or r.stop.cancel_by is not None:
                 stopping.append(r.id)  # its own stop or cancel is under way: it ends on its own
@@ -280,7 +280,7 @@ class Preemptor:
         """Record the pause, then ask the job for a `preempted` snapshot (a daemon killed between the
         two asks at its next start, `catch_up`: the fallback counts from the request)."""
         async with self.daemon.editing(record):
-            record.preempt = preemption
+            record.preemption.preempt = preemption
             record.note(preemption.why)
         await self._ask(record)
 
@@ -292,6 +292,6 @@ class Preemptor:
         for (its request not recorded) is asked for now. Without this the run is never chosen
         again (a pause is under way) nor asked, and what waits for its GPUs waits for ever."""
         for record in list(self.daemon.records.values()):
-            if record.preempt is not None and record.has_job and record.stop.requested_at is None:
-                log.info("pause_asked_again", run_id=record.id, for_run=record.preempt.for_run)
+            if record.preemption.preempt is not None and record.has_job and record.stop.requested_at is None:
+                log.info("pause_asked_again", run_id=record.id, for_run=record.preemption.preempt.for_run)
                 self.daemon.start_soon(self._ask, record)

@@ -224,8 +224,8 @@ class MetricsExporter:
             "Runs obd paused through a snapshot, for a run of higher priority or a drain.",
         )
         paused = Family("obd_runs_paused", "gauge", "Runs paused by obd, waiting in the queue to resume on their own.")
-        pauses = Counter(r.target for r in records if r.preempt is not None)
-        waiting = Counter(r.target for r in records if r.paused is not None and r.in_queue)
+        pauses = Counter(r.target for r in records if r.preemption.preempt is not None)
+        waiting = Counter(r.target for r in records if r.preemption.paused is not None and r.in_queue)
         for target in targets:
             preempted.add(pauses[target], target=target)
             paused.add(waiting[target], target=target)

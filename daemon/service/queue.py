@@ -97,11 +97,12 @@ MESSAGES_EVERY = 1.0
 def queued_why(record: RunRecord) -> str | None:
     """Why a queued run is queued, when that is more than waiting: a paused run's pause, or a
     retry's attempt among all its chain may make (a pause's attempt uses no retry)."""
-    if record.paused is not None:
-        since = time.strftime("%H:%M:%S", time.localtime(record.paused.since))
-        return f"paused ({record.paused.why}) since {since}"
+    paused = record.preemption.paused
+    if paused is not None:
+        since = time.strftime("%H:%M:%S", time.localtime(paused.since))
+        return f"paused ({paused.why}) since {since}"
     if record.attempt > 1:
-        return f"attempt {record.attempt} of {record.retries + 1 + record.preemptions}"
+        return f"attempt {record.attempt} of {record.retries + 1 + record.preemption.preemptions}"
     return None
 
 
@@ -243,7 +244,7 @@ class Scheduler:
             if held is not None:
                 return held
             self._whole.add(record.sweep.id)
-        if not record.after:
+        if not record.dependencies.after:
             return None
         verdict = after.verdict(self.daemon, record)
         if verdict.action == "wait" and after.in_between(self.daemon, record):
@@ -304,7 +305,7 @@ class Scheduler:
             owner = self.daemon.records[rid].owner_uid if rid in self.daemon.records else None
             per_owner[owner] = per_owner.get(owner, 0) + 1
         # A run paused by a preemption keeps its place: its chain's first queueing, not its attempt's.
-        return lambda r: (-r.priority, per_owner.get(r.owner_uid, 0), r.queue_since or r.created, r.id)
+        return lambda r: (-r.priority, per_owner.get(r.owner_uid, 0), r.preemption.queue_since or r.created, r.id)
 
     # --- placement over several targets, and overflow (daemon/service/placement.py) ----------------------
 
@@ -360,7 +361,7 @@ class Scheduler:
                 heads[target] = self.order(target, ready, held_on(target))[0] if ready else None
             return heads[target]
 
-        runs.sort(key=lambda r: (-r.priority, r.queue_since or r.created, r.id))
+        runs.sort(key=lambda r: (-r.priority, r.preemption.queue_since or r.created, r.id))
         for n, record in enumerate(runs, 1):
             if n % SLICE == 0:
                 await anyio.lowlevel.checkpoint()
@@ -443,7 +444,7 @@ class Scheduler:
                 await self.daemon.preemptor.consider(head, held)
                 return
             verdict = self.gate(head)
-            if verdict is not None and head.after:
+            if verdict is not None and head.dependencies.after:
                 async with self.daemon.editing(head):
                     head.note(verdict.why)  # which runs it waited for ended how
             await self.daemon.launcher.launch_queued(head, devices)

@@ -120,7 +120,7 @@ class Recovery:
 
     def attempts_left(self, record: RunRecord) -> int:
         """Retries left to the chain (the attempts that resumed a paused run used none)."""
-        return record.retries - (record.attempt - 1 - record.preemptions)
+        return record.retries - (record.attempt - 1 - record.preemption.preemptions)
 
     @staticmethod
     def resumes_paused(record: RunRecord) -> bool:
@@ -128,7 +128,7 @@ class Recovery:
         own: stopped on its `preempted` proof, or cancelled by the stop fallback when none came (from
         its chain's newest complete checkpoint then, its lost steps counted). Never a run a user
         cancelled or one that failed, and no retry is used."""
-        if record.preempt is None:
+        if record.preemption.preempt is None:
             return False
         if record.state == RunState.stopped:
             return record.snapshot is not None
@@ -242,13 +242,14 @@ class Recovery:
         if chain in self._ended_chains:  # cancelled while its checkpoint was looked for
             self._settle(record)
             return
-        if paused and record.preempt is not None:
+        if paused and record.preemption.preempt is not None:
             lost = (
                 0
                 if record.snapshot is not None
                 else max(0, (record.progress.step or 0) - (point.step or 0 if point else 0))
             )
-            pause = Paused(by=record.preempt.for_run, since=record.preempt.asked_at, why=record.preempt.why)
+            asked = record.preemption.preempt
+            pause = Paused(by=asked.for_run, since=asked.asked_at, why=asked.why)
             new = await daemon.launcher.next_attempt(record, req, run_as, point, time.time(), cause, pause, lost)
             async with daemon.editing(record):
                 record.retried_by = new.id
@@ -259,7 +260,7 @@ class Recovery:
             log.info("run_paused", run_id=record.id, next_run=new.id, lost_steps=lost)
             return
         cfg = daemon.config.retry
-        delay = min(cfg.backoff * 2 ** (record.attempt - 1 - record.preemptions), cfg.max_backoff)
+        delay = min(cfg.backoff * 2 ** (record.attempt - 1 - record.preemption.preemptions), cfg.max_backoff)
         said = cause_words(record, cause)
         new = await daemon.launcher.next_attempt(record, req, run_as, point, time.time() + delay, said)
         async with daemon.editing(record):
@@ -269,7 +270,7 @@ class Recovery:
             else:
                 start = f"from {point.name}" + (f" of {point.source}" if point.source else "")
             record.note(
-                f"retrying ({said}): attempt {new.attempt} of {new.retries + 1 + new.preemptions} is {new.id}, {start}, in {delay:g} s"
+                f"retrying ({said}): attempt {new.attempt} of {new.retries + 1 + new.preemption.preemptions} is {new.id}, {start}, in {delay:g} s"
             )
         self._settle(record)  # the next attempt keeps its own copy of the settings
         log.info("run_retried", run_id=record.id, next_run=new.id, cause=cause, attempt=new.attempt, delay_s=delay)

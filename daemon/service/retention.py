@@ -99,6 +99,12 @@ def plan(held: Sequence[Held], keep: int, protected: Mapping[Key, str], chain_ru
     return out
 
 
+def set_keep(record: RunRecord, keep: int | None) -> None:
+    """A new attempt's keep setting (saved by the caller): its `--keep-checkpoints`, its target's
+    default, or for a chain's next attempt, the one its chain had; None keeps every checkpoint."""
+    record.retention.keep_checkpoints = keep
+
+
 # Runs whose outputs are being brought home (`obd train outputs`, a pod's end): nothing of theirs
 # is deleted meanwhile. Per daemon process; counted, as two retrievals may overlap.
 _reading: Counter[str] = Counter()
@@ -185,7 +191,7 @@ class Retention:
     def on_change(self, record: RunRecord) -> None:
         """A listener: a chain with a keep setting is pruned when one of its runs shows a new
         newest checkpoint, or ends."""
-        if record.keep_checkpoints is None:
+        if record.retention.keep_checkpoints is None:
             return
         mark = (record.progress.last_checkpoint, record.state.final)
         if self._seen.get(record.id) == mark:
@@ -204,7 +210,7 @@ class Retention:
         while none ran) is done without waiting for the chain's next change."""
         now = time.time() if now is None else now
         for record in list(self.daemon.records.values()):
-            if record.keep_checkpoints is None or latest_attempt(self.daemon, record) is not record:
+            if record.retention.keep_checkpoints is None or latest_attempt(self.daemon, record) is not record:
                 continue
             if record.state.final and record.history and now - record.history[-1].time > CATCH_UP_WINDOW:
                 continue
@@ -221,9 +227,9 @@ class Retention:
                 if record is None:
                     return
                 newest = latest_attempt(self.daemon, record)
-                if newest.keep_checkpoints is None:
+                if newest.retention.keep_checkpoints is None:
                     return
-                done = await self._prune(newest, newest.keep_checkpoints)
+                done = await self._prune(newest, newest.retention.keep_checkpoints)
                 if done.removed:
                     log.info("checkpoints_pruned", chain=chain, removed=done.removed, freed=done.freed)
         except Exception:  # retention must never end the daemon: the next change tries again
@@ -235,7 +241,7 @@ class Retention:
     async def prune(self, record: RunRecord, keep: int | None) -> Pruned:
         """`obd train prune`: the rule applied now, with `keep` or the run's own setting."""
         newest = latest_attempt(self.daemon, record)
-        keep = keep if keep is not None else newest.keep_checkpoints
+        keep = keep if keep is not None else newest.retention.keep_checkpoints
         if keep is None:
             raise ApiError(
                 f"run {record.id} keeps every checkpoint (no --keep-checkpoints): say how many to keep, "
@@ -304,9 +310,9 @@ class Retention:
             self._complete.discard(h.key)
             done.removed.append({"run": h.run, "name": h.name, "bytes": freed})
             async with daemon.editing(owner):
-                if h.name not in owner.pruned:
-                    owner.pruned.append(h.name)
-                owner.pruned_bytes += freed
+                if h.name not in owner.retention.pruned:
+                    owner.retention.pruned.append(h.name)
+                owner.retention.pruned_bytes += freed
         return done
 
     async def _gone(self, owner: RunRecord, name: str) -> bool:
@@ -325,14 +331,14 @@ class Retention:
         held, errors = await self.held(chain)
         bad = bad_checkpoints(self.daemon.records.values())
         return {
-            "keep": newest.keep_checkpoints,
+            "keep": newest.retention.keep_checkpoints,
             "bytes": sum(h.size for h in held),
             "checkpoints": [
                 {"run": h.run, "name": h.name, "bytes": h.size, "complete": h.complete, "bad": h.key in bad}
                 for h in sorted(held, key=lambda h: h.order)
             ],
-            "pruned": sum(len(r.pruned) for r in chain),
-            "pruned_bytes": sum(r.pruned_bytes for r in chain),
+            "pruned": sum(len(r.retention.pruned) for r in chain),
+            "pruned_bytes": sum(r.retention.pruned_bytes for r in chain),
             "unreadable": errors,
         }
 

@@ -687,7 +687,7 @@ class Sweeps:
             retry=req.retry if req.retry is not None else member.retries,
             profile=member.profile,
             snapshot_on_sigterm=member.snapshot_on_sigterm,
-            preemptible=member.preemptible,
+            preemptible=member.preemption.preemptible,
         )
 
 

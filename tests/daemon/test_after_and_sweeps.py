@@ -12,7 +12,7 @@ import pytest
 
 from daemon.service.after import ChainEnd, Verdict, cycle, decide, env_name, parse_after, waited_for
 from daemon.service.api import ApiError, GridAxis
-from daemon.service.models import Dependency, RunRecord, RunState, SweepTag
+from daemon.service.models import DependenciesPart, Dependency, RunRecord, RunState, SweepTag
 from daemon.service.sweeps import STOPPED_QUEUED, combinations, fold_best, gate, substitute, sweep_env
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
 
@@ -123,7 +123,7 @@ def test_a_named_run_s_output_variable_is_its_name_sanitized(name: str, var: str
 
 
 def test_retries_and_resumes_of_a_waiting_run_are_told_the_same_outputs() -> None:
-    first = RunRecord(id="b", after=[dep()])
+    first = RunRecord(id="b", dependencies=DependenciesPart(after=[dep()]))
     retry = RunRecord(id="b2", chain="b", attempt=2)
     resumed = RunRecord(id="c", resumed_from="b2")
     records = {r.id: r for r in (first, retry, resumed)}
@@ -244,7 +244,9 @@ def test_a_run_after_another_waits_queued_and_starts_only_once_that_one_succeede
     waiting = start(box, "--gpus", "0", "--after", "prep", *ledger_job(ledger))
     record = wait_for(lambda: (r := box.record(waiting)) and "(running)" in r["message"] and r, 10, 0.1, "its message")
     assert record["state"] == "queued" and record["message"] == "waiting for run prep (running)"
-    assert record["after"] == [{"run": first, "given": "prep", "name": "prep", "states": ["succeeded", "stopped"]}]
+    assert record["dependencies"]["after"] == [
+        {"run": first, "given": "prep", "name": "prep", "states": ["succeeded", "stopped"]}
+    ]
     assert "waiting for run prep" in box.cli("train", "status", waiting).stdout
     assert "waiting for run prep" in box.cli("train", "list").stdout
     # Another run, started after it and waiting for nothing, is not held up behind it.
@@ -314,7 +316,7 @@ def test_a_wait_that_could_be_a_loop_is_refused_saying_so(box: DaemonProc) -> No
     assert out.returncode == 2 and "not a state a run ends in" in out.stderr
     # `last` is read once, at start: the run before this one, never this one.
     chained = start(box, "--gpus", "0", "--after", "last", "--", "true")
-    assert box.record(chained)["after"][0]["run"] == prev
+    assert box.record(chained)["dependencies"]["after"][0]["run"] == prev
     box.wait_state(chained, "succeeded", timeout=20)
 
 
@@ -329,7 +331,7 @@ def test_the_job_is_told_where_the_outputs_of_the_runs_it_waited_for_are(box: Da
     out1, out2 = (Path(box.record(r)["remote_dir"]) / "output" for r in (first, other))
     assert f"1={out1} 2={out2} named={out1}" in log
     assert f"made-by-{first}" in log
-    assert done["after"][0]["name"] == "pre-train"
+    assert done["dependencies"]["after"][0]["name"] == "pre-train"
 
 
 def test_a_wait_survives_a_daemon_sigkill_and_so_does_an_end_seen_after_it(box: DaemonProc, tmp_path: Path) -> None:

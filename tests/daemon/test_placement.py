@@ -182,7 +182,7 @@ def test_a_run_paused_by_a_preemption_continues_on_the_overflow_target_from_its_
     step = paused["snapshot"]["step"]
     again = wait_for(lambda: (r := d.record(paused["retried_by"]))["state"] == "running" and r, 60, 0.1)
     assert again["target"] == "spare" and again["gpus"] == ["1"] and again["resumed_from"] == victim
-    assert again["chain"] == victim and again["paused"]["by"] == urgent
+    assert again["chain"] == victim and again["preemption"]["paused"]["by"] == urgent
     assert f"checkpoint-{step} of {victim} carried from target local to spare" in notes(again)
     assert f"placed on spare, the overflow of local after 1s waiting: local's 1 GPU all held (by {urgent})" in (
         status(d, again["id"])
@@ -268,7 +268,7 @@ def test_a_drained_targets_paused_run_continues_on_its_overflow_target_after_the
     done = d.wait_state(after, "succeeded", "failed", timeout=300)
     assert done["state"] == "succeeded", done["message"]
     assert done["target"] == "box" and done["chain"] == rid and done["resumed_from"] == rid
-    assert done["paused"]["why"] == "target local drained"
+    assert done["preemption"]["paused"]["why"] == "target local drained"
     said = status(d, after)
     assert "placed on box, the overflow of local after 2s waiting: local is drained" in said, said
     assert f"checkpoint-5 of {rid} carried from target local to box" in notes(done)

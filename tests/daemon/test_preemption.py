@@ -96,7 +96,7 @@ def test_an_urgent_run_takes_one_gpu_through_a_verified_snapshot_and_the_victim_
 
     done = d.wait_state(urgent, "succeeded", "failed", timeout=60)
     assert done["state"] == "succeeded", done["message"]
-    victims = [r for r in (d.record(first), d.record(second)) if r.get("preempt")]
+    victims = [r for r in (d.record(first), d.record(second)) if r["preemption"]["preempt"]]
     assert [v["id"] for v in victims] == [second]  # the one started last: the least work to lose
     victim = victims[0]
     assert victim["state"] == "stopped" and victim["snapshot"]["reason"] == "preempted", victim["message"]
@@ -109,7 +109,7 @@ def test_an_urgent_run_takes_one_gpu_through_a_verified_snapshot_and_the_victim_
     resumed_id = victim["retried_by"]
     resumed = d.wait_state(resumed_id, "running", timeout=30)  # back on its own once the GPU is free
     assert resumed["resumed_from"] == second and resumed["attempt"] == 2
-    assert resumed["paused"]["by"] == urgent and resumed["preemptions"] == 1
+    assert resumed["preemption"]["paused"]["by"] == urgent and resumed["preemption"]["preemptions"] == 1
     status = d.record(resumed_id)
     assert status["pauses"]["preemptions"] == 1 and status["pauses"]["lost_steps"] == 0
     assert status["pauses"]["paused_seconds"] > 0
@@ -132,7 +132,7 @@ def test_an_urgent_run_wanting_two_gpus_pauses_both_runs(make_daemon) -> None:
     for rid in runs:
         record = d.record(rid)
         assert record["state"] == "stopped" and record["snapshot"]["reason"] == "preempted"
-        assert d.wait_state(record["retried_by"], "running", timeout=30)["paused"]["by"] == urgent
+        assert d.wait_state(record["retried_by"], "running", timeout=30)["preemption"]["paused"]["by"] == urgent
         d.call("cancel", id=record["retried_by"])
 
 
@@ -155,7 +155,7 @@ def test_runs_that_may_not_be_paused_are_never_chosen_and_nothing_is_when_it_wou
     assert d.record(urgent)["state"] == "queued"
     for rid in kept:
         record = d.record(rid)
-        assert record["state"] == "running" and not record.get("preempt"), rid
+        assert record["state"] == "running" and not record["preemption"]["preempt"], rid
         assert record["stop"]["requested_at"] is None
     for rid in [*kept, urgent]:
         d.call("cancel", id=rid)
@@ -209,7 +209,7 @@ def test_a_drain_pauses_every_run_that_can_snapshot_starts_nothing_and_survives_
     listed = {r["id"]: r for r in d.call("list")}  # what the list and the web view show
     assert listed[paused["retried_by"]]["paused"]["by"] is None and listed[later].get("paused") is None
     assert d.cli("targets", "undrain", "local").returncode == 0
-    assert d.wait_state(paused["retried_by"], "running", timeout=30)["paused"]["by"] is None
+    assert d.wait_state(paused["retried_by"], "running", timeout=30)["preemption"]["paused"]["by"] is None
     for rid in (ended["retried_by"], paused["retried_by"], later):
         d.call("cancel", id=rid)
 
@@ -237,7 +237,7 @@ def test_a_drain_pauses_a_just_started_job_at_its_first_step_and_wait_returns_on
         text=True,
     )
     try:
-        wait_for(lambda: d.record(loading).get("preempt"), 30, 0.05, "the drain to ask the loading run")
+        wait_for(lambda: d.record(loading)["preemption"]["preempt"], 30, 0.05, "the drain to ask the loading run")
         assert drain.poll() is None  # its job cannot end before the gate: --wait must still wait
         gate.touch()  # the model loaded: the plugin announces itself and takes the request at its first step
         out, err = drain.communicate(timeout=60)
@@ -251,7 +251,7 @@ def test_a_drain_pauses_a_just_started_job_at_its_first_step_and_wait_returns_on
     assert ended["state"] == "stopped" and ended["snapshot"]["reason"] == "preempted", ended["message"]
     assert ended["snapshot"]["step"] == 1  # at its first step
     again = wait_for(lambda: d.record(loading)["retried_by"], 30, 0.05, "the paused run to be requeued")
-    assert d.wait_state(again, "queued")["paused"]["by"] is None
+    assert d.wait_state(again, "queued")["preemption"]["paused"]["by"] is None
     d.call("cancel", id=again)
 
 
@@ -272,7 +272,7 @@ def test_an_urgent_run_pauses_a_resumed_run_still_loading_whose_chain_snapshotte
     d.wait_state(resumed, "running")
     time.sleep(1.2)  # the tests' min_runtime
     urgent = start(d, "sh", "-c", "echo urgent", opts=("--gpus", "1", "--priority", "5"))
-    asked = wait_for(lambda: d.record(resumed).get("preempt"), 30, 0.05, "the loading run to be asked")
+    asked = wait_for(lambda: d.record(resumed)["preemption"]["preempt"], 30, 0.05, "the loading run to be asked")
     assert asked["for_run"] == urgent and not d.record(resumed)["snapshots"]
     gate.touch()
     assert d.wait_state(urgent, "succeeded", timeout=60)["state"] == "succeeded"
@@ -312,10 +312,15 @@ def test_the_queue_of_a_drained_target_says_the_drain_and_the_command_that_undra
 def test_a_queued_attempt_is_counted_among_every_attempt_its_chain_may_make(
     attempt: int, retries: int, preemptions: int, said: str | None
 ) -> None:
-    from daemon.service.models import RunRecord
+    from daemon.service.models import PreemptionPart, RunRecord
     from daemon.service.queue import queued_why
 
-    assert queued_why(RunRecord(id="r", attempt=attempt, retries=retries, preemptions=preemptions)) == said
+    assert (
+        queued_why(
+            RunRecord(id="r", attempt=attempt, retries=retries, preemption=PreemptionPart(preemptions=preemptions))
+        )
+        == said
+    )
 
 
 def test_only_root_or_the_daemons_user_may_drain(make_daemon) -> None:
@@ -327,7 +332,7 @@ def test_only_root_or_the_daemons_user_may_drain(make_daemon) -> None:
 
 
 KILL_POINTS = {
-    "the pause recorded": lambda r: r.get("preempt"),
+    "the pause recorded": lambda r: r["preemption"]["preempt"],
     "the proof seen": lambda r: r.get("snapshot"),
     "the job ended": lambda r: r["state"] == "stopped",
 }
@@ -371,8 +376,13 @@ def test_a_pause_recorded_by_a_daemon_killed_before_it_asked_is_asked_for_at_the
     d.kill()
     path = d.state_dir / "runs" / victim / "run.json"
     record = json.loads(path.read_text())
-    assert record["stop"]["requested_at"] is None and record["preempt"] is None
-    record["preempt"] = {"for_run": None, "needed": 1, "asked_at": time.time(), "why": "drained (the test)"}
+    assert record["stop"]["requested_at"] is None and record["preemption"]["preempt"] is None
+    record["preemption"]["preempt"] = {
+        "for_run": None,
+        "needed": 1,
+        "asked_at": time.time(),
+        "why": "drained (the test)",
+    }
     path.write_text(json.dumps(record))
     d.start()
     ended = d.wait_state(victim, "stopped", timeout=60)

@@ -290,12 +290,12 @@ def test_a_chain_keeping_two_checkpoints_holds_the_newest_two_and_what_it_resume
     d.start()
     a1 = start(d, short_tmp, "--keep-checkpoints", "2", "--retry", "2")
     kill_after(d, a1, 10)
-    assert d.wait_state(a1, "failed", timeout=60)["keep_checkpoints"] == 2
+    assert d.wait_state(a1, "failed", timeout=60)["retention"]["keep_checkpoints"] == 2
     a2 = wait_for(lambda: d.record(a1)["retried_by"], 30, 0.1, "attempt 2")
     second = d.record(a2)
     source = (a1, second["resume_checkpoint"].rsplit("/", 1)[-1])  # a1's newest complete: 10 (15 on a slow day)
     assert second["resumed_from"] == a1 and step_of(source, [a1]) >= (10, 0)
-    assert second["keep_checkpoints"] == 2  # kept on the record, from attempt to attempt
+    assert second["retention"]["keep_checkpoints"] == 2  # kept on the record, from attempt to attempt
 
     # Attempt 2 saves its own: once it has two, the disk holds those two and its source, nothing else.
     def two_of_its_own_and_its_source() -> bool:
@@ -337,7 +337,7 @@ def test_a_chain_keeping_two_checkpoints_holds_the_newest_two_and_what_it_resume
         answer = client.run(a3).prune(keep=1)
     assert answer["removed"] == [] and answer["freed"] == 0 and answer["keep"] == 1  # nothing left to free
     assert len(on_disk(d, chain)) == 1
-    assert d.record(older[0])["pruned_bytes"] >= size > 0
+    assert d.record(older[0])["retention"]["pruned_bytes"] >= size > 0
 
 
 def test_a_restarted_daemon_prunes_what_a_killed_one_left_without_waiting_for_the_chain_to_change(
@@ -354,7 +354,7 @@ def test_a_restarted_daemon_prunes_what_a_killed_one_left_without_waiting_for_th
     older, newer = make_checkpoint(run_dir, 5), make_checkpoint(run_dir, 10)
     d.start()
     wait_for(lambda: not older.exists(), 30, 0.1, "checkpoint-5 pruned by the restarted daemon")
-    assert newer.is_dir() and d.record(rid)["pruned"] == ["checkpoint-5"]
+    assert newer.is_dir() and d.record(rid)["retention"]["pruned"] == ["checkpoint-5"]
 
 
 @pytest.fixture
@@ -373,9 +373,13 @@ def test_an_ssh_target_s_default_keeps_one_checkpoint_and_the_rest_are_removed_o
     rid = out.stdout.strip()
     record = d.wait_state(rid, "succeeded", "failed", timeout=180)
     assert record["state"] == "succeeded", record["message"]
-    assert record["keep_checkpoints"] == 1  # the target's default
-    wait_for(lambda: len(d.record(rid)["pruned"]) == 3, 30, 0.1, "the older ones pruned")
-    assert d.record(rid)["pruned"] == ["checkpoint-5", "checkpoint-10", "checkpoint-15"]  # the oldest first
+    assert record["retention"]["keep_checkpoints"] == 1  # the target's default
+    wait_for(lambda: len(d.record(rid)["retention"]["pruned"]) == 3, 30, 0.1, "the older ones pruned")
+    assert d.record(rid)["retention"]["pruned"] == [
+        "checkpoint-5",
+        "checkpoint-10",
+        "checkpoint-15",
+    ]  # the oldest first
     assert list(on_disk(d, [rid])) == [(rid, "checkpoint-20")]
     assert "keeping the newest 1 complete" in d.cli("train", "status", rid).stdout
 

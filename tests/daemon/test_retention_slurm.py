@@ -42,8 +42,8 @@ def test_a_slurm_run_keeping_one_checkpoint_has_the_older_ones_removed_from_its_
     rid = out.stdout.strip()
     record = hpc.wait_state(rid, "succeeded", "failed", "cancelled", timeout=180)
     assert record["state"] == "succeeded", record["message"]
-    wait_for(lambda: len(hpc.record(rid)["pruned"]) == 2, 30, 0.1, "the older ones pruned")
-    assert hpc.record(rid)["pruned"] == ["checkpoint-5", "checkpoint-10"]
+    wait_for(lambda: len(hpc.record(rid)["retention"]["pruned"]) == 2, 30, 0.1, "the older ones pruned")
+    assert hpc.record(rid)["retention"]["pruned"] == ["checkpoint-5", "checkpoint-10"]
     output = Path(record["remote_dir"]) / "output"
     assert sorted(p.name for p in output.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-15"]
     out = hpc.cli("train", "prune", rid, "--keep", "1")

@@ -149,7 +149,7 @@ def test_a_run_file_with_every_key_round_trips_through_status_as_file(box: Daemo
         assert as_started(a, key) == as_started(b, key), key
     assert (a["cwd"], a["gpus_wanted"], a["priority"], a["retries"]) == (str(project), ["1"], 7, 2)
     assert (a["env_names"], a["secret_names"], a["resumed_from"]) == (["RUNFILE_A"], ["RUNFILE_SECRET"], source)
-    assert a["preemptible"] is False and a["profile"] and a["snapshot_on_sigterm"] and a["env_clear"]
+    assert a["preemption"]["preemptible"] is False and a["profile"] and a["snapshot_on_sigterm"] and a["env_clear"]
     assert a["output_to"] == "out" and a["name"] == "every-key"
     for rid in (first, second):
         obd(box, "train", "cancel", rid)

@@ -65,7 +65,7 @@ def test_a_checkpoint_holding_a_mode_0_or_a_read_only_directory_is_pruned_whole_
     answer = json.loads(out.stdout)
     assert answer["errors"] == [] and [r["name"] for r in answer["removed"]] == ["checkpoint-1", "checkpoint-2"]
     assert os.listdir(run_dir / "output") == [newest.name]  # nothing half-removed left behind
-    assert box.daemon.record(rid)["pruned"] == ["checkpoint-1", "checkpoint-2"]
+    assert box.daemon.record(rid)["retention"]["pruned"] == ["checkpoint-1", "checkpoint-2"]
 
 
 def test_a_checkpoint_its_owner_cannot_empty_is_refused_whole_said_and_not_recorded_as_pruned(box: Box) -> None:
@@ -79,7 +79,7 @@ def test_a_checkpoint_its_owner_cannot_empty_is_refused_whole_said_and_not_recor
     assert answer["removed"] == []
     assert len(answer["errors"]) == 1 and "checkpoint-1/roots is a directory of uid 0" in answer["errors"][0]
     assert sorted(os.listdir(run_dir / "output")) == ["checkpoint-1", "checkpoint-2"]  # untouched, nothing renamed
-    assert (odd / "trainer_state.json").exists() and box.daemon.record(rid)["pruned"] == []
+    assert (odd / "trainer_state.json").exists() and box.daemon.record(rid)["retention"]["pruned"] == []
 
 
 def test_a_trainer_state_nested_200000_deep_leaves_status_and_prune_working_and_is_logged_once(box: Box) -> None:
@@ -98,7 +98,7 @@ def test_a_trainer_state_nested_200000_deep_leaves_status_and_prune_working_and_
         "checkpoint-2": True,
         "checkpoint-3": False,
     }  # 1 (incomplete, older) pruned; 3 may be being written
-    assert box.daemon.record(rid)["pruned"] == ["checkpoint-1"]
+    assert box.daemon.record(rid)["retention"]["pruned"] == ["checkpoint-1"]
     log = box.daemon.log_path.read_text()
     assert log.count("checkpoint_state_unreadable") == 2, log[-3000:]  # once per checkpoint, not per call
     assert "RecursionError" not in log and "Traceback" not in log
