@@ -234,9 +234,8 @@ class PreemptionPart(BaseModel):
     pause it resumes from, its chain's totals carried from attempt to attempt and when its chain
     first queued; a resumed pause's time added up when it leaves the queue)."""
 
-    preemptible: bool | None = (
-        None  # whether it may be paused for a run of higher priority (None: its target's default)
-    )
+    # Whether it may be paused for a run of higher priority (None: its target's default).
+    preemptible: bool | None = None
     preempt: Preemption | None = None  # the pause under way
     paused: Paused | None = None  # the pause this attempt resumes from
     # The chain's totals, carried from attempt to attempt.

@@ -5,8 +5,8 @@ write it. This scans every module of daemon/ with `ast` for a write to a part: o
 assigned (`x.preemption.preemptions = ...`, `+=`, `del`), changed in place by a method
 (`x.retention.pruned.append(...)`), the part replaced (`x.retention = ...`), or given to a new
 `RunRecord(preemption=...)`; any outside its owners fails, naming the line. A write through an
-alias (`p = x.preemption; p.lost_steps = 1`) is not seen: the owners do write that way, no one
-else should. Writes rooted at `self` are left out: no module but models.py has a record as `self`
+alias (`p = x.preemption; p.lost_steps = 1`) is not seen: no module writes so, none should.
+Writes rooted at `self` are left out: no module but models.py has a record as `self`
 (daemon/cli/ui/server.py's `self.limits` is the web view's own).
 """
 
