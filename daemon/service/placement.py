@@ -125,6 +125,10 @@ def may_use_owner(config: Config, record: RunRecord, target: str) -> bool:
 
 def watched(config: Config, record: RunRecord) -> bool:
     """Whether the queue places this run (several targets, or an overflow to come)."""
+    if record.placement is None:  # one target: the queue looks at thousands a pass, most of them such
+        target = config.targets.get(record.target)
+        if target is None or target.overflow is None:  # none named (`local`), or gone: no overflow
+            return False
     return len(preferences(record)) > 1 or bool(overflow_due(config, record))
 
 

@@ -117,6 +117,7 @@ class Scheduler:
         self._made: dict[str, int] | None = None  # during a pass: how many members of each sweep are saved
         self._holders: dict[str, dict[str, str]] | None = None  # during a pass: each target's GPU holders
         self._waiting: list[RunRecord] | None = None  # during a pass: the runs queued when it began, oldest first
+        self._left: list[RunRecord] = []  # those still queued when the last pass ended
         self._soon = False
         self._holds = 0  # operations on many runs under way (`holding`)
         self._messages_at: dict[str, float] = {}  # each target's last refresh of its queued runs' messages
@@ -162,11 +163,12 @@ class Scheduler:
             except Exception:  # a surprise must not end the queue
                 log.exception("schedule_failed")
             wait = SOON if self._soon else SAFETY_POLL
-            waiting = [r for r in self.daemon.records.values() if r.in_queue]
+            waiting, self._left = self._left, []
             pending = [r.not_before for r in waiting if r.not_before]
             pending += [at for r in waiting if (at := limits.too_late_at_of(self.daemon, r)) is not None]
             config = self.daemon.config
-            pending += [at for r in waiting for _, _, at in placement.overflow_due(config, r) if at > time.time()]
+            watched = [r for r in waiting if placement.watched(config, r)]
+            pending += [at for r in watched for _, _, at in placement.overflow_due(config, r) if at > time.time()]
             if self._messages_due is not None:
                 pending.append(self._messages_due)
             if pending:
@@ -185,6 +187,7 @@ class Scheduler:
             for target in sorted({r.target for r in self.queued()}):
                 await self._schedule_target(target)
                 await self._refresh_messages(target)
+            self._left = self.queued()  # what `run` looks at for the time of the next pass
         finally:
             self._made = None
             self._holders = None
