@@ -53,12 +53,17 @@ def test_a_job_keeps_running_through_a_sigkill_of_the_daemon_and_is_followed_aga
 
 
 def test_a_job_that_ended_while_the_daemon_was_down_gets_its_final_state(daemon: DaemonProc) -> None:
-    ok = daemon.cli("train", "start", "--", "sh", "-c", "sleep 1").stdout.strip()
-    bad = daemon.cli("train", "start", "--", "sh", "-c", "sleep 1; exit 5").stdout.strip()
-    daemon.wait_state(ok, "running")
-    daemon.wait_state(bad, "running")
+    # Each job ends when the test says so (a file), and the daemon starts again once both ended:
+    # no sleep that a loaded machine could outlast either way.
+    wait = 'while [ ! -e "$OBD_RUN_DIR/go" ]; do sleep 0.05; done'
+    ok = daemon.cli("train", "start", "--", "sh", "-c", wait).stdout.strip()
+    bad = daemon.cli("train", "start", "--", "sh", "-c", f"{wait}; exit 5").stdout.strip()
+    records = [daemon.wait_state(rid, "running") for rid in (ok, bad)]
     daemon.kill()
-    time.sleep(2.0)
+    for record in records:
+        (Path(record["remote_dir"]) / "go").touch()
+    for record in records:
+        wait_for(lambda r=record: not jobctl.handle_alive(r["job"]), 60, what=f"job {record['id']} to end")
     daemon.start()
     assert daemon.wait_state(ok, "succeeded", "failed")["state"] == "succeeded"
     failed = daemon.wait_state(bad, "failed", "succeeded")
