@@ -227,3 +227,66 @@ def test_the_thread_says_a_long_fetch_once_and_the_training_phase_after_it() -> 
     points._say_quiet_phase(400.0 + interrupt.QUIET_PHASE_SECONDS)
     points.evaluation_begins()
     assert said == [LOADING_DATA, TRAINING, LOADING_DATA, "evaluating"]
+
+
+def test_the_callbacks_inlined_step_begin_and_end_mark_what_step_begins_and_boundary_mark(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """callback.py inlines the common case of StopPoints.step_begins and boundary: driven through the
+    same steps (short ones, probes, a long one, a fetch that draws, a request), both leave the same marks."""
+    from trainer_plugin.plugin import callback as callback_module
+    from trainer_plugin.plugin.callback import SnapshotCallback
+    from trainer_plugin.plugin.runtime import RunEnv
+
+    clock = [100.0]
+    monkeypatch.setattr(callback_module, "_monotonic", lambda: clock[0])
+    trainer = Trainer()
+    hooks = SnapshotCallback(env=RunEnv.from_environ({}))  # outside obd: the step end stops at its marks
+    hooks._points = inlined = StopPoints(request_path=None, trainer=weakref.ref(trainer))
+    reference = StopPoints(request_path=None, trainer=weakref.ref(trainer))
+
+    class State:
+        global_step = 0
+        max_steps = 1000
+        num_input_tokens_seen = 0
+        total_flos = 0.0
+
+    state = State()
+
+    def marks(points: StopPoints) -> tuple[Any, ...]:
+        last = points.last
+        kept = None if last is None else (last.step, last.kept, last.full)
+        return (
+            *(points.phase, points.exact, points.safe, points.steps, points.step_seconds, points.position),
+            *(points.fetches, points._begin_watch, points._probing, points.fetch_draws, kept),
+        )
+
+    common = 0  # step ends that copied nothing
+    for step in range(1, 140):
+        seconds = 0.2 if step == 70 else 0.01
+        if step == 100:
+            inlined.reason = reference.reason = "requested"
+        if step == 101:
+            inlined.reason = reference.reason = None
+        before = rng()
+        if step == 130:  # the fetch after the step end probed last draws (a collator's masking)
+            torch.rand(2)
+        after = rng()
+        hooks.on_step_begin(None, state, None)
+        torch.random.default_generator.set_state(before)
+        if step == 130:
+            torch.rand(2)
+        assert torch.equal(rng(), after)
+        reference.step_begins()
+        assert marks(inlined) == marks(reference), step
+        hooks.on_pre_optimizer_step(None, state, None)
+        reference.unsafe()
+        clock[0] += seconds
+        state.global_step = step
+        hooks.on_step_end(None, state, None)
+        reference.boundary(step, clock[0], state)
+        assert marks(inlined) == marks(reference), step
+        common += not inlined.last.kept  # type: ignore[union-attr]
+    assert inlined.fetch_draws  # the probe after step 129 saw the draw
+    # All but the probes (1, 65, 129), the long step (70), the one with a request (100), and 130-139 after the draw.
+    assert common == 139 - 3 - 1 - 1 - 10

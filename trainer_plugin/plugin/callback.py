@@ -26,7 +26,11 @@ from .interrupt import (
     AFTER_TRAIN,
     EVALUATING,
     INTERRUPTED_MARKER,
+    KEEP_RNG_STEP_SECONDS,
+    LOADING_DATA,
+    PROBE_EVERY_STEPS,
     SAVING,
+    TRAINING,
     StopAtBoundary,
     StopPoints,
 )
@@ -212,9 +216,18 @@ class SnapshotCallback(TrainerCallback):
     # --- the request --------------------------------------------------------------------
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The step's batches are fetched: its forward passes may move the RNG. StopPoints.step_begins,
+        # inlined for its common case (two stores; the phase first, see its docstring).
         points = self._points
-        if points is not None:  # the step's batches are fetched: its forward passes may move the RNG
-            points.step_begins()
+        if points is not None:
+            if points.phase == LOADING_DATA:
+                points.phase = TRAINING
+                if points._quiet_said or points._begin_watch:
+                    points.began(True)
+                else:
+                    points.exact = False
+            else:
+                points.began(False)
 
     def _profiled_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """`on_step_begin` while a profiler runs (an instance attribute over the class's, for this training only)."""
@@ -230,7 +243,28 @@ class SnapshotCallback(TrainerCallback):
         now = _monotonic()
         points = self._points
         if points is not None:  # the state of this step is what a stop before the next one saves
-            points.boundary(state.global_step, now, state)
+            # StopPoints.boundary, inlined for its common case (keep the two alike): a short step
+            # after its begin, nothing to keep, no probe due, no request: a few stores.
+            steps = points.steps = points.steps + 1
+            seconds = points.step_seconds = now - points._boundary_at
+            points._boundary_at = now
+            last = points.last
+            if (
+                last is None
+                or points.phase != TRAINING
+                or points.reason is not None
+                or points._keep_every
+                or seconds >= KEEP_RNG_STEP_SECONDS
+                or steps % PROBE_EVERY_STEPS == 1
+            ):
+                points._boundary(state.global_step, seconds, state)
+            else:
+                last.step = state.global_step
+                last.kept = False
+                points.exact = True
+                points._begin_watch = False
+                points.phase = LOADING_DATA
+                points.safe = not points.taken
         watch = self._quick_watch
         if watch is not None:
             if not watch.seen:  # no system call: inotify saw nothing named like the request
@@ -335,7 +369,7 @@ class SnapshotCallback(TrainerCallback):
         if self.env.active and self._pending is not None and not self._proven:
             control.should_save = True
         points = self._points
-        if points is not None:
+        if points is not None and state.global_step < state.max_steps:  # the last epoch's end: no seed follows
             points.epoch_ends(state)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

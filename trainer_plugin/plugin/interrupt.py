@@ -44,13 +44,13 @@ imported.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -98,27 +98,57 @@ class StopAtBoundary(BaseException):
         self.reason, self.phase, self.step = reason, phase, step
 
 
-@dataclass
+# torch's default CPU generator, `torch.cuda.is_initialized` and `torch.cuda`, found once torch is
+# imported: a copy at an epoch's end, after a step's compute, looks nothing up (a few µs a copy
+# cold). The copy itself (`get_state`, ~8 µs cold) is what it is: `clone_state` was no faster in a job.
+_torch_rng: tuple[Any, Callable[[], bool], Any] | None = None
+
+
+def _find_torch_rng() -> tuple[Any, Callable[[], bool], Any] | None:
+    global _torch_rng
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    _torch_rng = (torch.random.default_generator, torch.cuda.is_initialized, torch.cuda)
+    return _torch_rng
+
+
 class Boundary:
     """What a checkpoint at the end of optimizer step `step` holds that moves before the next one.
 
     `kept`: the copies below are this boundary's (taken since it, before anything moved); when
     False, nothing that moves was copied and a stop puts nothing back (the live state is the
-    boundary's, StopPoints.exact says so).
+    boundary's, StopPoints.exact says so). Slots, not a dict: a step end stores into it.
     """
 
-    step: int
-    torch_rng: Any = None
-    cuda_rng: Any = None
-    numpy_rng: Any = None
-    python_rng: Any = None
-    counters: dict[str, Any] = field(default_factory=dict)  # loop.py's boundary(): none
-    at: float = 0.0  # time.monotonic() when it was taken (loop.py's)
-    full: bool = False  # numpy's and Python's RNG states were kept too (or neither was imported)
-    kept: bool = False
-    tokens: Any = None  # state.num_input_tokens_seen when kept
-    total_flos: Any = None  # state.total_flos when kept
-    current_flos: Any = None  # the Trainer's FLOPs not yet added to total_flos, when kept
+    __slots__ = (  # noqa: RUF023 (in the order a step end touches them)
+        "step",
+        "kept",
+        "full",  # numpy's and Python's RNG states were kept too (or neither was imported)
+        "torch_rng",
+        "cuda_rng",
+        "numpy_rng",
+        "python_rng",
+        "tokens",  # state.num_input_tokens_seen when kept
+        "total_flos",  # state.total_flos when kept
+        "current_flos",  # the Trainer's FLOPs not yet added to total_flos, when kept
+        "counters",  # loop.py's boundary(): none
+        "at",  # time.monotonic() when it was taken (loop.py's)
+    )
+
+    def __init__(self, step: int, counters: dict[str, Any] | None = None, at: float = 0.0) -> None:
+        self.step = step
+        self.kept = False
+        self.full = False
+        self.torch_rng: Any = None
+        self.cuda_rng: Any = None
+        self.numpy_rng: Any = None
+        self.python_rng: Any = None
+        self.tokens: Any = None
+        self.total_flos: Any = None
+        self.current_flos: Any = None
+        self.counters: dict[str, Any] = counters if counters is not None else {}
+        self.at = at
 
     @classmethod
     def take(cls, step: int, full: bool, counters: dict[str, Any]) -> Boundary:
@@ -137,10 +167,11 @@ class Boundary:
 
     def take_rng(self, step_seconds: float) -> None:
         """Keep the RNG states as they are now: torch's always, numpy's and Python's for slow steps."""
-        torch = sys.modules.get("torch")
+        torch = _torch_rng or _find_torch_rng()
         if torch is not None:
-            self.torch_rng = torch.random.default_generator.get_state()
-            self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+            generator, cuda_initialized, cuda = torch
+            self.torch_rng = generator.get_state()
+            self.cuda_rng = cuda.get_rng_state_all() if cuda_initialized() else None
         if step_seconds < FULL_RNG_STEP_SECONDS:
             self.numpy_rng = self.python_rng = None
             self.full = "numpy" not in sys.modules and "random" not in sys.modules
@@ -200,7 +231,50 @@ class StopPoints:
     exactly the last boundary's state (what moved since was kept); False from a step's begin that
     found nothing kept until its end. Between a step end and the next step's begin the phase is
     `loading_data`, said only once it lasts (the fetch, or whatever else holds the next step back).
+
+    The step's own marks (a step end that copies nothing, a step begin, the optimizer step's) are a
+    few stores into this object's first slots, with no call beyond the hook's own: callback.py
+    inlines the step begin's and the optimizer step's (`step_begins` is the same, as a method).
     """
+
+    # The attributes a step touches first (one or two cache lines after a step's compute), then the rest.
+    __slots__ = (  # noqa: RUF023 (the order is the layout: what a step touches first)
+        "phase",
+        "exact",
+        "safe",
+        "taken",
+        "reason",
+        "steps",
+        "last",
+        "step_seconds",
+        "_boundary_at",
+        "_keep_every",
+        "_begin_watch",
+        "_quiet_said",
+        "_probing",
+        "_several",
+        "fetch_draws",
+        "_passes",
+        "_stretches",
+        "request_path",
+        "_trainer",
+        "write_phase",
+        "agreement",
+        "is_zero",
+        "_verdict",
+        "_quiet_lock",
+        "_quiet_fetch",
+        "_quiet_since",
+        "_seen_at",
+        "_signalled_at",
+        "_main",
+        "_previous_handler",
+        "_handler_installed",
+        "_closing",
+        "_thread",
+        "_cut_written",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -209,6 +283,27 @@ class StopPoints:
         agreement: RankAgreement | None = None,
         trainer: Callable[[], Any] | None = None,
     ) -> None:
+        self.phase = TRAINING
+        self.exact = True
+        self.safe = False
+        self.taken = False
+        self.reason: str | None = None
+        self.steps = 0  # boundaries passed
+        self.last: Boundary | None = None
+        self.step_seconds = 0.0
+        self._boundary_at = math.nan  # the last boundary's time.monotonic() (none yet: NaN)
+        # A step end keeps what moves whatever the step's length: its steps have several
+        # micro-batches, or a probed fetch drew from torch's RNG (`several` or `fetch_draws`).
+        self._keep_every = False
+        # The next step's begin does more than mark the phase: the boundary was kept or is probed
+        # (or none was marked yet).
+        self._begin_watch = True
+        self._quiet_said = False
+        self._probing = False
+        self._several = False
+        self.fetch_draws = False  # a probed fetch moved torch's RNG: every step end keeps it
+        self._passes = 0  # micro-batch and evaluation batch ends (`position`)
+        self._stretches = 0  # evaluations and saves ended (`fetches`)
         self.request_path = request_path
         # The Trainer (a weakref.ref): its FLOPs not yet stored are kept with the boundary.
         self._trainer = trainer
@@ -216,8 +311,6 @@ class StopPoints:
         # Under torch.distributed: where the ranks agree to stop (None: one process).
         self.agreement = agreement
         self.is_zero = agreement is None or agreement.rank == 0
-        # Positions passed (step ends, micro-batch ends, evaluation batch ends): the ranks' common count.
-        self.position = 0
         self._verdict = False
         # A phase too frequent to write at each change (loading data: every step), said by the
         # thread only once it lasted QUIET_PHASE_SECONDS: the fetch the thread first saw, when, and
@@ -225,20 +318,6 @@ class StopPoints:
         self._quiet_lock = threading.Lock()
         self._quiet_fetch = -1
         self._quiet_since = 0.0
-        self._quiet_said = False
-        self.fetches = 0  # stretches between a step end and the next step's begin (the thread's timing)
-        self.steps = 0  # boundaries passed
-        self.several = False  # a step has several micro-batches (set from the Trainer's arguments)
-        self.exact = True
-        self.fetch_draws = False  # a probed fetch moved torch's RNG: every step end keeps it
-        self._probing = False
-        self.phase = TRAINING
-        self.safe = False
-        self.taken = False
-        self.reason: str | None = None
-        self.last: Boundary | None = None
-        self.step_seconds = 0.0
-        self._boundary_at: float | None = None
         self._seen_at = 0.0
         self._signalled_at = 0.0
         self._main = threading.main_thread().ident
@@ -247,6 +326,26 @@ class StopPoints:
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._cut_written = False
+
+    @property
+    def position(self) -> int:
+        """Positions passed (step ends, micro-batch ends, evaluation batch ends): the ranks' common count."""
+        return self.steps + self._passes
+
+    @property
+    def fetches(self) -> int:
+        """Stretches between a step end (or an evaluation or save after it) and the next step's begin (the thread's timing)."""
+        return self.steps + self._stretches
+
+    @property
+    def several(self) -> bool:
+        """A step has several micro-batches (set from the Trainer's arguments): every step end keeps what moves."""
+        return self._several
+
+    @several.setter
+    def several(self, several: bool) -> None:
+        self._several = several
+        self._keep_every = several or self.fetch_draws
 
     # --- started and stopped with a training --------------------------------------------------
 
@@ -280,19 +379,41 @@ class StopPoints:
 
     def boundary(self, step: int, now: float, state: Any = None) -> None:
         """Optimizer step `step` ended (at `now`, time.monotonic()): its state is the one to save
-        until the next one. Attribute stores, and a copy of what moves only where needed."""
-        self.position += 1
-        self.steps += 1
+        until the next one. Attribute stores, and a copy of what moves only where needed.
+
+        The common step end (a short step after its begin, nothing to keep, no probe due, no
+        request) is the first branch's stores; anything else is `_boundary`."""
+        steps = self.steps = self.steps + 1
+        seconds = self.step_seconds = now - self._boundary_at
+        self._boundary_at = now
+        last = self.last
+        if (
+            last is None
+            or self.phase != TRAINING
+            or self.reason is not None
+            or self._keep_every
+            or seconds >= KEEP_RNG_STEP_SECONDS
+            or steps % PROBE_EVERY_STEPS == 1
+        ):
+            self._boundary(step, seconds, state)
+            return
+        last.step = step
+        last.kept = False
+        self.exact = True
+        self._begin_watch = False
+        self.phase = LOADING_DATA  # the thread says it once it lasts
+        self.safe = not self.taken
+
+    def _boundary(self, step: int, seconds: float, state: Any) -> None:
+        """`boundary()` where something is kept, probed or said, or for the first time."""
         last = self.last
         if last is None:  # one Boundary a training, updated in place: no object made a step
             last = self.last = Boundary(step)
-        if self._boundary_at is not None:
-            self.step_seconds = now - self._boundary_at
-        self._boundary_at = now
+            seconds = self.step_seconds = 0.0
         last.step, last.kept = step, False
         self.exact = True
-        seconds = self.step_seconds
-        if self.reason is not None or self.several or seconds >= KEEP_RNG_STEP_SECONDS or self.fetch_draws:
+        self._begin_watch = self._probing  # a probe whose step never began: looked at if one does
+        if self.reason is not None or self._keep_every or seconds >= KEEP_RNG_STEP_SECONDS:
             self._keep(seconds >= FULL_RNG_STEP_SECONDS, state)
         elif self.steps % PROBE_EVERY_STEPS == 1:  # the first boundary, then every N
             self._keep(False, state)
@@ -301,14 +422,15 @@ class StopPoints:
             self._leave_quiet_phase(TRAINING)
         elif self.phase != TRAINING:
             self.enter(TRAINING)
-        self._between_steps()
+        self.phase = LOADING_DATA
         self.safe = not self.taken
 
-    def _between_steps(self) -> None:
-        """From a step end (or an evaluation or save after it) to the next step's begin: `loading_data`,
-        said by the thread only once it lasts."""
+    def _back_to_training(self) -> None:
+        """From an evaluation or a save to the stretch before the next step's begin: `training`
+        said, the phase `loading_data` (said by the thread only once it lasts)."""
+        self.enter(TRAINING)
+        self._stretches += 1
         self.phase = LOADING_DATA
-        self.fetches += 1
 
     def _keep(self, full: bool, state: Any = None) -> None:
         """Copy what moves (Boundary.keep), the Trainer's counters with it."""
@@ -319,6 +441,7 @@ class StopPoints:
         if state is None:
             state = getattr(trainer, "state", None)
         last.keep(full, state, trainer)
+        self._begin_watch = True
 
     def counted(self, tokens: int) -> None:
         """The step end summed the ranks' tokens after the boundary was marked: a copy kept takes the sum."""
@@ -327,8 +450,24 @@ class StopPoints:
             last.tokens = tokens
 
     def step_begins(self) -> None:
-        """A step begins, its batches fetched: its forward passes move the RNG from now on."""
+        """A step begins, its batches fetched: its forward passes move the RNG from now on.
+
+        callback.py's `on_step_begin` is this, inlined: in the common case (the phase
+        `loading_data`, nothing kept or probed, nothing said by the thread) two stores. The phase
+        is changed before `_quiet_said` is read (see _leave_quiet_phase)."""
         if self.phase == LOADING_DATA:
+            self.phase = TRAINING
+            if self._quiet_said or self._begin_watch:
+                self.began(True)
+            else:
+                self.exact = False  # a stop waits for the step end, which saves the live state
+        else:
+            self.began(False)
+
+    def began(self, left_loading: bool) -> None:
+        """`step_begins()` past its common case (`left_loading`: it changed the phase from
+        `loading_data` to `training`): the phase said, the fetch probed, or a boundary kept."""
+        if left_loading and self._quiet_said:
             self._leave_quiet_phase(TRAINING)
         last = self.last
         if last is None:
@@ -336,6 +475,7 @@ class StopPoints:
         if self._probing:  # what moved since the step end is the fetch's doing
             self._probing = False
             self.fetch_draws = last.torch_moved()
+            self._keep_every = self._several or self.fetch_draws
         if not last.kept:
             self.exact = False  # a stop waits for the step end, which saves the live state
 
@@ -359,16 +499,14 @@ class StopPoints:
         """An evaluation ended. A completed one moved the RNG (its DataLoader drew a seed), as it does
         before the Trainer's own save at this step: the state after it is the one to save from now
         on, kept again (an evaluation at an epoch's end is followed by the next epoch's seed)."""
-        self.enter(TRAINING)
         if completed and self.last is not None and self.exact:
             self._keep(self.step_seconds >= FULL_RNG_STEP_SECONDS)
-        self._between_steps()
+        self._back_to_training()
 
     def saved(self, step: int | None) -> None:
         """The Trainer's checkpoint save ended: safe again if the state is still the boundary's (a save at `step`)."""
-        self.enter(TRAINING)
         self.safe = not self.taken and self.last is not None and self.last.step == step
-        self._between_steps()
+        self._back_to_training()
 
     def unsafe(self) -> None:
         self.safe = False
@@ -405,7 +543,7 @@ class StopPoints:
 
     def passed(self) -> None:
         """The main thread is at one of its own safe points (a micro-batch's end, an evaluation batch's)."""
-        self.position += 1
+        self._passes += 1
         if self.reason is not None:
             self.check()
 
