@@ -1,7 +1,7 @@
 """What the in-job plugin costs the tiny LoRA workload: its share of a step, measured inside the job, and steps/s with and without it.
 
     python tests/bench/bench_plugin.py [--steps 200] [--share-reps 3] [--reps 4] [--logging-steps 1]
-                                       [--compare DIR] [--share-only] [--json]
+                                       [--compare DIR ...] [--share-only] [--json]
 
 The share of a step: the workload runs under obd's plugin with every hook of SnapshotCallback
 (its `on_*` methods, inherited no-ops included, and its token count: the Trainer's own call per
@@ -22,13 +22,18 @@ that has one (measured alone below). An inherited no-op hook shows the floor of 
 
 `--compare DIR` also times another copy of the plugin (a `trainer_plugin` directory, e.g. the
 last commit's: `git archive HEAD trainer_plugin | tar -x -C /tmp/before`), its runs interleaved
-with this one's, so both see the same load: before/after as a ratio.
+with this one's, so both see the same load: before/after as a ratio. Repeat it to time several in
+the same rounds: an old release and a copy of this tree's plugin (`git archive HEAD trainer_plugin`)
+give the ratio to the release beside the ratio of two identical plugins, the noise. The threads'
+CPU time is split: the request watch, the metrics late writer (a turn when step logs wait), and the
+stop points' thread (a look every POLL_SECONDS, interrupt.py).
 
 The with/without comparison: runs interleave (without, with, without, with, ...) so drift in
 machine load hits both sides alike; the figure per run is the Trainer's own
 train_steps_per_second. On a machine shared with other work, trust the best-run ratio more than
-the medians (the load average is printed). The per-call figures time SnapshotCallback.on_step_end
-(no request pending) and on_log in a tight loop, where caches stay warm (a real step is colder).
+the medians (the load average is printed). The per-call figures time SnapshotCallback's step begin
+and end together (no request pending) and on_log in a tight loop, where caches stay warm (a real
+step is colder).
 """
 
 from __future__ import annotations
@@ -220,7 +225,9 @@ def in_job(out: Path, argv: list[str]) -> None:
                 late.append((time.perf_counter_ns(), time.thread_time_ns() - cpu))
 
         setattr(MetricsWriter, "_late_turn", timed_turn)  # noqa: B010 (mypy would refuse the assignment)
-    # The stop points' thread (interrupt.py), the same way: the CPU time of each of its looks.
+    # The stop points' thread (interrupt.py), the same way: the CPU time of each of its looks (every
+    # POLL_SECONDS, whatever the steps: counted apart from the late writer's turns).
+    looks: list[tuple[int, int]] = []
     try:
         StopPoints = plugin_module("interrupt").StopPoints
     except ImportError:  # a plugin from before it (--compare)
@@ -233,7 +240,7 @@ def in_job(out: Path, argv: list[str]) -> None:
             try:
                 points_turn(self, now)
             finally:
-                late.append((time.perf_counter_ns(), time.thread_time_ns() - cpu))
+                looks.append((time.perf_counter_ns(), time.thread_time_ns() - cpu))
 
         setattr(StopPoints, "_turn", timed_points_turn)  # noqa: B010 (mypy would refuse the assignment)
     sys.argv = argv
@@ -246,9 +253,13 @@ def in_job(out: Path, argv: list[str]) -> None:
         begin, end = loop.get("begin", 0), loop.get("end", 0)
         inside = [cpu for at, cpu in wakes if begin <= at <= end]
         late_inside = [cpu for at, cpu in late if begin <= at <= end]
-        share = share_of_a_step(calls, step_ends, end - begin, sum(inside) + sum(late_inside), len(inside))
+        looks_inside = [cpu for at, cpu in looks if begin <= at <= end]
+        threads = sum(inside) + sum(late_inside) + sum(looks_inside)
+        share = share_of_a_step(calls, step_ends, end - begin, threads, len(inside))
         share.update(watch_thread_us=sum(inside) / 1e3, late_writer_us=sum(late_inside) / 1e3)
-        share["late_turns"] = len(late_inside)
+        share.update(
+            late_turns=len(late_inside), points_thread_us=sum(looks_inside) / 1e3, points_looks=len(looks_inside)
+        )
         path.write_text(json.dumps(share))
 
 
@@ -320,6 +331,8 @@ def share_of_a_step(
         "watch_wakeups": wakeups,
         "late_writer_us": 0.0,
         "late_turns": 0,
+        "points_thread_us": 0.0,
+        "points_looks": 0,
     }
 
 
@@ -369,7 +382,7 @@ def pre_hook_dispatch_us(calls: int = 20000) -> float:
 
 
 def micro_costs(calls: int = 20000) -> dict[str, float]:
-    """In this process: microseconds per SnapshotCallback.on_step_end (no request) and per on_log, in a tight loop."""
+    """In this process: microseconds per SnapshotCallback.on_step_begin + on_step_end (no request) and per on_log, in a tight loop."""
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     SnapshotCallback = plugin_module("callback").SnapshotCallback
@@ -385,8 +398,11 @@ def micro_costs(calls: int = 20000) -> dict[str, float]:
         if points is not None and hasattr(points, "fetch_begins"):  # as in a job once its first fetch was seen
             points.fetch_begins(1)
             points.fetch_ended()
+        # A step's begin and end, as a job calls them (a plugin whose step begin is TrainerCallback's
+        # no-op pays the call, as in a job; a step end without the begin before it takes another path).
         start = time.perf_counter()
         for _ in range(calls):
+            callback.on_step_begin(args, state, control)
             callback.on_step_end(args, state, control)
         step_end = time.perf_counter() - start
         logs = {"loss": 1.234, "grad_norm": 0.5, "learning_rate": 2e-4, "epoch": 0.1}
@@ -396,7 +412,7 @@ def micro_costs(calls: int = 20000) -> dict[str, float]:
         on_log = time.perf_counter() - start
         callback.on_train_end(args, state, control)
     assert not control.should_training_stop
-    return {"on_step_end_us": step_end / calls * 1e6, "on_log_us": on_log / calls * 1e6}
+    return {"step_begin_end_us": step_end / calls * 1e6, "on_log_us": on_log / calls * 1e6}
 
 
 def callback_costs(source: Path = PLUGIN) -> dict[str, float]:
@@ -453,18 +469,25 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def compared_names(compare: list[Path]) -> dict[str, Path]:
+    """The compared plugins by name: `compare` for one (the name the report and tests know), else `compare1`, `compare2`, ..."""
+    if len(compare) == 1:
+        return {"compare": compare[0]}
+    return {f"compare{i}": path for i, path in enumerate(compare, start=1)}
+
+
 def benchmark(
     reps: int,
     steps: int,
     share_reps: int = 3,
-    compare: Path | None = None,
+    compare: list[Path] | None = None,
     logging_steps: int = 1,
     share_only: bool = False,
     ranks: int = 1,
 ) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="obd-bench-"))
     load_before = os.getloadavg()
-    sources = {"this": PLUGIN} if compare is None else {"compare": compare, "this": PLUGIN}
+    sources = {"this": PLUGIN} if not compare else {**compared_names(compare), "this": PLUGIN}
     result: dict[str, Any] = {
         "steps": steps,
         "logging_steps": logging_steps,
@@ -502,6 +525,12 @@ def benchmark(
     return result
 
 
+def ratio_us(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """The median over runs of the plugin's µs in a typical step, `after` over `before`."""
+    us = [statistics.median(r["median_hooks_us_per_step"] for r in side["runs"]) for side in (before, after)]
+    return us[1] / us[0]
+
+
 def print_report(result: dict[str, Any], opts: argparse.Namespace) -> None:
     def fmt(xs: list[float]) -> str:
         return ", ".join(f"{x:.1f}" for x in xs)
@@ -511,8 +540,9 @@ def print_report(result: dict[str, Any], opts: argparse.Namespace) -> None:
 
     where = f"torchrun, {opts.ranks} ranks (gloo, CPU)" if opts.ranks > 1 else "one process"
     print(f"tiny LoRA workload, {opts.steps} steps, a Trainer log every {opts.logging_steps} step(s), {where}")
+    compared = compared_names(opts.compare) if opts.compare else {}
     for name, share in result["share"].items():
-        label = "this plugin" if name == "this" else f"plugin from {opts.compare}"
+        label = "this plugin" if name == "this" else f"plugin from {compared[name]}"
         print(f"  {label}: share of a step, measured inside the job ({len(share['runs'])} runs)")
         for run in share["runs"]:
             hooks = ", ".join(f"{hook} {us:.1f}" for hook, us in sorted(run["median_us_per_call"].items()))
@@ -524,7 +554,8 @@ def print_report(result: dict[str, Any], opts: argparse.Namespace) -> None:
             print(
                 f"      median us per call: {hooks}; no-op floor {run['floor_us']:.1f}; request watch thread "
                 f"{run['watch_thread_us']:.0f} us CPU in {run['watch_wakeups']} wake-up(s) while training; "
-                f"metrics late writer {run.get('late_writer_us', 0.0):.0f} us CPU in {run.get('late_turns', 0)} turn(s)"
+                f"metrics late writer {run.get('late_writer_us', 0.0):.0f} us CPU in {run.get('late_turns', 0)} turn(s); "
+                f"stop points thread {run.get('points_thread_us', 0.0):.0f} us CPU in {run.get('points_looks', 0)} look(s)"
             )
             for rank, other in enumerate(run["other_ranks"], start=1):
                 print(
@@ -535,12 +566,13 @@ def print_report(result: dict[str, Any], opts: argparse.Namespace) -> None:
             f"    median: all time {share['median_of_share_pct']:.3f} %, typical step "
             f"{share['median_of_median_share_pct']:.3f} %"
         )
-    if "compare" in result["share"]:
-        before, after = result["share"]["compare"], result["share"]["this"]
+    for name in compared:
+        before, after = result["share"][name], result["share"]["this"]
         print(
-            "  this / compared: all time "
+            f"  this / {compared[name]}: all time "
             f"{after['median_of_share_pct'] / before['median_of_share_pct']:.2f}, typical step "
-            f"{after['median_of_median_share_pct'] / before['median_of_median_share_pct']:.2f}"
+            f"{after['median_of_median_share_pct'] / before['median_of_median_share_pct']:.2f} "
+            f"(µs a typical step: {ratio_us(before, after):.2f})"
         )
     print(
         f"  load average before: {loads(result['load_average_before'])}, after the share runs: "
@@ -565,13 +597,13 @@ def print_report(result: dict[str, Any], opts: argparse.Namespace) -> None:
         )
     print(f"  load average at the end: {loads(result['load_average'])}")
     for name, micro in result["micro"].items():
-        label = "this plugin" if name == "this" else "compared plugin"
+        label = "this plugin" if name == "this" else f"plugin from {compared[name]}"
         print(
-            f"  {label}, tight loop: on_step_end with no request {micro['on_step_end_us']:.2f} us, "
+            f"  {label}, tight loop: on_step_begin + on_step_end with no request {micro['step_begin_end_us']:.2f} us, "
             f"on_log (one metrics.jsonl line) {micro['on_log_us']:.2f} us"
         )
     for name, decide in result.get("decide", {}).items():
-        label = "this plugin" if name == "this" else "compared plugin"
+        label = "this plugin" if name == "this" else f"plugin from {compared[name]}"
         print(
             f"  {label}, the per-step all-reduce alone ({opts.ranks} ranks in lockstep, gloo): "
             f"median {decide['median_us']:.1f} us, p90 {decide['p90_us']:.1f} us"
@@ -584,15 +616,21 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--share-reps", type=int, default=3, help="runs that time the plugin's hooks inside the job")
     p.add_argument("--logging-steps", type=int, default=1, help="the workload's --logging_steps (its default: 1)")
-    p.add_argument("--compare", type=Path, help="another trainer_plugin directory to time the same way, interleaved")
+    p.add_argument(
+        "--compare",
+        type=Path,
+        action="append",
+        help="another trainer_plugin directory to time the same way, interleaved (repeat it for several)",
+    )
     p.add_argument("--share-only", action="store_true", help="skip the with/without runs")
     p.add_argument(
         "--ranks", type=int, default=1, help="time the share under torchrun with this many ranks (implies --share-only)"
     )
     p.add_argument("--json", action="store_true")
     opts = p.parse_args()
-    if opts.compare is not None and not any((opts.compare / d / "callback.py").is_file() for d in ("plugin", ".")):
-        p.error(f"--compare {opts.compare}: no callback.py there; give a trainer_plugin directory")
+    for compare in opts.compare or []:
+        if not any((compare / d / "callback.py").is_file() for d in ("plugin", ".")):
+            p.error(f"--compare {compare}: no callback.py there; give a trainer_plugin directory")
     opts.share_only = opts.share_only or opts.ranks > 1
     result = benchmark(
         opts.reps, opts.steps, opts.share_reps, opts.compare, opts.logging_steps, opts.share_only, opts.ranks
@@ -609,7 +647,7 @@ def test_the_plugin_costs_the_tiny_workload_little_and_the_step_check_microsecon
     result = benchmark(reps=2, steps=150, share_reps=2)
     print(json.dumps(result, indent=1))
     assert result["share"]["this"]["median_of_median_share_pct"] < 1.0
-    assert result["micro"]["this"]["on_step_end_us"] < 500
+    assert result["micro"]["this"]["step_begin_end_us"] < 500
     assert result["micro"]["this"]["on_log_us"] < 1000
     assert result["ratio_with_over_without"] > 0.8
 
