@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import leftovers
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 LEAKY = """
 import subprocess, sys, tempfile
@@ -101,6 +101,9 @@ def test_a_process_detached_from_a_test_directory_is_ended_before_the_directory_
     script.write_text("import time\nwhile True:\n    time.sleep(1)\n")
     job = subprocess.Popen([sys.executable, str(script)], start_new_session=True, cwd="/")
     try:
+        # Once /proc shows it running the file (a loaded machine can be slow to): what is looked at.
+        own = leftovers._ancestors(os.getpid())
+        wait_for(lambda: leftovers.processes("", {str(short_tmp)}, own), 30, 0.05, "the detached process in /proc")
         ended = leftovers.end_processes_in(short_tmp)
         assert [p.pid for p in ended] == [job.pid] and "running a file of a test directory" in str(ended[0])
         assert job.wait(30) == -signal.SIGKILL

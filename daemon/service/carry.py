@@ -351,6 +351,7 @@ async def _carry_as_users(
             await files.write_from(f"{dest}/{path}", counted(), mode)
         if not sent:
             raise CarryFailed(f"{src_path} of run {source.id} holds no file to carry")
+        _show(host, into, done, began, last=True)
     else:  # from an SSH host or a pod, to this machine
         assert source_executor is not None
         files = sftp_of(source_executor)
@@ -376,6 +377,7 @@ async def _carry_as_users(
 
                 await unpacker.send(path, size, 0o600, feed)
             written = await unpacker.finish()
+        _show(host, into, done, began, last=True)
         if bad := differences(sent, written):
             raise CarryFailed(_refusal(source, name, f"the copy written on target {executor.name}", bad))
     if dest_here:
@@ -387,12 +389,14 @@ async def _carry_as_users(
     return sent
 
 
-def _show(host: CarryHost, into: RunRecord | None, done: int, began: float | None) -> None:
-    """What arrived so far on `into`'s progress (bytes, and the rate), at most a few times a second."""
+def _show(host: CarryHost, into: RunRecord | None, done: int, began: float | None, last: bool = False) -> None:
+    """What arrived so far on `into`'s progress (bytes, and the rate), at most a few times a second;
+    `last`: the whole carry's figure, shown whenever it comes (a carry quicker than a showing's
+    interval shows it all the same)."""
     if into is None:
         return
     now = time.monotonic()
-    if began is not None and now - getattr(into, "_carry_shown", 0.0) < PROGRESS_EVERY / 4:
+    if not last and began is not None and now - getattr(into, "_carry_shown", 0.0) < PROGRESS_EVERY / 4:
         return
     object.__setattr__(into, "_carry_shown", now)
     into.progress.carry_bytes = done
