@@ -105,6 +105,11 @@ class SnapshotCallback(TrainerCallback):
         # While the quick step end is the watch's flag (inotify), not a lookup; _watcher is the
         # same watch, kept to be closed after the quick path is left.
         self._quick_watch: RequestWatch | None = None
+        # Where a stop is taken between two step ends (interrupt.py; agreement.py under torch.distributed).
+        self._points: StopPoints | None = None
+        # The sooner of the heartbeat and the write of step logs that wait: one comparison a step.
+        # (What a step's hooks read is made together, so it lies together in the instance's values.)
+        self._due = math.inf
         self._watcher: RequestWatch | None = None
         self._recheck_due = math.inf  # when a step end with a watch next looks the name up
         self._pending: tuple[int, str] | None = None  # (step, reason) of a snapshot under way
@@ -117,13 +122,9 @@ class SnapshotCallback(TrainerCallback):
         # time.monotonic() from which a heartbeat is due: progress_interval after the last `log` line.
         self._heartbeat_due = math.inf
         self._heartbeats = True
-        # The sooner of the heartbeat and the write of step logs that wait: one comparison a step.
-        self._due = math.inf
         # time.monotonic() when the Trainer's checkpoint save under way began (set by inject's
         # wrapper of Trainer._save_checkpoint); its `on_save` writes the save's duration.
         self.save_began: float | None = None
-        # Where a stop is taken between two step ends (interrupt.py; agreement.py under torch.distributed).
-        self._points: StopPoints | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 

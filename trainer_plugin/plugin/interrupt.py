@@ -109,8 +109,15 @@ def _find_torch_rng() -> tuple[Any, Callable[[], bool], Any] | None:
     torch = sys.modules.get("torch")
     if torch is None:
         return None
-    _torch_rng = (torch.random.default_generator, torch.cuda.is_initialized, torch.cuda)
+    version = getattr(torch, "version", None)
+    cpu_only = getattr(version, "cuda", None) is None and getattr(version, "hip", None) is None
+    # A torch built without CUDA never initializes it: no look at each copy.
+    _torch_rng = (torch.random.default_generator, _never if cpu_only else torch.cuda.is_initialized, torch.cuda)
     return _torch_rng
+
+
+def _never() -> bool:
+    return False
 
 
 class Boundary:
