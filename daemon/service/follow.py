@@ -21,7 +21,8 @@ from daemon.service.hints import hint, last_lines, oom_finding, scope_events, si
 from daemon.service.limits import Left, check_of
 from daemon.service.models import RunRecord, RunState
 from daemon.service.ports import Launching, Runs, Wakes
-from daemon.service.stop import apply_probe, final_state, request_snapshot
+from daemon.service.progress import job_ended
+from daemon.service.stop import apply_probe, cancel_by_fallback, final_state, request_snapshot
 from daemon.service.store import StoreError
 from daemon.service.targets import Supervision, Targets
 from executors.base import Executor, ExecutorError, JobHandle, JobState, JobStatus, RunEvents, RunProbe
@@ -341,9 +342,7 @@ class Follower:
     async def fallback_cancel(self, record: RunRecord, why: str, note: str) -> None:
         """Cancel the job on obd's own decision (the stop fallback, a pod's cap)."""
         async with self.daemon.editing(record):
-            record.stop.fallback = why
-            record.stop.cancel_by = "fallback"
-            record.note(note)
+            cancel_by_fallback(record, why, note)
         self.start_cancel(record)
 
     async def _finish_task(self, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
@@ -374,7 +373,7 @@ class Follower:
             if not record.has_job:
                 return
             record.exit_code = status.exit_code
-            record.progress.eta_seconds = None
+            job_ended(record)
             if not decision.snapshot_stands:
                 record.snapshot = None  # nothing may resume from a checkpoint that is not there
             if executor.events is not None:

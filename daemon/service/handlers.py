@@ -64,7 +64,7 @@ from daemon.service.queue import Scheduler
 from daemon.service.recovery import Recovery
 from daemon.service.retention import Retention, holding
 from daemon.service.specs import uses_caller_environment
-from daemon.service.stop import ASKED_VIA, request_snapshot
+from daemon.service.stop import ASKED_VIA, cancel_asked, request_snapshot
 from daemon.service.sweeps import MAX_MEMBERS, Sweeps
 from daemon.service.targets import Targets
 from executors.base import Executor, ExecutorError
@@ -603,9 +603,7 @@ class Handlers:
             await daemon.recovery.end_chain(record, "cancelled by the user")
             return record.public()  # idempotent: a run that ended is never signalled
         async with daemon.editing(record):  # one save, a queued run's cancel included
-            if record.stop.cancel_by is None:
-                record.stop.cancel_by = "user"
-                record.note("cancel requested by the user")
+            cancel_asked(record, "cancel requested by the user")
             if record.in_queue:  # never started, and now never will
                 record.transition(RunState.cancelled, "cancelled by the user while queued")
         log.info("cancel_requested", run_id=record.id)

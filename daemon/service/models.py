@@ -68,6 +68,10 @@ class Snapshot(BaseModel):
 
 
 class Progress(BaseModel):
+    """Where a run's job is, as its metrics.jsonl says, written by daemon/service/progress.py (each
+    probe's lines folded in; `job_ended`), and daemon/service/carry.py (the `carry_*` fields of a
+    checkpoint carried here)."""
+
     step: int | None = None
     max_steps: int | None = None
     loss: float | None = None
@@ -89,7 +93,10 @@ class Progress(BaseModel):
 
 
 class StopState(BaseModel):
-    """Where a snapshot request stands; persisted so a restarted daemon counts from the request."""
+    """Where a snapshot request stands; persisted so a restarted daemon counts from the request.
+    Written by daemon/service/stop.py (the request, what a read of the run shows, the cancels'
+    marks: `cancel_asked`, `cancel_by_fallback`) and daemon/service/sweeps.py (a queued member's
+    cancel)."""
 
     requested_at: float | None = None  # when the daemon saw (or wrote) the request
     reason: str | None = None
@@ -113,8 +120,9 @@ class StopState(BaseModel):
 class Limits(BaseModel):
     """A chain's limits (docs/limits.md, daemon/service/limits.py) and what its earlier attempts used: on
     every attempt, the totals carried from attempt to attempt, so they hold across retries,
-    preemptions and restarts of the daemon. Made by limits.py, put on a new attempt by
-    daemon/service/launch.py; daemon/service/follow.py marks the limit it reached."""
+    preemptions and restarts of the daemon. Made by daemon/service/limits.py, which also keeps the
+    chain's newest measured save (`learn_save`), put on a new attempt by daemon/service/launch.py;
+    daemon/service/follow.py marks the limit it reached."""
 
     time_limit: float | None = None  # seconds of running wall time, summed over the chain's attempts
     deadline: float | None = None  # unix time by which the chain must have stopped
@@ -159,11 +167,12 @@ class Dependency(BaseModel):
 
 
 class Move(BaseModel):
-    """On a run being moved to another target (`obd train move RUN --to T`, daemon/service/move.py): kept
-    in its record so a daemon restarted at any point completes the move or says why it did not.
-    `state`: `snapshot` (asked, waiting for the proof), `starting` (its resume on `to` being made),
-    `carrying` (run `run` made there, its checkpoint on its way), `done` (`run` logged its first
-    step there), `failed` (`why`; the run stays resumable where it was)."""
+    """On a run being moved to another target (`obd train move RUN --to T`), written by
+    daemon/service/move.py only: kept in its record so a daemon restarted at any point completes
+    the move or says why it did not. `state`: `snapshot` (asked, waiting for the proof),
+    `starting` (its resume on `to` being made), `carrying` (run `run` made there, its checkpoint on
+    its way), `done` (`run` logged its first step there), `failed` (`why`; the run stays resumable
+    where it was)."""
 
     to: str
     gpus: str | None = None
@@ -178,7 +187,9 @@ class Move(BaseModel):
 class Placement(BaseModel):
     """Where a run may start, when that is more than one target (daemon/service/placement.py): the targets
     of `--target a,b,c` or a pool, in order of preference, the overflow targets it may also go to
-    after a wait; and where it was placed, and why, for `status`."""
+    after a wait; and where it was placed, and why, for `status`. Made by placement.py, written by
+    daemon/service/launch.py (a new run's, a chain's next attempt's) and daemon/service/queue.py
+    (where the queue placed it, and why)."""
 
     given: str  # as the user gave it: `a,b,c`, or a pool's name
     targets: list[str]  # in order of preference
@@ -186,7 +197,9 @@ class Placement(BaseModel):
 
 
 class SweepTag(BaseModel):
-    """A run's place in a sweep (`obd train sweep`, daemon/service/sweeps.py): one combination of the grid."""
+    """A run's place in a sweep (`obd train sweep`): one combination of the grid. Made by
+    daemon/service/sweeps.py, written by daemon/service/launch.py (a member made, a next attempt's or
+    a resume's carried)."""
 
     id: str  # the sweep's id, shared by its members (`obd train status SWEEP`)
     name: str  # the sweep's name: its members are named <name>-<index>
@@ -197,8 +210,9 @@ class SweepTag(BaseModel):
 
 
 class BadCheckpoint(BaseModel):
-    """A checkpoint an attempt failed to resume from before its first new step (daemon/service/checkpoints.py):
-    kept on that attempt's record, so no later attempt of any chain resumes from it again."""
+    """A checkpoint an attempt failed to resume from before its first new step (found by
+    daemon/service/checkpoints.py): kept on that attempt's record by daemon/service/recovery.py, so no
+    later attempt of any chain resumes from it again."""
 
     run: str  # the run whose directory holds it
     name: str  # checkpoint-<step>
@@ -206,8 +220,10 @@ class BadCheckpoint(BaseModel):
 
 
 class Trackers(BaseModel):
-    """The experiment-tracker run a chain's attempts all log to (daemon/service/trackers.py): carried from
-    attempt to attempt and to a run resumed from it, so its curves continue in one run."""
+    """The experiment-tracker run a chain's attempts all log to: carried from attempt to attempt and
+    to a run resumed from it, so its curves continue in one run. Put on a new attempt by
+    daemon/service/launch.py (made by trackers.py's `continued`); daemon/service/trackers.py fills in
+    the TensorBoard directory and the MLflow run the job opened."""
 
     root: str  # the first attempt of the chain (and of the runs resumed from it): W&B's run id is made from it
     target: str | None = None  # where `tensorboard_dir` is
@@ -215,7 +231,7 @@ class Trackers(BaseModel):
     mlflow_run_id: str | None = None  # the MLflow run an attempt's job opened (it must exist on the server)
 
 
-# The record's feature parts, each written by the modules named here and nowhere else
+# The record's parts, each written by the modules named here and nowhere else
 # (tests/daemon/test_record_parts.py checks it over daemon/ with `ast`): a part's fields are set,
 # appended to or the part replaced only there; every other module reads them. `target_info` is
 # the executor's dict of a run's pod (executors/runpod's PodInfo), converted in pod_record.py only.
@@ -223,8 +239,15 @@ PART_OWNERS: dict[str, tuple[str, ...]] = {
     "preemption": ("daemon/service/preempt.py", "daemon/service/launch.py"),
     "dependencies": ("daemon/service/after.py",),
     "retention": ("daemon/service/retention.py",),
-    "limits": ("daemon/service/launch.py", "daemon/service/follow.py"),
+    "limits": ("daemon/service/launch.py", "daemon/service/follow.py", "daemon/service/limits.py"),
     "target_info": ("daemon/service/pod_record.py",),
+    "progress": ("daemon/service/progress.py", "daemon/service/carry.py"),
+    "stop": ("daemon/service/stop.py", "daemon/service/sweeps.py"),
+    "move": ("daemon/service/move.py",),
+    "placement": ("daemon/service/launch.py", "daemon/service/queue.py"),
+    "sweep": ("daemon/service/launch.py",),
+    "trackers": ("daemon/service/launch.py", "daemon/service/trackers.py"),
+    "bad_checkpoint": ("daemon/service/recovery.py",),
 }
 
 

@@ -35,7 +35,7 @@ from daemon.service.gpus import Inventory
 from daemon.service.launch import Launcher
 from daemon.service.models import Preemption, RunRecord, RunState
 from daemon.service.ports import Runs
-from daemon.service.stop import request_snapshot
+from daemon.service.stop import cancel_asked, request_snapshot
 from daemon.service.targets import Targets
 from executors.factory import preemption
 from trainer_plugin import rundir
@@ -264,9 +264,7 @@ class Preemptor:
 
     async def _cancel(self, record: RunRecord, why: str) -> None:
         async with self.daemon.editing(record):
-            if record.stop.cancel_by is None:
-                record.stop.cancel_by = "user"
-                record.note(why)
+            cancel_asked(record, why)
         if record.has_job:
             self.daemon.follow.start_cancel(record)
         else:  # still being started: its preparation is ended, and its job never starts

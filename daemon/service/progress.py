@@ -37,6 +37,11 @@ def update_progress(record: RunRecord, probe: RunProbe, now: float) -> None:
         record.progress.last_checkpoint = checkpoint_relpath(max(steps))
 
 
+def job_ended(record: RunRecord) -> None:
+    """A job that ended has no time left to show (the rest of its progress stays)."""
+    record.progress.eta_seconds = None
+
+
 def eta_seconds(begin: BeginLine, log: LogLine, max_steps: int | None, now: float) -> float | None:
     """Seconds left at the pace since `begin`, less the time since the last `log` line; None when unknown."""
     if begin.time is None or log.time is None or max_steps is None or log.step is None:

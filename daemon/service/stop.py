@@ -87,6 +87,21 @@ async def request_snapshot(daemon: StopHost, record: RunRecord, reason: str, by:
     daemon.follow.wake_run(record)
 
 
+def cancel_asked(record: RunRecord, note: str) -> None:
+    """A cancel asked of obd (`obd train cancel`, a drain's cancel of a job without the plugin), kept
+    in the record and its history once; a cancel already asked (the fallback's) keeps its word."""
+    if record.stop.cancel_by is None:
+        record.stop.cancel_by = "user"
+        record.note(note)
+
+
+def cancel_by_fallback(record: RunRecord, why: str, note: str) -> None:
+    """The daemon's own cancel (the stop fallback, a pod's cap): why, in the record and its history."""
+    record.stop.fallback = why
+    record.stop.cancel_by = "fallback"
+    record.note(note)
+
+
 async def write_pending_request(daemon: StopHost, record: RunRecord) -> None:
     """A request made before the run's job started, written now that it has (the launch's call)."""
     reason = record.stop.reason

@@ -4,25 +4,37 @@
 write it. This scans every module of daemon/ with `ast` for a write to a part: one of its fields
 assigned (`x.preemption.preemptions = ...`, `+=`, `del`), changed in place by a method
 (`x.retention.pruned.append(...)`), the part replaced (`x.retention = ...`), or given to a new
-`RunRecord(preemption=...)`; any outside its owners fails, naming the line. A write through an
-alias (`p = x.preemption; p.lost_steps = 1`) is not seen: no module writes so, none should.
-Writes rooted at `self` are left out: no module but models.py has a record as `self`
+`RunRecord(preemption=...)`; any outside its owners fails, naming the line. A write through a
+name a function bound to a part or to something in it (`p = x.preemption; p.lost_steps = 1`,
+`pruned = x.retention.pruned; pruned.append(...)`) counts as well (daemon/service/move.py, stop.py,
+limits.py and trackers.py write so); one through a name bound otherwise (a parameter given a part, `getattr`)
+is not seen. Writes rooted at `self` are left out: no module but models.py has a record as `self`
 (daemon/cli/ui/server.py's `self.limits` is the web view's own).
 """
 
 from __future__ import annotations
 
 import ast
+import typing
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from daemon.service import models
-from daemon.service.models import FLAT_FIELDS, PART_OWNERS, Limits
+from daemon.service.models import FLAT_FIELDS, PART_OWNERS
 
 REPO = Path(__file__).resolve().parents[2]
 MUTATORS = {"append", "extend", "insert", "remove", "pop", "clear", "update", "setdefault", "add", "discard", "sort"}
-PART_CLASSES = {**FLAT_FIELDS, "limits": Limits}  # target_info is a dict: its writes are checked, no docstring
+# Each part's class, from the record's field (`Move | None` -> Move); target_info is a dict: its
+# writes are checked, no docstring.
+PART_CLASSES: dict[str, type[BaseModel]] = {
+    part: cls
+    for part in PART_OWNERS
+    for annotation in [models.RunRecord.model_fields[part].annotation]
+    for cls in typing.get_args(annotation) or (annotation,)
+    if isinstance(cls, type) and issubclass(cls, BaseModel)
+}
 
 
 def _part_in(node: ast.expr) -> str | None:
@@ -51,22 +63,57 @@ def _targets(node: ast.AST) -> list[ast.expr]:
     return []
 
 
+def _aliases(scope: ast.AST) -> dict[str, str]:
+    """The names a function binds to a part or to something inside one (`st = record.stop`,
+    `pruned = r.retention.pruned`), each with its part."""
+    out = {}
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            part = _part_in(node.value)
+            if part is not None:
+                out.update((t.id, part) for t in targets if isinstance(t, ast.Name))
+    return out
+
+
+def _alias_of(node: ast.expr, aliases: dict[str, str]) -> str | None:
+    """The part an attribute chain goes through when it starts at an alias (`st.proof_at` -> stop)."""
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        node = node.value
+    return aliases.get(node.id) if isinstance(node, ast.Name) else None
+
+
+def _writes_at(node: ast.AST, aliases: dict[str, str]) -> list[tuple[int, str]]:
+    writes = []
+    for target in _targets(node):
+        part = _part_in(target)
+        if part is None and isinstance(target, ast.Attribute | ast.Subscript):  # a bare name is rebound
+            part = _alias_of(target, aliases)
+        if part is not None:
+            writes.append((target.lineno, part))
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in MUTATORS:
+            part = _part_in(func.value) or _alias_of(func.value, aliases)
+            if part is not None:
+                writes.append((node.lineno, part))
+        if isinstance(func, ast.Name) and func.id == "RunRecord":
+            writes.extend((node.lineno, kw.arg) for kw in node.keywords if kw.arg in PART_OWNERS)
+    return writes
+
+
 def part_writes(source: str) -> list[tuple[int, str]]:
     """Each write to a part in `source`: (line, part)."""
     writes = []
-    for node in ast.walk(ast.parse(source)):
-        for target in _targets(node):
-            part = _part_in(target)
-            if part is not None:
-                writes.append((target.lineno, part))
-        if isinstance(node, ast.Call):
-            func = node.func
-            if isinstance(func, ast.Attribute) and func.attr in MUTATORS:
-                part = _part_in(func.value)
-                if part is not None:
-                    writes.append((node.lineno, part))
-            if isinstance(func, ast.Name) and func.id == "RunRecord":
-                writes.extend((node.lineno, kw.arg) for kw in node.keywords if kw.arg in PART_OWNERS)
+
+    def visit(node: ast.AST, aliases: dict[str, str]) -> None:
+        writes.extend(_writes_at(node, aliases))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            aliases = {**aliases, **_aliases(node)}  # a closure sees its function's
+        for child in ast.iter_child_nodes(node):
+            visit(child, aliases)
+
+    visit(ast.parse(source), {})  # at a module's top no name is a part's
     return sorted(writes)
 
 
@@ -93,6 +140,22 @@ r.target_info.update(pod_id="p")
 RunRecord(id="r", preemption=PreemptionPart())
 self.limits = Limits()
 print(r.preemption.preemptions, r.retention.pruned.count("x"))
+
+def f(r):
+    st = r.stop
+    pruned = r.retention.pruned
+    print(st.reason)
+    st.reason = "asked"
+    pruned.append("checkpoint-2")
+    st = None
+
+    def inner():
+        st.fallback = "late"
+
+def g(st):
+    st.reason = "not seen: st is g's own"
+    pruned = []
+    pruned.append(1)
 """
     assert part_writes(source) == [
         (2, "preemption"),
@@ -104,6 +167,9 @@ print(r.preemption.preemptions, r.retention.pruned.count("x"))
         (8, "target_info"),
         (9, "target_info"),
         (10, "preemption"),
+        (18, "stop"),
+        (19, "retention"),
+        (23, "stop"),
     ]
 
 
