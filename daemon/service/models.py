@@ -61,6 +61,9 @@ class Transition(BaseModel):
 
 
 class Snapshot(BaseModel):
+    """The proven snapshot an attempt may be resumed from, written by daemon/service/stop.py (a proof
+    taken) and daemon/service/follow.py (cleared once its checkpoint is gone)."""
+
     checkpoint: str
     step: int
     reason: str = "requested"
@@ -248,6 +251,7 @@ PART_OWNERS: dict[str, tuple[str, ...]] = {
     "sweep": ("daemon/service/launch.py",),
     "trackers": ("daemon/service/launch.py", "daemon/service/trackers.py"),
     "bad_checkpoint": ("daemon/service/recovery.py",),
+    "snapshot": ("daemon/service/stop.py", "daemon/service/follow.py"),
 }
 
 
