@@ -10,8 +10,8 @@ accumulation, a data loader stalled in one sample, the script's code after `trai
   step N+1's optimizer step, the model, optimizer and scheduler are still exactly step N's, so
   abandoning what runs then loses nothing but work that is simply done again. The Trainer's own
   checkpoint save and the optimizer step are never safe.
-- A step end marks the boundary with a few attribute stores (its cost is the release before's,
-  docs/stop-latency.md). What moves before the next one although it belongs to step N (the RNG
+- A step end marks the boundary with a few attribute stores, inlined in callback.py's hook (what
+  it costs a step: docs/stop-latency.md). What moves before the next one although it belongs to step N (the RNG
   states, the token and FLOP counts) is copied only where a stop inside the next step could come
   after it moved: at the step end when a request is already seen, the steps have several
   micro-batches, steps take `KEEP_RNG_STEP_SECONDS` or more (the copy's ~10 µs are then under
