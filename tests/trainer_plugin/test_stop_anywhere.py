@@ -7,6 +7,7 @@ run never stopped (CPU), the interrupted evaluation performed first.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,11 +84,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
     return job
 
 
-def after_step_end(job: Job, line: str) -> None:
-    """Wait for `line`, then for the step end after it: a stop then comes inside the 20 micro-batches of the next step."""
+def after_step_end(job: Job, line: str, whole: bool = False) -> None:
+    """Wait for `line`, then for the step end after it: a stop then comes inside the 20 micro-batches of the next step.
+    `whole`: for the end of a step slow from its first micro-batch (the step that ends first may have
+    turned slow only at its last, and a step under FULL_RNG_STEP_SECONDS keeps no numpy or Python RNG:
+    a rank that cannot be interrupted then leaves the stop to the step end, as interrupt.py says)."""
     job.wait_line(line)
     began = job.log().index(line)
     wait_for(lambda: " ended" in job.log()[began:] or job.proc.poll() is not None, JOB_TIMEOUT, 0.05, "a step end")
+    found = re.search(r"step (\d+) ended", job.log()[began:])
+    if whole and found is not None:
+        after = f"step {int(found.group(1)) + 1} ended"
+        wait_for(lambda: after in job.log() or job.proc.poll() is not None, JOB_TIMEOUT, 0.05, after)
 
 
 def stop_and_resume(job: Job, root: Path, reference: Job, *, cut: str, ranks: int = 1) -> tuple[dict, Job]:
@@ -239,7 +247,7 @@ def test_two_ranks_inside_a_long_accumulation_agree_on_one_micro_batch_and_resum
     job = Job(tmp_path / "a", "--slow-forward", str(slow), "--say-steps", ranks=2)
     job.wait_line("step 2 ended (rank 0)")
     slow.write_text("")  # from now on a step is 20 forward passes of 0.2 s
-    after_step_end(job, "slow forward passes began")
+    after_step_end(job, "slow forward passes began", whole=True)
     proof, _ = stop_and_resume(job, tmp_path / "b", reference_on_two_ranks, cut="training", ranks=2)
     assert 2 <= proof["step"] < STEPS
     assert job.log().count(f"the snapshot is the state at the end of step {proof['step']}") == 2

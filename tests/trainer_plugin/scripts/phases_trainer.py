@@ -129,7 +129,8 @@ def main() -> int:
     )
     trainer.train()
     print(f"train() returned at step {trainer.state.global_step}", flush=True)
-    print(f"total_flos {trainer.state.total_flos!r}", flush=True)  # a test compares a resumed run's count
+    # A test compares a resumed run's count. One write with its newline: two ranks print it to one log.
+    print(f"total_flos {trainer.state.total_flos!r}\n", end="", flush=True)
     if opts.after_train:
         print("after-train code began", flush=True)
         time.sleep(opts.after_train)
