@@ -103,6 +103,7 @@ def stop_and_resume(job: Job, root: Path, reference: Job, *, cut: str, ranks: in
     job.run.request.write_text("requested")
     assert job.finish() == 0, job.log()[-3000:]
     proof = job.run.proof()
+    assert proof is not None, job.log()[-5000:]
     step = proof["step"]
     assert f"the stop came during {cut}" in job.log()
     assert max(job.steps()) == step  # the snapshot is the last completed step, none begun after it
@@ -137,9 +138,8 @@ def test_a_stop_inside_a_long_gradient_accumulation_saves_the_last_completed_ste
     tmp_path: Path, reference: Job
 ) -> None:
     slow = tmp_path / "slow-forward"
-    job = Job(tmp_path / "a", "--slow-forward", str(slow), "--say-steps")
-    job.wait_line("step 2 ended")
-    slow.write_text("")  # from now on a step is 20 forward passes of 0.2 s
+    # From step 3 on (the script makes the file at step 2's end) a step is 20 forward passes of 0.2 s.
+    job = Job(tmp_path / "a", "--slow-forward", str(slow), "--slow-from-step", "2", "--say-steps")
     after_step_end(job, "slow forward passes began")
     proof, _ = stop_and_resume(job, tmp_path / "b", reference, cut="training")
     assert 2 <= proof["step"] < STEPS
@@ -185,9 +185,8 @@ def test_a_run_stopped_inside_a_step_and_resumed_counts_the_flops_and_tokens_of_
     """The snapshot keeps the FLOPs of its step that the Trainer had not yet added to total_flos
     (it adds them at the step's log, after the step end) and drops the abandoned micro-batches'."""
     slow = tmp_path / "slow-micro"
-    job = Job(tmp_path / "a", "--slow-micro", str(slow), "--say-steps")
-    job.wait_line("step 2 ended")
-    slow.write_text("")  # from now on a sample takes 0.2 s: a step's fetch 8 s
+    # From step 3 on (the script makes the file at step 2's end) a sample takes 0.2 s: a step's fetch 8 s.
+    job = Job(tmp_path / "a", "--slow-micro", str(slow), "--slow-from-step", "2", "--say-steps")
     job.wait_line("slow micro-batches began")
     proof, resumed = stop_and_resume(job, tmp_path / "b", reference, cut="loading_data")
     assert 2 <= proof["step"] < STEPS
@@ -244,9 +243,8 @@ def test_two_ranks_inside_a_long_accumulation_agree_on_one_micro_batch_and_resum
     slow = tmp_path / "slow-forward"
     # Between two optimizer steps there is no collective: each rank runs its micro-batches at its
     # own pace, and the ranks must agree on the micro-batch where both stop.
-    job = Job(tmp_path / "a", "--slow-forward", str(slow), "--say-steps", ranks=2)
-    job.wait_line("step 2 ended (rank 0)")
-    slow.write_text("")  # from now on a step is 20 forward passes of 0.2 s
+    # From step 3 on (each rank makes the file at step 2's end) a step is 20 forward passes of 0.2 s.
+    job = Job(tmp_path / "a", "--slow-forward", str(slow), "--slow-from-step", "2", "--say-steps", ranks=2)
     after_step_end(job, "slow forward passes began", whole=True)
     proof, _ = stop_and_resume(job, tmp_path / "b", reference_on_two_ranks, cut="training", ranks=2)
     assert 2 <= proof["step"] < STEPS

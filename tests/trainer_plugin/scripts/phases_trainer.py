@@ -10,6 +10,9 @@ configuration trains the same numbers fast (a reference run) or slowly (a run st
 - `--slow-forward FILE`: every training forward takes 0.2 s while FILE exists (a long accumulation
   whose time is in the compute, not in the data: the micro-batches are fetched at the step's start);
 - `--say-steps`: print `step N ended (rank R)` at each step end (a test's event to wait for);
+- `--slow-from-step N`: the script itself makes the files of --slow-forward and --slow-micro at the
+  end of step N, so step N+1 is slow from its start however fast the machine runs the steps before
+  (a test that made them on seeing step N's end could find the training over);
 - `--slow-rank R`: under torchrun, only rank R is slow (the others wait for it in a collective).
 Each prints one line when it begins, so a test waits for that event, never for a time.
 """
@@ -84,7 +87,13 @@ class Points(torch.utils.data.Dataset):
 
 
 class SaySteps(TrainerCallback):
+    def __init__(self, slow_from: int = -1, files: tuple[str, ...] = ()) -> None:
+        self.slow_from, self.files = slow_from, [f for f in files if f]
+
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == self.slow_from:
+            for name in self.files:
+                open(name, "a").close()
         print(f"step {state.global_step} ended (rank {os.environ.get('RANK', '0')})", flush=True)
 
 
@@ -101,6 +110,7 @@ def main() -> int:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-forward", default="")
     p.add_argument("--say-steps", action="store_true")
+    p.add_argument("--slow-from-step", type=int, default=-1)
     opts = p.parse_args()
     torch.manual_seed(0)
     args = TrainingArguments(
@@ -125,7 +135,7 @@ def main() -> int:
         args=args,
         train_dataset=Points(512, 0, opts, "train"),
         eval_dataset=Points(40, 1, opts, "eval"),
-        callbacks=[SaySteps()] if opts.say_steps else None,
+        callbacks=[SaySteps(opts.slow_from_step, (opts.slow_forward, opts.slow_micro))] if opts.say_steps else None,
     )
     trainer.train()
     print(f"train() returned at step {trainer.state.global_step}", flush=True)
