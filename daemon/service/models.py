@@ -98,8 +98,8 @@ class Progress(BaseModel):
 class StopState(BaseModel):
     """Where a snapshot request stands; persisted so a restarted daemon counts from the request.
     Written by daemon/service/stop.py (the request, what a read of the run shows, the cancels'
-    marks: `cancel_asked`, `cancel_by_fallback`) and daemon/service/sweeps.py (a queued member's
-    cancel)."""
+    marks: `cancel_asked`, `cancel_by_fallback`) and daemon/service/sweeps.py (a queued member taken
+    out by its sweep's stop)."""
 
     requested_at: float | None = None  # when the daemon saw (or wrote) the request
     reason: str | None = None

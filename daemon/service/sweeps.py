@@ -36,6 +36,7 @@ from daemon.service.api import ApiError, GridAxis, Peer, ResumeRequest, StartReq
 from daemon.service.checkpoints import latest_attempt
 from daemon.service.models import RunRecord, RunState, SweepTag
 from daemon.service.ports import Runs
+from daemon.service.stop import cancel_asked
 from daemon.service.store import LAUNCH_SETTINGS as SPEC
 from daemon.service.store import Batch
 from daemon.service.targets import Targets
@@ -693,9 +694,7 @@ class Sweeps:
 
 def cancel_queued(record: RunRecord) -> None:
     """A queued member's cancel, as `obd train cancel` makes it (daemon/service/handlers.py)."""
-    if record.stop.cancel_by is None:
-        record.stop.cancel_by = "user"
-        record.note("cancel requested by the user")
+    cancel_asked(record, "cancel requested by the user")
     record.transition(RunState.cancelled, CANCELLED_QUEUED)
 
 
