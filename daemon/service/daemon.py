@@ -34,6 +34,7 @@ from daemon.service.preempt import Preemptor
 from daemon.service.queue import Scheduler
 from daemon.service.recovery import Recovery
 from daemon.service.retention import Retention
+from daemon.service.stop import write_recorded_requests
 from daemon.service.store import RunStore, StoreError, process_started
 from daemon.service.systemd import Notifier
 from daemon.service.targets import Targets
@@ -318,6 +319,7 @@ class Daemon:
                 self.recovery.catch_up()
                 self.retention.catch_up()
                 self.preemptor.catch_up()
+                self.start_soon(write_recorded_requests, self)  # one an earlier daemon recorded, not written
                 handlers.moves.catch_up()
                 tg.start_soon(self.notifier.watchdog_loop)
                 for supervision in self.targets.configured():

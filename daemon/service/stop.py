@@ -115,6 +115,17 @@ async def write_pending_request(daemon: StopHost, record: RunRecord) -> None:
             record.note(f"the snapshot request could not be written in the run directory: {exc}")
 
 
+async def write_recorded_requests(daemon: StopHost) -> None:
+    """At the daemon's start: every request a running job's record holds is written again. An
+    earlier daemon killed between the record and the file left a request the job never saw, and
+    only the stop fallback would end it, with no snapshot. The file is a standing request, so
+    writing it twice changes nothing for a job that already took it."""
+    async with anyio.create_task_group() as tg:  # one unreachable target delays no other's
+        for record in list(daemon.records.values()):
+            if record.has_job and not record.state.final and record.snapshot is None and record.stop.cancel_by is None:
+                tg.start_soon(write_pending_request, daemon, record)
+
+
 async def _write(daemon: StopHost, record: RunRecord, reason: str) -> None:
     executor = daemon.targets.executor(record)
     await executor.put_file(rundir.RunPaths(record.remote_dir).request, rundir.request_bytes(reason))

@@ -353,7 +353,7 @@ def test_a_daemon_killed_during_a_preemption_finishes_the_pause_and_the_requeue_
     d.start()
     assert d.wait_state(urgent, "succeeded", timeout=60)["state"] == "succeeded"
     ended = d.record(victim)
-    assert ended["state"] == "stopped" and ended["snapshot"]["reason"] == "preempted"
+    assert ended["state"] == "stopped" and ended["snapshot"]["reason"] == "preempted", ended["history"]
     resumed = d.wait_state(ended["retried_by"], "running", timeout=30)
     attempts = [r for r in d.call("list", all=True) if r["id"] != urgent]
     assert len(attempts) == 2, attempts  # one victim, one requeued attempt: never two
@@ -364,12 +364,14 @@ def test_a_daemon_killed_during_a_preemption_finishes_the_pause_and_the_requeue_
     d.call("cancel", id=resumed["id"])
 
 
-def test_a_pause_recorded_by_a_daemon_killed_before_it_asked_is_asked_for_at_the_next_start(
-    make_daemon,
+@pytest.mark.parametrize("asked", [False, True], ids=["nothing asked", "asked in the record, no file written"])
+def test_a_pause_recorded_by_a_daemon_killed_before_the_job_was_asked_is_asked_for_at_the_next_start(
+    make_daemon, asked: bool
 ) -> None:
-    # The moment between the pause's record and its request (two saves) cannot be hit by a kill
-    # from outside reliably, so the record is left as that kill leaves it: paused, nothing asked.
-    d = make_daemon(config(gpus=1))
+    # The moments between the pause's record, its request's record and the request's file cannot
+    # be hit by a kill from outside reliably, so the record is left as such a kill leaves it. The
+    # stop fallback waits far longer than the test: only a request the job sees ends it stopped.
+    d = make_daemon(config(gpus=1, proof_timeout="30m"))
     d.start()
     victim = start(d, PY, FAKE, "snapshot", opts=("--gpus", "1"))
     snapshotting(d, victim)
@@ -383,6 +385,8 @@ def test_a_pause_recorded_by_a_daemon_killed_before_it_asked_is_asked_for_at_the
         "asked_at": time.time(),
         "why": "drained (the test)",
     }
+    if asked:
+        record["stop"].update(requested_at=time.time(), reason="preempted", asked_by="obd's preemption")
     path.write_text(json.dumps(record))
     d.start()
     ended = d.wait_state(victim, "stopped", timeout=60)
