@@ -456,11 +456,15 @@ def report_of(daemon: Runs, record: RunRecord, now: float) -> dict[str, Any] | N
 
 def too_late_of(daemon: Runs, record: RunRecord, now: float) -> str | None:
     """`too_late` with the daemon's save floor and margin (the queue's check of a waiting run)."""
+    if record.limits is None:  # most runs: the queue asks for each of thousands a pass
+        return None
     return too_late(record, now, *settings(daemon))
 
 
 def too_late_at_of(daemon: Runs, record: RunRecord) -> float | None:
     """`too_late_at` with the daemon's settings: when the queue must look at the run again."""
+    if record.limits is None:
+        return None
     return too_late_at(record, *settings(daemon))
 
 

@@ -92,6 +92,10 @@ SLICE = 100  # queued runs a pass looks at between two turns of the event loop (
 # refresh looks at every one of them (5,000: a tenth of a second of the event loop), and every start
 # or end of any run is a pass.
 MESSAGES_EVERY = 1.0
+# With more than SLICE runs queued, a pass begins at most this long after the last began: the kicks
+# that come closer make one pass (every start or end of anyone's run kicks, and a pass looks at
+# every queued run), as Slurm's `sched_min_interval` does. A GPU freed waits that long at most.
+PASS_GAP = 0.25
 
 
 def queued_why(record: RunRecord) -> str | None:
@@ -117,6 +121,9 @@ class Scheduler:
         self._made: dict[str, int] | None = None  # during a pass: how many members of each sweep are saved
         self._holders: dict[str, dict[str, str]] | None = None  # during a pass: each target's GPU holders
         self._waiting: list[RunRecord] | None = None  # during a pass: the runs queued when it began, oldest first
+        # During a pass: `queued(target)` as of a daemon version (a pass asks it several times,
+        # and between two changes of a run the answer is the same: a look at every queued run each).
+        self._looked: dict[str | None, tuple[int, list[RunRecord]]] = {}
         self._left: list[RunRecord] = []  # those still queued when the last pass ended
         self._soon = False
         self._holds = 0  # operations on many runs under way (`holding`)
@@ -151,19 +158,27 @@ class Scheduler:
     def queued(self, target: str | None = None) -> list[RunRecord]:
         """The runs waiting to start (not those a scheduler of their target holds), oldest first."""
         if self._waiting is not None:  # during a pass: its look at every record, those that left taken out
-            return [r for r in self._waiting if r.in_queue and (target is None or r.target == target)]
+            version = self.daemon.version
+            looked = self._looked.get(target)
+            if looked is not None and looked[0] == version:
+                return list(looked[1])
+            runs = [r for r in self._waiting if r.in_queue and (target is None or r.target == target)]
+            self._looked[target] = (version, runs)
+            return list(runs)
         runs = [r for r in self.daemon.records.values() if r.in_queue and (target is None or r.target == target)]
         return sorted(runs, key=lambda r: (r.created, r.id))
 
     async def run(self) -> None:
         while True:
             self._kick = anyio.Event()
+            began = time.monotonic()
             try:
                 await self.schedule()
             except Exception:  # a surprise must not end the queue
                 log.exception("schedule_failed")
             wait = SOON if self._soon else SAFETY_POLL
             waiting, self._left = self._left, []
+            gap = PASS_GAP if len(waiting) > SLICE else 0.0
             pending = [r.not_before for r in waiting if r.not_before]
             pending += [at for r in waiting if (at := limits.too_late_at_of(self.daemon, r)) is not None]
             config = self.daemon.config
@@ -175,12 +190,14 @@ class Scheduler:
                 wait = max(0.0, min(wait, min(pending) - time.time()) + 0.01)
             with anyio.move_on_after(wait):
                 await self._kick.wait()
+            await anyio.sleep(max(0.0, began + gap - time.monotonic()))  # kicks meanwhile: this one pass
 
     async def schedule(self) -> None:
         self._soon = False
         self._messages_due = None
-        self._made = self._sweeps_made()
+        self._made = None  # looked up by the pass's first gate of a sweep not known whole
         self._holders = {}
+        self._looked = {}
         self._waiting = self.queued()  # a run queued meanwhile kicks the queue: the next pass has it
         try:
             await self._place()
@@ -192,6 +209,7 @@ class Scheduler:
             self._made = None
             self._holders = None
             self._waiting = None
+            self._looked = {}
 
     def _sweeps_made(self) -> dict[str, int]:
         """How many members of each sweep are saved (a member may start once all are)."""
@@ -242,7 +260,9 @@ class Scheduler:
         if late is not None:
             return Verdict("cancel", late)
         if record.sweep is not None and record.sweep.id not in self._whole:
-            made = (self._made if self._made is not None else self._sweeps_made()).get(record.sweep.id, 0)
+            if self._made is None or self._waiting is None:  # once a pass (every time outside one)
+                self._made = self._sweeps_made()
+            made = self._made.get(record.sweep.id, 0)
             held = sweeps.gate(record, made, self._started)
             if held is not None:
                 return held
