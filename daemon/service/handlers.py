@@ -133,6 +133,7 @@ class Handlers:
         # the answer is sent as it was, not sorted, filtered and joined again for every run.
         self._lists: dict[tuple[Any, ...], tuple[tuple[int, int, int], RawJSON]] = {}
         self._order: tuple[tuple[int, int], list[RunRecord]] = ((0, -1), [])  # `_ordered`
+        self._owned: dict[int | None, list[RunRecord]] = {}  # `_ordered(owner)`, made with `_order`
         self.table: dict[str, tuple[type[BaseModel], Handler]] = {
             "ping": (ListRequest, self.ping),
             "list": (ListRunsRequest, self.list_runs),
@@ -209,11 +210,20 @@ class Handlers:
 
     def _ordered(self) -> list[RunRecord]:
         """Every run, oldest first: sorted again only when runs were added (a run is never removed
-        from the records, and its id and creation time never change once it is there)."""
+        from the records, and its id, owner and creation time never change once it is there)."""
         records = self.daemon.records
         if self._order[0] != (id(records), len(records)):
             self._order = ((id(records), len(records)), sorted(records.values(), key=attrgetter("created", "id")))
+            self._owned = {}
+            for record in self._order[1]:
+                self._owned.setdefault(record.owner_uid, []).append(record)
         return self._order[1]
+
+    def _ordered_of(self, peer: Peer) -> list[RunRecord]:
+        """`_ordered`, the caller's runs only (all of them for root): a member's list looks at their
+        own, however many runs another member queued."""
+        runs = self._ordered()
+        return runs if peer.is_root else self._owned.get(peer.uid, [])
 
     async def _encode_summaries(self, peer: Peer) -> None:
         """Encode the `list` entries of the caller's runs that changed since they were last encoded,
@@ -222,18 +232,15 @@ class Handlers:
         everyone else waits. The answer itself is then made at once, from these and the runs as
         they are then, so it is one moment's (a run changed meanwhile is encoded again there)."""
         d = self.daemon
-        runs = self._ordered()
+        runs = self._ordered_of(peer)
         for n, record in enumerate(runs, 1):
             if n % LIST_TURN == 0:
                 await anyio.lowlevel.checkpoint()
-            if peer.is_root or record.owner_uid == peer.uid:
-                d.summary_json(record)
+            d.summary_json(record)
 
     def _list_answer(self, req: ListRunsRequest, peer: Peer) -> RawJSON:
         d = self.daemon
-        runs = self._ordered()
-        if not (req.all or peer.is_root):
-            runs = [r for r in runs if r.owner_uid == peer.uid]  # as `visible`
+        runs = self._ordered() if req.all else self._ordered_of(peer)  # as `visible`
         if req.states:
             runs = [r for r in runs if r.state.value in req.states]
         if req.target:

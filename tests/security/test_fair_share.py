@@ -111,6 +111,10 @@ def test_a_sweep_of_1000_is_cancelled_whole_while_another_members_pings_are_answ
     made = box.obd(alice, "train", "sweep", "--gpus", "1", "--grid", grid, "--", "sleep", "{a}", timeout=300)
     assert made.returncode == 0, made.stderr
     sweep = made.stdout.strip()
+    # Each member's list is their own runs, however many the other queued.
+    listed = {u.name: box.obd(u, "train", "list", "--json", timeout=120) for u in (alice, bob)}
+    assert [r["id"] for r in json.loads(listed[bob.name].stdout)] == [blocker], listed[bob.name].stderr
+    assert len([r for r in json.loads(listed[alice.name].stdout) if r["sweep"] == sweep]) == 1000
 
     stop = short_tmp / "stop-pings"
     pinger = subprocess.Popen(  # type: ignore[call-overload]
