@@ -9,6 +9,7 @@ they get a venv made from Debian's /usr/bin/python3 and a copy of the client's m
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import pwd
@@ -157,6 +158,23 @@ def _copy_client(client: Path) -> None:
     shutil.copy2(REPO / "obd.py", client / "obd.py")
 
 
+def _remove_tmp_of(name: str) -> None:
+    """What a throwaway user's processes left in /tmp (torch's `torchinductor_<user>` cache, made
+    when their jobs import torch), as `userdel -r` removes their home: nothing of them stays."""
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return
+    for entry in os.scandir("/tmp"):
+        with contextlib.suppress(OSError):
+            if entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+
+
 @pytest.fixture(scope="module")
 def accounts() -> Iterator[tuple[User, User, str, Path, Path]]:
     tag = uuid.uuid4().hex[:6]
@@ -185,6 +203,7 @@ def accounts() -> Iterator[tuple[User, User, str, Path, Path]]:
     finally:
         for name in made:
             subprocess.run(["pkill", "-KILL", "-u", name], check=False)
+            _remove_tmp_of(name)
             subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
         subprocess.run(["groupdel", group], check=False)
         shutil.rmtree(base, ignore_errors=True)

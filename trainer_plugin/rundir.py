@@ -56,6 +56,9 @@ RETRIEVED = "retrieved"  # the daemon, once the outputs are safe: the watchdog's
 SLURM_SUBMIT = "slurm.json"  # the submit's intent, then the job id: {"job_name", "submitting", "job_id"}
 SLURM_LAUNCH = "slurm_launch.json"  # obd: how the batch wrapper launches the command (nodes, launcher, python)
 SLURM_SCRIPT = "slurm_batch.sh"  # obd: the batch script sbatch is given
+# Where obd runs torchrun for a run (a Slurm or Ray target's `launcher = "torchrun"`): its log
+# directory (a rank's error file), a folder per node, instead of a `/tmp/torchelastic_*` left behind.
+TORCHRUN_LOGS = "torchrun"
 
 # What obd retrieves from a pod before it ends it (sizes and sha256 checked).
 OUTPUTS = (OUTPUT, JOB_LOG, METRICS, SNAPSHOT_PROOF, PROFILE, EXIT_CODE, WATCHDOG_LOG)
@@ -229,6 +232,10 @@ class RunPaths(_DirPaths):
     def slurm_script(self) -> str:
         """`slurm_batch.sh`: the batch script sbatch is given."""
         return self.file(SLURM_SCRIPT)
+
+    def torchrun_logs(self, node: int | str) -> str:
+        """`torchrun/node-<node>`: the log directory of the torchrun obd runs on that node."""
+        return posixpath.join(self.file(TORCHRUN_LOGS), f"node-{node}")
 
 
 class FactPaths(_DirPaths):

@@ -139,6 +139,8 @@ def nodes_plan(target: RayTarget, job: JobSpec) -> dict[str, Any]:
         "python": target.python,
         "command": job.command,
         "run_id": job.run_id,
+        # Each node's torchrun logs there (a folder a node), not in a `/tmp/torchelastic_*` left behind.
+        "torchrun_logs": [rundir.RunPaths(job.remote_dir.rstrip("/")).torchrun_logs(i) for i in range(target.nodes)],
         "bundle": bundle,
         "grace": target.stop_wait / 2,
     }

@@ -35,8 +35,10 @@ TERM_WITH_PARENT = (
 )
 
 
-def torchrun_argv(plan: dict[str, Any], rendezvous: str, first: bool) -> list[str]:
-    """One node's torchrun around the command: every node's agent meets at the first node's rendezvous."""
+def torchrun_argv(plan: dict[str, Any], rendezvous: str, index: int) -> list[str]:
+    """Node `index`'s torchrun around the command: every node's agent meets at the first node's
+    rendezvous; its logs go to the node's folder of the run directory (the plan's `torchrun_logs`)."""
+    logs = plan.get("torchrun_logs") or []
     return [
         plan.get("python") or sys.executable,
         "-m",
@@ -46,7 +48,8 @@ def torchrun_argv(plan: dict[str, Any], rendezvous: str, first: bool) -> list[st
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rendezvous}",
         f"--rdzv-id=obd-{plan.get('run_id', 'run')}",
-        f"--rdzv-conf=is_host={1 if first else 0}",
+        f"--rdzv-conf=is_host={1 if index == 0 else 0}",
+        *([f"--log-dir={logs[index]}"] if index < len(logs) else []),
         "--no-python",
         *plan["command"],
     ]
@@ -153,7 +156,7 @@ def main(run_dir: str) -> int:
     env, cwd = dict(os.environ), os.getcwd()
     runs = []
     for index, node in enumerate(nodes_of):
-        argv = torchrun_argv(plan, rendezvous, index == 0) if plan.get("launcher") == "torchrun" else plan["command"]
+        argv = torchrun_argv(plan, rendezvous, index) if plan.get("launcher") == "torchrun" else plan["command"]
         runs.append(node.run.remote(argv, env, cwd, log))
     grace = float(plan.get("grace") or 10)
     pending, first_failure = list(runs), 0

@@ -111,7 +111,8 @@ def test_a_two_rank_job_stopped_while_one_rank_evaluates_and_the_other_waits_sto
 ) -> None:
     d = make_daemon()
     d.start()
-    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, *BASE]
+    logs = f"--log-dir={short_tmp / 'torchrun'}"  # not a /tmp/torchelastic_* left behind
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", logs, SCRIPT, *BASE]
 
     def start_ranks(*args: str) -> str:
         out = d.cli("train", "start", "--cwd", str(short_tmp), "--", *torchrun, *args)

@@ -32,10 +32,12 @@ def test_a_multi_node_run_asks_its_resources_in_one_bundle_a_node_and_its_driver
 
 def test_each_nodes_torchrun_meets_the_others_at_the_first_nodes_rendezvous() -> None:
     plan = executor.nodes_plan(target(nodes=2, launcher="torchrun"), JOB)
-    first = nodes.torchrun_argv(plan, "10.0.0.5:29400", True)
-    other = nodes.torchrun_argv(plan, "10.0.0.5:29400", False)
+    first = nodes.torchrun_argv(plan, "10.0.0.5:29400", 0)
+    other = nodes.torchrun_argv(plan, "10.0.0.5:29400", 1)
     assert first[:3] == ["/venv/bin/python", "-m", "torch.distributed.run"]
     for argv in (first, other):
         assert "--nnodes=2" in argv and "--rdzv-endpoint=10.0.0.5:29400" in argv and "--rdzv-id=obd-r1" in argv
         assert argv[-3:] == ["--no-python", "python", "train.py"]
     assert "--rdzv-conf=is_host=1" in first and "--rdzv-conf=is_host=0" in other
+    # Each node's torchrun logs in its folder of the run directory, not in a /tmp/torchelastic_* left behind.
+    assert "--log-dir=/shared/obd/r1/torchrun/node-0" in first and "--log-dir=/shared/obd/r1/torchrun/node-1" in other

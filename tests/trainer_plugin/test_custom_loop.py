@@ -111,14 +111,15 @@ def test_a_custom_loop_snapshots_on_request_and_resumes_to_the_end(run_dir: RunD
     assert resumed.proof() is None
 
 
-def torchrun(script: Path, *opts: str) -> list[str]:
-    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *opts]
+def torchrun(script: Path, run_dir: RunDir, *opts: str) -> list[str]:
+    logs = f"--log-dir={run_dir.root / 'torchrun'}"  # not a /tmp/torchelastic_* left behind
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", logs, str(script), *opts]
 
 
 @pytest.mark.slow  # the Trainer's torchrun test covers a request under torchrun by default
 def test_under_torchrun_a_request_stops_both_ranks_at_the_same_step_with_one_proof(run_dir: RunDir, start_job) -> None:  # type: ignore[no-untyped-def]
     job = start_job(
-        run_dir, torchrun(SCRIPT, "--write-at", "4", "--write-file", f"{run_dir.request}=disk"), run_dir.env()
+        run_dir, torchrun(SCRIPT, run_dir, "--write-at", "4", "--write-file", f"{run_dir.request}=disk"), run_dir.env()
     )
     assert_exit_zero(job, job.wait())
     # Rank 0 saw the file after step 4; rank 1 never looks at it and still stops at 4.
@@ -132,7 +133,9 @@ def test_under_torchrun_a_request_stops_both_ranks_at_the_same_step_with_one_pro
 
 
 def test_under_torchrun_a_sigterm_on_rank_1_alone_is_a_preempted_snapshot_of_both(run_dir: RunDir, start_job) -> None:  # type: ignore[no-untyped-def]
-    job = start_job(run_dir, torchrun(SCRIPT, "--sigterm-at", "5", "--sigterm-rank", "1"), run_dir.env(on_sigterm=True))
+    job = start_job(
+        run_dir, torchrun(SCRIPT, run_dir, "--sigterm-at", "5", "--sigterm-rank", "1"), run_dir.env(on_sigterm=True)
+    )
     code = job.wait()
     log = job.log_text()
     assert stopped_at(log) == [(0, 5, "preempted"), (1, 5, "preempted")], f"exit {code}:\n{log[-4000:]}"

@@ -32,6 +32,7 @@ class Job:
         self.run = RunDir(root)
         self._log = open(self.run.log, "wb")
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        launch.append(f"--log-dir={root / 'torchrun'}")  # not a /tmp/torchelastic_* left behind
         self.proc = subprocess.Popen(
             [*(launch if ranks > 1 else [sys.executable]), SCRIPT, *BASE, *args],
             env=self.run.env(resume_from),

@@ -481,14 +481,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def node_command(spec: dict, plan: dict, env: dict[str, str]) -> list[str]:
-    """The argv one node runs: the command as given, or torchrun around it."""
+def node_command(spec: dict, plan: dict, env: dict[str, str], run_dir: str) -> list[str]:
+    """The argv one node runs: the command as given, or torchrun around it (its logs in the run
+    directory, not a `/tmp/torchelastic_*` of the node's left behind)."""
     command = list(spec.get("command") or [])
     if plan.get("launcher") != "torchrun":
         return command
     nodes = int(plan.get("nodes") or 1)
     argv = [plan.get("python") or sys.executable, "-m", "torch.distributed.run"]
     argv.append(f"--nproc-per-node={int(plan.get('nproc_per_node') or 1)}")
+    argv.append(f"--log-dir={rundir.RunPaths(run_dir).torchrun_logs(env.get('SLURM_NODEID', '0'))}")
     if nodes == 1:
         argv.append("--standalone")
     else:
@@ -506,7 +508,7 @@ def node_command(spec: dict, plan: dict, env: dict[str, str]) -> list[str]:
 def _launch_argv(run_dir: str, spec: dict, plan: dict, env: dict[str, str]) -> list[str]:
     nodes = int(plan.get("nodes") or 1)
     if nodes == 1:
-        return node_command(spec, plan, env)
+        return node_command(spec, plan, env, run_dir)
     if plan.get("launcher") == "torchrun":
         # The rendezvous is on this node (the first of the job): its address, and a port free here.
         env["OBD_SLURM_RDZV"] = f"{node_address(env.get('SLURMD_NODENAME', socket.gethostname()))}:{free_port()}"
@@ -632,7 +634,7 @@ def node(run_dir: str) -> int:
     spec = json.loads(rundir.read_regular(paths.job_spec, rundir.JOB_SPEC_LIMIT) or b"{}")
     plan = json.loads(rundir.read_regular(paths.slurm_launch, 65536) or b"{}")
     env = dict(os.environ)
-    argv = node_command(spec, plan, env)
+    argv = node_command(spec, plan, env, run_dir)
     cwd = spec.get("cwd") or run_dir
     problem = cwd_problem(cwd)
     if problem is not None:

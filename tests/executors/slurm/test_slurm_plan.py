@@ -68,12 +68,13 @@ def test_the_launch_plan_takes_ranks_per_node_from_nproc_per_node_or_gpus() -> N
 def test_torchrun_mode_sets_nnodes_nproc_and_the_c10d_rendezvous_on_the_first_node() -> None:
     plan = {"launcher": "torchrun", "nodes": 2, "nproc_per_node": 2, "python": "/venv/bin/python"}
     env = {"OBD_SLURM_RDZV": "10.0.0.1:29400", "SLURM_JOB_ID": "42", "SLURM_NODEID": "1"}
-    argv = node_command({"command": ["python", "train.py", "--lr", "1e-4"]}, plan, env)
+    argv = node_command({"command": ["python", "train.py", "--lr", "1e-4"]}, plan, env, "/shared/r1")
     assert argv[:3] == ["/venv/bin/python", "-m", "torch.distributed.run"]
     assert {"--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400"} <= set(argv)
     assert "--rdzv-conf=is_host=0" in argv and "--rdzv-id=obd-42" in argv
+    assert "--log-dir=/shared/r1/torchrun/node-1" in argv  # not a /tmp/torchelastic_* left on the node
     assert argv[-5:] == ["--no-python", "python", "train.py", "--lr", "1e-4"]
-    plain = node_command({"command": ["python", "train.py"]}, {**plan, "launcher": "srun"}, env)
+    plain = node_command({"command": ["python", "train.py"]}, {**plan, "launcher": "srun"}, env, "/shared/r1")
     assert plain == ["python", "train.py"]
 
 
