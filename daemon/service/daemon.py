@@ -32,6 +32,7 @@ from daemon.service.launch import Launcher
 from daemon.service.models import InvalidRunId, RunRecord, RunState, check_run_id
 from daemon.service.preempt import Preemptor
 from daemon.service.queue import Scheduler
+from daemon.service.records import Records
 from daemon.service.recovery import Recovery
 from daemon.service.retention import Retention
 from daemon.service.stop import write_recorded_requests
@@ -56,7 +57,7 @@ class Daemon:
         assert config.daemon.state_dir is not None
         self.state_dir = Path(config.daemon.state_dir)
         self.store = RunStore(self.state_dir)
-        self.records: dict[str, RunRecord] = {}
+        self.records = Records()  # every run; the live ones kept apart (daemon/service/records.py)
         self.bad_records: dict[str, str] = {}
         self.notifier = Notifier()
         self.targets = Targets(self)  # each kind's supervision from the registry (executors/kinds.py)
@@ -275,7 +276,7 @@ class Daemon:
         for record in records.values():
             if record.owner_uid is None:  # a record from before runs had owners: the daemon's user's
                 record.owner_uid, record.owner = os.geteuid(), user_name(os.geteuid())
-        self.records = records
+        self.records = Records(records)
         self.bad_records = {b.run_id: b.error for b in bad}
         for b in bad:
             log.error("record_unreadable", run_id=b.run_id, path=str(b.path), error=b.error)

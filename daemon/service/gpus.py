@@ -62,6 +62,9 @@ class Inventory:
         self.daemon = daemon
         self._by_target: dict[str, list[Gpu]] = {}
         self._clear: set[str] = set()  # ended runs found with no process left
+        # Ended runs with GPUs not yet found clear, and how many of the records' ended runs were looked at.
+        self._unclear: dict[str, RunRecord] = {}
+        self._ended_seen: tuple[int, int] = (0, 0)  # (id of the records, count)
         self._watching: set[str] = set()  # targets watched for an ended run's last process
         self.wake: Callable[[], None] | None = None  # the queue's kick, once a device is free again
 
@@ -107,20 +110,34 @@ class Inventory:
         """device id -> the run holding it, on one target: a run that has not ended, or one that
         ended while a process of it remains (its GPU is never handed out before that is gone)."""
         holders: dict[str, str] = {}
-        ended: dict[str, RunRecord] = {}
-        for record in self.daemon.records.values():
-            if record.target != target or not record.gpus or record.state == RunState.queued:
-                continue
-            if not record.state.final:
-                for device in record.gpus:
-                    holders[device] = record.id
-            elif record.id not in self._clear:
-                ended[record.id] = record
+        for record in self.daemon.records.live():
+            if record.target != target or not record.gpus or record.state == RunState.queued or record.state.final:
+                continue  # (one that ended since `live()` looked is looked at below)
+            for device in record.gpus:
+                holders[device] = record.id
+        ended = self._unclear_of(target)
         if ended:
             for rid in sorted(self._lingering(target, ended)):
                 for device in ended[rid].gpus:
                     holders.setdefault(device, rid)
         return holders
+
+    def _unclear_of(self, target: str) -> dict[str, RunRecord]:
+        """The ended runs of `target` with GPUs not yet found clear of their processes: the runs
+        found ended since the last look are added, those found clear since are dropped (call it
+        after `records.live()`, which finds the runs that ended)."""
+        records = self.daemon.records
+        seen_records, seen = self._ended_seen
+        if seen_records != id(records):  # the records loaded anew: every ended run looked at again
+            seen = 0
+        news = records.ended_since(seen)
+        self._ended_seen = (id(records), seen + len(news))
+        for record in news:
+            if record.gpus and record.id not in self._clear:
+                self._unclear[record.id] = record
+        for run_id in [r for r in self._unclear if r in self._clear]:
+            del self._unclear[run_id]
+        return {run_id: r for run_id, r in self._unclear.items() if r.target == target}
 
     def _lingering(self, target: str, ended: dict[str, RunRecord]) -> set[str]:
         """Which of these ended runs still have a process (their target's executor says, where it
@@ -161,11 +178,8 @@ class Inventory:
         try:
             while True:
                 await anyio.sleep(LINGER_POLL)
-                ended = {
-                    r.id: r
-                    for r in self.daemon.records.values()
-                    if r.target == target and r.gpus and r.state.final and r.id not in self._clear
-                }
+                self.daemon.records.live()  # the runs that ended meanwhile are found
+                ended = self._unclear_of(target)
                 if not ended:
                     break
                 still = await anyio.to_thread.run_sync(self._check, target, ended)

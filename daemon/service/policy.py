@@ -27,6 +27,7 @@ import structlog
 from daemon.service.api import ApiError, Peer
 from daemon.service.config import Config, PolicySection
 from daemon.service.models import RunRecord
+from daemon.service.records import Records
 
 log = structlog.get_logger("obd.policy")
 
@@ -38,7 +39,7 @@ class PolicyHost(Protocol):
     """What the policy reads of the daemon: its configuration and its records."""
 
     config: Config
-    records: dict[str, RunRecord]
+    records: Records
 
 
 def user_name(uid: int) -> str:
@@ -184,7 +185,7 @@ def check_target(policy: PolicySection, peer: Peer, target: str, what: str, othe
 
 def queued_of(daemon: PolicyHost, uid: int) -> int:
     """How many runs of this user wait in the queue."""
-    return sum(1 for r in daemon.records.values() if r.owner_uid == uid and r.in_queue)
+    return sum(1 for r in daemon.records.live() if r.owner_uid == uid and r.in_queue)
 
 
 def check_queued(daemon: PolicyHost, peer: Peer, adding: int, what: str) -> None:

@@ -19,6 +19,7 @@ import anyio
 
 from daemon.service.config import Config
 from daemon.service.models import RunRecord
+from daemon.service.records import Records
 from daemon.service.store import RunStore
 
 
@@ -29,7 +30,7 @@ class Runs(Protocol):
     config: Config
     state_dir: Path
     store: RunStore
-    records: dict[str, RunRecord]
+    records: Records
 
     def lock(self, run_id: str) -> anyio.Lock: ...
 

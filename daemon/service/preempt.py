@@ -165,10 +165,13 @@ class Preemptor:
     def __init__(self, daemon: PreemptHost) -> None:
         self.daemon = daemon
         self.drains = Drains(daemon.state_dir)
+        # Runs whose chain's earlier attempt (or the run they resumed) announced obd's plugin: a
+        # look at every run, made once a run (those attempts have ended: the answer stays).
+        self._announced_before: dict[str, bool] = {}
 
     def pausing(self, target: str) -> list[RunRecord]:
         """The runs of a target being paused now (asked, their job not ended yet)."""
-        return [r for r in self.daemon.records.values() if r.target == target and r.preemption.preempt and r.has_job]
+        return [r for r in self.daemon.records.live() if r.target == target and r.preemption.preempt and r.has_job]
 
     def settings(self, target: str) -> tuple[bool, float]:
         """The target's default `preemptible` and its `min_runtime`."""
@@ -180,29 +183,32 @@ class Preemptor:
         from, did: the plugin takes a request at its first step, as it takes a stop's."""
         if record.snapshots:
             return True
-        chain = record.chain or record.id
-        return any(
-            r.snapshots and r.id != record.id and ((r.chain or r.id) == chain or r.id == record.resumed_from)
-            for r in self.daemon.records.values()
-        )
+        known = self._announced_before.get(record.id)
+        if known is None:
+            chain = record.chain or record.id
+            known = self._announced_before[record.id] = any(
+                r.snapshots and r.id != record.id and ((r.chain or r.id) == chain or r.id == record.resumed_from)
+                for r in self.daemon.records.values()
+            )
+        return known
 
     def candidates(self, target: str, below: int | None, now: float) -> list[Candidate]:
         """The running runs of `target` that may be paused (of a priority below `below`, when given)."""
         default, min_runtime = self.settings(target)
         out = []
-        for r in self.daemon.records.values():
+        for r in self.daemon.records.live():
             if r.state != RunState.running or r.target != target or not r.gpus:
                 continue  # the cheap looks first: 5,000 queued runs are looked at on every pass
             started = running_since(r)
             if (
-                not self.may_snapshot(r)
-                or not (r.preemption.preemptible if r.preemption.preemptible is not None else default)
+                not (r.preemption.preemptible if r.preemption.preemptible is not None else default)
                 or (below is not None and r.priority >= below)
                 or r.preemption.preempt is not None
                 or r.stop.requested_at is not None
                 or r.stop.cancel_by is not None
                 or started is None
                 or now - started < min_runtime
+                or not self.may_snapshot(r)  # last: a look at its chain's earlier attempts
             ):
                 continue
             stop = r.progress.stop_seconds if r.progress.stop_seconds is not None else 0.0
@@ -242,7 +248,7 @@ class Preemptor:
         unannounced: list[str] = []
         cancelled: list[str] = []
         stopping: list[str] = []
-        for r in list(self.daemon.records.values()):
+        for r in self.daemon.records.live():
             if r.target != target or not (r.has_job or r.state == RunState.preparing):
                 continue
             if r.preemption.preempt is not None:

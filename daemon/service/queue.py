@@ -165,7 +165,7 @@ class Scheduler:
             runs = [r for r in self._waiting if r.in_queue and (target is None or r.target == target)]
             self._looked[target] = (version, runs)
             return list(runs)
-        runs = [r for r in self.daemon.records.values() if r.in_queue and (target is None or r.target == target)]
+        runs = [r for r in self.daemon.records.live() if r.in_queue and (target is None or r.target == target)]
         return sorted(runs, key=lambda r: (r.created, r.id))
 
     async def run(self) -> None:

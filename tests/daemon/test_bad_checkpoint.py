@@ -17,6 +17,7 @@ import pytest
 
 from daemon.service.checkpoints import bad_checkpoints, chain_resume_point, failed_at_load, load_attempted
 from daemon.service.models import BadCheckpoint, Progress, RunRecord, RunState
+from daemon.service.records import Records
 from executors.base import ExecutorError
 from tests.conftest import FAST_CONFIG, REPO, wait_for
 
@@ -78,7 +79,7 @@ class Chain:
     def __init__(self, root: Path, records: list[RunRecord]) -> None:
         from daemon.service.config import Config
 
-        self.records = {r.id: r for r in records}
+        self.records = Records({r.id: r for r in records})
         self.config = Config()
         self.store = type("Store", (), {"run_dir": lambda _self, rid: root / rid})()
         self.targets = Gone()

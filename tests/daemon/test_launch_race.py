@@ -15,6 +15,7 @@ import pytest
 from daemon.service import launch
 from daemon.service.api import StartRequest
 from daemon.service.models import RunRecord, RunState
+from daemon.service.records import Records
 
 pytestmark = pytest.mark.anyio
 
@@ -24,7 +25,7 @@ class Host:
     looking at that moment would see."""
 
     def __init__(self) -> None:
-        self.records: dict[str, RunRecord] = {}
+        self.records = Records()
         self.launcher: launch.Launcher | None = None
         self.saved: list[tuple[RunState, bool]] = []  # (state, taken for this daemon's launch)
         self.started: list[Any] = []

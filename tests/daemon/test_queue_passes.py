@@ -14,6 +14,7 @@ from daemon.service import queue
 from daemon.service.config import Config
 from daemon.service.models import RunRecord, RunState
 from daemon.service.queue import SLICE, Scheduler
+from daemon.service.records import Records
 
 
 class Host:
@@ -23,7 +24,7 @@ class Host:
         self.config = Config.model_validate(
             {"daemon": {"state_dir": str(state_dir)}, "targets": {"local": {"kind": "local", "gpus": ["0"]}}}
         )
-        self.records: dict[str, RunRecord] = {}
+        self.records = Records()
 
 
 def passes_after_kicks(tmp_path: Path, queued: int, kicks: int) -> int:

@@ -14,6 +14,7 @@ import anyio.lowlevel
 from daemon.service import store as store_module
 from daemon.service.models import RunRecord, RunState, SweepTag
 from daemon.service.queue import Scheduler
+from daemon.service.records import Records
 from daemon.service.store import RunStore
 from daemon.service.sweeps import CANCELLED_QUEUED, Sweep, Sweeps
 
@@ -41,7 +42,7 @@ class Host:
     def __init__(self, state_dir: Path) -> None:
         self.store = RunStore(state_dir)
         self.store.ensure()
-        self.records: dict[str, RunRecord] = {}
+        self.records = Records()
         self.locks: dict[str, anyio.Lock] = {}
         self.finals: dict[str, anyio.Event] = {}
         self.scheduler = Scheduler(self)  # type: ignore[arg-type]

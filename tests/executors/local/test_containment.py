@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.service.records import Records
 from executors.containment import find_base
 from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
 
@@ -121,8 +122,8 @@ def test_the_next_run_on_the_gpu_starts_only_once_the_last_process_of_the_previo
 
 async def test_an_ended_runs_gpu_stays_held_while_a_process_carrying_its_identity_lives() -> None:
     """The GPU queue's own check, for what the wrapper could not end in time (GONE_WAIT): a run
-    that ended is still named as its devices' holder while one of its processes lives, and the
-    queue is woken once it is gone."""
+    that ended (here while the inventory was looking at it as a running run's) is still named as
+    its devices' holder while one of its processes lives, and the queue is woken once it is gone."""
     import anyio
 
     from daemon.service.gpus import Inventory
@@ -142,7 +143,9 @@ async def test_an_ended_runs_gpu_stays_held_while_a_process_carrying_its_identit
 
         def __init__(self, tg: anyio.abc.TaskGroup) -> None:
             self.start_soon = tg.start_soon
-            self.records = {"run-x": RunRecord(id="run-x", state=RunState.cancelled, target="local", gpus=["0"])}
+            self.records = Records({"run-x": run})
+
+    run = RunRecord(id="run-x", state=RunState.running, target="local", gpus=["0"])
 
     straggler = subprocess.Popen(["sleep", "300"], env={**os.environ, "OBD_RUN_ID": "run-x"})
     try:
@@ -150,6 +153,8 @@ async def test_an_ended_runs_gpu_stays_held_while_a_process_carrying_its_identit
             inventory = Inventory(Host(tg))  # type: ignore[arg-type]
             inventory._by_target["local"] = [Gpu(id="0", vendor="nvidia", name="test")]
             inventory.wake = woken.set
+            assert inventory.held("local") == {"0": "run-x"}  # running
+            run.transition(RunState.cancelled, "cancelled")
             assert inventory.held("local") == {"0": "run-x"}  # ended, but a process of it lives
             straggler.kill()
             straggler.wait()
@@ -192,7 +197,7 @@ async def test_an_ended_runs_gpu_stays_held_while_nvidia_smi_lists_a_process_of_
 
         def __init__(self, tg: anyio.abc.TaskGroup) -> None:
             self.start_soon = tg.start_soon
-            self.records = {"run-y": RunRecord(id="run-y", state=RunState.failed, target="local", gpus=["0"])}
+            self.records = Records({"run-y": RunRecord(id="run-y", state=RunState.failed, target="local", gpus=["0"])})
 
     try:
         async with anyio.create_task_group() as tg:

@@ -1,0 +1,71 @@
+"""The daemon's runs with the live ones kept apart (daemon/service/records.py): what the queue, the
+GPUs' holders and preemption look at many times a second is the runs not ended, however long the
+box's history. Looked at by what is touched, never timed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from daemon.service.config import Config
+from daemon.service.daemon import Daemon
+from daemon.service.models import RunRecord, RunState
+from daemon.service.records import Records
+
+
+def run(n: int, state: RunState, **fields: Any) -> RunRecord:
+    return RunRecord(id=f"20260101-000000-{n:06x}", state=state, command=["true"], created=1000.0 + n, **fields)
+
+
+def test_the_live_runs_are_those_not_ended_and_an_ended_run_never_comes_back() -> None:
+    queued, running, done = run(1, RunState.queued), run(2, RunState.running), run(3, RunState.succeeded)
+    records = Records({r.id: r for r in (queued, running, done)})
+    assert records.live() == [queued, running]
+    assert records.ended_since(0) == [done]
+    running.transition(RunState.cancelled, "cancelled")  # in place, as `editing` changes a record
+    assert records.live() == [queued]
+    assert records.ended_since(1) == [running]  # found ended by that look, after the first
+    assert records.ended_since(2) == []
+    later = run(4, RunState.queued)
+    records[later.id] = later
+    assert records.live() == [queued, later]
+    assert list(records) == [queued.id, running.id, done.id, later.id]  # still every run, by id
+
+
+class History(Records):
+    """Records whose every look at all runs fails: what a queue pass must not do."""
+
+    def values(self) -> Any:
+        raise AssertionError("looked at every run, the ended ones too")
+
+    def items(self) -> Any:
+        raise AssertionError("looked at every run, the ended ones too")
+
+    def __iter__(self) -> Iterator[str]:
+        raise AssertionError("looked at every run, the ended ones too")
+
+
+def test_a_queue_pass_and_the_gpus_holders_never_look_at_the_ended_runs(tmp_path: Path) -> None:
+    config = Config.model_validate(
+        {
+            "daemon": {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "s")},
+            "targets": {"local": {"kind": "local", "gpus": ["0"]}},
+        }
+    )
+    daemon = Daemon(config)
+    daemon.store.ensure()
+    holder = run(0, RunState.running, gpus=["0"], gpus_wanted=1, job={"pid": 1})
+    waiting = [run(n, RunState.queued, gpus_wanted=1, priority=5) for n in range(1, 4)]
+    history = [run(n, RunState.succeeded) for n in range(10, 1010)]
+    daemon.records = History({r.id: r for r in (holder, *waiting, *history)})
+    daemon.inventory._clear.update(r.id for r in history)  # as a first look at them leaves it
+    daemon.inventory._ended_seen = (id(daemon.records), len(history))
+
+    anyio.run(daemon.scheduler.schedule)
+
+    assert daemon.inventory.held("local") == {"0": holder.id}
+    assert [r.id for r in daemon.scheduler.queued("local")] == [r.id for r in waiting]
+    assert all(r.state == RunState.queued for r in waiting)  # the GPU is the holder's: they wait
