@@ -10,14 +10,18 @@ fetched) that found nothing kept, a stop waits for the step end.
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from typing import Any
 
 import numpy  # noqa: F401  (imported: its RNG is one a data pipeline may draw from)
 import pytest
 import torch
 
+from tests.conftest import wait_for
 from trainer_plugin.plugin import interrupt
 from trainer_plugin.plugin.interrupt import LOADING_DATA, TRAINING, StopAtBoundary, StopPoints
+from trainer_plugin.plugin.request_watch import RequestWatch
+from trainer_plugin.rundir import request_bytes
 
 
 class State:
@@ -290,3 +294,39 @@ def test_the_callbacks_inlined_step_begin_and_end_mark_what_step_begins_and_boun
     assert inlined.fetch_draws  # the probe after step 129 saw the draw
     # All but the probes (1, 65, 129), the long step (70), the one with a request (100), and 130-139 after the draw.
     assert common == 139 - 3 - 1 - 1 - 10
+
+
+def test_with_the_request_watch_the_thread_looks_seldom_and_a_written_request_wakes_it_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Looks an hour apart unless woken: only the watch's wake-up can make the thread see the request.
+    monkeypatch.setattr(interrupt, "WATCHED_POLL_SECONDS", 3600.0)
+    looks: list[str | None] = []
+    turn = StopPoints._turn
+
+    def counted_turn(self: StopPoints, now: float) -> None:
+        turn(self, now)
+        looks.append(self.reason)
+
+    monkeypatch.setattr(StopPoints, "_turn", counted_turn)
+    request = tmp_path / "snapshot.request"
+    watch = RequestWatch.start(str(request))
+    assert watch is not None
+    points = StopPoints(str(request))
+    points.watched(watch)
+    try:
+        points.start()
+        assert points._interval() == interrupt.WATCHED_POLL_SECONDS
+        request.write_bytes(request_bytes("requested"))
+        wait_for(lambda: points.reason == "requested", what="the stop thread seeing the request")
+        # Seen: from now on it looks every POLL_SECONDS, to interrupt once the grace is over.
+        assert points._interval() == interrupt.POLL_SECONDS
+        assert looks[0] == "requested"  # its first look was the one the watch woke
+    finally:
+        points.close()
+        watch.close()
+    # A closed watch vouches for nothing: a thread of later points would look every POLL_SECONDS.
+    assert not watch.alive
+    later = StopPoints(str(request))
+    later.watched(watch)
+    assert later._interval() == interrupt.POLL_SECONDS

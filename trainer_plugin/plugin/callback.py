@@ -449,6 +449,7 @@ class SnapshotCallback(TrainerCallback):
         write_phase = self._write_phase if self._ranks.is_zero else None
         points = StopPoints(self.env.request_path, write_phase, agreement, self.trainer)
         points.several = (getattr(args, "gradient_accumulation_steps", 1) or 1) > 1
+        points.watched(self._watcher)
         self._points = points.start()
 
     def _end_points(self, state: Any) -> None:

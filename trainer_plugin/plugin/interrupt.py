@@ -24,7 +24,8 @@ accumulation, a data loader stalled in one sample, the script's code after `trai
   `FULL_RNG_STEP_SECONDS` or more, and at an evaluation's start. Inside a shorter training step,
   whose end is near, a micro-batch end does not take a stop (numpy's or Python's RNG may have
   moved since the boundary): the step end does; only an interruption (a fetch that stalls) acts there.
-- A thread looks for the request every `POLL_SECONDS`. Once one is there and no safe point of the
+- A thread looks for the request every `POLL_SECONDS` (every `WATCHED_POLL_SECONDS` where the
+  request's inotify watch wakes it as soon as a request is written). Once one is there and no safe point of the
   main thread (a step end, a micro-batch end, an evaluation batch) took it within `GRACE_SECONDS`,
   it interrupts the main thread with a real signal (`INTERRUPT_SIGNAL`), so a blocking read or
   sleep in a data loader returns too; the handler raises `StopAtBoundary` only while safe.
@@ -59,6 +60,12 @@ from .runtime import log_error, read_request
 
 # How often the thread looks for a request (an access() each time; the GIL is released between).
 POLL_SECONDS = 0.2
+# How often it looks while the request's inotify watch (request_watch.py) wakes it as a request is
+# written: a writer the kernel does not see (another client of a network filesystem) is still seen
+# within about a second, and a stalled fetch's `loading_data` said within two. Each look is a
+# wake-up of a thread that wants the GIL, some 40 µs of the job's CPU: five a second were half of
+# what the plugin added to a short step.
+WATCHED_POLL_SECONDS = 1.0
 # How long a request may wait for a safe point of the main thread's own before it is interrupted.
 GRACE_SECONDS = 0.8
 # Steps at least this long keep numpy's and Python's RNG states at every boundary too.
@@ -278,6 +285,8 @@ class StopPoints:
         "_previous_handler",
         "_handler_installed",
         "_closing",
+        "_nudge",
+        "watch",
         "_thread",
         "_cut_written",
         "__weakref__",
@@ -330,7 +339,11 @@ class StopPoints:
         self._main = threading.main_thread().ident
         self._previous_handler: Any = None
         self._handler_installed = False
-        self._closing = threading.Event()
+        self._closing = False
+        self._nudge = threading.Event()  # wakes the thread: close(), or the watch saw a request
+        # The request's inotify watch, when the job has one (callback.py): the thread then looks
+        # less often, woken by it (`watched`).
+        self.watch: Any = None
         self._thread: threading.Thread | None = None
         self._cut_written = False
 
@@ -374,7 +387,8 @@ class StopPoints:
 
     def close(self) -> None:
         """Stop the thread and give the signal back (after training, or once the snapshot is proven)."""
-        self._closing.set()
+        self._closing = True
+        self._nudge.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2.0)
@@ -589,8 +603,20 @@ class StopPoints:
 
     # --- the thread ---------------------------------------------------------------------------
 
+    def watched(self, watch: Any) -> None:
+        """The request's inotify watch (request_watch.RequestWatch) wakes the thread when it sees a
+        request, so the thread looks only every WATCHED_POLL_SECONDS otherwise."""
+        self.watch = watch
+        if watch is not None:
+            watch.on_raise = self._nudge.set
+
     def _watch(self) -> None:
-        while not self._closing.wait(self._interval()):
+        while True:
+            self._nudge.wait(self._interval())
+            # Cleared before the look: a request written after it wakes the next wait at once.
+            self._nudge.clear()
+            if self._closing:
+                return
             try:
                 self._turn(time.monotonic())
             except Exception as exc:  # the thread must never take the job down
@@ -599,7 +625,12 @@ class StopPoints:
 
     def _interval(self) -> float:
         agreeing = self.agreement is not None and self.reason is not None and not self._verdict
-        return PARKED_POLL_SECONDS if agreeing else POLL_SECONDS
+        if agreeing:
+            return PARKED_POLL_SECONDS
+        watch = self.watch
+        if self.reason is None and watch is not None and watch.alive:
+            return WATCHED_POLL_SECONDS
+        return POLL_SECONDS  # a request waiting for its grace, or nothing that wakes the thread
 
     def _say_quiet_phase(self, now: float) -> None:
         """Say `loading_data` once one fetch lasted long enough for `status` to show it (timed from

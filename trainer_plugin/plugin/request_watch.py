@@ -20,6 +20,7 @@ import os
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 IN_CLOSE_WRITE = 0x00000008
@@ -52,7 +53,8 @@ class RequestWatch:
 
     `alive` turns False when the queue stops vouching (the watch went away, a read failed): the
     caller then looks the name up at every step end. `wakeups` counts the thread's reads of the
-    queue (what it cost while training: one wake-up per batch of events).
+    queue (what it cost while training: one wake-up per batch of events). `on_raise`, when set, is
+    called from the thread each time it raises `seen` (the stop points' thread is woken by it).
     """
 
     def __init__(self, libc: Any, fd: int, wd: int, name: str) -> None:
@@ -60,6 +62,7 @@ class RequestWatch:
         self.seen = True
         self.alive = True
         self.wakeups = 0
+        self.on_raise: Callable[[], None] | None = None
         self._libc, self._fd, self._wd = libc, fd, wd
         self._name = os.fsencode(name)
         self._closing = False
@@ -98,8 +101,14 @@ class RequestWatch:
         # The queue can no longer vouch for anything (closed, the directory gone or unmounted,
         # a failed read): from now on the caller looks at every step end.
         self.alive = False
-        self.seen = True
+        self._raise()
         return False
+
+    def _raise(self) -> None:
+        self.seen = True
+        on_raise = self.on_raise
+        if on_raise is not None:
+            on_raise()
 
     def _read(self, data: bytes) -> bool:
         """Raise `seen` for an event that names the request or lost events; True when the watch ended."""
@@ -111,7 +120,7 @@ class RequestWatch:
             if mask & IN_IGNORED:
                 return True
             if mask & IN_Q_OVERFLOW or data[start:offset].rstrip(b"\0") == self._name:
-                self.seen = True
+                self._raise()
         return self._closing
 
     def close(self) -> None:
@@ -119,6 +128,7 @@ class RequestWatch:
         if self._closing:
             return
         self._closing = True
+        self.alive = False  # at once: the thread may see the watch's end only later
         self._libc.inotify_rm_watch(self._fd, self._wd)
         self._thread.join(timeout=1.0)
         if not self._thread.is_alive():  # a thread still in read() keeps the descriptor
