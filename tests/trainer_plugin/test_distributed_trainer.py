@@ -10,8 +10,9 @@ import pytest
 from tests.trainer_plugin.conftest import PY, SCRIPTS, WORKLOAD, RunDir, assert_exit_zero
 
 
-def torchrun(*argv: str) -> list[str]:
-    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv]
+def torchrun(tmp_path: Path, *argv: str) -> list[str]:
+    logs = f"--log-dir={tmp_path / 'torchrun'}"  # not a /tmp/torchelastic_* left behind
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", logs, *argv]
 
 
 def final_steps(log: str) -> list[tuple[int, int]]:
@@ -25,6 +26,7 @@ def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(
     after_train = tmp_path / "after_train"
     after_train.mkdir()
     argv = torchrun(
+        tmp_path,
         str(SCRIPTS / "plain_trainer.py"),
         "--output_dir",
         str(tmp_path / "mine"),
@@ -67,6 +69,7 @@ def test_a_request_stops_every_rank_at_the_same_step_and_rank_0_alone_writes(
 @pytest.mark.slow
 def test_a_sigterm_on_one_rank_is_a_preempted_snapshot_of_all_ranks(run_dir: RunDir, start_job, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     argv = torchrun(
+        tmp_path,
         str(SCRIPTS / "plain_trainer.py"),
         "--output_dir",
         str(tmp_path / "mine"),
@@ -88,7 +91,15 @@ def test_the_tiny_lora_workload_under_torchrun_snapshots_and_resumes(
 ) -> None:  # type: ignore[no-untyped-def]
     run_dir.request.write_text("requested")  # there before the start: the first step end takes it
     argv = torchrun(
-        str(WORKLOAD), "--tiny", "--max_steps", "6", "--batch_size", "2", "--output_dir", str(tmp_path / "mine")
+        tmp_path,
+        str(WORKLOAD),
+        "--tiny",
+        "--max_steps",
+        "6",
+        "--batch_size",
+        "2",
+        "--output_dir",
+        str(tmp_path / "mine"),
     )
     job = start_job(run_dir, argv, run_dir.env())
     assert_exit_zero(job, job.wait())

@@ -491,7 +491,16 @@ def test_one_process_counts_each_steps_tokens_exactly_and_saves_the_count_with_t
 def test_under_torchrun_a_request_written_from_outside_at_any_moment_stops_both_ranks_at_one_step(
     run_dir: RunDir, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    argv = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPTS / "plain_trainer.py")]
+    logs = f"--log-dir={tmp_path / 'torchrun'}"  # not a /tmp/torchelastic_* left behind
+    argv = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        logs,
+        str(SCRIPTS / "plain_trainer.py"),
+    ]
     argv += ["--output_dir", str(tmp_path / "mine"), "--max_steps", "400", "--step-sleep", "0.02"]
     job = start_job(run_dir, argv, run_dir.env())
     wait_until(lambda: run_dir.last_step() >= 5, job, what="five logged steps")
