@@ -321,7 +321,8 @@ def test_with_the_request_watch_the_thread_looks_seldom_and_a_written_request_wa
         wait_for(lambda: points.reason == "requested", what="the stop thread seeing the request")
         # Seen: from now on it looks every POLL_SECONDS, to interrupt once the grace is over.
         assert points._interval() == interrupt.POLL_SECONDS
-        assert looks[0] == "requested"  # its first look was the one the watch woke
+        # Woken by the watch alone: the file's creation (its content may not be written yet), then its close.
+        assert looks.index("requested") <= 1
     finally:
         points.close()
         watch.close()
