@@ -26,6 +26,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing obd and its dependencies into .venv"
     .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v WARNING || true
     .venv/bin/python -m pip install -q -c constraints.txt -e '.[train,test]' 2>&1 | grep -Ev "WARNING|^\s*$" || true
-    .venv/bin/python -c "import torch, transformers, peft, asyncssh, runpod, anyio, pydantic, structlog" 
+    # (torch's compile cache made by the imports goes in a directory of its own, removed after)
+    cache=$(mktemp -d)
+    TORCHINDUCTOR_CACHE_DIR="$cache" .venv/bin/python -c "import torch, transformers, peft, asyncssh, runpod, anyio, pydantic, structlog"
+    rm -rf "$cache"
     echo "$want" > "$stamp"
 fi

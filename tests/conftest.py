@@ -29,6 +29,8 @@ pytest_plugins = ["tests.speed"]
 
 # Every process the tests start inherits this session's mark (see tests/leftovers.py).
 _MARKED_HERE = leftovers.mark_session()
+# torch's compile cache in /tmp, made by the session's torch imports: removed at its end unless it was there before.
+_TORCH_CACHE_BEFORE = os.path.exists(leftovers.torch_cache())
 
 FAST_CONFIG = """
 [daemon]
@@ -234,6 +236,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     if not _MARKED_HERE:
         return
+    if not _TORCH_CACHE_BEFORE:
+        shutil.rmtree(leftovers.torch_cache(), ignore_errors=True)
     report = leftovers.find(leftovers.session_id())
     if report:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")

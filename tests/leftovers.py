@@ -13,7 +13,9 @@ else is looked at: engineers sharing a machine never see, let alone end, each ot
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -28,6 +30,16 @@ GRACE = "PYTEST_OBD_LEFTOVER_GRACE"  # how long the session's processes get to e
 def session_id() -> str:
     """This session's mark (set by `mark_session`), or '' before it."""
     return os.environ.get(MARK, "")
+
+
+def torch_cache() -> str:
+    """torch's default compile cache of this user, `/tmp/torchinductor_<user>`: `import peft` (and
+    the Trainer's jobs) make it through `torch._dynamo`, whether anything is compiled or not."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 MADE: set[str] = set()  # the `/tmp/obd-*` directories this process made (and, in the controller, its workers)
