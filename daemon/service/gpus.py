@@ -23,6 +23,7 @@ import structlog
 from daemon.service.api import ApiError
 from daemon.service.models import RunRecord, RunState
 from daemon.service.ports import Runs
+from daemon.service.records import Records
 from daemon.service.targets import Targets
 from executors.factory import gpu_inventory
 from executors.gpus import Gpu, compute_pids
@@ -64,7 +65,7 @@ class Inventory:
         self._clear: set[str] = set()  # ended runs found with no process left
         # Ended runs with GPUs not yet found clear, and how many of the records' ended runs were looked at.
         self._unclear: dict[str, RunRecord] = {}
-        self._ended_seen: tuple[int, int] = (0, 0)  # (id of the records, count)
+        self._ended_seen: tuple[Records | None, int] = (None, 0)  # (the records, count)
         self._watching: set[str] = set()  # targets watched for an ended run's last process
         self.wake: Callable[[], None] | None = None  # the queue's kick, once a device is free again
 
@@ -111,8 +112,8 @@ class Inventory:
         ended while a process of it remains (its GPU is never handed out before that is gone)."""
         holders: dict[str, str] = {}
         for record in self.daemon.records.live():
-            if record.target != target or not record.gpus or record.state == RunState.queued or record.state.final:
-                continue  # (one that ended since `live()` looked is looked at below)
+            if record.target != target or not record.gpus or record.state == RunState.queued:
+                continue
             for device in record.gpus:
                 holders[device] = record.id
         ended = self._unclear_of(target)
@@ -128,10 +129,10 @@ class Inventory:
         after `records.live()`, which finds the runs that ended)."""
         records = self.daemon.records
         seen_records, seen = self._ended_seen
-        if seen_records != id(records):  # the records loaded anew: every ended run looked at again
+        if seen_records is not records:  # the records loaded anew: every ended run looked at again
             seen = 0
         news = records.ended_since(seen)
-        self._ended_seen = (id(records), seen + len(news))
+        self._ended_seen = (records, seen + len(news))
         for record in news:
             if record.gpus and record.id not in self._clear:
                 self._unclear[record.id] = record

@@ -62,7 +62,7 @@ def test_a_queue_pass_and_the_gpus_holders_never_look_at_the_ended_runs(tmp_path
     history = [run(n, RunState.succeeded) for n in range(10, 1010)]
     daemon.records = History({r.id: r for r in (holder, *waiting, *history)})
     daemon.inventory._clear.update(r.id for r in history)  # as a first look at them leaves it
-    daemon.inventory._ended_seen = (id(daemon.records), len(history))
+    daemon.inventory._ended_seen = (daemon.records, len(history))
 
     anyio.run(daemon.scheduler.schedule)
 

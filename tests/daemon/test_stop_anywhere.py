@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import FAST_CONFIG, REPO, DaemonProc, wait_for
+from tests.trainer_plugin.conftest import torchrun as launcher
 
 pytest.importorskip("transformers")
 
@@ -111,8 +112,7 @@ def test_a_two_rank_job_stopped_while_one_rank_evaluates_and_the_other_waits_sto
 ) -> None:
     d = make_daemon()
     d.start()
-    logs = f"--log-dir={short_tmp / 'torchrun'}"  # not a /tmp/torchelastic_* left behind
-    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", logs, SCRIPT, *BASE]
+    torchrun = [*launcher(short_tmp), SCRIPT, *BASE]
 
     def start_ranks(*args: str) -> str:
         out = d.cli("train", "start", "--cwd", str(short_tmp), "--", *torchrun, *args)

@@ -21,6 +21,13 @@ PY = sys.executable
 JOB_TIMEOUT = 180
 
 
+def torchrun(logs: Path, ranks: int = 2) -> list[str]:
+    """`python -m torch.distributed.run` for `ranks` ranks on this machine, its agent's logs in
+    `logs/torchrun` (not a /tmp/torchelastic_* left behind); the script and its arguments follow."""
+    launch = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    return [*launch, f"--log-dir={logs / 'torchrun'}"]
+
+
 def install_plugin(plugin: Path) -> Path:
     """What obd does: the trainer_plugin package into plugin/trainer_plugin/, its sitecustomize.py also into plugin/."""
     source = REPO / "trainer_plugin"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_plugin.conftest import PY, SCRIPTS, RunDir, assert_exit_zero
+from tests.trainer_plugin.conftest import torchrun as launcher
 from trainer_plugin import loop
 
 SCRIPT = SCRIPTS / "custom_loop.py"
@@ -112,8 +113,7 @@ def test_a_custom_loop_snapshots_on_request_and_resumes_to_the_end(run_dir: RunD
 
 
 def torchrun(script: Path, run_dir: RunDir, *opts: str) -> list[str]:
-    logs = f"--log-dir={run_dir.root / 'torchrun'}"  # not a /tmp/torchelastic_* left behind
-    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", logs, str(script), *opts]
+    return [*launcher(run_dir.root), str(script), *opts]
 
 
 @pytest.mark.slow  # the Trainer's torchrun test covers a request under torchrun by default

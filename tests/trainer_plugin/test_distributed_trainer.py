@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer_plugin.conftest import PY, SCRIPTS, WORKLOAD, RunDir, assert_exit_zero
+from tests.trainer_plugin.conftest import SCRIPTS, WORKLOAD, RunDir, assert_exit_zero
+from tests.trainer_plugin.conftest import torchrun as launcher
 
 
 def torchrun(tmp_path: Path, *argv: str) -> list[str]:
-    logs = f"--log-dir={tmp_path / 'torchrun'}"  # not a /tmp/torchelastic_* left behind
-    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", logs, *argv]
+    return [*launcher(tmp_path), *argv]
 
 
 def final_steps(log: str) -> list[tuple[int, int]]:

@@ -24,7 +24,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.trainer_plugin.conftest import PY, SCRIPTS, Job, RunDir, assert_exit_zero, read_jsonl, wait_until
+from tests.trainer_plugin.conftest import (
+    PY,
+    SCRIPTS,
+    Job,
+    RunDir,
+    assert_exit_zero,
+    read_jsonl,
+    torchrun,
+    wait_until,
+)
 from tests.trainer_plugin.test_distributed_trainer import final_steps
 from trainer_plugin.plugin import metrics_file
 from trainer_plugin.plugin.request_watch import REQUEST_RECHECK_SECONDS, RequestWatch
@@ -491,16 +500,7 @@ def test_one_process_counts_each_steps_tokens_exactly_and_saves_the_count_with_t
 def test_under_torchrun_a_request_written_from_outside_at_any_moment_stops_both_ranks_at_one_step(
     run_dir: RunDir, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    logs = f"--log-dir={tmp_path / 'torchrun'}"  # not a /tmp/torchelastic_* left behind
-    argv = [
-        PY,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        logs,
-        str(SCRIPTS / "plain_trainer.py"),
-    ]
+    argv = [*torchrun(tmp_path), str(SCRIPTS / "plain_trainer.py")]
     argv += ["--output_dir", str(tmp_path / "mine"), "--max_steps", "400", "--step-sleep", "0.02"]
     job = start_job(run_dir, argv, run_dir.env())
     wait_until(lambda: run_dir.last_step() >= 5, job, what="five logged steps")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_for
-from tests.trainer_plugin.conftest import JOB_TIMEOUT, SCRIPTS, RunDir, read_jsonl
+from tests.trainer_plugin.conftest import JOB_TIMEOUT, SCRIPTS, RunDir, read_jsonl, torchrun
 
 pytest.importorskip("transformers")
 
@@ -31,8 +31,7 @@ class Job:
     def __init__(self, root: Path, *args: str, resume_from: Path | None = None, ranks: int = 1) -> None:
         self.run = RunDir(root)
         self._log = open(self.run.log, "wb")
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-        launch.append(f"--log-dir={root / 'torchrun'}")  # not a /tmp/torchelastic_* left behind
+        launch = torchrun(root, ranks)
         self.proc = subprocess.Popen(
             [*(launch if ranks > 1 else [sys.executable]), SCRIPT, *BASE, *args],
             env=self.run.env(resume_from),

@@ -53,10 +53,13 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .agreement import PARKED_POLL_SECONDS, RankAgreement
 from .runtime import log_error, read_request
+
+if TYPE_CHECKING:
+    from .request_watch import RequestWatch
 
 # How often the thread looks for a request (an access() each time; the GIL is released between).
 POLL_SECONDS = 0.2
@@ -343,7 +346,7 @@ class StopPoints:
         self._nudge = threading.Event()  # wakes the thread: close(), or the watch saw a request
         # The request's inotify watch, when the job has one (callback.py): the thread then looks
         # less often, woken by it (`watched`).
-        self.watch: Any = None
+        self.watch: RequestWatch | None = None
         self._thread: threading.Thread | None = None
         self._cut_written = False
 
@@ -603,7 +606,7 @@ class StopPoints:
 
     # --- the thread ---------------------------------------------------------------------------
 
-    def watched(self, watch: Any) -> None:
+    def watched(self, watch: RequestWatch | None) -> None:
         """The request's inotify watch (request_watch.RequestWatch) wakes the thread when it sees a
         request, so the thread looks only every WATCHED_POLL_SECONDS otherwise."""
         self.watch = watch
