@@ -111,6 +111,7 @@ class Daemon:
     def touch(self, record: RunRecord) -> None:
         """Tell whoever watches that a run changed (saved or not: progress is not always saved)."""
         self.version += 1
+        self.records.touched(record)
         self.changed_at[record.id] = self.version
         self._summaries.pop(record.id, None)
         self._changed.set()

@@ -181,11 +181,10 @@ class Follower:
             self._loops.discard(key)
 
     def _runs(self, key: str, state: RunState) -> list[RunRecord]:
-        """The runs of target `key` in `state` (running: and those pending in a scheduler, `has_job`).
-        A look at every record each poll: the state first, inline (5,000 queued runs are most of
-        them, and a property's call each was most of a poll's cost)."""
+        """The runs of target `key` in `state` (running: and those pending in a scheduler, `has_job`):
+        a look at the active runs each poll (never the queued or the ended: thousands of them)."""
         targets = self.daemon.targets
-        records = self.daemon.records.values()
+        records = self.daemon.records.active()
         if state == RunState.running:
             running, queued = RunState.running, RunState.queued
             return [

@@ -111,7 +111,7 @@ class Inventory:
         """device id -> the run holding it, on one target: a run that has not ended, or one that
         ended while a process of it remains (its GPU is never handed out before that is gone)."""
         holders: dict[str, str] = {}
-        for record in self.daemon.records.live():
+        for record in self.daemon.records.active():  # 5,000 queued runs hold nothing
             if record.target != target or not record.gpus or record.state == RunState.queued:
                 continue
             for device in record.gpus:
@@ -126,7 +126,7 @@ class Inventory:
     def _unclear_of(self, target: str) -> dict[str, RunRecord]:
         """The ended runs of `target` with GPUs not yet found clear of their processes: the runs
         found ended since the last look are added, those found clear since are dropped (call it
-        after `records.live()`, which finds the runs that ended)."""
+        after `records.active()`, which finds the runs with GPUs that ended)."""
         records = self.daemon.records
         seen_records, seen = self._ended_seen
         if seen_records is not records:  # the records loaded anew: every ended run looked at again
@@ -179,7 +179,7 @@ class Inventory:
         try:
             while True:
                 await anyio.sleep(LINGER_POLL)
-                self.daemon.records.live()  # the runs that ended meanwhile are found
+                self.daemon.records.active()  # the runs that ended meanwhile are found
                 ended = self._unclear_of(target)
                 if not ended:
                     break

@@ -132,6 +132,14 @@ def watched(config: Config, record: RunRecord) -> bool:
     return len(preferences(record)) > 1 or bool(overflow_due(config, record))
 
 
+def watched_runs(config: Config, runs: list[RunRecord]) -> list[RunRecord]:
+    """The runs of `runs` the queue places (`watched`): a look at the targets first, then at
+    the runs of several targets or of a target with an overflow only (thousands queued on one
+    target without are passed over at a set's look each)."""
+    overflowing = {name for name, target in config.targets.items() if target.overflow is not None}
+    return [r for r in runs if (r.placement is not None or r.target in overflowing) and watched(config, r)]
+
+
 def candidates(config: Config, record: RunRecord, now: float) -> list[tuple[str, str | None]]:
     """The targets a queued run may start on now, in the order tried: its preferences, then the
     overflows whose wait is over; each with the target it overflows from (None for a preference)."""

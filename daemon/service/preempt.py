@@ -171,7 +171,7 @@ class Preemptor:
 
     def pausing(self, target: str) -> list[RunRecord]:
         """The runs of a target being paused now (asked, their job not ended yet)."""
-        return [r for r in self.daemon.records.live() if r.target == target and r.preemption.preempt and r.has_job]
+        return [r for r in self.daemon.records.active() if r.target == target and r.preemption.preempt and r.has_job]
 
     def settings(self, target: str) -> tuple[bool, float]:
         """The target's default `preemptible` and its `min_runtime`."""
@@ -196,9 +196,9 @@ class Preemptor:
         """The running runs of `target` that may be paused (of a priority below `below`, when given)."""
         default, min_runtime = self.settings(target)
         out = []
-        for r in self.daemon.records.live():
+        for r in self.daemon.records.active():
             if r.state != RunState.running or r.target != target or not r.gpus:
-                continue  # the cheap looks first: 5,000 queued runs are looked at on every pass
+                continue  # the cheap looks first
             started = running_since(r)
             if (
                 not (r.preemption.preemptible if r.preemption.preemptible is not None else default)
@@ -248,7 +248,7 @@ class Preemptor:
         unannounced: list[str] = []
         cancelled: list[str] = []
         stopping: list[str] = []
-        for r in self.daemon.records.live():
+        for r in self.daemon.records.active():
             if r.target != target or not (r.has_job or r.state == RunState.preparing):
                 continue
             if r.preemption.preempt is not None:

@@ -55,6 +55,7 @@ from daemon.service.launch import Launcher
 from daemon.service.models import Placement, RunRecord, RunState
 from daemon.service.ports import Runs
 from daemon.service.preempt import Preemptor
+from daemon.service.records import waits
 from daemon.service.specs import load_spec
 from daemon.service.store import LAUNCH_SETTINGS, process_started
 from daemon.service.targets import Targets
@@ -162,11 +163,11 @@ class Scheduler:
             looked = self._looked.get(target)
             if looked is not None and looked[0] == version:
                 return list(looked[1])
-            runs = [r for r in self._waiting if r.in_queue and (target is None or r.target == target)]
+            runs = [r for r in self._waiting if waits(r) and (target is None or r.target == target)]
             self._looked[target] = (version, runs)
             return list(runs)
-        runs = [r for r in self.daemon.records.live() if r.in_queue and (target is None or r.target == target)]
-        return sorted(runs, key=lambda r: (r.created, r.id))
+        runs = self.daemon.records.queued()
+        return runs if target is None else [r for r in runs if r.target == target]
 
     async def run(self) -> None:
         while True:
@@ -180,9 +181,10 @@ class Scheduler:
             waiting, self._left = self._left, []
             gap = PASS_GAP if len(waiting) > SLICE else 0.0
             pending = [r.not_before for r in waiting if r.not_before]
-            pending += [at for r in waiting if (at := limits.too_late_at_of(self.daemon, r)) is not None]
+            limited = [r for r in waiting if r.limits is not None]
+            pending += [at for r in limited if (at := limits.too_late_at_of(self.daemon, r)) is not None]
             config = self.daemon.config
-            watched = [r for r in waiting if placement.watched(config, r)]
+            watched = placement.watched_runs(config, waiting)
             pending += [at for r in watched for _, _, at in placement.overflow_due(config, r) if at > time.time()]
             if self._messages_due is not None:
                 pending.append(self._messages_due)
@@ -300,10 +302,17 @@ class Scheduler:
         """The queued runs of `target` that may not start yet (`gate`); those that never will are
         cancelled now, their message saying why."""
         held: set[str] = set()
+        whole = self._whole
         for n, record in enumerate(self.queued(target), 1):
             if n % SLICE == 0:
                 await anyio.lowlevel.checkpoint()
-            if not record.in_queue:
+            if (
+                record.limits is None
+                and not record.dependencies.after
+                and (record.sweep is None or record.sweep.id in whole)
+            ):
+                continue  # nothing to gate (most of thousands queued): `gate` would say None
+            if not waits(record):
                 continue  # started or cancelled while others were answered
             verdict = self.gate(record)
             if verdict is None or verdict.action == "start":
@@ -367,7 +376,7 @@ class Scheduler:
         daemon = self.daemon
         config = daemon.config
         now = time.time()
-        runs = [r for r in self.queued() if placement.watched(config, r)]
+        runs = placement.watched_runs(config, self.queued())
         if not runs:
             return
         held: dict[str, dict[str, str]] = {}
@@ -381,7 +390,7 @@ class Scheduler:
         def head_of(target: str) -> RunRecord | None:
             if target not in heads:
                 ready = [r for r in self.queued(target) if (r.not_before or 0) <= now and self._may_leave(r)]
-                heads[target] = self.order(target, ready, held_on(target))[0] if ready else None
+                heads[target] = min(ready, key=self._sort_key(held_on(target))) if ready else None
             return heads[target]
 
         runs.sort(key=lambda r: (-r.priority, r.preemption.queue_since or r.created, r.id))
@@ -459,7 +468,7 @@ class Scheduler:
             if not ready:
                 return
             held = inventory.held(target)
-            head = self.order(target, ready, held)[0]
+            head = min(ready, key=self._sort_key(held))
             devices = inventory.choose(head, held)
             if devices is None:
                 # The head waits for its GPUs (no backfill behind it); runs of lower priority may

@@ -1,25 +1,49 @@
-"""The daemon's runs by id, with those not yet ended kept apart.
+"""The daemon's runs by id, with those not yet ended kept apart, and among them those waiting in
+the queue apart from the rest.
 
 A record is never removed, so a box's history only grows; the queue, the GPUs' holders and
 preemption look at the runs many times a second, and need only those that can still hold a GPU or
 wait for one. A final state is never left (daemon/service/run_states.py), so a run found ended
 leaves the live ones for good: a look at them costs what the live runs cost, not the history
 (20,000 ended runs made each queue pass look at all 20,000, 46 ms of the event loop).
+
+The live runs are split in two: those waiting in obd's queue (`queued()`, thousands when one
+member queued sweeps) and the rest (`active()`: running, being launched, pending in a
+scheduler; a few per GPU). The GPUs' holders, preemption and the follow look at the active ones
+only, so 5,000 queued runs cost them nothing. A record changes in place; its place in the split
+is found again when the daemon is told it changed (`touched`, by `Daemon.touch`, which every edit
+calls), and, should a change come untold, by every look at the part it was in: a run that left
+the queue by the next `queued()` (each queue pass begins with one), one that came back to it by
+the next `active()`, an ended one by either. A new record is placed when it is added.
 """
 
 from __future__ import annotations
 
-from daemon.service.models import FINAL_STATES, RunRecord
+from operator import attrgetter
+
+from daemon.service.models import FINAL_STATES, RunRecord, RunState
+
+_QUEUED = RunState.queued
+_ORDER = attrgetter("created", "id")
+
+
+def waits(record: RunRecord) -> bool:
+    """`RunRecord.in_queue` without a property's call (a look at thousands of runs a pass)."""
+    return record.state is _QUEUED and record.job is None
 
 
 class Records(dict[str, RunRecord]):
-    """Every run the daemon knows, by id (a dict), and `live()`: those not found ended yet.
-    `ended_since(n)`: the runs found ended, in the order they were found, from the n-th on, for a
-    part that must look once at each run that ended (the GPUs a run's process may still hold)."""
+    """Every run the daemon knows, by id (a dict); `live()`: those not found ended yet, split into
+    `queued()` and `active()`. `ended_since(n)`: the runs found ended, in the order they were
+    found, from the n-th on, for a part that must look once at each run that ended (the GPUs a
+    run's process may still hold)."""
 
     def __init__(self, records: dict[str, RunRecord] | None = None) -> None:
         super().__init__()
         self._live: dict[str, RunRecord] = {}
+        self._queue: dict[str, RunRecord] = {}  # live and, when last looked at, waiting in the queue
+        self._active: dict[str, RunRecord] = {}  # live and not waiting in the queue
+        self._ordered: list[RunRecord] | None = []  # `_queue`, oldest first (None: to sort again)
         self._ended: list[RunRecord] = []
         for record in (records or {}).values():
             self[record.id] = record
@@ -27,25 +51,74 @@ class Records(dict[str, RunRecord]):
     def __setitem__(self, run_id: str, record: RunRecord) -> None:
         before = self.get(run_id)
         super().__setitem__(run_id, record)
+        if self._queue.pop(run_id, None) is not None:
+            self._ordered = None
+        self._active.pop(run_id, None)
         if record.state in FINAL_STATES:
             self._live.pop(run_id, None)
             if before is None or before.state not in FINAL_STATES:  # found ended once
                 self._ended.append(record)
+            return
+        self._live[run_id] = record
+        if waits(record):
+            self._queue[run_id] = record
+            self._ordered = None
         else:
-            self._live[run_id] = record
+            self._active[run_id] = record
 
     def __delitem__(self, run_id: str) -> None:
         super().__delitem__(run_id)
         self._live.pop(run_id, None)
+        if self._queue.pop(run_id, None) is not None:
+            self._ordered = None
+        self._active.pop(run_id, None)
 
     def live(self) -> list[RunRecord]:
         """The runs not ended, in the order they were added (those that ended since the last look
         are moved to the ended ones here)."""
-        ended = [r for r in self._live.values() if r.state in FINAL_STATES]
-        for record in ended:
-            del self._live[record.id]
-            self._ended.append(record)
+        self.queued()
+        self.active()
         return list(self._live.values())
+
+    def touched(self, record: RunRecord) -> None:
+        """A run changed: put it where it is now (a look at it alone)."""
+        if self._live.get(record.id) is record:
+            self._move(record)
+
+    def queued(self) -> list[RunRecord]:
+        """The runs waiting in obd's queue (`in_queue`), oldest first (`created`, then id)."""
+        for record in [r for r in self._queue.values() if not waits(r)]:
+            self._move(record)
+        if self._ordered is None:
+            self._ordered = sorted(self._queue.values(), key=_ORDER)
+        elif len(self._ordered) != len(self._queue):  # runs left it (none came: they sort again)
+            self._ordered = [r for r in self._ordered if r.id in self._queue]
+        return list(self._ordered)
+
+    def active(self) -> list[RunRecord]:
+        """The runs not ended and not waiting in obd's queue: running, being launched, paused on
+        their way out, pending in a target's scheduler (`has_job`); in the order they were added."""
+        moved = [r for r in self._active.values() if r.state in FINAL_STATES or waits(r)]
+        for record in moved:
+            self._move(record)
+        return list(self._active.values())
+
+    def _move(self, record: RunRecord) -> None:
+        """Put a live run where it is now: ended, in the queue, or active."""
+        run_id = record.id
+        if waits(record):
+            if run_id not in self._queue:
+                self._active.pop(run_id, None)
+                self._queue[run_id] = record
+                self._ordered = None
+            return
+        self._queue.pop(run_id, None)  # `queued()` drops it from `_ordered`
+        if record.state in FINAL_STATES:
+            self._active.pop(run_id, None)
+            del self._live[run_id]
+            self._ended.append(record)
+        else:
+            self._active[run_id] = record
 
     def ended_since(self, seen: int) -> list[RunRecord]:
         """The runs found ended after the first `seen` of them (call `live()` first to find those

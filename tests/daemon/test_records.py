@@ -4,6 +4,7 @@ box's history. Looked at by what is touched, never timed."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,3 +70,75 @@ def test_a_queue_pass_and_the_gpus_holders_never_look_at_the_ended_runs(tmp_path
     assert daemon.inventory.held("local") == {"0": holder.id}
     assert [r.id for r in daemon.scheduler.queued("local")] == [r.id for r in waiting]
     assert all(r.state == RunState.queued for r in waiting)  # the GPU is the holder's: they wait
+
+
+def test_the_queued_runs_are_kept_apart_oldest_first_and_a_run_that_moves_is_found_where_it_went() -> None:
+    later, older = run(2, RunState.queued), run(1, RunState.queued)
+    running = run(3, RunState.running, job={"pid": 1})
+    launching = run(4, RunState.preparing)
+    records = Records({r.id: r for r in (later, older, running, launching)})
+    assert records.queued() == [older, later]  # by creation, not by when they were added
+    assert records.active() == [running, launching]
+
+    older.transition(RunState.preparing, "leaving the queue")  # no word to the records: found by a look
+    assert records.queued() == [later]
+    assert records.active() == [running, launching, older]
+    launching.transition(RunState.queued, "back in the queue")
+    assert records.active() == [running, older]
+    assert records.queued() == [later, launching]
+    later.transition(RunState.cancelled, "cancelled while queued")
+    running.transition(RunState.succeeded, "exited 0")
+    assert records.live() == [older, launching]  # in the order they were added
+    assert records.ended_since(0) == [later, running]
+    assert records.queued() == [launching] and records.active() == [older]
+
+
+def test_a_run_that_left_the_queue_is_active_at_once_when_the_daemon_is_told_it_changed(tmp_path: Path) -> None:
+    daemon = Daemon(
+        Config.model_validate({"daemon": {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "s")}})
+    )
+    waiting = run(1, RunState.queued, gpus_wanted=1)
+    daemon.records[waiting.id] = waiting
+    assert daemon.records.active() == []
+    waiting.gpus = ["0"]
+    waiting.transition(RunState.preparing, "leaving the queue with GPU 0")
+    daemon.touch(waiting)  # as every edit ends; no look at the queue in between
+    assert daemon.records.active() == [waiting]
+    assert daemon.inventory.held("local") == {"0": waiting.id}
+
+
+SEALED = [False]
+
+
+class Sealed(RunRecord):
+    """A queued run whose target, GPUs and preemption may not be read once sealed: what the GPUs'
+    holders, preemption and the follow must never look at."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if SEALED[0] and name in ("target", "gpus", "preemption", "priority"):
+            raise AssertionError(f"a queued run's {name} was looked at")
+        return super().__getattribute__(name)
+
+
+def test_the_gpus_holders_preemption_and_the_follow_never_look_at_a_queued_run(tmp_path: Path) -> None:
+    config = Config.model_validate(
+        {
+            "daemon": {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "s")},
+            "targets": {"local": {"kind": "local", "gpus": ["0", "1"]}},
+        }
+    )
+    daemon = Daemon(config)
+    holder = run(0, RunState.running, gpus=["0"], gpus_wanted=1, job={"pid": 1})
+    daemon.records[holder.id] = holder
+    for n in range(1, 1001):
+        queued = Sealed(id=f"20260101-000000-{n:06x}", state=RunState.queued, command=["true"], gpus_wanted=2)
+        daemon.records[queued.id] = queued
+    SEALED[0] = True
+    try:
+        assert daemon.inventory.held("local") == {"0": holder.id}
+        assert daemon.preemptor.pausing("local") == []
+        assert [c.run_id for c in daemon.preemptor.candidates("local", None, time.time() + 3600)] == []
+        assert daemon.follow._runs("local", RunState.running) == [holder]
+    finally:
+        SEALED[0] = False
+    assert len(daemon.records.queued()) == 1000
