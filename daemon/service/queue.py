@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -99,6 +100,23 @@ MESSAGES_EVERY = 1.0
 PASS_GAP = 0.25
 
 
+# A quiet pass (`Scheduler._quiet`) trusts the last full pass at most this long: a change that
+# came without `Daemon.touch` is found by the next full one.
+MEMO_FOR = 5.0
+
+
+@dataclass
+class _Memo:
+    """A full pass that left the queue plain, for the quiet passes after it (`Scheduler._quiet`)."""
+
+    stamp: tuple[Any, ...]
+    at: float  # time.monotonic()
+    targets: list[str]
+    heads: dict[str, str]  # target -> its head, waiting for GPUs
+    many: bool  # more than SLICE runs queued (`PASS_GAP`)
+    messages_due: float | None  # a refresh of the messages it put off (MESSAGES_EVERY): a full pass then
+
+
 def queued_why(record: RunRecord) -> str | None:
     """Why a queued run is queued, when that is more than waiting: a paused run's pause, or a
     retry's attempt among all its chain may make (a pause's attempt uses no retry)."""
@@ -126,6 +144,9 @@ class Scheduler:
         # and between two changes of a run the answer is the same: a look at every queued run each).
         self._looked: dict[str | None, tuple[int, list[RunRecord]]] = {}
         self._left: list[RunRecord] = []  # those still queued when the last pass ended
+        self._memo: _Memo | None = None  # the last pass, while the next may be quiet (`_quiet`)
+        self._plain = True  # during a pass: no run of it needs more than its GPUs
+        self._heads: dict[str, str] = {}  # during a pass: each target's head that waits for GPUs
         self._soon = False
         self._holds = 0  # operations on many runs under way (`holding`)
         self._messages_at: dict[str, float] = {}  # each target's last refresh of its queued runs' messages
@@ -179,13 +200,8 @@ class Scheduler:
                 log.exception("schedule_failed")
             wait = SOON if self._soon else SAFETY_POLL
             waiting, self._left = self._left, []
-            gap = PASS_GAP if len(waiting) > SLICE else 0.0
-            pending = [r.not_before for r in waiting if r.not_before]
-            limited = [r for r in waiting if r.limits is not None]
-            pending += [at for r in limited if (at := limits.too_late_at_of(self.daemon, r)) is not None]
-            config = self.daemon.config
-            watched = placement.watched_runs(config, waiting)
-            pending += [at for r in watched for _, _, at in placement.overflow_due(config, r) if at > time.time()]
+            gap = PASS_GAP if len(waiting) > SLICE or (self._memo is not None and self._memo.many) else 0.0
+            pending = self._due_times(waiting)
             if self._messages_due is not None:
                 pending.append(self._messages_due)
             if pending:
@@ -194,7 +210,53 @@ class Scheduler:
                 await self._kick.wait()
             await anyio.sleep(max(0.0, began + gap - time.monotonic()))  # kicks meanwhile: this one pass
 
+    def _due_times(self, waiting: list[RunRecord]) -> list[float]:
+        """When a run still queued must be looked at again though nothing changes: its backoff's
+        end, its deadline, an overflow's wait (none for a quiet pass's runs: see `_quiet`)."""
+        pending = [r.not_before for r in waiting if r.not_before]
+        limited = [r for r in waiting if r.limits is not None]
+        pending += [at for r in limited if (at := limits.too_late_at_of(self.daemon, r)) is not None]
+        config = self.daemon.config
+        watched = placement.watched_runs(config, waiting)
+        pending += [at for r in watched for _, _, at in placement.overflow_due(config, r) if at > time.time()]
+        return pending
+
+    def _stamp(self, targets: Iterable[str]) -> tuple[Any, ...]:
+        """What a pass's outcome depends on beyond time: the queued runs (each addition, removal or
+        change of one counts: `Records.queue_version`), the configuration, the drains, and the
+        holders of each target's GPUs."""
+        daemon = self.daemon
+        held = tuple((t, tuple(sorted(daemon.inventory.held(t).items()))) for t in targets)
+        drains = frozenset(daemon.preemptor.drains.targets)
+        return (id(daemon.records), daemon.records.queue_version, id(daemon.config), drains, held)
+
+    async def _quiet(self) -> bool:
+        """A pass that nothing can change from the last (its `_Memo`): the same queued runs, all of
+        them plain (nothing to gate, no backoff, no deadline, no placement; their messages said, or
+        put off to a time that has not come),
+        the same holders of the same GPUs, no drain begun or ended. Its heads still wait; only
+        preemption, which time changes (a victim's `min_runtime`), is considered again for each.
+        Trusted for MEMO_FOR at most, should a change come untold (a look at everything then)."""
+        memo = self._memo
+        if memo is None or time.monotonic() - memo.at > MEMO_FOR or self._stamp(memo.targets) != memo.stamp:
+            return False
+        if memo.messages_due is not None and time.time() >= memo.messages_due:
+            return False  # the messages it put off are due: said by a full pass
+        for target, run_id in memo.heads.items():
+            head = self.daemon.records.get(run_id)
+            if head is None or not waits(head):
+                return False
+            await self.daemon.preemptor.consider(head, self.daemon.inventory.held(target))
+        self._soon = False
+        self._messages_due = memo.messages_due
+        return True
+
     async def schedule(self) -> None:
+        if await self._quiet():
+            return
+        self._memo = None
+        self._plain = True  # until a run of this pass needs more than its GPUs (`_quiet`)
+        self._heads = {}
         self._soon = False
         self._messages_due = None
         self._made = None  # looked up by the pass's first gate of a sweep not known whole
@@ -203,10 +265,15 @@ class Scheduler:
         self._waiting = self.queued()  # a run queued meanwhile kicks the queue: the next pass has it
         try:
             await self._place()
-            for target in sorted({r.target for r in self.queued()}):
+            targets = sorted({r.target for r in self.queued()})
+            for target in targets:
                 await self._schedule_target(target)
                 await self._refresh_messages(target)
             self._left = self.queued()  # what `run` looks at for the time of the next pass
+            if self._plain and not self._soon:
+                many = len(self._left) > SLICE
+                stamp = self._stamp(targets)
+                self._memo = _Memo(stamp, time.monotonic(), targets, dict(self._heads), many, self._messages_due)
         finally:
             self._made = None
             self._holders = None
@@ -308,10 +375,12 @@ class Scheduler:
                 await anyio.lowlevel.checkpoint()
             if (
                 record.limits is None
+                and record.not_before is None
                 and not record.dependencies.after
                 and (record.sweep is None or record.sweep.id in whole)
             ):
                 continue  # nothing to gate (most of thousands queued): `gate` would say None
+            self._plain = False
             if not waits(record):
                 continue  # started or cancelled while others were answered
             verdict = self.gate(record)
@@ -379,6 +448,7 @@ class Scheduler:
         runs = placement.watched_runs(config, self.queued())
         if not runs:
             return
+        self._plain = False
         held: dict[str, dict[str, str]] = {}
         heads: dict[str, RunRecord | None] = {}
 
@@ -473,6 +543,7 @@ class Scheduler:
             if devices is None:
                 # The head waits for its GPUs (no backfill behind it); runs of lower priority may
                 # be paused for it, their GPUs handed over once their jobs exited.
+                self._heads[target] = head.id
                 await self.daemon.preemptor.consider(head, held)
                 return
             verdict = self.gate(head)

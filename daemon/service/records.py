@@ -45,6 +45,8 @@ class Records(dict[str, RunRecord]):
         self._active: dict[str, RunRecord] = {}  # live and not waiting in the queue
         self._ordered: list[RunRecord] | None = []  # `_queue`, oldest first (None: to sort again)
         self._ended: list[RunRecord] = []
+        # Counts every change of the queued runs: one added, one leaving, one changed (`touched`).
+        self.queue_version = 0
         for record in (records or {}).values():
             self[record.id] = record
 
@@ -53,6 +55,7 @@ class Records(dict[str, RunRecord]):
         super().__setitem__(run_id, record)
         if self._queue.pop(run_id, None) is not None:
             self._ordered = None
+            self.queue_version += 1
         self._active.pop(run_id, None)
         if record.state in FINAL_STATES:
             self._live.pop(run_id, None)
@@ -63,6 +66,7 @@ class Records(dict[str, RunRecord]):
         if waits(record):
             self._queue[run_id] = record
             self._ordered = None
+            self.queue_version += 1
         else:
             self._active[run_id] = record
 
@@ -71,6 +75,7 @@ class Records(dict[str, RunRecord]):
         self._live.pop(run_id, None)
         if self._queue.pop(run_id, None) is not None:
             self._ordered = None
+            self.queue_version += 1
         self._active.pop(run_id, None)
 
     def live(self) -> list[RunRecord]:
@@ -83,6 +88,8 @@ class Records(dict[str, RunRecord]):
     def touched(self, record: RunRecord) -> None:
         """A run changed: put it where it is now (a look at it alone)."""
         if self._live.get(record.id) is record:
+            if record.id in self._queue:
+                self.queue_version += 1  # changed while queued (its message, its priority), or left
             self._move(record)
 
     def queued(self) -> list[RunRecord]:
@@ -111,8 +118,10 @@ class Records(dict[str, RunRecord]):
                 self._active.pop(run_id, None)
                 self._queue[run_id] = record
                 self._ordered = None
+                self.queue_version += 1
             return
-        self._queue.pop(run_id, None)  # `queued()` drops it from `_ordered`
+        if self._queue.pop(run_id, None) is not None:  # `queued()` drops it from `_ordered`
+            self.queue_version += 1
         if record.state in FINAL_STATES:
             self._active.pop(run_id, None)
             del self._live[run_id]

@@ -6,7 +6,10 @@ in the box's history (issue 33: the daemon's work must not grow with its history
 A daemon object of this tree in a throwaway state directory (no server, no jobs, nothing saved):
 one run holds the target's only GPU, Q runs wait for it (the members of sweeps of 1,000, or single
 runs), H runs ended. Prints, for each (Q, H), the first pass and the median and minimum of the rest
-(ms). To compare two versions, run it from each tree, in turns, on the same box:
+(ms), for three kinds of pass: after nothing changed; after another user's run that held no GPU
+ended (what most passes of a busy box follow: every start and end of a run kicks the queue); and
+after one more run was queued (the queue changed: a pass looks at every queued run). To compare
+two versions, run it from each tree, in turns, on the same box:
 
     git archive OLD | tar -x -C /tmp/before && python /tmp/before/tests/bench/bench_queue_pass.py
 """
@@ -19,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,10 +70,37 @@ def make_daemon(state: Path, queued: int, ended: int) -> Daemon:
     return daemon
 
 
-def passes(daemon: Daemon, count: int) -> list[float]:
+def nothing(daemon: Daemon, n: int) -> None:
+    pass
+
+
+def cpu_run_ended(daemon: Daemon, n: int) -> None:
+    """Another user's run with no GPU, started and ended (as `obd train start --gpus 0 true`)."""
+    record = RunRecord(id=f"20260102-000000-{n:06x}", command=["true"], state=RunState.preparing, owner_uid=1002)
+    daemon.records[record.id] = record
+    record.transition(RunState.running, "launched")
+    daemon.touch(record)
+    record.transition(RunState.succeeded, "exited 0")
+    daemon.touch(record)
+
+
+def run_queued(daemon: Daemon, n: int) -> None:
+    """One more run queued for the GPU."""
+    record = RunRecord(
+        id=f"20260103-000000-{n:06x}", command=["sleep"], state=RunState.queued, gpus_wanted=1, created=9e9 + n
+    )
+    daemon.records[record.id] = record
+    daemon.touch(record)
+
+
+KINDS = {"nothing changed": nothing, "a run with no GPU ended": cpu_run_ended, "a run queued": run_queued}
+
+
+def passes(daemon: Daemon, count: int, between: Callable[[Daemon, int], None] = nothing) -> list[float]:
     async def main() -> list[float]:
         times = []
-        for _ in range(count):
+        for n in range(count):
+            between(daemon, n)
             began = time.perf_counter()
             await daemon.scheduler.schedule()
             times.append(time.perf_counter() - began)
@@ -84,16 +115,18 @@ def main() -> None:
     args = parser.parse_args()
     print(f"one queue pass ({REPO})")
     for queued, ended in SIZES:
-        state = Path(tempfile.mkdtemp(prefix="obd-bqp-", dir="/tmp"))
-        try:
-            times = passes(make_daemon(state, queued, ended), args.passes)
-        finally:
-            shutil.rmtree(state, ignore_errors=True)
-        rest = times[1:]
-        print(
-            f"  {queued:>5} queued, {ended:>6} ended: first {times[0] * 1000:7.1f} ms, "
-            f"median {statistics.median(rest) * 1000:7.1f} ms, min {min(rest) * 1000:7.1f} ms"
-        )
+        for kind, between in KINDS.items():
+            state = Path(tempfile.mkdtemp(prefix="obd-bqp-", dir="/tmp"))
+            try:
+                daemon = make_daemon(state, queued, ended)
+                first = passes(daemon, 2)  # the first looks at everything; the second may be quiet
+                times = passes(daemon, args.passes, between)
+            finally:
+                shutil.rmtree(state, ignore_errors=True)
+            print(
+                f"  {queued:>5} queued, {ended:>6} ended, {kind + ':':<24} first {first[0] * 1000:7.1f} ms, "
+                f"median {statistics.median(times) * 1000:7.1f} ms, min {min(times) * 1000:7.1f} ms"
+            )
 
 
 if __name__ == "__main__":
