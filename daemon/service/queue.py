@@ -16,7 +16,13 @@ alone, and goes to disk with the run's next save; a sweep of 1,000 made is not 1
 A pass costs a look at each queued run, never a look at every run for each (the GPUs' holders
 and how much of each sweep is made are looked up once a pass), and an operation on many runs (a
 sweep made, cancelled or stopped) holds the queue (`holding`) so that it gets one pass when it
-ends, not one per run: 5,000 runs queued never hold the daemon up.
+ends, not one per run: 5,000 runs queued never hold the daemon up. Most passes of a busy box
+follow a change that cannot start a queued run (another user's run with no GPU began or ended):
+while the queued runs, the GPUs and their holders, the drains and the configuration are those of
+the last full pass, and every queued run waits for GPUs only (nothing to gate, no backoff, no
+deadline, no placement), a pass is quiet (`_quiet`): it looks at no queued run and considers
+preemption for each head again (time may make a victim of a running run). It trusts the last
+full pass for MEMO_FOR at most.
 
 A run of several targets (`--target a,b,c`, a pool) or of a target with an `overflow` is placed by
 each pass before the targets' queues are looked at (`_place`, daemon/service/placement.py): on the first of
@@ -223,10 +229,13 @@ class Scheduler:
 
     def _stamp(self, targets: Iterable[str]) -> tuple[Any, ...]:
         """What a pass's outcome depends on beyond time: the queued runs (each addition, removal or
-        change of one counts: `Records.queue_version`), the configuration, the drains, and the
-        holders of each target's GPUs."""
+        change of one counts: `Records.queue_version`), the configuration, the drains, and each
+        target's GPUs and their holders."""
         daemon = self.daemon
-        held = tuple((t, tuple(sorted(daemon.inventory.held(t).items()))) for t in targets)
+        inventory = daemon.inventory
+        held = tuple(
+            (t, tuple(g.id for g in inventory.of(t)), tuple(sorted(inventory.held(t).items()))) for t in targets
+        )
         drains = frozenset(daemon.preemptor.drains.targets)
         return (id(daemon.records), daemon.records.queue_version, id(daemon.config), drains, held)
 
