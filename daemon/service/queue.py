@@ -240,12 +240,12 @@ class Scheduler:
         return (id(daemon.records), daemon.records.queue_version, id(daemon.config), drains, held)
 
     async def _quiet(self) -> bool:
-        """A pass that nothing can change from the last (its `_Memo`): the same queued runs, all of
-        them plain (nothing to gate, no backoff, no deadline, no placement; their messages said, or
-        put off to a time that has not come),
-        the same holders of the same GPUs, no drain begun or ended. Its heads still wait; only
-        preemption, which time changes (a victim's `min_runtime`), is considered again for each.
-        Trusted for MEMO_FOR at most, should a change come untold (a look at everything then)."""
+        """A pass that nothing can change from the last full one (its `_Memo`, as that pass
+        began): the same queued runs, all of them plain (nothing to gate, no backoff, no deadline,
+        no placement; their messages said, or put off to a time that has not come), the same
+        holders of the same GPUs, no drain begun or ended. Its heads still wait; only preemption,
+        which time changes (a victim's `min_runtime`), is considered again for each. Trusted for
+        MEMO_FOR at most, should a change come untold (a look at everything then)."""
         memo = self._memo
         if memo is None or time.monotonic() - memo.at > MEMO_FOR or self._stamp(memo.targets) != memo.stamp:
             return False
@@ -272,6 +272,10 @@ class Scheduler:
         self._holders = {}
         self._looked = {}
         self._waiting = self.queued()  # a run queued meanwhile kicks the queue: the next pass has it
+        # What this pass looks at, as it begins (no await before): a change while it runs, its own
+        # launches and messages included, makes the next pass a full one too.
+        began = sorted({r.target for r in self._waiting})
+        stamp = self._stamp(began)
         try:
             await self._place()
             targets = sorted({r.target for r in self.queued()})
@@ -279,10 +283,9 @@ class Scheduler:
                 await self._schedule_target(target)
                 await self._refresh_messages(target)
             self._left = self.queued()  # what `run` looks at for the time of the next pass
-            if self._plain and not self._soon:
+            if self._plain and not self._soon and targets == began:
                 many = len(self._left) > SLICE
-                stamp = self._stamp(targets)
-                self._memo = _Memo(stamp, time.monotonic(), targets, dict(self._heads), many, self._messages_due)
+                self._memo = _Memo(stamp, time.monotonic(), began, dict(self._heads), many, self._messages_due)
         finally:
             self._made = None
             self._holders = None

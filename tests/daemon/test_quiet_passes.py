@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from daemon.service import queue
@@ -88,7 +89,11 @@ class Box:
 
 
 @pytest.fixture(autouse=True)
-def unsealed() -> Any:
+def unsealed(monkeypatch: pytest.MonkeyPatch) -> Any:
+    # However slow the box: the messages put off by a pass and the last full pass stay good for
+    # the whole test (a test that means otherwise says so).
+    monkeypatch.setattr(queue, "MESSAGES_EVERY", 3600.0)
+    monkeypatch.setattr(queue, "MEMO_FOR", 3600.0)
     yield
     SEALED[0] = False
 
@@ -166,3 +171,21 @@ def test_a_holder_that_ended_without_a_word_to_the_daemon_frees_its_gpu_at_the_n
     box.holder.transition(RunState.succeeded, "exited 0")  # no touch: the holders' look finds it
     box.passes()
     assert box.launched == [(box.queued[0].id, ["0"])]
+
+
+def test_a_run_queued_while_a_full_pass_runs_is_looked_at_by_the_next_pass(tmp_path: Path) -> None:
+    box = Box(tmp_path, ["0", "1"], queued=1000, wants=2)
+    box.passes(3)
+    box.daemon.touch(box.queued[-1])  # a change: the next pass is a full one, which starts nothing
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(box.daemon.scheduler.schedule)
+            await anyio.lowlevel.checkpoint()  # the pass has begun; it lets others in every SLICE runs
+            bob = box.add(RunRecord, 5000, RunState.queued, gpus_wanted=1, owner_uid=1002)
+            box.daemon.touch(bob)
+        assert box.launched == []  # the pass had begun without it
+        await box.daemon.scheduler.schedule()
+        assert box.launched == [(bob.id, ["1"])]
+
+    anyio.run(main)
