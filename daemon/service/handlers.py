@@ -15,6 +15,8 @@ whole API surface, and who may call what, is read in one place.
 from __future__ import annotations
 
 import base64
+import bisect
+import itertools
 import json
 import math
 import os
@@ -55,7 +57,7 @@ from daemon.service.follow import Follower, job_handle
 from daemon.service.gpus import Inventory
 from daemon.service.launch import Launcher
 from daemon.service.limits import report_of
-from daemon.service.models import RunRecord, RunState, SweepTag
+from daemon.service.models import FINAL_STATES, RunRecord, RunState, SweepTag
 from daemon.service.move import Mover
 from daemon.service.policy import admitted, check_resume_priority
 from daemon.service.ports import Runs
@@ -75,7 +77,19 @@ from trainer_plugin.tools.creds import hand_over
 
 log = structlog.get_logger("obd")
 LIST_TURN = 500  # runs a `list` encodes between two turns of the event loop (`_encode_summaries`)
+_BY_AGE = attrgetter("created", "id")  # a list's order: oldest first
+# The final states as a tuple: a run's state is found in it by identity (a frozenset of them hashes
+# each state through Enum's __hash__, a call of Python's: a list of 5,000 looks at each).
+_ENDED = tuple(FINAL_STATES)
 Handler = Callable[[Any, Peer], Awaitable[Any]]
+
+
+def _place(runs: list[RunRecord], record: RunRecord) -> None:
+    """Put a run into a list of runs oldest first, in its place (at the end, most often)."""
+    if not runs or _BY_AGE(record) >= _BY_AGE(runs[-1]):
+        runs.append(record)
+    else:
+        bisect.insort(runs, record, key=_BY_AGE)
 
 
 class ServiceHost(Runs, Protocol):
@@ -115,6 +129,10 @@ class ServiceHost(Runs, Protocol):
     def visible(self, peer: Peer) -> list[RunRecord]: ...
 
     def summary_json(self, record: RunRecord) -> bytes: ...
+
+    def summaries_json(self, records: list[RunRecord]) -> list[bytes]: ...
+
+    def unencoded(self, records: list[RunRecord]) -> list[RunRecord]: ...
 
     def final_event(self, run_id: str) -> anyio.Event: ...
 
@@ -178,8 +196,8 @@ class Handlers:
     # --- reading -------------------------------------------------------------------------
 
     async def ping(self, req: ListRequest, peer: Peer) -> dict[str, Any]:
-        records = self.daemon.records.values()  # counted, not sorted: ping stays cheap with 5,000 queued
-        runs = len(records) if peer.is_root else sum(1 for r in records if r.owner_uid == peer.uid)
+        # A member's runs are theirs in `_ordered` (no look at others'): ping stays cheap with 5,000 queued.
+        runs = len(self.daemon.records) if peer.is_root else len(self._ordered_of(peer))
         return {"pid": os.getpid(), "runs": runs, "uid": os.geteuid()}
 
     async def list_runs(self, req: ListRunsRequest, peer: Peer) -> RawJSON | list[dict[str, Any]]:
@@ -203,21 +221,32 @@ class Handlers:
             return kept[1]
         if len(self._lists) >= 64:  # many callers or questions (each --since differs): start afresh
             self._lists.clear()
-        await self._encode_summaries(peer)
-        answer = self._list_answer(req, peer)
+        runs = self._answered(req, peer)
+        if await self._encode_summaries(runs, peer):  # others were answered meanwhile: the runs as they are now
+            runs = self._answered(req, peer)
+        answer = self._list_answer(runs, req, peer)
         self._lists[key] = (stamp, answer)
         return answer
 
     def _ordered(self) -> list[RunRecord]:
-        """Every run, oldest first: sorted again only when runs were added (a run is never removed
-        from the records, and its id, owner and creation time never change once it is there)."""
+        """Every run, oldest first (not to be changed by the caller). A run is never removed from
+        the records, and its id, owner and creation time never change once it is there: the runs
+        added since the last look (the last of the records, a dict) are put in their places, most
+        often at the end; the whole is sorted only when the records were loaded anew."""
         records = self.daemon.records
-        if self._order[0] != (id(records), len(records)):
-            self._order = ((id(records), len(records)), sorted(records.values(), key=attrgetter("created", "id")))
+        (known, count), runs = self._order
+        if known != id(records) or len(records) < count:
+            runs = sorted(records.values(), key=_BY_AGE)
             self._owned = {}
-            for record in self._order[1]:
+            for record in runs:
                 self._owned.setdefault(record.owner_uid, []).append(record)
-        return self._order[1]
+        elif len(records) > count:
+            added = list(itertools.islice(reversed(records.values()), len(records) - count))
+            for record in reversed(added):
+                _place(runs, record)
+                _place(self._owned.setdefault(record.owner_uid, []), record)
+        self._order = ((id(records), len(records)), runs)
+        return runs
 
     def _ordered_of(self, peer: Peer) -> list[RunRecord]:
         """`_ordered`, the caller's runs only (all of them for root): a member's list looks at their
@@ -225,43 +254,46 @@ class Handlers:
         runs = self._ordered()
         return runs if peer.is_root else self._owned.get(peer.uid, [])
 
-    async def _encode_summaries(self, peer: Peer) -> None:
-        """Encode the `list` entries of the caller's runs that changed since they were last encoded,
-        LIST_TURN runs between two turns of the event loop: after a sweep of 1,000 was made (or
-        5,000 queued runs' messages changed), root's list is not one encoding of them all while
-        everyone else waits. The answer itself is then made at once, from these and the runs as
-        they are then, so it is one moment's (a run changed meanwhile is encoded again there)."""
+    async def _encode_summaries(self, runs: list[RunRecord], peer: Peer) -> bool:
+        """Encode the `list` entries of the caller's runs among `runs` that changed since they were
+        last encoded, LIST_TURN runs between two turns of the event loop: after a sweep of 1,000
+        was made (or 5,000 queued runs' messages changed), root's list is not one encoding of them
+        all while everyone else waits. Whether it let others in: the answer is then made at once,
+        from the runs as they are then, so it is one moment's (a run changed meanwhile is encoded
+        again there)."""
         d = self.daemon
-        runs = self._ordered_of(peer)
-        for n, record in enumerate(runs, 1):
+        mine = runs if peer.is_root else [r for r in runs if r.owner_uid == peer.uid]  # others' are not kept
+        turned = False
+        for n, record in enumerate(d.unencoded(mine), 1):
             if n % LIST_TURN == 0:
                 await anyio.lowlevel.checkpoint()
+                turned = True
             d.summary_json(record)
+        return turned
 
-    def _list_answer(self, req: ListRunsRequest, peer: Peer) -> RawJSON:
+    def _root_default(self, recent: int) -> list[RunRecord]:
+        """Root's list as asked most (no filter): every active run and the `recent` latest ends,
+        chains by their latest attempt, oldest first; found from the live runs and the newest
+        end back, never by a look at the whole history."""
+        live = [r for r in self.daemon.records.live() if r.retried_by is None]
+        ended: list[RunRecord] = []
+        if recent:
+            for record in reversed(self._ordered()):
+                if record.state in _ENDED and record.retried_by is None:
+                    ended.append(record)
+                    if len(ended) == recent:
+                        break
+        return sorted(live + ended, key=attrgetter("created", "id"))
+
+    def _list_answer(self, runs: list[RunRecord], req: ListRunsRequest, peer: Peer) -> RawJSON:
         d = self.daemon
-        runs = self._ordered() if req.all else self._ordered_of(peer)  # as `visible`
-        if req.states:
-            runs = [r for r in runs if r.state.value in req.states]
-        if req.target:
-            runs = [r for r in runs if r.target == req.target]
-        if req.name:
-            runs = [r for r in runs if r.name == req.name]
-        if req.since is not None:
-            runs = [r for r in runs if r.created >= req.since]
-        if not req.all:
-            runs = [r for r in runs if r.retried_by is None]  # a chain shows its latest attempt
-        if not (req.all or req.states or req.limit):
-            # By default: every active run, and the most recent ends.
-            ended = [r for r in runs if r.state.final]
-            keep = {r.id for r in ended[-req.recent :]} if req.recent else set()
-            runs = [r for r in runs if not r.state.final or r.id in keep]
-        if req.limit:
-            runs = runs[-req.limit :]
-        parts = [
-            d.summary_json(r) if peer.is_root or r.owner_uid == peer.uid else json.dumps(r.summary(full=False)).encode()
-            for r in runs
-        ]
+        if peer.is_root:
+            parts = d.summaries_json(runs)
+        else:
+            uid = peer.uid
+            parts = [
+                d.summary_json(r) if r.owner_uid == uid else json.dumps(r.summary(full=False)).encode() for r in runs
+            ]
         if peer.is_root and (req.all or not req.states):
             parts += [
                 json.dumps({"id": rid, "state": "unreadable", "message": err}).encode()
@@ -274,6 +306,33 @@ class Handlers:
             pieces += (part, b",")
         pieces[-1] = b"]"
         return RawJSON(b"".join(pieces))
+
+    def _answered(self, req: ListRunsRequest, peer: Peer) -> list[RunRecord]:
+        """The runs a `list` answers with (see ListRunsRequest), oldest first."""
+        plain = not (req.all or req.states or req.target or req.name or req.since is not None or req.limit)
+        return self._root_default(req.recent) if peer.is_root and plain else self._filtered(req, peer)
+
+    def _filtered(self, req: ListRunsRequest, peer: Peer) -> list[RunRecord]:
+        """`_answered` with a filter, or for a member: a look at each of the runs it may show."""
+        runs = self._ordered() if req.all else self._ordered_of(peer)  # as `visible`
+        if req.states:
+            runs = [r for r in runs if r.state.value in req.states]
+        if req.target:
+            runs = [r for r in runs if r.target == req.target]
+        if req.name:
+            runs = [r for r in runs if r.name == req.name]
+        if req.since is not None:
+            runs = [r for r in runs if r.created >= req.since]
+        if not req.all:
+            runs = [r for r in runs if r.retried_by is None]  # a chain shows its latest attempt
+        if not (req.all or req.states or req.limit):
+            # By default: every active run, and the most recent ends (a look at each state once).
+            ended = [i for i, r in enumerate(runs) if r.state in _ENDED]
+            hidden = set(ended[: max(0, len(ended) - req.recent)])
+            runs = [r for i, r in enumerate(runs) if i not in hidden]
+        if req.limit:
+            runs = runs[-req.limit :]
+        return runs
 
     async def targets(self, req: ListRequest, peer: Peer) -> list[dict[str, Any]]:
         config = self.daemon.config

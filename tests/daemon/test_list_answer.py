@@ -1,0 +1,95 @@
+"""`obd train list`'s answer as the handlers make it (daemon/service/handlers.py), in this process:
+root's default list (every active run and the latest ends) is found from the live runs without a
+look at the whole history, and must be the very list a look at every run gives; the runs kept in
+age order are put in place as runs are added, never sorted again."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import anyio
+
+from daemon.service.api import ListRequest, ListRunsRequest, Peer
+from daemon.service.config import Config
+from daemon.service.daemon import Daemon
+from daemon.service.handlers import Handlers
+from daemon.service.models import FINAL_STATES, RunRecord, RunState
+
+STATES = [RunState.queued, RunState.preparing, RunState.running, *FINAL_STATES]
+ROOT, BOB = Peer(uid=0, gid=0), Peer(uid=1002, gid=1002)
+
+
+def daemon_with_runs(tmp_path: Path, count: int, seed: int) -> Daemon:
+    daemon = Daemon(
+        Config.model_validate({"daemon": {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "s")}})
+    )
+    rng = random.Random(seed)
+    for n in range(count):
+        state = rng.choice(STATES)
+        record = RunRecord(
+            id=f"20260101-000000-{n:06x}",
+            command=["true"],
+            state=state,
+            created=1000.0 + rng.random() * 100,  # added in no order of age
+            owner_uid=rng.choice([0, 1001, 1002]),
+            job={"pid": 1} if state == RunState.running else None,
+        )
+        if state in FINAL_STATES and rng.random() < 0.2:
+            record.retried_by = "20260101-000000-ffffff"  # an earlier attempt of a chain: not listed
+        daemon.records[record.id] = record
+    return daemon
+
+
+def listed(handlers: Handlers, peer: Peer, **request: object) -> list[str]:
+    answer = anyio.run(handlers.list_runs, ListRunsRequest.model_validate({"op": "list", **request}), peer)
+    return [entry["id"] for entry in json.loads(answer)]
+
+
+def every_run_looked_at(daemon: Daemon, recent: int) -> list[str]:
+    """Root's default list, by its definition: a look at every run."""
+    runs = sorted((r for r in daemon.records.values() if r.retried_by is None), key=lambda r: (r.created, r.id))
+    ended = [r for r in runs if r.state in FINAL_STATES]
+    shown = {r.id for r in ended[len(ended) - recent :]} if recent else set()
+    return [r.id for r in runs if r.state not in FINAL_STATES or r.id in shown]
+
+
+def test_roots_default_list_is_every_active_run_and_the_latest_ends_as_a_look_at_every_run_finds(
+    tmp_path: Path,
+) -> None:
+    for seed in range(5):
+        daemon = daemon_with_runs(tmp_path / str(seed), 400, seed)
+        handlers = Handlers(daemon)
+        for recent in (0, 1, 10, 1000):
+            assert listed(handlers, ROOT, recent=recent) == every_run_looked_at(daemon, recent), (seed, recent)
+        running = next(r for r in daemon.records.values() if r.state == RunState.running and r.retried_by is None)
+        running.transition(RunState.succeeded, "exited 0")  # ended in place, among the others by its age
+        daemon.touch(running)
+        assert listed(handlers, ROOT, recent=10) == every_run_looked_at(daemon, 10)
+
+
+def test_runs_added_in_any_order_of_age_are_listed_oldest_first(tmp_path: Path) -> None:
+    daemon = daemon_with_runs(tmp_path, 50, seed=7)
+    handlers = Handlers(daemon)
+    assert listed(handlers, ROOT, all=True) == [
+        r.id for r in sorted(daemon.records.values(), key=lambda r: (r.created, r.id))
+    ]
+    rng = random.Random(8)
+    for n in range(30):  # newer and older than those listed, a member's among them
+        record = RunRecord(
+            id=f"20260102-000000-{n:06x}",
+            command=["true"],
+            state=RunState.succeeded,
+            created=rng.choice([900.0, 1050.0, 2000.0]) + n,
+            owner_uid=rng.choice([0, 1002]),
+        )
+        daemon.records[record.id] = record
+        by_age = sorted(daemon.records.values(), key=lambda r: (r.created, r.id))
+        assert listed(handlers, ROOT, all=True) == [r.id for r in by_age]
+        assert listed(handlers, BOB, all=True, states=["succeeded"]) == [
+            r.id for r in by_age if r.state == RunState.succeeded
+        ]  # a member sees every run with --all (others' entries without their messages)
+    assert anyio.run(handlers.ping, ListRequest(op="ping"), BOB)["runs"] == sum(
+        1 for r in daemon.records.values() if r.owner_uid == 1002
+    )
