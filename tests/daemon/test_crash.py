@@ -34,7 +34,9 @@ def test_a_sigkill_during_a_start_loses_nothing(daemon: DaemonProc, delay: float
         assert not (Path(record["remote_dir"]) / "job.pid").exists()
     else:
         assert record["exit_code"] == 0
-    assert _all_records_parse(daemon)[rid]["state"] == record["state"]
+    # On disk too: the daemon shows a change as its edit makes it, and its save follows at once
+    # (a fresh-clone CI read the disk between the two).
+    wait_for(lambda: _all_records_parse(daemon)[rid]["state"] == record["state"], 30, what="the record saved")
 
 
 def test_a_job_keeps_running_through_a_sigkill_of_the_daemon_and_is_followed_again(daemon: DaemonProc) -> None:
