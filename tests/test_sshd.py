@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_for
 from tests.sshd import SshServer, sshd_skip_reason
 
 
@@ -49,8 +50,10 @@ def test_a_job_detached_over_ssh_ends_when_the_server_is_closed() -> None:
         )
         job = int(out.stdout.split()[-1])
         assert _alive(job)  # it outlived its session
-        environ = Path(f"/proc/{job}/environ").read_bytes().split(b"\0")
-        assert f"PYTEST_OBD_SESSION={os.environ['PYTEST_OBD_SESSION']}".encode() in environ  # known as the session's
+        # Known as the session's. Read once its exec is done: in the middle of one the kernel shows
+        # an empty environment (a fresh-clone CI read it then).
+        marker = f"PYTEST_OBD_SESSION={os.environ['PYTEST_OBD_SESSION']}".encode()
+        wait_for(lambda: marker in Path(f"/proc/{job}/environ").read_bytes().split(b"\0"), 10, 0.02, "its environ")
         server.close()
         assert not _alive(job)
         assert all(reaper.poll() is not None for reaper in server.reapers)
