@@ -23,7 +23,6 @@ import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from operator import attrgetter
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -63,6 +62,7 @@ from daemon.service.policy import admitted, check_resume_priority
 from daemon.service.ports import Runs
 from daemon.service.preempt import Preemptor
 from daemon.service.queue import Scheduler
+from daemon.service.records import BY_AGE
 from daemon.service.recovery import Recovery
 from daemon.service.retention import Retention, holding
 from daemon.service.specs import uses_caller_environment
@@ -77,7 +77,6 @@ from trainer_plugin.tools.creds import hand_over
 
 log = structlog.get_logger("obd")
 LIST_TURN = 500  # runs a `list` encodes between two turns of the event loop (`_encode_summaries`)
-_BY_AGE = attrgetter("created", "id")  # a list's order: oldest first
 # The final states as a tuple: a run's state is found in it by identity (a frozenset of them hashes
 # each state through Enum's __hash__, a call of Python's: a list of 5,000 looks at each).
 _ENDED = tuple(FINAL_STATES)
@@ -86,10 +85,10 @@ Handler = Callable[[Any, Peer], Awaitable[Any]]
 
 def _place(runs: list[RunRecord], record: RunRecord) -> None:
     """Put a run into a list of runs oldest first, in its place (at the end, most often)."""
-    if not runs or _BY_AGE(record) >= _BY_AGE(runs[-1]):
+    if not runs or BY_AGE(record) >= BY_AGE(runs[-1]):
         runs.append(record)
     else:
-        bisect.insort(runs, record, key=_BY_AGE)
+        bisect.insort(runs, record, key=BY_AGE)
 
 
 class ServiceHost(Runs, Protocol):
@@ -236,7 +235,7 @@ class Handlers:
         records = self.daemon.records
         (known, count), runs = self._order
         if known != id(records) or len(records) < count:
-            runs = sorted(records.values(), key=_BY_AGE)
+            runs = sorted(records.values(), key=BY_AGE)
             self._owned = {}
             for record in runs:
                 self._owned.setdefault(record.owner_uid, []).append(record)
@@ -283,7 +282,7 @@ class Handlers:
                     ended.append(record)
                     if len(ended) == recent:
                         break
-        return sorted(live + ended, key=attrgetter("created", "id"))
+        return sorted(live + ended, key=BY_AGE)
 
     def _list_answer(self, runs: list[RunRecord], req: ListRunsRequest, peer: Peer) -> RawJSON:
         d = self.daemon

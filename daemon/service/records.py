@@ -24,7 +24,7 @@ from operator import attrgetter
 from daemon.service.models import FINAL_STATES, RunRecord, RunState
 
 _QUEUED = RunState.queued
-_ORDER = attrgetter("created", "id")
+BY_AGE = attrgetter("created", "id")  # oldest first: the queue's, and a list's, order
 
 
 def waits(record: RunRecord) -> bool:
@@ -97,7 +97,7 @@ class Records(dict[str, RunRecord]):
         for record in [r for r in self._queue.values() if not waits(r)]:
             self._move(record)
         if self._ordered is None:
-            self._ordered = sorted(self._queue.values(), key=_ORDER)
+            self._ordered = sorted(self._queue.values(), key=BY_AGE)
         elif len(self._ordered) != len(self._queue):  # runs left it (none came: they sort again)
             self._ordered = [r for r in self._ordered if r.id in self._queue]
         return list(self._ordered)
