@@ -22,7 +22,7 @@ from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from daemon.cli import sdk, sdk_io, sdk_results
-from daemon.cli.client import BUSY_RETRY_FOR, IDEMPOTENT, MAX_REPLY, unreachable_message
+from daemon.cli.client import BUSY_RETRY_FOR, IDEMPOTENT, MAX_REPLY, decode, unreachable_message
 from daemon.common.wire import MAX_MESSAGE
 
 T = TypeVar("T")
@@ -66,7 +66,7 @@ class _Connection:
                     raise sdk_results.DaemonUnreachable(
                         f"obd: the daemon closed the connection ({exc}); check its log", "unreachable"
                     ) from None
-                decoded = json.loads(reply)
+                decoded = decode(reply)
                 if decoded.get("kind") == "busy" and not decoded.get("ok"):
                     await self.aclose()
                     if time.monotonic() >= deadline:
