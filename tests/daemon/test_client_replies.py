@@ -4,6 +4,7 @@ running over its heap mid-decode (issue 33: the tail of root's list under load).
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import socket
 import threading
@@ -118,3 +119,37 @@ def test_the_client_and_the_async_client_decode_a_list_of_thousands_with_no_coll
 
     assert anyio.run(listed) == 5_000
     assert len(during) == 2 and during == [0, 0]
+
+
+def test_replies_are_read_whole_however_they_are_cut_and_joined(short_tmp: Path) -> None:
+    """A reply in pieces of any size (its line's end alone in the last), and two replies in one
+    piece (the second kept for the next call), each come back whole to their own call."""
+    path = short_tmp / "s"
+    first = OK_PREFIX + json.dumps(_summaries(2_000)).encode() + b"}\n"
+    second = OK_PREFIX + b'"pong"}\n'
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen()
+
+    def serve() -> None:
+        with server.accept()[0] as conn:
+            conn.recv(1 << 16)
+            cuts = [0, 1, 2, 7, 4096, 70_000, len(first) - 1, len(first)]
+            for lo, hi in itertools.pairwise(cuts):
+                conn.sendall(first[lo:hi])
+            conn.recv(1 << 16)
+            conn.sendall(first + second)  # both at once: the second call is answered from what is kept
+            conn.recv(1 << 16)
+            conn.recv(1 << 16)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = Client(path, timeout=60)
+    try:
+        assert client.call("list") == _summaries(2_000)
+        assert client.call("list") == _summaries(2_000)
+        assert client.call("ping") == "pong"
+    finally:
+        client.close()
+        server.close()
+    thread.join(60)
