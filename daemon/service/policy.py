@@ -185,7 +185,7 @@ def check_target(policy: PolicySection, peer: Peer, target: str, what: str, othe
 
 def queued_of(daemon: PolicyHost, uid: int) -> int:
     """How many runs of this user wait in the queue."""
-    return sum(1 for r in daemon.records.queued() if r.owner_uid == uid)
+    return daemon.records.queued_count(uid)
 
 
 def check_queued(daemon: PolicyHost, peer: Peer, adding: int, what: str) -> None:

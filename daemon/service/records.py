@@ -42,6 +42,7 @@ class Records(dict[str, RunRecord]):
         super().__init__()
         self._live: dict[str, RunRecord] = {}
         self._queue: dict[str, RunRecord] = {}  # live and, when last looked at, waiting in the queue
+        self._queued_by: dict[int | None, int] = {}  # `_queue`'s runs of each owner (`queued_count`)
         self._active: dict[str, RunRecord] = {}  # live and not waiting in the queue
         self._ordered: list[RunRecord] | None = []  # `_queue`, oldest first (None: to sort again)
         self._ended: list[RunRecord] = []
@@ -53,9 +54,8 @@ class Records(dict[str, RunRecord]):
     def __setitem__(self, run_id: str, record: RunRecord) -> None:
         before = self.get(run_id)
         super().__setitem__(run_id, record)
-        if self._queue.pop(run_id, None) is not None:
+        if self._dequeue(run_id):
             self._ordered = None
-            self.queue_version += 1
         self._active.pop(run_id, None)
         if record.state in FINAL_STATES:
             self._live.pop(run_id, None)
@@ -64,18 +64,15 @@ class Records(dict[str, RunRecord]):
             return
         self._live[run_id] = record
         if waits(record):
-            self._queue[run_id] = record
-            self._ordered = None
-            self.queue_version += 1
+            self._enqueue(record)
         else:
             self._active[run_id] = record
 
     def __delitem__(self, run_id: str) -> None:
         super().__delitem__(run_id)
         self._live.pop(run_id, None)
-        if self._queue.pop(run_id, None) is not None:
+        if self._dequeue(run_id):
             self._ordered = None
-            self.queue_version += 1
         self._active.pop(run_id, None)
 
     def live(self) -> list[RunRecord]:
@@ -116,18 +113,40 @@ class Records(dict[str, RunRecord]):
         if waits(record):
             if run_id not in self._queue:
                 self._active.pop(run_id, None)
-                self._queue[run_id] = record
-                self._ordered = None
-                self.queue_version += 1
+                self._enqueue(record)
             return
-        if self._queue.pop(run_id, None) is not None:  # `queued()` drops it from `_ordered`
-            self.queue_version += 1
+        self._dequeue(run_id)  # `queued()` drops it from `_ordered`
         if record.state in FINAL_STATES:
             self._active.pop(run_id, None)
             del self._live[run_id]
             self._ended.append(record)
         else:
             self._active[run_id] = record
+
+    def _enqueue(self, record: RunRecord) -> None:
+        self._queue[record.id] = record
+        self._queued_by[record.owner_uid] = self._queued_by.get(record.owner_uid, 0) + 1
+        self._ordered = None
+        self.queue_version += 1
+
+    def _dequeue(self, run_id: str) -> bool:
+        """Take a run out of `_queue`; whether it was there."""
+        record = self._queue.pop(run_id, None)
+        if record is None:
+            return False
+        left = self._queued_by[record.owner_uid] - 1
+        if left:
+            self._queued_by[record.owner_uid] = left
+        else:
+            del self._queued_by[record.owner_uid]
+        self.queue_version += 1
+        return True
+
+    def queued_count(self, owner_uid: int | None) -> int:
+        """How many of `owner_uid`'s runs wait in the queue, with no look at any run (a capped
+        user's every start asks it, with 5,000 queued by another). A run that left the queue
+        with no word to the daemon (`touched`) counts until the next `queued()` or `active()`."""
+        return self._queued_by.get(owner_uid, 0)
 
     def ended_since(self, seen: int) -> list[RunRecord]:
         """The runs found ended after the first `seen` of them (call `live()` first to find those

@@ -4,13 +4,17 @@ box's history. Looked at by what is touched, never timed."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
+from daemon.service import policy
+from daemon.service.api import ApiError, Peer
 from daemon.service.config import Config
 from daemon.service.daemon import Daemon
 from daemon.service.models import RunRecord, RunState
@@ -142,3 +146,66 @@ def test_the_gpus_holders_preemption_and_the_follow_never_look_at_a_queued_run(t
     finally:
         SEALED[0] = False
     assert len(daemon.records.queued()) == 1000
+
+
+def test_each_owner_s_queued_count_follows_runs_that_join_leave_move_and_are_replaced() -> None:
+    rng = random.Random(33)
+    records = Records()
+    states = [RunState.queued, RunState.queued, RunState.running, RunState.preparing, RunState.cancelled]
+    for step in range(3000):
+        n = rng.randrange(60)
+        rid = f"20260101-000000-{n:06x}"
+        what = rng.random()
+        if rid not in records or what < 0.2:  # a new record, or one put in place of it
+            owner = rng.choice([0, 1000, 1001, None])
+            records[rid] = run(n, rng.choice(states), owner_uid=owner, job={"pid": 1} if rng.random() < 0.2 else None)
+        elif what < 0.7 and not records[rid].state.final:
+            record = records[rid]
+            record.state = rng.choice(states)  # in place, as an edit changes it
+            if rng.random() < 0.7:
+                records.touched(record)  # told, as every edit ends; else found by the next look
+        elif what < 0.75:
+            del records[rid]
+        if step % 7 == 0:
+            records.queued()
+            records.active()
+        else:
+            continue
+        for owner in (0, 1000, 1001, None, 5):
+            assert records.queued_count(owner) == sum(1 for r in records.queued() if r.owner_uid == owner)
+
+
+class Unread(RunRecord):
+    """A queued run of another member whose owner may not be read once sealed."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if SEALED[0] and name == "owner_uid":
+            raise AssertionError("another member's queued run was looked at")
+        return super().__getattribute__(name)
+
+
+def test_a_capped_member_s_start_counts_their_queued_runs_with_no_look_at_anyone_else_s(tmp_path: Path) -> None:
+    config = Config.model_validate(
+        {
+            "daemon": {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "s")},
+            "policy": {"max_queued_runs_per_user": 3},
+        }
+    )
+    daemon = Daemon(config)
+    for n in range(1, 1001):  # alice's
+        queued = Unread(id=f"20260101-000000-{n:06x}", state=RunState.queued, command=["true"], owner_uid=1000)
+        daemon.records[queued.id] = queued
+    bob = Peer(uid=1001, gid=1001)
+    for n in range(2000, 2003):
+        mine = run(n, RunState.queued, owner_uid=1001)
+        daemon.records[mine.id] = mine
+    SEALED[0] = True
+    try:
+        policy.check_queued(daemon, bob, 0, "obd train start")
+        with pytest.raises(ApiError, match="has 3 runs queued, and it would make 4, over this daemon's cap of 3"):
+            policy.check_queued(daemon, bob, 1, "obd train start")
+        daemon.records[mine.id].transition(RunState.cancelled, "cancelled")
+        daemon.touch(daemon.records[mine.id])
+        policy.check_queued(daemon, bob, 1, "obd train start")  # room again, as soon as the daemon is told
+    finally:
+        SEALED[0] = False
