@@ -19,5 +19,6 @@ echo "test: ruff check, ruff format --check, mypy, lint-imports (the layer contr
 .venv/bin/lint-imports --no-cache
 # Three workers, each test file on one of them (its module fixtures, a Slurm cluster or an sshd,
 # stay in one process): most tests wait on real processes, so three keep two cores busy.
-# OBD_TEST_WORKERS=0 runs the suite in this process.
-exec .venv/bin/python -m pytest -q -n "${OBD_TEST_WORKERS:-3}" --dist loadfile "$@"
+# OBD_TEST_WORKERS=0 runs the suite in this process. The 20 slowest tests are named at the end:
+# where the suite's time goes.
+exec .venv/bin/python -m pytest -q -n "${OBD_TEST_WORKERS:-3}" --dist loadfile --durations=20 "$@"
