@@ -43,7 +43,7 @@ import structlog
 from pydantic import ValidationError
 
 from daemon.service.models import RunRecord, check_run_id
-from trainer_plugin.rundir import atomic_write, fsync_dir, is_run_id
+from trainer_plugin.rundir import fsync_dir, is_run_id
 
 log = structlog.get_logger("obd.store")
 RECORD_LIMIT = 16 * 1024 * 1024
@@ -365,20 +365,29 @@ class RunStore:
         )
 
     def _write(self, run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> None:
-        """Write a record's bytes atomically, unless a newer save of it is already on disk; the
-        files `beside` it first, each whole, their directory made durable once with the record's."""
-        directory = self.run_dir(run_id)
-        path = directory / "run.json"
+        """Write a record's bytes atomically, unless a newer save of it is already on disk: its
+        files (those `beside` it first, `run.json` last) each written whole under a temporary
+        name and fsynced, then each renamed over its file, then the directory fsynced once, and
+        `runs/` when the directory is new (a new run's directory is durable too). So a save waits
+        for two commits of the disk's journal, not one per file: a start's save (its launch
+        settings and its record) waited for three, each behind whatever else the disk had to
+        commit, such as another member's sweep of a thousand runs."""
         with self._lock_of(run_id):
             if self._on_disk.get(run_id, 0) > seq:
                 return
+            one = self._stage((run_id, (seq, data, beside)))
             try:
-                directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-                for name, content in beside.items():
-                    _replace(directory / name, content)
-                atomic_write(str(path), data, 0o600)
+                if one.error is not None:
+                    raise one.error
+                for written in one.files:
+                    os.fsync(written.fd)
+                one.rename()
             except OSError as exc:
+                one.discard()
                 raise StoreError(self._failure(run_id, exc)) from exc
+            fsync_dir(str(one.directory))
+            if one.made_dir:
+                fsync_dir(str(self.runs_dir))
             self._on_disk[run_id] = seq
 
     def load(self, run_id: str) -> RunRecord:
@@ -478,21 +487,6 @@ def _fsync_or_error(item: tuple[int, object]) -> OSError | None:
     except OSError as exc:
         return exc
     return None
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """`atomic_write` less its directory's fsync, which the record's write beside it makes: a fresh
-    temporary name opened O_EXCL|O_NOFOLLOW (a planted link never redirects it), fsynced, renamed."""
-    written = _write_temporary(path, data)
-    try:
-        os.fsync(written.fd)
-    except BaseException:
-        os.close(written.fd)
-        with contextlib.suppress(OSError):
-            os.unlink(written.tmp)
-        raise
-    os.close(written.fd)
-    os.replace(written.tmp, path)
 
 
 def _encode(record: RunRecord) -> bytes:

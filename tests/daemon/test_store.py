@@ -264,3 +264,43 @@ def test_a_list_shows_each_run_as_last_saved_and_new_runs_in_their_place(make_da
     assert [r["id"] for r in rows] == [holder, *made, late]
     assert {r["id"]: r["state"] for r in rows}[made[3]] == "cancelled"
     d.call("cancel", id=holder)
+
+
+def test_a_start_s_save_fsyncs_its_files_together_then_renames_them_and_makes_its_new_directory_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new run's save (its launch settings beside its record) waits for two commits of the disk's
+    journal, not one per file: every file is fsynced before any is renamed; then its directory
+    and, the directory being new, `runs/` (without it a crash could lose the run's directory
+    after the daemon answered)."""
+    store = RunStore(tmp_path)
+    record = RunRecord(id="20261207-000000-000001", state=RunState.preparing, command=["true"])
+    done: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def fsynced(fd: int) -> None:
+        done.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def renamed(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        done.append(("rename", str(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsynced)
+    monkeypatch.setattr(os, "replace", renamed)
+    anyio.run(lambda: store.save_async(record, beside={"launch.json": b"{}\n"}))
+    run_dir = store.run_dir(record.id)
+    assert [op for op, _ in done] == ["fsync", "fsync", "rename", "rename", "fsync", "fsync"]
+    assert all(".tmp." in path for _, path in done[:2])
+    assert done[2:] == [
+        ("rename", str(run_dir / "launch.json")),
+        ("rename", str(run_dir / "run.json")),  # the record last: launch settings alone are a start cut short
+        ("fsync", str(run_dir)),
+        ("fsync", str(store.runs_dir)),
+    ]
+    done.clear()
+    record.transition(RunState.running, "started")
+    store.save(record)
+    assert [op for op, _ in done] == ["fsync", "rename", "fsync"]  # a directory already there: runs/ is not
+    assert json.loads((run_dir / "run.json").read_text())["state"] == "running"
+    assert (run_dir / "launch.json").read_bytes() == b"{}\n"
