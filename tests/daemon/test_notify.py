@@ -147,13 +147,16 @@ def test_every_chosen_event_arrives_once_per_transition_in_order_at_a_webhook_an
     recorder = short_tmp / "recorder.py"
     recorder.write_text(RECORDER)
     out = short_tmp / "hook.jsonl"
+    # An attempt cut short by its timeout is tried again (deliveries are at least once): on a box
+    # busy enough that the recorder takes 10 s, the attempt cut short may have written its line.
     config = (
         FAST_CONFIG
-        + notify_block("web", url=hook.url)
+        + notify_block("web", url=hook.url, extra="timeout = 120")
         + notify_block(
             "cmd",
             command=[PY, str(recorder), str(out)],
             on='["started", "snapshot", "stopped", "succeeded", "failed", "cancelled"]',
+            extra="timeout = 120",
         )
     )
     d = make_daemon(config)

@@ -277,7 +277,13 @@ def kill_after(d: DaemonProc, rid: str, step: int) -> None:
         r = d.record(rid)
         assert r["state"] in ("queued", "preparing", "running"), r["message"]
         state = Path(r["remote_dir"] or "/nonexistent") / "output" / f"checkpoint-{step}" / "trainer_state.json"
-        return r if r["job"] and state.exists() else None
+        if not r["job"] or not state.exists():
+            return None
+        try:  # the Trainer's last file of a save, written in place: whole once it parses
+            json.loads(state.read_text())
+        except ValueError:
+            return None
+        return r
 
     r = wait_for(saved, 120, 0.03, f"checkpoint-{step} of {rid}")
     os.killpg(r["job"]["pid"], signal.SIGKILL)  # a lost node: no snapshot, no goodbye

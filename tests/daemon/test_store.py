@@ -266,41 +266,38 @@ def test_a_list_shows_each_run_as_last_saved_and_new_runs_in_their_place(make_da
     d.call("cancel", id=holder)
 
 
-def test_a_start_s_save_fsyncs_its_files_together_then_renames_them_and_makes_its_new_directory_durable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A new run's save (its launch settings beside its record) waits for two commits of the disk's
-    journal, not one per file: every file is fsynced before any is renamed; then its directory
-    and, the directory being new, `runs/` (without it a crash could lose the run's directory
-    after the daemon answered)."""
+def test_a_flush_is_not_held_up_by_other_callers_saves_one_after_another(tmp_path: Path) -> None:
+    """A flush waits for the saves taken before it only: a sweep being made (which flushes its
+    members) ends while other users start runs one after another, each save the express lane's."""
     store = RunStore(tmp_path)
-    record = RunRecord(id="20261207-000000-000001", state=RunState.preparing, command=["true"])
-    done: list[tuple[str, str]] = []
-    fsync, replace = os.fsync, os.replace
+    store.ensure()
+    ids = iter(range(1, 10**6))
+    longest = 300  # starts at most: the stream ends, so a flush it held up ends too (and the test fails)
 
-    def fsynced(fd: int) -> None:
-        done.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        fsync(fd)
+    def record() -> RunRecord:
+        return RunRecord(id=f"20261207-000000-{next(ids):06d}", state=RunState.queued, command=["true"])
 
-    def renamed(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        done.append(("rename", str(dst)))
-        replace(src, dst)
+    async def main() -> tuple[int, list[str]]:
+        members = [record() for _ in range(50)]
+        flushed = anyio.Event()
+        starts = 0
 
-    monkeypatch.setattr(os, "fsync", fsynced)
-    monkeypatch.setattr(os, "replace", renamed)
-    anyio.run(lambda: store.save_async(record, beside={"launch.json": b"{}\n"}))
-    run_dir = store.run_dir(record.id)
-    assert [op for op, _ in done] == ["fsync", "fsync", "rename", "rename", "fsync", "fsync"]
-    assert all(".tmp." in path for _, path in done[:2])
-    assert done[2:] == [
-        ("rename", str(run_dir / "launch.json")),
-        ("rename", str(run_dir / "run.json")),  # the record last: launch settings alone are a start cut short
-        ("fsync", str(run_dir)),
-        ("fsync", str(store.runs_dir)),
-    ]
-    done.clear()
-    record.transition(RunState.running, "started")
-    store.save(record)
-    assert [op for op, _ in done] == ["fsync", "rename", "fsync"]  # a directory already there: runs/ is not
-    assert json.loads((run_dir / "run.json").read_text())["state"] == "running"
-    assert (run_dir / "launch.json").read_bytes() == b"{}\n"
+        async def starting() -> None:  # as other users' starts: each waits for its save, then the next
+            nonlocal starts
+            while not flushed.is_set() and starts < longest:
+                await store.save_async(record(), beside={"launch.json": b"{}\n"})
+                starts += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(starting)
+            await anyio.sleep(0)
+            for member in members:
+                store.save_later(member)
+            await store.flush()
+            at_flush = starts  # a flush held up by the stream returns only once it ran dry
+            flushed.set()
+        return at_flush, [m.id for m in members]
+
+    at_flush, made = anyio.run(main)
+    assert all(store.record_path(run_id).is_file() for run_id in made)
+    assert at_flush < longest
