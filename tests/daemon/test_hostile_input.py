@@ -53,10 +53,15 @@ def test_every_final_state_is_logged_once_as_run_finished(daemon: DaemonProc) ->
     missing = daemon.call("start", command=["/no/such/program"])["id"]
     for rid in (ok, bad, cancelled, missing):
         daemon.wait_state(rid, "succeeded", "failed", "cancelled", timeout=30)
-    lines = [json.loads(line) for line in daemon.log_path.read_text().splitlines() if line.startswith("{")]
-    finished = [line["run_id"] for line in lines if line.get("event") == "run_finished"]
+
+    def finished() -> list[str]:
+        lines = [json.loads(line) for line in daemon.log_path.read_text().splitlines() if line.startswith("{")]
+        return [line["run_id"] for line in lines if line.get("event") == "run_finished"]
+
+    # The line comes once the final state is saved; the state is shown from the edit on.
+    wait_for(lambda: {ok, bad, cancelled, missing} <= set(finished()), 30, what="every run's run_finished line")
     for rid in (ok, bad, cancelled, missing):
-        assert finished.count(rid) == 1, (rid, finished)
+        assert finished().count(rid) == 1, (rid, finished())
 
 
 def _proof_like() -> object:
