@@ -247,9 +247,11 @@ class Mover:
                 new.note(f"move from target {record.target} done: step {new.progress.step} logged here")
             log.info("move_done", run_id=record.id, to=move.to, new_run=new.id, step=new.progress.step)
         elif new.state.final:
-            await self.failed(record, f"run {new.id} on target {move.to} ended {new.state.value}: {new.message}")
+            why = f"run {new.id} on target {move.to} ended {new.state.value}: {new.message}"
+            # The run made there first: whoever sees the move failed finds that run saying so.
             async with daemon.editing(new):
                 new.note(f"the move of run {record.id} failed here; {record.id} stays stopped and resumable")
+            await self.failed(record, why)
 
     async def failed(self, record: RunRecord, why: str, resumable: bool = True) -> None:
         """The move ends, said on the run with what it can do next."""
