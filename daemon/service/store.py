@@ -104,14 +104,18 @@ class Batch:
 @dataclass
 class _Lane:
     """Trips of the writer one at a time: the saves waiting for the next (`open`), the trip under
-    way (`writing`, set when it ends) and the records it holds (`taken`)."""
+    way (`current`; `writing` is set when it ends) and the records it holds (`taken`)."""
 
     name: str
     open: Batch | None = None
-    writing: anyio.Event | None = None
     current: Batch | None = None  # the batch of the trip under way
     taken: set[str] = field(default_factory=set)
     trips: int = 0  # trips made (tests count them)
+
+    @property
+    def writing(self) -> anyio.Event | None:
+        """Set when the trip under way ends; None when none is."""
+        return self.current.done if self.current is not None else None
 
     def batch(self) -> Batch:
         if self.open is None:
@@ -226,7 +230,6 @@ class RunStore:
                 rest = sorted(taken.drops)[DROPS_PER_TRIP:]
                 taken.drops.difference_update(rest)
                 lane.open = taken.rest = Batch(lane, drops=set(rest), flushing=True)
-            lane.writing = ended = anyio.Event()
             lane.current = taken
             lane.taken = set(taken.items)
             lane.trips += 1
@@ -244,11 +247,9 @@ class RunStore:
                     s=round(time.monotonic() - began, 4),
                 )
             finally:
-                lane.writing = None
                 lane.current = None
                 lane.taken = set()
                 taken.done.set()
-                ended.set()
 
     def _write_batch(self, batch: Batch) -> None:
         """The writer thread's trip: every record of the batch, each whole (StoreError kept), then
