@@ -131,7 +131,6 @@ class Containment:
 
 def carrying_any(runs: Mapping[str, int | None]) -> set[str]:
     """Which runs (run id -> uid) have a live process of that uid started with their OBD_RUN_ID."""
-    needles = {f"{contain.RUN_ID_VAR}={rid}".encode(): rid for rid in runs}
     found: set[str] = set()
     try:
         entries = os.listdir("/proc")
@@ -147,10 +146,9 @@ def carrying_any(runs: Mapping[str, int | None]) -> set[str]:
                 data = f.read(contain.ENVIRON_LIMIT)
         except OSError:
             continue
-        for item in data.split(b"\0"):
-            rid = needles.get(item)
-            if rid is not None and runs[rid] in (None, uid):
-                found.add(rid)
+        rid = contain.identity(data)
+        if rid is not None and rid in runs and runs[rid] in (None, uid):
+            found.add(rid)
     return found
 
 

@@ -8,7 +8,10 @@ process of theirs can leave (moving out needs write access to an ancestor the da
 `cgroup.kill` ends all of it at once. Elsewhere (no cgroup v2, not root) the run's processes are
 found by the identity obd gives them: `OBD_RUN_ID=<run id>` in the environment they were
 started with (`/proc/PID/environ`), among the processes of the run's user only, so no one can
-make obd end, or wait for, anyone else's process.
+make obd end, or wait for, anyone else's process. A notify command the daemon runs about the run
+carries its id too, beside `OBD_EVENT_ID`: it is the daemon's, not the run's, and is left alone
+(a process can as well drop `OBD_RUN_ID` from its environment: the identity binds only what keeps
+it; the cgroup binds everything).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import signal
 
 RUN_ID_VAR = "OBD_RUN_ID"
+HOOK_VAR = "OBD_EVENT_ID"  # set only in the daemon's notify commands (daemon/service/notify.py)
 ENVIRON_LIMIT = 1 << 20  # how much of a process's initial environment is looked at
 
 
@@ -40,18 +44,29 @@ def cgroup_pids(cgroup: str) -> set[int]:
     return found
 
 
-def _environ_has(pid: int, needle: bytes) -> bool:
+def identity(environ: bytes) -> str | None:
+    """The run a process belongs to by the environment it was started with (NUL-separated, as in
+    /proc/PID/environ): its `OBD_RUN_ID`, unless it is a notify command about that run."""
+    run_id = None
+    for item in environ.split(b"\0"):
+        name, _, value = item.partition(b"=")
+        if name == HOOK_VAR.encode():
+            return None
+        if name == RUN_ID_VAR.encode() and run_id is None:  # the first, as getenv reads it
+            run_id = value.decode("utf-8", "replace")
+    return run_id
+
+
+def _identity_of(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read(ENVIRON_LIMIT)
+            return identity(f.read(ENVIRON_LIMIT))
     except OSError:
-        return False
-    return needle in b"\0" + data
+        return None
 
 
 def carrying(run_id: str, uid: int | None) -> set[int]:
     """The live processes of `uid` (None: of any user) started with `OBD_RUN_ID=<run_id>`."""
-    needle = b"\0" + f"{RUN_ID_VAR}={run_id}".encode() + b"\0"
     found: set[int] = set()
     try:
         entries = os.listdir("/proc")
@@ -66,7 +81,7 @@ def carrying(run_id: str, uid: int | None) -> set[int]:
                 continue
         except OSError:
             continue
-        if _environ_has(int(entry), needle):
+        if _identity_of(int(entry)) == run_id:
             found.add(int(entry))
     return found
 
@@ -84,7 +99,7 @@ def _still_ours(pid: int, cgroup: str | None, run_id: str | None) -> bool:
     """Whether `pid` (held by a pidfd) is still the run's, so a reused pid is never signalled."""
     if cgroup and pid in cgroup_pids(cgroup):
         return True
-    return bool(run_id) and _environ_has(pid, b"\0" + f"{RUN_ID_VAR}={run_id}".encode() + b"\0")
+    return bool(run_id) and _identity_of(pid) == run_id
 
 
 def signal_all(

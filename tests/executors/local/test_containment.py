@@ -7,6 +7,7 @@ root here), and the identity fallback (`OBD_RUN_ID` among its user's processes).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from daemon.service.records import Records
 from executors.containment import find_base
 from tests.conftest import FAST_CONFIG, DaemonProc, wait_for
+from trainer_plugin.tools import contain
 
 CONFIG = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
 # The job: a grandchild in a session of its own (setsid, then a double fork), its pid in a file;
@@ -118,6 +120,63 @@ def test_the_next_run_on_the_gpu_starts_only_once_the_last_process_of_the_previo
     assert done["state"] == "succeeded", done["message"]
     assert (Path(done["remote_dir"]) / "job.log").read_text().split() == ["gone", "gone"]
     client.communicate(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("environ", "run"),
+    [
+        (b"PATH=/bin\0OBD_RUN_ID=r1\0", "r1"),
+        (b"OBD_RUN_ID=r1\0OBD_RUN_ID=r2\0", "r1"),  # the first, as getenv reads it
+        (b"OBD_RUN_ID=r1\0OBD_EVENT=started\0OBD_EVENT_ID=r1:1:started\0", None),  # the daemon's hook
+        (b"OBD_RUN_IDX=r1\0XOBD_RUN_ID=r1\0", None),
+        (b"", None),
+    ],
+    ids=["its-id", "the-first-of-two", "a-notify-command", "a-name-only-alike", "none"],
+)
+def test_a_process_is_a_runs_by_its_obd_run_id_unless_it_is_a_notify_command(environ: bytes, run: str | None) -> None:
+    assert contain.identity(environ) == run
+
+
+# A notify command about a run's start: its pid noted, it waits for `release`, then says it ran.
+HOOK = (
+    'echo $$ >> "$1/$OBD_RUN_ID.pids"; touch "$1/$OBD_RUN_ID.hooked"; while [ ! -e "$1/release" ]; do sleep 0.1; done; '
+    'echo "$OBD_EVENT_ID" >> "$1/$OBD_RUN_ID.delivered"'
+)
+
+
+@pytest.mark.parametrize("mode", ["cgroup", "identity"])
+def test_a_notify_command_about_a_run_is_not_ended_with_the_run_and_holds_no_gpu(
+    make_daemon, short_tmp: Path, mode: str
+) -> None:
+    """The daemon's hook carries the run's OBD_RUN_ID (its documented variables), but is the
+    daemon's: the run's end leaves it running, it is delivered once, and the GPU is free."""
+    hook = ["sh", "-c", HOOK, "hook", str(short_tmp)]
+    d = make_daemon(CONFIG + f'\n[[notify]]\nname = "cmd"\ncommand = {json.dumps(hook)}\non = ["started"]\n')
+    if mode == "identity":
+        d.env["OBD_NO_CGROUP"] = "1"
+    elif os.geteuid() != 0 or find_base() is None:
+        pytest.skip("no cgroup v2 this process may write here")
+    d.start()
+    # The job ends as soon as the hook about its start is running.
+    job = f'while [ ! -e "{short_tmp}/$OBD_RUN_ID.hooked" ]; do sleep 0.1; done'
+    out = d.cli("train", "start", "--gpus", "1", "--", "sh", "-c", job)
+    assert out.returncode == 0, out.stderr
+    first = d.wait_state(out.stdout.strip(), "succeeded", "failed")
+    assert first["state"] == "succeeded", first["message"]
+    pids = short_tmp / f"{first['id']}.pids"
+    [pid] = [int(x) for x in pids.read_text().split()]
+    assert alive(pid)  # the run's end (and its sweep of what it left) did not take it
+    out = d.cli("train", "start", "--gpus", "1", "--", "true")
+    assert out.returncode == 0, out.stderr
+    second = d.wait_state(out.stdout.strip(), "succeeded", "failed", timeout=60)
+    assert second["state"] == "succeeded" and second["gpus"] == ["0"], second
+    assert alive(pid)  # the GPU was handed on while the hook still ran
+    (short_tmp / "release").touch()
+    marks = d.state_dir / "runs" / first["id"] / "notify.json"
+    wait_for(lambda: marks.is_file() and json.loads(marks.read_text())["next"].get("cmd"), 60, what="delivery marked")
+    [delivered] = (short_tmp / f"{first['id']}.delivered").read_text().split()
+    assert delivered.startswith(f"{first['id']}:") and delivered.endswith(":started")
+    assert len(pids.read_text().split()) == 1  # delivered at the first attempt
 
 
 async def test_an_ended_runs_gpu_stays_held_while_a_process_carrying_its_identity_lives() -> None:
