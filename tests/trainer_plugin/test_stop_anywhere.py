@@ -105,7 +105,7 @@ def stop_and_resume(job: Job, root: Path, reference: Job, *, cut: str, ranks: in
     proof = job.run.proof()
     assert proof is not None, job.log()[-5000:]
     step = proof["step"]
-    assert f"the stop came during {cut}" in job.log()
+    assert f"the stop came during {cut}" in job.log(), job.log()[-6000:]
     assert max(job.steps()) == step  # the snapshot is the last completed step, none begun after it
     checkpoint = job.run.output / f"checkpoint-{step}"
     resumed = Job(root, resume_from=checkpoint, ranks=ranks)
