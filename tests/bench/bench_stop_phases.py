@@ -1,6 +1,6 @@
 """How long a stop takes, by where the job's time goes (issue 32): request → proof, with the save apart.
 
-    python tests/bench/bench_stop_phases.py [--reps 2] [--json]
+    python tests/bench/bench_stop_phases.py [--reps 2] [--json] [--phase NAME ...]
 
 Each case runs the real Trainer script tests/trainer_plugin/scripts/phases_trainer.py in a run
 directory laid out as obd lays it out (the plugin on PYTHONPATH, no daemon), waits for the phase
@@ -11,8 +11,9 @@ to begin (the script's own line), writes `snapshot.request`, and times:
 - for a stop after train(): request → the plugin's `after_train` line that names what it cuts short.
 Phases: `step end` (short steps, the path every stop took before), `evaluating` (an evaluation of
 0.3 s a sample), `accumulating` (20 forward passes of 0.2 s each), `stalled fetch` (a sample that never
-returns), `after train`, and `evaluating, 2 ranks` (torchrun, gloo: rank 0 slow in an evaluation
-batch while rank 1 waits in its gather). Before this work the last four waited for the whole evaluation, the whole
+returns), `after train`, `evaluating, 2 ranks` (torchrun, gloo: rank 0 slow in an evaluation
+batch while rank 1 waits in its gather), and `accumulating, 2 ranks` (both ranks 1 s into a step of
+20 slow forward passes, where they must agree on one micro-batch). Before this work the last four waited for the whole evaluation, the whole
 step, the stall's end, or `proof_timeout`.
 """
 
@@ -42,6 +43,17 @@ SCRIPT = str(REPO / "tests" / "trainer_plugin" / "scripts" / "phases_trainer.py"
 BASE = ["--max_steps", "40", "--accumulation", "20", "--eval_steps", "5"]
 
 
+PHASES = (
+    "step end",
+    "evaluating",
+    "accumulating",
+    "stalled fetch",
+    "after train",
+    "evaluating, 2 ranks",
+    "accumulating, 2 ranks",
+)
+
+
 def _case(name: str, root: Path) -> dict[str, Any]:
     run = RunDir(root)
     flag = root / "flag"
@@ -53,11 +65,17 @@ def _case(name: str, root: Path) -> dict[str, Any]:
         "after train": (["--max_steps", "3", "--after-train", "600"], "after-train code began"),
         # Two gloo ranks: rank 0 slow in an evaluation batch, rank 1 waiting in its gather (agreement.py).
         "evaluating, 2 ranks": (["--slow-eval", str(flag), "--slow-rank", "0"], "slow evaluation began"),
+        # Two gloo ranks inside one step's 20 slow forward passes (slow from step 3: the script makes
+        # the flag at step 2's end), where no collective holds them together: they agree on a micro-batch.
+        "accumulating, 2 ranks": (
+            ["--slow-forward", str(flag), "--slow-from-step", "2", "--say-steps"],
+            "step 3 ended",
+        ),
     }[name]
     launch = [sys.executable]
     if name.endswith("2 ranks"):
         launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    if name != "accumulating":
+    if not name.startswith("accumulating"):
         flag.write_text("")
     with open(run.log, "wb") as log:
         proc = subprocess.Popen(
@@ -98,9 +116,9 @@ def _case(name: str, root: Path) -> dict[str, Any]:
             proc.wait()
 
 
-def measure(reps: int) -> list[dict[str, Any]]:
+def measure(reps: int, phases: tuple[str, ...] = PHASES) -> list[dict[str, Any]]:
     rows = []
-    for name in ("step end", "evaluating", "accumulating", "stalled fetch", "after train", "evaluating, 2 ranks"):
+    for name in phases:
         runs = []
         for _ in range(reps):
             with tempfile.TemporaryDirectory(prefix="obd-bench-stop-") as tmp:
@@ -123,8 +141,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--phase", action="append", choices=PHASES, help="only this phase (repeatable)")
     opts = p.parse_args()
-    rows = measure(opts.reps)
+    rows = measure(opts.reps, tuple(opts.phase or PHASES))
     if opts.json:
         print(json.dumps(rows, indent=1))
         return 0
