@@ -81,6 +81,9 @@ LIST_TURN = 500  # runs a `list` encodes between two turns of the event loop (`_
 # each state through Enum's __hash__, a call of Python's: a list of 5,000 looks at each).
 _ENDED = tuple(FINAL_STATES)
 Handler = Callable[[Any, Peer], Awaitable[Any]]
+# Root's default list puts up to this many active runs and ends in place among the queued ones
+# (each a bisection and a move); more are sorted with them.
+PLACED_AT_MOST = 256
 
 
 def _place(runs: list[RunRecord], record: RunRecord) -> None:
@@ -274,15 +277,25 @@ class Handlers:
         """Root's list as asked most (no filter): every active run and the `recent` latest ends,
         chains by their latest attempt, oldest first; found from the live runs and the newest
         end back, never by a look at the whole history."""
-        live = [r for r in self.daemon.records.live() if r.retried_by is None]
-        ended: list[RunRecord] = []
+        records = self.daemon.records
+        records.active()  # a run waiting again goes back to the queue first
+        runs = [r for r in records.queued() if r.retried_by is None]  # oldest first, as the queue keeps them
+        rest = [r for r in records.active() if r.retried_by is None]  # with any that just left the queue
+        ended = 0
         if recent:
             for record in reversed(self._ordered()):
                 if record.state in _ENDED and record.retried_by is None:
-                    ended.append(record)
-                    if len(ended) == recent:
+                    rest.append(record)
+                    ended += 1
+                    if ended == recent:
                         break
-        return sorted(live + ended, key=BY_AGE)
+        if len(rest) > PLACED_AT_MOST:
+            return sorted(runs + rest, key=BY_AGE)
+        # The few active runs and ends are put in place among the queued (thousands a member may
+        # have queued are not sorted again at each list).
+        for record in sorted(rest, key=BY_AGE):
+            _place(runs, record)
+        return runs
 
     def _list_answer(self, runs: list[RunRecord], req: ListRunsRequest, peer: Peer) -> RawJSON:
         d = self.daemon

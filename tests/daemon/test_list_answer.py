@@ -16,6 +16,7 @@ from daemon.service.config import Config
 from daemon.service.daemon import Daemon
 from daemon.service.handlers import Handlers
 from daemon.service.models import FINAL_STATES, RunRecord, RunState
+from daemon.service.run_states import EDGES
 
 STATES = [RunState.queued, RunState.preparing, RunState.running, *FINAL_STATES]
 ROOT, BOB = Peer(uid=0, gid=0), Peer(uid=1002, gid=1002)
@@ -93,3 +94,26 @@ def test_runs_added_in_any_order_of_age_are_listed_oldest_first(tmp_path: Path) 
     assert anyio.run(handlers.ping, ListRequest(op="ping"), BOB)["runs"] == sum(
         1 for r in daemon.records.values() if r.owner_uid == 1002
     )
+
+
+def test_roots_default_list_follows_runs_leaving_and_rejoining_the_queue_and_ending(
+    tmp_path: Path,
+) -> None:
+    """The default list is the queue's own order with the active runs and latest ends put in place:
+    it stays the look at every run while runs start, go back to the queue and end, by every edge
+    of the state machine, whether the records were told of the change or find it at the next look."""
+    daemon = daemon_with_runs(tmp_path, 600, seed=11)
+    handlers = Handlers(daemon)
+    rng = random.Random(12)
+    for n in range(300):
+        record = rng.choice([r for r in daemon.records.values() if r.state not in FINAL_STATES])
+        state = rng.choice(sorted(EDGES[record.state.value]))
+        if state == "running":
+            record.job = {"pid": 1}
+        elif state == "preparing" or (state == "queued" and record.state == RunState.preparing):
+            record.job = None  # a launch, or one cut short: waiting in obd's queue again
+        record.transition(RunState(state), "changed")
+        # Told, or found at the next look (another run's change is what the list is asked after).
+        daemon.touch(record if rng.random() < 0.5 else rng.choice(list(daemon.records.values())))
+        recent = rng.choice([0, 3, 20, 1000])
+        assert listed(handlers, ROOT, recent=recent) == every_run_looked_at(daemon, recent), (n, state, recent)
