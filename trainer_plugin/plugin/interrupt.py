@@ -39,8 +39,9 @@ Under torch.distributed every rank must stop at the same point: the ranks agree 
 the job's store (agreement.py) and stop only at the points they all reach (a micro-batch's end,
 an evaluation batch's end); no signal interrupts a rank there, since its peers may be inside a
 collective with it. A rank other than 0 takes the stop from rank 0's post in the store; woken by
-the request file before that post, it looks again every `PARKED_POLL_SECONDS` until it is there. Standard library only; torch, numpy and Python's `random` are read only if
-imported.
+the request file before that post, it looks again every `PARKED_POLL_SECONDS` until it is there.
+
+Standard library only; torch, numpy and Python's `random` are read only if imported.
 """
 
 from __future__ import annotations
