@@ -88,14 +88,24 @@ def after_step_end(job: Job, line: str, whole: bool = False) -> None:
     """Wait for `line`, then for the step end after it: a stop then comes inside the 20 micro-batches of the next step.
     `whole`: for the end of a step slow from its first micro-batch (the step that ends first may have
     turned slow only at its last, and a step under FULL_RNG_STEP_SECONDS keeps no numpy or Python RNG:
-    a rank that cannot be interrupted then leaves the stop to the step end, as interrupt.py says)."""
+    a rank that cannot be interrupted then leaves the stop to the step end, as interrupt.py says).
+
+    The script says `step N ended` in its own step-end callback, before obd's looks at the request
+    at that step end: the wait goes on to the Trainer's log of step N, printed once every rank is
+    past it (a request written in between, on a loaded machine, is a stop at that step end)."""
     job.wait_line(line)
     began = job.log().index(line)
     wait_for(lambda: " ended" in job.log()[began:] or job.proc.poll() is not None, JOB_TIMEOUT, 0.05, "a step end")
     found = re.search(r"step (\d+) ended", job.log()[began:])
-    if whole and found is not None:
-        after = f"step {int(found.group(1)) + 1} ended"
-        wait_for(lambda: after in job.log() or job.proc.poll() is not None, JOB_TIMEOUT, 0.05, after)
+    if found is None:
+        return
+    end = f"step {int(found.group(1)) + 1 if whole else found.group(1)} ended"
+    wait_for(lambda: end in job.log() or job.proc.poll() is not None, JOB_TIMEOUT, 0.05, end)
+    if end in job.log():
+        at = job.log().index(end)
+        wait_for(
+            lambda: "{'loss'" in job.log()[at:] or job.proc.poll() is not None, JOB_TIMEOUT, 0.05, f"{end}: its log"
+        )
 
 
 def stop_and_resume(job: Job, root: Path, reference: Job, *, cut: str, ranks: int = 1) -> tuple[dict, Job]:

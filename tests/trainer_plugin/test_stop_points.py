@@ -18,9 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
-from tests.trainer_plugin.test_agreement import MemoryStore
 from trainer_plugin.plugin import interrupt
-from trainer_plugin.plugin.agreement import RankAgreement
 from trainer_plugin.plugin.interrupt import LOADING_DATA, TRAINING, StopAtBoundary, StopPoints
 from trainer_plugin.plugin.request_watch import RequestWatch
 from trainer_plugin.rundir import request_bytes
@@ -333,30 +331,3 @@ def test_with_the_request_watch_the_thread_looks_seldom_and_a_written_request_wa
     later = StopPoints(str(request))
     later.watched(watch)
     assert later._interval() == interrupt.POLL_SECONDS
-
-
-def test_a_rank_woken_by_the_request_before_rank_0_posted_it_looks_again_at_once_not_a_second_later(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every rank on the node watches the request file, but a rank other than 0 takes the stop from
-    rank 0's post in the store: woken first, it finds nothing posted yet, and must not sleep until
-    its next look (here an hour) while the ranks' micro-batches run out."""
-    monkeypatch.setattr(interrupt, "WATCHED_POLL_SECONDS", 3600.0)
-    store = MemoryStore()
-    request = tmp_path / "snapshot.request"
-    watch = RequestWatch.start(str(request))
-    assert watch is not None
-    one = StopPoints(str(request), agreement=RankAgreement(store, 1, 2, generation=0))
-    one.watched(watch)
-    try:
-        one.start()
-        assert one._interval() == interrupt.WATCHED_POLL_SECONDS
-        request.write_bytes(request_bytes("requested"))
-        wait_for(lambda: one._interval() == interrupt.PARKED_POLL_SECONDS, what="rank 1 seeing the request file")
-        assert one.reason is None  # not before rank 0 says so
-        RankAgreement(store, 0, 2, generation=0).post_stop("requested")
-        wait_for(lambda: one.reason == "requested", what="rank 1 taking rank 0's post")
-        assert store.values["obd-stop/0/at/1"].endswith(b":run")  # it says where it is, for the arbiter
-    finally:
-        one.close()
-        watch.close()

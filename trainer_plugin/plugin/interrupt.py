@@ -38,10 +38,8 @@ accumulation, a data loader stalled in one sample, the script's code after `trai
 Under torch.distributed every rank must stop at the same point: the ranks agree on it through
 the job's store (agreement.py) and stop only at the points they all reach (a micro-batch's end,
 an evaluation batch's end); no signal interrupts a rank there, since its peers may be inside a
-collective with it. A rank other than 0 takes the stop from rank 0's post in the store; woken by
-the request file before that post, it looks again every `PARKED_POLL_SECONDS` until it is there.
-
-Standard library only; torch, numpy and Python's `random` are read only if imported.
+collective with it. Standard library only; torch, numpy and Python's `random` are read only if
+imported.
 """
 
 from __future__ import annotations
@@ -281,7 +279,6 @@ class StopPoints:
         "agreement",
         "is_zero",
         "_verdict",
-        "_awaiting_post",
         "_quiet_lock",
         "_quiet_fetch",
         "_quiet_since",
@@ -334,8 +331,6 @@ class StopPoints:
         self.agreement = agreement
         self.is_zero = agreement is None or agreement.rank == 0
         self._verdict = False
-        # A rank other than 0 that sees the request file (its watch woke it) before rank 0 posted it.
-        self._awaiting_post = False
         # A phase too frequent to write at each change (loading data: every step), said by the
         # thread only once it lasted QUIET_PHASE_SECONDS: the fetch the thread first saw, when, and
         # whether it was said (the thread claims it under the lock before it writes).
@@ -633,7 +628,7 @@ class StopPoints:
 
     def _interval(self) -> float:
         agreeing = self.agreement is not None and self.reason is not None and not self._verdict
-        if agreeing or (self._awaiting_post and self.reason is None):
+        if agreeing:
             return PARKED_POLL_SECONDS
         watch = self.watch
         if self.reason is None and watch is not None and watch.alive:
@@ -683,11 +678,7 @@ class StopPoints:
         """The stop asked, if any: the request file (one process, rank 0), or what rank 0 posted."""
         agreement = self.agreement
         if agreement is not None and not self.is_zero:
-            posted = agreement.posted_stop()
-            # Woken by the request on this node ahead of rank 0's post: look again at once, not in
-            # WATCHED_POLL_SECONDS (the ranks' agreement has one step's micro-batches to be made in).
-            self._awaiting_post = posted is None and read_request(self.request_path) is not None
-            return posted
+            return agreement.posted_stop()
         reason = read_request(self.request_path)
         if reason is not None and agreement is not None:
             agreement.post_stop(reason)
