@@ -43,7 +43,7 @@ import structlog
 from pydantic import ValidationError
 
 from daemon.service.models import RunRecord, check_run_id
-from trainer_plugin.rundir import atomic_write, fsync_dir, is_run_id
+from trainer_plugin.rundir import fsync_dir, is_run_id
 
 log = structlog.get_logger("obd.store")
 RECORD_LIMIT = 16 * 1024 * 1024
@@ -319,8 +319,12 @@ class RunStore:
             list(pool.map(fsync_dir, sorted(directories)))
 
     def _stage(self, item: tuple[str, tuple[int, bytes, dict[str, bytes]]]) -> _Staged:
-        """A record's files written under temporary names (none when a newer save of it is on disk)."""
+        """A trip's record: its files written under temporary names (see `_staged`)."""
         run_id, (seq, data, beside) = item
+        return self._staged(run_id, seq, data, beside)
+
+    def _staged(self, run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> _Staged:
+        """A record's files written under temporary names (none when a newer save of it is on disk)."""
         one = _Staged(run_id, seq, self.run_dir(run_id))
         if self._on_disk.get(run_id, 0) > seq:
             return one
@@ -368,25 +372,29 @@ class RunStore:
         )
 
     def _write(self, run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> None:
-        """Write a record's bytes atomically, unless a newer save of it is already on disk; the
-        files `beside` it first, each whole, their directory made durable once with the record's.
-        A new directory's entry in `runs/` is made durable by the journal's order (ext4, XFS:
-        the commit of the record's rename holds the `mkdir` made before it), with no fsync of
-        `runs/` (a trip of many does one): that fsync made a start's save 1.3-2x slower while
-        another member's sweep was written (tests/bench/bench_store.py, 2026-12-07)."""
-        directory = self.run_dir(run_id)
-        path = directory / "run.json"
-        with self._lock_of(run_id):
-            if self._on_disk.get(run_id, 0) > seq:
-                return
-            try:
-                directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-                for name, content in beside.items():
-                    _replace(directory / name, content)
-                atomic_write(str(path), data, 0o600)
-            except OSError as exc:
-                raise StoreError(self._failure(run_id, exc)) from exc
-            self._on_disk[run_id] = seq
+        """Write a record's bytes atomically, unless a newer save of it is already on disk: as a
+        trip writes one (`_staged`, each file fsynced, `_rename`: the files `beside` it first,
+        `run.json` last), then its directory fsynced. A new directory's entry in `runs/` is made
+        durable by the journal's order (ext4, XFS: the commit of the record's rename holds the
+        `mkdir` made before it), with no fsync of `runs/` (a trip of many does one): that fsync
+        made a start's save 1.3-2x slower while another member's sweep was written
+        (tests/bench/bench_store.py, 2026-12-07)."""
+        one = self._staged(run_id, seq, data, beside)
+        try:
+            if one.error is not None:
+                raise one.error
+            for written in one.files:
+                os.fsync(written.fd)
+        except OSError as exc:
+            one.discard()
+            raise StoreError(self._failure(run_id, exc)) from exc
+        if not one.files:
+            return  # a newer save of it is on disk
+        error = self._rename(one).error
+        if error is not None:
+            raise StoreError(self._failure(run_id, error)) from error
+        if one.files:
+            fsync_dir(str(one.directory))
 
     def load(self, run_id: str) -> RunRecord:
         return parse_record(self.record_path(run_id), run_id)
@@ -485,21 +493,6 @@ def _fsync_or_error(item: tuple[int, object]) -> OSError | None:
     except OSError as exc:
         return exc
     return None
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """`atomic_write` less its directory's fsync, which the record's write beside it makes: a fresh
-    temporary name opened O_EXCL|O_NOFOLLOW (a planted link never redirects it), fsynced, renamed."""
-    written = _write_temporary(path, data)
-    try:
-        os.fsync(written.fd)
-    except BaseException:
-        os.close(written.fd)
-        with contextlib.suppress(OSError):
-            os.unlink(written.tmp)
-        raise
-    os.close(written.fd)
-    os.replace(written.tmp, path)
 
 
 def _encode(record: RunRecord) -> bytes:

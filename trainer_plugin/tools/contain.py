@@ -22,6 +22,7 @@ import signal
 
 RUN_ID_VAR = "OBD_RUN_ID"
 HOOK_VAR = "OBD_EVENT_ID"  # set only in the daemon's notify commands (daemon/service/notify.py)
+_RUN_ID_ITEM, _HOOK_ITEM = f"{RUN_ID_VAR}=".encode(), f"{HOOK_VAR}=".encode()
 ENVIRON_LIMIT = 1 << 20  # how much of a process's initial environment is looked at
 
 
@@ -49,11 +50,10 @@ def identity(environ: bytes) -> str | None:
     /proc/PID/environ): its `OBD_RUN_ID`, unless it is a notify command about that run."""
     run_id = None
     for item in environ.split(b"\0"):
-        name, _, value = item.partition(b"=")
-        if name == HOOK_VAR.encode():
+        if item.startswith(_HOOK_ITEM):
             return None
-        if name == RUN_ID_VAR.encode() and run_id is None:  # the first, as getenv reads it
-            run_id = value.decode("utf-8", "replace")
+        if run_id is None and item.startswith(_RUN_ID_ITEM):  # the first, as getenv reads it
+            run_id = item[len(_RUN_ID_ITEM) :].decode("utf-8", "replace")
     return run_id
 
 
