@@ -8,7 +8,7 @@ from pathlib import Path
 
 from daemon.service.systemd import Notifier
 from executors.local import systemd_scope_prefix
-from tests.conftest import REPO, DaemonProc
+from tests.conftest import REPO, DaemonProc, wait_for
 
 
 def _listen(path: Path) -> socket.socket:
@@ -47,11 +47,10 @@ def test_ready_is_sent_only_after_the_records_are_reconciled(short_tmp: Path) ->
     d = DaemonProc(short_tmp)
     d.start()
     rid = d.cli("train", "start", "--", "sh", "-c", "sleep 1").stdout.strip()
-    d.wait_state(rid, "running")
+    run_dir = Path(d.wait_state(rid, "running")["remote_dir"])
     d.kill()
-    import time
-
-    time.sleep(1.5)
+    # The job ends while the daemon is down (its wrapper writes the exit status once every process is gone).
+    wait_for(lambda: (run_dir / "exit_code").is_file(), 60, 0.05, "the job's end")
     listener = _listen(short_tmp / "notify.sock")
     d.start(extra_env={"NOTIFY_SOCKET": str(short_tmp / "notify.sock")}, wait=False)
     try:

@@ -48,13 +48,15 @@ def cgroup_pids(cgroup: str) -> set[int]:
 def identity(environ: bytes) -> str | None:
     """The run a process belongs to by the environment it was started with (NUL-separated, as in
     /proc/PID/environ): its `OBD_RUN_ID`, unless it is a notify command about that run."""
-    run_id = None
-    for item in environ.split(b"\0"):
-        if item.startswith(_HOOK_ITEM):
-            return None
-        if run_id is None and item.startswith(_RUN_ID_ITEM):  # the first, as getenv reads it
-            run_id = item[len(_RUN_ID_ITEM) :].decode("utf-8", "replace")
-    return run_id
+    data = b"\0" + environ  # substring searches: the wrapper's sweep looks at every process of the user
+    if b"\0" + _HOOK_ITEM in data:
+        return None
+    at = data.find(b"\0" + _RUN_ID_ITEM)  # the first, as getenv reads it
+    if at < 0:
+        return None
+    start = at + 1 + len(_RUN_ID_ITEM)
+    end = data.find(b"\0", start)
+    return data[start : end if end >= 0 else len(data)].decode("utf-8", "replace")
 
 
 def _identity_of(pid: int) -> str | None:
