@@ -201,17 +201,33 @@ class Inventory:
             return list(wanted) if all(w in free for w in wanted) else None
         return free[:wanted] if len(free) >= wanted else None
 
-    def waiting_for(self, record: RunRecord, now: float | None = None, held: dict[str, str] | None = None) -> str:
+    def waiting_for(
+        self,
+        record: RunRecord,
+        now: float | None = None,
+        held: dict[str, str] | None = None,
+        memo: dict[tuple[str, int | tuple[str, ...]], str] | None = None,
+    ) -> str:
         """What a queued run waits for now, in words: the end of its retry's backoff, else its
         GPUs, naming the runs that hold them now (never one that has ended); `held`: the target's
-        holders when the caller has them (a pass of the queue looks them up once, not per run)."""
+        holders when the caller has them (a pass of the queue looks them up once, not per run),
+        and `memo` the words it said for the same target and GPUs with those holders (thousands
+        queued for one GPU are one sentence, made once)."""
         now = time.time() if now is None else now
         if record.not_before is not None and record.not_before > now:
             when = time.strftime("%H:%M:%S", time.localtime(record.not_before))
             return f"waiting until {when} (backoff)"
         wanted = self.wanted(record)
-        held = self.held(record.target) if held is None else held
-        total = len(self.of(record.target))
+        if memo is None or held is None:
+            return self._gpu_words(record.target, wanted, self.held(record.target) if held is None else held)
+        key = (record.target, wanted if isinstance(wanted, int) else tuple(wanted))
+        words = memo.get(key)
+        if words is None:
+            words = memo[key] = self._gpu_words(record.target, wanted, held)
+        return words
+
+    def _gpu_words(self, target: str, wanted: int | list[str], held: dict[str, str]) -> str:
+        total = len(self.of(target))
         free = total - len(held)
         what = f"GPUs {','.join(wanted)}" if isinstance(wanted, list) else f"{wanted} GPU{'s' if wanted != 1 else ''}"
         holders = sorted(set(held.values()))

@@ -314,15 +314,16 @@ class Scheduler:
                 return
             self._messages_at[target] = now
         held, version = daemon.inventory.held(target), daemon.version
+        said: dict[tuple[str, int | tuple[str, ...]], str] = {}  # the GPUs' words with these holders
         changed = []
         for n, record in enumerate(queued, 1):
             if n % SLICE == 0:
                 await anyio.lowlevel.checkpoint()
                 if daemon.version != version:  # as it is now (a look at every record: not for nothing)
-                    held, version = daemon.inventory.held(target), daemon.version
+                    held, version, said = daemon.inventory.held(target), daemon.version, {}
             if not record.in_queue or daemon.lock(record.id).locked():
                 continue  # an edit of it is under way (a cancel, its start): the next pass looks
-            waiting = self.waiting_for(record, now, held)
+            waiting = self.waiting_for(record, now, held, said)
             if record.message.endswith(waiting):
                 continue
             # No await between the look and the change: no edit of it comes in between.
@@ -355,10 +356,16 @@ class Scheduler:
             self._soon = True
         return verdict
 
-    def waiting_for(self, record: RunRecord, now: float | None = None, held: dict[str, str] | None = None) -> str:
+    def waiting_for(
+        self,
+        record: RunRecord,
+        now: float | None = None,
+        held: dict[str, str] | None = None,
+        memo: dict[tuple[str, int | tuple[str, ...]], str] | None = None,
+    ) -> str:
         """What a queued run waits for now, in words: the runs it waits for, else why none of its
-        targets can take it (a run of several), else its target's drain, else its backoff or GPUs;
-        then the overflows still to come (daemon/service/placement.py)."""
+        targets can take it (a run of several), else its target's drain, else its backoff or GPUs
+        (`memo`: see Inventory.waiting_for); then the overflows still to come (daemon/service/placement.py)."""
         verdict = self.gate(record)
         if verdict is not None and verdict.action == "wait":
             return verdict.why
@@ -375,7 +382,7 @@ class Scheduler:
                 f"waiting: target {record.target} is drained, nothing starts on it until "
                 f"`obd targets undrain {record.target}`"
             ) + later
-        return self.daemon.inventory.waiting_for(record, now, held) + later
+        return self.daemon.inventory.waiting_for(record, now, held, memo) + later
 
     async def _held_back(self, target: str) -> set[str]:
         """The queued runs of `target` that may not start yet (`gate`); those that never will are

@@ -6,14 +6,16 @@ import contextlib
 import json
 import os
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
 import pytest
 
 from daemon.service.models import RunRecord, RunState
-from daemon.service.store import RunStore, StoreError
+from daemon.service.store import FSYNCERS, WRITERS, RunStore, StoreError, _each
 from tests.conftest import FAST_CONFIG
 
 
@@ -185,6 +187,58 @@ def test_saves_made_together_are_all_on_disk_and_a_newer_save_is_never_overwritt
     assert bad == [] and len(loaded) == 301
     assert all(loaded[r.id] == r for r in records)
     assert loaded[late.id].state == RunState.cancelled
+
+
+def test_a_trips_parallel_steps_give_every_items_result_in_order_and_raise_only_once_all_threads_stopped() -> None:
+    seen: list[int] = []
+
+    def square(n: int) -> int:
+        seen.append(n)
+        return n * n
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert _each(pool, 4, square, list(range(1000))) == [n * n for n in range(1000)]
+        assert sorted(seen) == list(range(1000))  # each item taken once
+        assert _each(pool, 4, square, []) == []
+
+        def fails_on_7(n: int) -> int:
+            if n == 7:
+                raise OSError("disk gone")
+            return n
+
+        done: list[int] = []
+
+        def slow_others(n: int) -> int:
+            done.append(fails_on_7(n))
+            return n
+
+        with pytest.raises(OSError, match="disk gone"):
+            _each(pool, 4, slow_others, list(range(50)))
+        assert len(done) == 49  # the other threads went on to the end before the error was raised
+
+
+def test_trips_of_many_saves_reuse_their_lanes_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = RunStore(tmp_path)
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+
+    async def trip(first: int) -> None:
+        for i in range(first, first + 40):
+            store.save_later(_record(f"20260101-000000-{i:06x}"))
+        await store.flush()
+
+    for first in (0, 40, 80):
+        anyio.run(trip, first)
+    ours = [name for name in started if name.startswith(("obd-store", "obd-fsync"))]
+    assert 0 < len(ours) <= WRITERS + FSYNCERS  # one lane's threads, made once (each trip made them all again)
+    loaded, bad = RunStore(tmp_path).load_all()
+    assert bad == [] and len(loaded) == 120
 
 
 ONE_GPU = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
