@@ -52,6 +52,7 @@ log = structlog.get_logger("obd.store")
 RECORD_LIMIT = 16 * 1024 * 1024
 WRITERS = 8  # threads of a trip writing its temporary files (creating one blocks on a busy disk: 2 were 2x slower)
 FSYNCERS = 32  # threads of a trip waiting on its fsyncs and unlinks (no GIL held: ext4 commits them together)
+BULK_NICE = 10  # the bulk lane's threads' nice value above the daemon's (an operation on many runs yields the CPU)
 DROPS_PER_TRIP = 256  # files a bulk trip removes at most (unlinks of synced files: milliseconds each on a busy disk)
 # A run's launch settings (daemon/service/queue.py), written before its first record: alone in a
 # directory, they are what a start cut short left.
@@ -112,6 +113,7 @@ class _Lane:
     way (`current`; `writing` is set when it ends) and the records it holds (`taken`)."""
 
     name: str
+    nice: int = 0  # added to its threads' nice value (`pools`)
     open: Batch | None = None
     current: Batch | None = None  # the batch of the trip under way
     taken: set[str] = field(default_factory=set)
@@ -125,10 +127,20 @@ class _Lane:
         """The threads that write a trip's files (WRITERS) and that wait on its fsyncs and unlinks (FSYNCERS)."""
         if self._pools is None:
             self._pools = (
-                ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix=f"obd-store-{self.name}"),
-                ThreadPoolExecutor(max_workers=FSYNCERS, thread_name_prefix=f"obd-fsync-{self.name}"),
+                ThreadPoolExecutor(WRITERS, f"obd-store-{self.name}", initializer=self._lower_priority),
+                ThreadPoolExecutor(FSYNCERS, f"obd-fsync-{self.name}", initializer=self._lower_priority),
             )
         return self._pools
+
+    def _lower_priority(self) -> None:
+        """A new thread of the lane's, at its nice value: the kernel's time of creating a bulk
+        trip's thousand files (seconds of it on a busy ext4) goes to whoever else wants a core
+        first, the event loop answering others included (Linux keeps a nice value per thread)."""
+        if self.nice:
+            with contextlib.suppress(OSError):
+                os.setpriority(
+                    os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self.nice
+                )
 
     @property
     def writing(self) -> anyio.Event | None:
@@ -149,7 +161,7 @@ class RunStore:
         self._on_disk: dict[str, int] = {}  # the number of each record's save on disk
         self._locks: dict[str, threading.Lock] = {}  # one write of a record at a time
         self._locks_lock = threading.Lock()
-        self.bulk = _Lane("bulk")  # many records of one operation, and the files dropped
+        self.bulk = _Lane("bulk", nice=BULK_NICE)  # many records of one operation, and the files dropped
         self.express = _Lane("express")  # single saves: never behind a bulk trip
 
     def ensure(self) -> None:

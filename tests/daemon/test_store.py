@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from daemon.service.models import RunRecord, RunState
-from daemon.service.store import FSYNCERS, WRITERS, RunStore, StoreError, _each
+from daemon.service.store import BULK_NICE, FSYNCERS, WRITERS, RunStore, StoreError, _each
 from tests.conftest import FAST_CONFIG
 
 
@@ -239,6 +239,28 @@ def test_trips_of_many_saves_reuse_their_lanes_threads(tmp_path: Path, monkeypat
     assert 0 < len(ours) <= WRITERS + FSYNCERS  # one lane's threads, made once (each trip made them all again)
     loaded, bad = RunStore(tmp_path).load_all()
     assert bad == [] and len(loaded) == 120
+
+
+def test_a_bulk_trips_threads_yield_the_cpu_and_a_single_saves_do_not(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    async def main() -> None:
+        for i in range(40):  # a sweep's members: the bulk lane
+            store.save_later(_record(f"20260101-000000-{i:06x}"))
+        await store.flush()
+        async with anyio.create_task_group() as tg:  # starts at the same moment: the express lane
+            for i in range(40, 60):
+                tg.start_soon(store.save_async, _record(f"20260101-000000-{i:06x}"))
+
+    anyio.run(main)
+    nice: dict[str, set[int]] = {"bulk": set(), "express": set()}
+    for thread in threading.enumerate():
+        lane = thread.name.removeprefix("obd-store-").removeprefix("obd-fsync-").split("_")[0]
+        if thread.name.startswith(("obd-store-", "obd-fsync-")) and thread.native_id is not None:
+            nice[lane].add(os.getpriority(os.PRIO_PROCESS, thread.native_id))
+    assert nice["bulk"] == {min(base + BULK_NICE, 19)}
+    assert nice["express"] == {base}
 
 
 ONE_GPU = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
