@@ -32,6 +32,11 @@ log = structlog.get_logger("obd.gpus")
 LINGER_POLL = 0.25  # seconds between looks for an ended run's last process
 
 
+# What a pass of the queue said of a target's GPUs, by target and GPUs asked (a count or device ids),
+# while their holders stay the same (Inventory.waiting_for).
+GpuWords = dict[tuple[str, int | tuple[str, ...]], str]
+
+
 class InventoryHost(Runs, Protocol):
     """What the GPU inventory uses of the daemon beyond the records: the targets' GPUs."""
 
@@ -206,7 +211,7 @@ class Inventory:
         record: RunRecord,
         now: float | None = None,
         held: dict[str, str] | None = None,
-        memo: dict[tuple[str, int | tuple[str, ...]], str] | None = None,
+        memo: GpuWords | None = None,
     ) -> str:
         """What a queued run waits for now, in words: the end of its retry's backoff, else its
         GPUs, naming the runs that hold them now (never one that has ended); `held`: the target's

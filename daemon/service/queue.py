@@ -57,7 +57,7 @@ import structlog
 from daemon.service import after, limits, placement, sweeps
 from daemon.service.after import Continues, Verdict
 from daemon.service.api import ApiError
-from daemon.service.gpus import Inventory, queue_message
+from daemon.service.gpus import GpuWords, Inventory, queue_message
 from daemon.service.launch import Launcher
 from daemon.service.models import Placement, RunRecord, RunState
 from daemon.service.ports import Runs
@@ -314,7 +314,7 @@ class Scheduler:
                 return
             self._messages_at[target] = now
         held, version = daemon.inventory.held(target), daemon.version
-        said: dict[tuple[str, int | tuple[str, ...]], str] = {}  # the GPUs' words with these holders
+        said: GpuWords = {}  # the GPUs' words with these holders
         changed = []
         for n, record in enumerate(queued, 1):
             if n % SLICE == 0:
@@ -361,7 +361,7 @@ class Scheduler:
         record: RunRecord,
         now: float | None = None,
         held: dict[str, str] | None = None,
-        memo: dict[tuple[str, int | tuple[str, ...]], str] | None = None,
+        memo: GpuWords | None = None,
     ) -> str:
         """What a queued run waits for now, in words: the runs it waits for, else why none of its
         targets can take it (a run of several), else its target's drain, else its backoff or GPUs
