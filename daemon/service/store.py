@@ -13,7 +13,8 @@ sequence number). Two lanes of trips: the saves of operations on many records (a
 cancelled: `save_later`, `written`) and the files dropped go by the bulk lane, one trip at a time;
 single saves (`save_async`: a start, a run's change) by the express lane, whose trips go on while
 a bulk trip is under way, so that another user's start never waits seconds behind a sweep's
-thousand records. A record is written by one trip at a time (a trip holding a record that the
+thousand records; the bulk lane's threads run at a lower priority (BULK_NICE), so that the
+kernel's time of making a sweep's thousand files goes to others' calls and jobs first. A record is written by one trip at a time (a trip holding a record that the
 other lane's trip under way holds waits for it first), and has at most one save waiting, in one
 lane. A file a record no longer needs beside it (a launch.json once its chain ended) is removed
 by the bulk lane's trips (`drop_later`), after the saves of its trip, DROPS_PER_TRIP a trip.
