@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import anyio
 import structlog
@@ -123,16 +123,20 @@ class _Lane:
     # The threads of its trips of many saves, made at the first and kept: a trip started 40
     # threads, an eighth of the daemon's GIL time while a sweep was made. A lane's own, as its
     # trips are one at a time, and never wait for the other lane's.
-    _pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+    _threads: _LaneThreads | None = None
 
-    def pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """The threads that write a trip's files (WRITERS) and that wait on its fsyncs and unlinks (FSYNCERS)."""
-        if self._pools is None:
-            self._pools = (
-                ThreadPoolExecutor(WRITERS, f"obd-store-{self.name}", initializer=self._lower_priority),
-                ThreadPoolExecutor(FSYNCERS, f"obd-fsync-{self.name}", initializer=self._lower_priority),
+    def threads(self) -> _LaneThreads:
+        """The threads that write a trip's files and that wait on its fsyncs and unlinks."""
+        if self._threads is None:
+            self._threads = _LaneThreads(
+                _Threads(
+                    ThreadPoolExecutor(WRITERS, f"obd-store-{self.name}", initializer=self._lower_priority), WRITERS
+                ),
+                _Threads(
+                    ThreadPoolExecutor(FSYNCERS, f"obd-fsync-{self.name}", initializer=self._lower_priority), FSYNCERS
+                ),
             )
-        return self._pools
+        return self._threads
 
     def _lower_priority(self) -> None:
         """A new thread of the lane's, at its nice value: the kernel's time of creating a bulk
@@ -302,7 +306,7 @@ class RunStore:
             for drop in drops:
                 self._drop(drop)
         else:
-            _each(batch.lane.pools()[1], FSYNCERS, self._drop, drops)
+            batch.lane.threads().fsyncers.each(self._drop, drops)
 
     def _drop(self, drop: tuple[str, str]) -> None:
         run_id, name = drop
@@ -325,28 +329,28 @@ class RunStore:
         `runs/` once when a directory was made (a new run's directory is durable too). A record
         whose files fail (a full disk) keeps its old record and is said in `failed`; the others
         are written all the same."""
-        writers, pool = lane.pools()
-        staged = _each(writers, WRITERS, self._stage, items)
+        writers, fsyncers = lane.threads()
+        staged = writers.each(self._stage, items)
         for one in staged:
             if one.error is not None:
                 failed[one.run_id] = self._failure(one.run_id, one.error)
         ready = [one for one in staged if one.error is None and one.files]
         fds = [(f.fd, one) for one in ready for f in one.files]
-        for (_, one), error in zip(fds, _each(pool, FSYNCERS, _fsync_or_error, fds), strict=True):
+        for (_, one), error in zip(fds, fsyncers.each(_fsync_or_error, fds), strict=True):
             if error is not None and one.error is None:
                 one.error = error
                 failed[one.run_id] = self._failure(one.run_id, error)
         for one in ready:
             if one.error is not None:
                 one.discard()
-        renamed = _each(writers, WRITERS, self._rename, [one for one in ready if one.error is None])
+        renamed = writers.each(self._rename, [one for one in ready if one.error is None])
         for one in renamed:
             if one.error is not None:
                 failed[one.run_id] = self._failure(one.run_id, one.error)
         directories = {str(one.directory) for one in renamed if one.error is None and one.files}
         if any(one.made_dir for one in staged):
             directories.add(str(self.runs_dir))
-        _each(pool, FSYNCERS, fsync_dir, sorted(directories))
+        fsyncers.each(fsync_dir, sorted(directories))
 
     def _stage(self, item: tuple[str, tuple[int, bytes, dict[str, bytes]]]) -> _Staged:
         """A trip's record: its files written under temporary names (see `_staged`)."""
@@ -517,24 +521,36 @@ def _open_temporary(path: Path) -> tuple[Path, int]:
             continue
 
 
-def _each(pool: ThreadPoolExecutor, workers: int, fn: Callable[[_In], _Out], items: Sequence[_In]) -> list[_Out]:
-    """`fn` of each item, in order, by up to `workers` threads of `pool`, each taking the next item
-    as it is free: one task a thread, not a future an item (a trip of 1,000 saves made a future
-    for each item of each phase, a fifth of the daemon's GIL time while a sweep was made). The
-    first exception raised is raised once every thread stopped."""
-    results: list[_Out | None] = [None] * len(items)
-    indices = itertools.count()  # next() of a count is atomic: each item is taken once
+@dataclass
+class _Threads:
+    """Threads of a lane for one kind of work (`pool`, `width` of them)."""
 
-    def work() -> None:
-        while (i := next(indices)) < len(items):
-            results[i] = fn(items[i])
+    pool: ThreadPoolExecutor
+    width: int
 
-    tasks = [pool.submit(work) for _ in range(min(workers, len(items)))]
-    for task in tasks:
-        task.exception()  # every thread stopped before any error is raised
-    for task in tasks:
-        task.result()
-    return results  # type: ignore[return-value]  # every index was filled, or a task raised
+    def each(self, fn: Callable[[_In], _Out], items: Sequence[_In]) -> list[_Out]:
+        """`fn` of each item, in order, each thread taking the next item as it is free: one task a
+        thread, not a future an item (a trip of 1,000 saves made a future for each item of each
+        phase, a fifth of the daemon's GIL time while a sweep was made). The first exception
+        raised is raised once every thread stopped."""
+        results: list[_Out | None] = [None] * len(items)
+        indices = itertools.count()  # next() of a count is atomic: each item is taken once
+
+        def work() -> None:
+            while (i := next(indices)) < len(items):
+                results[i] = fn(items[i])
+
+        tasks = [self.pool.submit(work) for _ in range(min(self.width, len(items)))]
+        for task in tasks:
+            task.exception()  # every thread stopped before any error is raised
+        for task in tasks:
+            task.result()
+        return results  # type: ignore[return-value]  # every index was filled, or a task raised
+
+
+class _LaneThreads(NamedTuple):
+    writers: _Threads  # WRITERS: a trip's temporary files written, then renamed
+    fsyncers: _Threads  # FSYNCERS: its fsyncs and unlinks (no GIL held while they wait)
 
 
 def _fsync_or_error(item: tuple[int, object]) -> OSError | None:

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from daemon.service.models import RunRecord, RunState
-from daemon.service.store import BULK_NICE, FSYNCERS, WRITERS, RunStore, StoreError, _each
+from daemon.service.store import BULK_NICE, FSYNCERS, WRITERS, RunStore, StoreError, _Threads
 from tests.conftest import FAST_CONFIG
 
 
@@ -197,9 +197,10 @@ def test_a_trips_parallel_steps_give_every_items_result_in_order_and_raise_only_
         return n * n
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        assert _each(pool, 4, square, list(range(1000))) == [n * n for n in range(1000)]
+        threads = _Threads(pool, 4)
+        assert threads.each(square, list(range(1000))) == [n * n for n in range(1000)]
         assert sorted(seen) == list(range(1000))  # each item taken once
-        assert _each(pool, 4, square, []) == []
+        assert threads.each(square, []) == []
 
         def fails_on_7(n: int) -> int:
             if n == 7:
@@ -213,7 +214,7 @@ def test_a_trips_parallel_steps_give_every_items_result_in_order_and_raise_only_
             return n
 
         with pytest.raises(OSError, match="disk gone"):
-            _each(pool, 4, slow_others, list(range(50)))
+            threads.each(slow_others, list(range(50)))
         assert len(done) == 49  # the other threads went on to the end before the error was raised
 
 
