@@ -28,8 +28,9 @@ give the ratio to the release beside the ratio of two identical plugins, the noi
 CPU time is split: the request watch, the metrics late writer (a turn when step logs wait), and the
 stop points' thread (a look every POLL_SECONDS, interrupt.py).
 
-The with/without comparison: runs interleave (without, with, without, with, ...) so drift in
-machine load hits both sides alike; the figure per run is the Trainer's own
+The with/without comparison (P1, the figure a user sees): runs interleave (without, with, without,
+with, ...; with `--compare`, each compared plugin too, the order turning each round) so drift in
+machine load hits every side alike; the figure per run is the Trainer's own
 train_steps_per_second. On a machine shared with other work, trust the best-run ratio more than
 the medians (the load average is printed). The per-call figures time SnapshotCallback's step begin
 and end together (no request pending) and on_log in a tight loop, where caches stay warm (a real
@@ -158,6 +159,7 @@ def in_job(out: Path, argv: list[str]) -> None:
         *sorted(name for name in vars(TrainerCallback) if name.startswith("on_")),
         "_count_forward",
         "_count_inputs",
+        "_optimizer_step_begins",  # on_pre_optimizer_step of a step that kept its boundary (an instance hook)
     ]
     calls: dict[str, list[int]] = {}  # hook -> the duration of each call, ns
     step_ends: list[int] = []  # perf_counter_ns at the start of each on_step_end
@@ -500,21 +502,7 @@ def benchmark(
         result["share"] = {name: summary(runs) for name, runs in shares.items()}
         result["load_average_after_share"] = os.getloadavg()
         if not share_only:
-            without: list[float] = []
-            with_: list[float] = []
-            for _ in range(reps):
-                without.append(run_once(root, False, steps, logging_steps=logging_steps))
-                with_.append(run_once(root, True, steps, logging_steps=logging_steps))
-            result.update(
-                reps=reps,
-                without_plugin_steps_per_s=without,
-                with_plugin_steps_per_s=with_,
-                median_without=statistics.median(without),
-                median_with=statistics.median(with_),
-                ratio_with_over_without=statistics.median(with_) / statistics.median(without),
-                # The best run of each side is the least disturbed by other load on the machine.
-                best_ratio_with_over_without=max(with_) / max(without),
-            )
+            result.update(with_without(root, reps, steps, logging_steps, sources))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result["load_average"] = os.getloadavg()
@@ -523,6 +511,47 @@ def benchmark(
     if ranks > 1:
         result["decide"] = {name: decide_cost(source, ranks) for name, source in sources.items()}
     return result
+
+
+def with_without(root: Path, reps: int, steps: int, logging_steps: int, sources: dict[str, Path]) -> dict[str, Any]:
+    """The P1 figure: the Trainer's own steps/s without a plugin and with each plugin in `sources`.
+
+    A round runs the workload once without and once with each plugin, in an order that turns by
+    one each round, so that a side is not always the one after a cold start or before the machine
+    gets busy. Each plugin's figure is its with/without ratio of medians and of best runs (the best
+    run of each side is the least disturbed by other load), and `spread_pct` the spread of the
+    without runs, the noise any ratio here sits in.
+    """
+    sides = ["without", *sources]
+    runs: dict[str, list[float]] = {side: [] for side in sides}
+    for turn in range(reps):
+        for side in sides[turn % len(sides) :] + sides[: turn % len(sides)]:
+            source = sources.get(side)
+            runs[side].append(
+                run_once(root, source is not None, steps, source=source or PLUGIN, logging_steps=logging_steps)
+            )
+    without = runs["without"]
+    plugins = {
+        name: {
+            "steps_per_s": runs[name],
+            "median": statistics.median(runs[name]),
+            "ratio_with_over_without": statistics.median(runs[name]) / statistics.median(without),
+            "best_ratio_with_over_without": max(runs[name]) / max(without),
+        }
+        for name in sources
+    }
+    this = plugins["this"]
+    return {
+        "reps": reps,
+        "without_plugin_steps_per_s": without,
+        "with_plugin_steps_per_s": this["steps_per_s"],
+        "median_without": statistics.median(without),
+        "median_with": this["median"],
+        "ratio_with_over_without": this["ratio_with_over_without"],
+        "best_ratio_with_over_without": this["best_ratio_with_over_without"],
+        "spread_pct": 100 * (max(without) - min(without)) / statistics.median(without),
+        "with_plugins": plugins,
+    }
 
 
 def ratio_us(before: dict[str, Any], after: dict[str, Any]) -> float:
@@ -583,18 +612,18 @@ def print_report(result: dict[str, Any], opts: argparse.Namespace) -> None:
         "to torch's call path"
     )
     if "median_with" in result:
-        print(f"  {result['reps']} interleaved runs each without and with the plugin:")
+        print(f"  {result['reps']} interleaved rounds, the Trainer's own steps/s without and with each plugin:")
         print(
             f"    without plugin: {fmt(result['without_plugin_steps_per_s'])} steps/s "
-            f"(median {result['median_without']:.1f})"
+            f"(median {result['median_without']:.1f}; spread {result['spread_pct']:.1f} % of it)"
         )
-        print(
-            f"    with plugin:    {fmt(result['with_plugin_steps_per_s'])} steps/s (median {result['median_with']:.1f})"
-        )
-        print(
-            f"    ratio with/without: {result['ratio_with_over_without']:.3f} of medians, "
-            f"{result['best_ratio_with_over_without']:.3f} of best runs"
-        )
+        for name, side in result["with_plugins"].items():
+            label = "this plugin" if name == "this" else f"plugin from {compared[name]}"
+            print(
+                f"    with {label}: {fmt(side['steps_per_s'])} steps/s (median {side['median']:.1f}); "
+                f"with/without {side['ratio_with_over_without']:.3f} of medians, "
+                f"{side['best_ratio_with_over_without']:.3f} of best runs"
+            )
     print(f"  load average at the end: {loads(result['load_average'])}")
     for name, micro in result["micro"].items():
         label = "this plugin" if name == "this" else f"plugin from {compared[name]}"

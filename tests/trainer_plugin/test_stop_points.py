@@ -64,6 +64,11 @@ def rng() -> torch.Tensor:
     return torch.random.default_generator.get_state()
 
 
+def optimizer_step_begins(hooks: Any, state: Any) -> None:
+    """The Trainer's `on_pre_optimizer_step` event, as its CallbackHandler calls it: the instance's hook where it has one."""
+    hooks.on_pre_optimizer_step(None, state, None)
+
+
 def test_inside_a_short_step_a_micro_batch_end_leaves_the_stop_to_the_near_step_end() -> None:
     points = points_after(0.05)
     points.step_begins()
@@ -108,6 +113,27 @@ def test_inside_a_short_step_past_its_fetch_a_stop_waits_for_the_step_end() -> N
     assert not points.taken and not points.exact
     points.boundary(3, 100.03)  # the step end takes it (callback.py), with the live state exact
     assert points.exact
+
+
+def test_an_interruption_inside_the_optimizer_step_of_a_long_step_waits_for_its_end() -> None:
+    """Through the callback's hooks, as the Trainer calls them: a long step keeps its boundary, so a
+    stop inside it is exact up to its optimizer step, and from there on waits for the step end."""
+    from trainer_plugin.plugin.callback import SnapshotCallback
+    from trainer_plugin.plugin.runtime import RunEnv
+
+    hooks = SnapshotCallback(env=RunEnv.from_environ({}))
+    hooks._points = points = points_after(interrupt.KEEP_RNG_STEP_SECONDS + 0.1)  # step 2 was long: kept
+    points.reason = None
+    hooks.on_step_begin(None, None, None)  # step 3 begins
+    points.reason = "requested"
+    before = points.safe, points.exact
+    optimizer_step_begins(hooks, None)
+    points.check(interrupted=True)  # a signal in the optimizer step: nothing raised
+    assert before == (True, True) and not points.taken
+    points.boundary(3, 200.0)  # the step end takes it with the state after the optimizer step
+    with pytest.raises(StopAtBoundary) as stop:
+        points.check(interrupted=True)
+    assert stop.value.step == 3
 
 
 @pytest.mark.parametrize(
@@ -283,8 +309,12 @@ def test_the_callbacks_inlined_step_begin_and_end_mark_what_step_begins_and_boun
         assert torch.equal(rng(), after)
         reference.step_begins()
         assert marks(inlined) == marks(reference), step
-        hooks.on_pre_optimizer_step(None, state, None)
-        reference.unsafe()
+        # The optimizer step is marked unsafe where a stop could act in it: a step still exact once begun.
+        assert ("on_pre_optimizer_step" in vars(hooks)) == reference.exact, step
+        optimizer_step_begins(hooks, state)
+        if reference.exact:
+            reference.unsafe()
+        assert "on_pre_optimizer_step" not in vars(hooks)  # for that step only
         clock[0] += seconds
         state.global_step = step
         hooks.on_step_end(None, state, None)
