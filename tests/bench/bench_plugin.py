@@ -159,7 +159,6 @@ def in_job(out: Path, argv: list[str]) -> None:
         *sorted(name for name in vars(TrainerCallback) if name.startswith("on_")),
         "_count_forward",
         "_count_inputs",
-        "_optimizer_step_begins",  # on_pre_optimizer_step of a step that kept its boundary (an instance hook)
     ]
     calls: dict[str, list[int]] = {}  # hook -> the duration of each call, ns
     step_ends: list[int] = []  # perf_counter_ns at the start of each on_step_end

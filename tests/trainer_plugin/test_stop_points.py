@@ -64,11 +64,6 @@ def rng() -> torch.Tensor:
     return torch.random.default_generator.get_state()
 
 
-def optimizer_step_begins(hooks: Any, state: Any) -> None:
-    """The Trainer's `on_pre_optimizer_step` event, as its CallbackHandler calls it: the instance's hook where it has one."""
-    hooks.on_pre_optimizer_step(None, state, None)
-
-
 def test_inside_a_short_step_a_micro_batch_end_leaves_the_stop_to_the_near_step_end() -> None:
     points = points_after(0.05)
     points.step_begins()
@@ -121,13 +116,13 @@ def test_an_interruption_inside_the_optimizer_step_of_a_long_step_waits_for_its_
     from trainer_plugin.plugin.callback import SnapshotCallback
     from trainer_plugin.plugin.runtime import RunEnv
 
-    hooks = SnapshotCallback(env=RunEnv.from_environ({}))
+    hooks: Any = SnapshotCallback(env=RunEnv.from_environ({}))  # Any: the Trainer's arguments are not needed here
     hooks._points = points = points_after(interrupt.KEEP_RNG_STEP_SECONDS + 0.1)  # step 2 was long: kept
     points.reason = None
     hooks.on_step_begin(None, None, None)  # step 3 begins
     points.reason = "requested"
     before = points.safe, points.exact
-    optimizer_step_begins(hooks, None)
+    hooks.on_pre_optimizer_step(None, None, None)
     points.check(interrupted=True)  # a signal in the optimizer step: nothing raised
     assert before == (True, True) and not points.taken
     points.boundary(3, 200.0)  # the step end takes it with the state after the optimizer step
@@ -309,12 +304,8 @@ def test_the_callbacks_inlined_step_begin_and_end_mark_what_step_begins_and_boun
         assert torch.equal(rng(), after)
         reference.step_begins()
         assert marks(inlined) == marks(reference), step
-        # The optimizer step is marked unsafe where a stop could act in it: a step still exact once begun.
-        assert ("on_pre_optimizer_step" in vars(hooks)) == reference.exact, step
-        optimizer_step_begins(hooks, state)
-        if reference.exact:
-            reference.unsafe()
-        assert "on_pre_optimizer_step" not in vars(hooks)  # for that step only
+        hooks.on_pre_optimizer_step(None, state, None)
+        reference.unsafe()
         clock[0] += seconds
         state.global_step = step
         hooks.on_step_end(None, state, None)

@@ -224,18 +224,11 @@ class SnapshotCallback(TrainerCallback):
             if points.phase == LOADING_DATA:
                 points.phase = TRAINING
                 if points._quiet_said or points._begin_watch:
-                    self._began(points, True)
+                    points.began(True)
                 else:
                     points.exact = False
             else:
-                self._began(points, False)
-
-    def _began(self, points: StopPoints, left_loading: bool) -> None:
-        """`on_step_begin` past its common case (StopPoints.began). A step whose boundary is still
-        exact once it began also gets its optimizer step marked: an instance hook for this step only."""
-        points.began(left_loading)
-        if points.exact:
-            self.__dict__["on_pre_optimizer_step"] = self._optimizer_step_begins
+                points.began(False)
 
     def _profiled_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """`on_step_begin` while a profiler runs (an instance attribute over the class's, for this training only)."""
@@ -491,15 +484,10 @@ class SnapshotCallback(TrainerCallback):
         if points is not None:
             points.passed()
 
-    # No `on_pre_optimizer_step` of the class's: a step that began without its boundary kept is not
-    # exact until its end (nothing acts in it), so its optimizer step needs no mark and costs no call
-    # of obd's. A step that kept it (a long one, several micro-batches, a probe) gets this one.
-    def _optimizer_step_begins(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """`on_pre_optimizer_step` of a step still exact after its begin: the optimizer step is never interrupted."""
-        self.__dict__.pop("on_pre_optimizer_step", None)
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         points = self._points
-        if points is not None:
-            points.unsafe()
+        if points is not None:  # the optimizer step is never interrupted
+            points.safe = False
 
     def evaluating(self, begun: bool, completed: bool = False) -> None:
         """From inject's wrapper of Trainer.evaluate: an evaluation begins (True) or ended (False);

@@ -251,8 +251,7 @@ class StopPoints:
 
     The step's own marks (a step end that copies nothing, a step begin, the optimizer step's) are a
     few stores into this object's first slots, with no call beyond the hook's own: callback.py
-    inlines the step begin's (`step_begins` is the same, as a method), and marks the optimizer
-    step `unsafe()` only in a step still `exact` once begun (nothing acts in any other).
+    inlines the step begin's and the optimizer step's (`step_begins` is the same, as a method).
     """
 
     # The attributes a step touches first (one or two cache lines after a step's compute), then the rest.
