@@ -15,7 +15,8 @@ one trip at a time; single saves (`save_async`: a start, a run's change) by the 
 whose trips go on while a bulk trip is under way, so that another user's start never waits
 seconds behind a sweep's thousand records; the bulk lane's threads run at a lower priority
 (BULK_NICE), so that the kernel's time of making a sweep's thousand files goes to others' calls
-and jobs first. A record is written by one trip at a time (a trip holding a record that the
+and jobs first, and make no new file while an express trip is under way (BULK_YIELD_SECONDS at
+most each), so that a start's fsync commits the disk's journal without a crowd of the sweep's. A record is written by one trip at a time (a trip holding a record that the
 other lane's trip under way holds waits for it first), and has at most one save waiting, in one
 lane. A file a record no longer needs beside it (a launch.json once its chain ended) is removed
 by the bulk lane's trips (`drop_later`), after the saves of its trip, DROPS_PER_TRIP a trip.
@@ -55,6 +56,10 @@ RECORD_LIMIT = 16 * 1024 * 1024
 WRITERS = 8  # threads of a trip writing its temporary files (creating one blocks on a busy disk: 2 were 2x slower)
 FSYNCERS = 32  # threads of a trip waiting on its fsyncs and unlinks (no GIL held: ext4 commits them together)
 BULK_NICE = 10  # the bulk lane's threads' nice value above the daemon's (an operation on many runs yields the CPU)
+# How long a bulk thread waits, before each file it would write or remove, while an express trip is
+# under way: a single save's fsync commits the disk's journal with whatever the bulk lane made
+# meanwhile, so the bulk lane makes nothing new until that commit, or this long at most.
+BULK_YIELD_SECONDS = 0.1
 DROPS_PER_TRIP = 256  # files a bulk trip removes at most (unlinks of synced files: milliseconds each on a busy disk)
 # A run's launch settings (daemon/service/queue.py), written before its first record: alone in a
 # directory, they are what a start cut short left.
@@ -116,6 +121,7 @@ class _Lane:
 
     name: str
     nice: int = 0  # added to its threads' nice value (`pools`)
+    gate: threading.Event | None = None  # its threads take an item only while set (BULK_YIELD_SECONDS at most)
     open: Batch | None = None
     current: Batch | None = None  # the batch of the trip under way
     taken: set[str] = field(default_factory=set)
@@ -130,10 +136,14 @@ class _Lane:
         if self._threads is None:
             self._threads = _LaneThreads(
                 _Threads(
-                    ThreadPoolExecutor(WRITERS, f"obd-store-{self.name}", initializer=self._lower_priority), WRITERS
+                    ThreadPoolExecutor(WRITERS, f"obd-store-{self.name}", initializer=self._lower_priority),
+                    WRITERS,
+                    self.gate,
                 ),
                 _Threads(
-                    ThreadPoolExecutor(FSYNCERS, f"obd-fsync-{self.name}", initializer=self._lower_priority), FSYNCERS
+                    ThreadPoolExecutor(FSYNCERS, f"obd-fsync-{self.name}", initializer=self._lower_priority),
+                    FSYNCERS,
+                    self.gate,
                 ),
             )
         return self._threads
@@ -167,7 +177,11 @@ class RunStore:
         self._on_disk: dict[str, int] = {}  # the number of each record's save on disk
         self._locks: dict[str, threading.Lock] = {}  # one write of a record at a time
         self._locks_lock = threading.Lock()
-        self.bulk = _Lane("bulk", nice=BULK_NICE)  # many records of one operation, and the files dropped
+        # Set while no express trip is under way: the bulk lane's threads wait for it (BULK_YIELD_SECONDS).
+        self.express_idle = threading.Event()
+        self.express_idle.set()
+        # Many records of one operation, and the files dropped.
+        self.bulk = _Lane("bulk", nice=BULK_NICE, gate=self.express_idle)
         self.express = _Lane("express")  # single saves: never behind a bulk trip
 
     def ensure(self) -> None:
@@ -274,6 +288,8 @@ class RunStore:
                 # Only the trip under way now: one the other lane makes after it waits for this one.
                 if other.writing is not None and not other.taken.isdisjoint(lane.taken):
                     await other.writing.wait()
+                if lane is self.express:  # closed only now: a bulk trip this one waited for has ended
+                    self.express_idle.clear()
                 await anyio.to_thread.run_sync(self._write_batch, taken)
                 log.debug(
                     "store_trip",
@@ -283,6 +299,8 @@ class RunStore:
                     s=round(time.monotonic() - began, 4),
                 )
             finally:
+                if lane is self.express:
+                    self.express_idle.set()
                 lane.current = None
                 lane.taken = set()
                 taken.done.set()
@@ -523,10 +541,12 @@ def _open_temporary(path: Path) -> tuple[Path, int]:
 
 @dataclass
 class _Threads:
-    """Threads of a lane for one kind of work (`pool`, `width` of them)."""
+    """Threads of a lane for one kind of work (`pool`, `width` of them); with a `gate`, each takes
+    its next item only once the gate is set, or after BULK_YIELD_SECONDS."""
 
     pool: ThreadPoolExecutor
     width: int
+    gate: threading.Event | None = None
 
     def each(self, fn: Callable[[_In], _Out], items: Sequence[_In]) -> list[_Out]:
         """`fn` of each item, in order, each thread taking the next item as it is free: one task a
@@ -536,8 +556,12 @@ class _Threads:
         results: list[_Out | None] = [None] * len(items)
         indices = itertools.count()  # next() of a count is atomic: each item is taken once
 
+        gate = self.gate
+
         def work() -> None:
             while (i := next(indices)) < len(items):
+                if gate is not None and not gate.is_set():
+                    gate.wait(BULK_YIELD_SECONDS)
                 results[i] = fn(items[i])
 
         tasks = [self.pool.submit(work) for _ in range(min(self.width, len(items)))]

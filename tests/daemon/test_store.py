@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from daemon.service import store as store_module
 from daemon.service.models import RunRecord, RunState
 from daemon.service.store import BULK_NICE, FSYNCERS, WRITERS, RunStore, StoreError, _Threads
 from tests.conftest import FAST_CONFIG
@@ -262,6 +263,63 @@ def test_a_bulk_trips_threads_yield_the_cpu_and_a_single_saves_do_not(tmp_path: 
             nice[lane].add(os.getpriority(os.PRIO_PROCESS, thread.native_id))
     assert nice["bulk"] == {min(base + BULK_NICE, 19)}
     assert nice["express"] == {base}
+
+
+def test_a_bulk_trips_threads_take_no_item_while_a_gate_is_closed_and_wait_at_most_the_yield(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Gate(threading.Event):
+        """An Event that counts the threads waiting on it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.arrived = threading.Semaphore(0)
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.arrived.release()
+            return super().wait(timeout)
+
+    done: list[int] = []
+    gate = Gate()
+    monkeypatch.setattr(store_module, "BULK_YIELD_SECONDS", 3600.0)  # only the gate's opening lets them on
+    with ThreadPoolExecutor(max_workers=4) as pool, ThreadPoolExecutor(max_workers=1) as caller:
+        answer = caller.submit(_Threads(pool, 4, gate).each, done.append, list(range(100)))
+        for _ in range(4):
+            assert gate.arrived.acquire(timeout=60), "a thread never reached the gate"
+        assert done == []  # each of the 4 threads took its item and waits with it
+        gate.set()
+        assert len(answer.result(timeout=60)) == 100 and sorted(done) == list(range(100))
+        # A gate that stays closed holds each item BULK_YIELD_SECONDS at most: the trip ends all the same.
+        monkeypatch.setattr(store_module, "BULK_YIELD_SECONDS", 0.001)
+        gate.clear()
+        assert len(_Threads(pool, 4, gate).each(done.append, list(range(20)))) == 20
+
+
+def test_the_bulk_lane_waits_while_an_express_trip_writes_and_goes_on_after_it_even_when_it_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = RunStore(tmp_path)
+    open_while_writing: list[bool] = []
+    write = store._write
+
+    def watched(run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> None:
+        open_while_writing.append(store.express_idle.is_set())
+        if run_id.endswith("bad"):
+            raise StoreError("disk full")
+        write(run_id, seq, data, beside)
+
+    monkeypatch.setattr(store, "_write", watched)
+    assert store.bulk.threads().writers.gate is store.express_idle  # the bulk lane's threads wait on it
+    assert store.express.threads().writers.gate is None
+
+    async def main() -> None:
+        await store.save_async(_record())
+        with pytest.raises(StoreError):
+            await store.save_async(_record("20260101-000000-000bad"))
+
+    anyio.run(main)
+    assert open_while_writing == [False, False]  # closed while each express trip wrote
+    assert store.express_idle.is_set()  # and open again after each, the failed one too
 
 
 ONE_GPU = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
