@@ -4,22 +4,23 @@ A save writes a temporary file beside the record, fsyncs it, renames it over the
 fsyncs the directory, so a SIGKILL or a power cut at any moment leaves the old record or the
 new one, never half of one; a full disk leaves the old record and raises `StoreError`.
 
-Saves are made off the event loop (`save_async`): the bytes are taken at once, written and
-fsynced by a worker thread, and the caller goes on once they are durable, so a daemon that
-answers about a record has it on disk, and others are answered meanwhile. Saves made while the
-thread is busy are written together on its next trip; a record saved twice before its trip is
-written once, with its newest bytes, and a newer save is never overwritten by an older one
-(each save has a sequence number). Two lanes of trips: the saves of operations on many records
-(a sweep made or cancelled: `save_later`, `written`) and the files dropped go by the bulk lane,
-one trip at a time; single saves (`save_async`: a start, a run's change) by the express lane,
-whose trips go on while a bulk trip is under way, so that another user's start never waits
-seconds behind a sweep's thousand records; the bulk lane's threads run at a lower priority
-(BULK_NICE), so that the kernel's time of making a sweep's thousand files goes to others' calls
-and jobs first, and make no new file while an express trip is under way (BULK_YIELD_SECONDS at
-most each), so that a start's fsync commits the disk's journal without a crowd of the sweep's. A record is written by one trip at a time (a trip holding a record that the
-other lane's trip under way holds waits for it first), and has at most one save waiting, in one
-lane. A file a record no longer needs beside it (a launch.json once its chain ended) is removed
-by the bulk lane's trips (`drop_later`), after the saves of its trip, DROPS_PER_TRIP a trip.
+Saves are made off the event loop (`save_async`): the bytes are taken at once, written and fsynced
+by a worker thread, and the caller goes on once they are durable, so a daemon that answers about a
+record has it on disk, and others are answered meanwhile. Saves made while the thread is busy are
+written together on its next trip; a record saved twice before its trip is written once, with its
+newest bytes, and a newer save is never overwritten by an older one (each save has a sequence
+number). Two lanes of trips: the saves of operations on many records (a sweep made or cancelled:
+`save_later`, `written`) and the files dropped go by the bulk lane, one trip at a time; single
+saves (`save_async`: a start, a run's change) by the express lane, whose trips go on while a bulk
+trip is under way, so that another user's start never waits seconds behind a sweep's thousand
+records; the bulk lane's threads run at a lower priority (BULK_NICE), so that the kernel's time of
+making a sweep's thousand files goes to others' calls and jobs first, and make no new file while
+an express trip is under way (BULK_YIELD_SECONDS at most each), so that a start's fsync commits
+the disk's journal without a crowd of the sweep's. A record is written by one trip at a time (a
+trip holding a record that the other lane's trip under way holds waits for it first), and has at
+most one save waiting, in one lane. A file a record no longer needs beside it (a launch.json once
+its chain ended) is removed by the bulk lane's trips (`drop_later`), after the saves of its trip,
+DROPS_PER_TRIP a trip.
 
 What such a kill leaves is cleared when the records are loaded (`load_all`, at the daemon's
 start): the temporary files of atomic writes (`.NAME.tmp.*`) made before this process started,
