@@ -8,7 +8,8 @@ Each figure is one process of its own, with a store in a throwaway directory und
 state directory's usual disk). `--compare DIR` times another tree's store (a checkout, e.g.
 `git archive HEAD~1 | tar -x -C /tmp/before`) in the same rounds, the two taking turns, so
 both see the same load; the ratio is this tree's median over the other's. Prints the median and
-the 90th percentile of the starts' saves (ms) made during the sweep's trip, and alone.
+the 90th percentile of the starts' saves (ms) made during the sweep's trip, and alone, and how long
+the sweep took to write while those starts were saved one after another.
 """
 
 from __future__ import annotations
@@ -55,14 +56,17 @@ def _measure(members: int) -> dict[str, list[float]]:
             alone.append(time.perf_counter() - began)
         during: list[float] = []
         swept = anyio.Event()
+        sweep_s: list[float] = []
 
         async def sweep() -> None:  # as a sweep is made: its members' saves taken, then waited for
+            began = time.perf_counter()
             saves = (
                 store.save_later(record(RunState.queued), beside={"launch.json": SETTINGS}) for _ in range(members)
             )
             batches = {id(b): b for b in saves}
             for batch in batches.values():
                 await store.written(batch)
+            sweep_s.append(time.perf_counter() - began)
             swept.set()
 
         async with anyio.create_task_group() as tg:
@@ -72,7 +76,7 @@ def _measure(members: int) -> dict[str, list[float]]:
                 began = time.perf_counter()
                 await store.save_async(record(RunState.preparing), beside={"launch.json": SETTINGS})
                 during.append(time.perf_counter() - began)
-        return {"alone": alone, "during": during}
+        return {"alone": alone, "during": during, "sweep": sweep_s}
 
     try:
         return anyio.run(main)
@@ -112,6 +116,7 @@ def main() -> None:
             print(f"round {n} (load {load}) {tree}:")
             print(f"  a start's save during a sweep of {args.members}: {_line(got['during'])}")
             print(f"  a start's save alone:                 {_line(got['alone'])}")
+            print(f"  the sweep written, starts saved meanwhile: {got['sweep'][0]:.2f} s")
         if args.compare:
             print(f"  during the sweep, this tree / the other: {medians[REPO] / medians[trees[1]]:.2f}")
 
