@@ -171,7 +171,11 @@ def test_a_truncated_newest_checkpoint_fails_one_attempt_at_load_and_the_next_re
 ) -> None:
     d = make_daemon(CONFIG)
     d.start()
+    # The first attempt hangs once checkpoint-10 is saved (the marker made as it hangs), so that
+    # checkpoint-10 is its newest however slow the machine; the later attempts train on.
+    hung = short_tmp / "hung"
     command = [PY, PLAIN, "--output_dir", "out", "--max_steps", str(STEPS), "--save_steps", "5", "--step-sleep", "0.2"]
+    command += ["--hang-after", "10", "--hang-marker", str(hung)]
     out = d.cli("train", "start", "--cwd", str(short_tmp), "--retry", "2", "--", *command)
     assert out.returncode == 0, out.stderr
     a1 = out.stdout.strip()
@@ -179,10 +183,10 @@ def test_a_truncated_newest_checkpoint_fails_one_attempt_at_load_and_the_next_re
     def saved() -> dict[str, Any] | None:
         r = d.record(a1)
         assert r["state"] in ("queued", "preparing", "running"), r["message"]
-        state = Path(r["remote_dir"] or "/nonexistent") / "output" / "checkpoint-10" / "trainer_state.json"
-        return r if r["job"] and state.exists() else None
+        return r if r["job"] and hung.exists() else None
 
-    first = wait_for(saved, 120, 0.03, "checkpoint-10 of the first attempt")
+    first = wait_for(saved, 120, 0.1, "the first attempt hanging after checkpoint-10")
+    assert not (Path(first["remote_dir"]) / "output" / "checkpoint-15").exists()
     weights = Path(first["remote_dir"]) / "output" / "checkpoint-10" / "model.safetensors"
     with open(weights, "r+b") as f:  # half of it, as a full disk leaves it
         f.truncate(os.path.getsize(weights) // 2)

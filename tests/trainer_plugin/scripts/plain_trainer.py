@@ -64,10 +64,22 @@ class Outside(TrainerCallback):
         rank = os.environ.get("RANK", "0")
         say(f"train ended at step {state.global_step} of {state.max_steps} (rank {rank})")
 
+    def _hangs(self) -> bool:
+        """Whether to hang: always, or with --hang-marker only where the marker is not there yet (it
+        is made as the job hangs: a later attempt of the run trains on)."""
+        marker = self.opts.hang_marker
+        if not marker:
+            return True
+        try:
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            return False
+        return True
+
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         step = state.global_step + 1  # the step about to run
         rank = int(os.environ.get("RANK", "0"))
-        if self.opts.hang_after and step == self.opts.hang_after + 1:
+        if self.opts.hang_after and step == self.opts.hang_after + 1 and self._hangs():
             # A Trainer that hangs after a logged step (a stuck collective, a data loader that
             # never yields): no later step end, no later write, ever.
             print(f"hanging after step {self.opts.hang_after}", flush=True)
@@ -190,6 +202,9 @@ def main() -> int:
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer, as LoRA freezes the base model")
     p.add_argument("--hold-at", type=int, default=0, help="test: after this step, wait for a snapshot request")
     p.add_argument("--hang-after", type=int, default=0, help="test: hang (sleep an hour) after this step is logged")
+    p.add_argument(
+        "--hang-marker", default="", help="test: with --hang-after, hang only if this file is not there (made)"
+    )
     p.add_argument(
         "--finish", default="", help="test: after train(), save_model(), write DIR/finished, push (to DIR/pushed)"
     )
