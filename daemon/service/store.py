@@ -88,6 +88,12 @@ def is_temporary(name: str) -> bool:
     return name.startswith(".") and ".tmp." in name
 
 
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 class StoreError(Exception):
     pass
 
@@ -121,8 +127,10 @@ class _Lane:
     way (`current`; `writing` is set when it ends) and the records it holds (`taken`)."""
 
     name: str
-    nice: int = 0  # added to its threads' nice value (`pools`)
+    nice: int = 0  # added to its threads' nice value (`threads`)
     gate: threading.Event | None = None  # its threads take an item only while set (BULK_YIELD_SECONDS at most)
+    # Set while no trip of its own is under way (`writing`, for threads): another lane's gate.
+    idle: threading.Event = field(default_factory=_set_event)
     open: Batch | None = None
     current: Batch | None = None  # the batch of the trip under way
     taken: set[str] = field(default_factory=set)
@@ -178,12 +186,10 @@ class RunStore:
         self._on_disk: dict[str, int] = {}  # the number of each record's save on disk
         self._locks: dict[str, threading.Lock] = {}  # one write of a record at a time
         self._locks_lock = threading.Lock()
-        # Set while no express trip is under way: the bulk lane's threads wait for it (BULK_YIELD_SECONDS).
-        self.express_idle = threading.Event()
-        self.express_idle.set()
-        # Many records of one operation, and the files dropped.
-        self.bulk = _Lane("bulk", nice=BULK_NICE, gate=self.express_idle)
         self.express = _Lane("express")  # single saves: never behind a bulk trip
+        # Many records of one operation, and the files dropped: its threads wait while an express
+        # trip is under way (BULK_YIELD_SECONDS at most).
+        self.bulk = _Lane("bulk", nice=BULK_NICE, gate=self.express.idle)
 
     def ensure(self) -> None:
         self.runs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -289,8 +295,7 @@ class RunStore:
                 # Only the trip under way now: one the other lane makes after it waits for this one.
                 if other.writing is not None and not other.taken.isdisjoint(lane.taken):
                     await other.writing.wait()
-                if lane is self.express:  # closed only now: a bulk trip this one waited for has ended
-                    self.express_idle.clear()
+                lane.idle.clear()  # only now: a trip of the other lane this one waited for has ended
                 await anyio.to_thread.run_sync(self._write_batch, taken)
                 log.debug(
                     "store_trip",
@@ -300,8 +305,7 @@ class RunStore:
                     s=round(time.monotonic() - began, 4),
                 )
             finally:
-                if lane is self.express:
-                    self.express_idle.set()
+                lane.idle.set()
                 lane.current = None
                 lane.taken = set()
                 taken.done.set()
@@ -556,7 +560,6 @@ class _Threads:
         raised is raised once every thread stopped."""
         results: list[_Out | None] = [None] * len(items)
         indices = itertools.count()  # next() of a count is atomic: each item is taken once
-
         gate = self.gate
 
         def work() -> None:

@@ -303,13 +303,13 @@ def test_the_bulk_lane_waits_while_an_express_trip_writes_and_goes_on_after_it_e
     write = store._write
 
     def watched(run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> None:
-        open_while_writing.append(store.express_idle.is_set())
+        open_while_writing.append(store.express.idle.is_set())
         if run_id.endswith("bad"):
             raise StoreError("disk full")
         write(run_id, seq, data, beside)
 
     monkeypatch.setattr(store, "_write", watched)
-    assert store.bulk.threads().writers.gate is store.express_idle  # the bulk lane's threads wait on it
+    assert store.bulk.threads().writers.gate is store.express.idle  # the bulk lane's threads wait on it
     assert store.express.threads().writers.gate is None
 
     async def main() -> None:
@@ -319,7 +319,7 @@ def test_the_bulk_lane_waits_while_an_express_trip_writes_and_goes_on_after_it_e
 
     anyio.run(main)
     assert open_while_writing == [False, False]  # closed while each express trip wrote
-    assert store.express_idle.is_set()  # and open again after each, the failed one too
+    assert store.express.idle.is_set()  # and open again after each, the failed one too
 
 
 ONE_GPU = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
