@@ -15,9 +15,6 @@ whole API surface, and who may call what, is read in one place.
 from __future__ import annotations
 
 import base64
-import bisect
-import itertools
-import json
 import math
 import os
 import shutil
@@ -56,15 +53,15 @@ from daemon.service.follow import Follower, job_handle
 from daemon.service.gpus import Inventory
 from daemon.service.launch import Launcher
 from daemon.service.limits import report_of
-from daemon.service.models import FINAL_STATES, RunRecord, RunState, SweepTag
+from daemon.service.models import RunRecord, RunState, SweepTag
 from daemon.service.move import Mover
 from daemon.service.policy import admitted, check_resume_priority
 from daemon.service.ports import Runs
 from daemon.service.preempt import Preemptor
 from daemon.service.queue import Scheduler
-from daemon.service.records import BY_AGE
 from daemon.service.recovery import Recovery
 from daemon.service.retention import Retention, holding
+from daemon.service.run_list import RunLists
 from daemon.service.specs import uses_caller_environment
 from daemon.service.stop import ASKED_VIA, cancel_asked, request_snapshot
 from daemon.service.sweeps import MAX_MEMBERS, Sweeps
@@ -76,22 +73,7 @@ from trainer_plugin.rundir import normalise_reason
 from trainer_plugin.tools.creds import hand_over
 
 log = structlog.get_logger("obd")
-LIST_TURN = 500  # runs a `list` encodes between two turns of the event loop (`_encode_summaries`)
-# The final states as a tuple: a run's state is found in it by identity (a frozenset of them hashes
-# each state through Enum's __hash__, a call of Python's: a list of 5,000 looks at each).
-_ENDED = tuple(FINAL_STATES)
 Handler = Callable[[Any, Peer], Awaitable[Any]]
-# Root's default list puts up to this many active runs and ends in place among the queued ones
-# (each a bisection and a move); more are sorted with them.
-PLACED_AT_MOST = 256
-
-
-def _place(runs: list[RunRecord], record: RunRecord) -> None:
-    """Put a run into a list of runs oldest first, in its place (at the end, most often)."""
-    if not runs or BY_AGE(record) >= BY_AGE(runs[-1]):
-        runs.append(record)
-    else:
-        bisect.insort(runs, record, key=BY_AGE)
 
 
 class ServiceHost(Runs, Protocol):
@@ -148,12 +130,7 @@ class Handlers:
         self.daemon = daemon
         self.sweeps = Sweeps(daemon)  # a sweep's id or name is also taken by status, stop, cancel, resume
         self.moves = Mover(daemon, self.resume)  # `obd train move`: its listener and catch-up are the daemon's
-        # The last answers of `list`, by caller and question, with the state of the runs they were
-        # made from: asked again with nothing changed (a script polling `obd train list --json`),
-        # the answer is sent as it was, not sorted, filtered and joined again for every run.
-        self._lists: dict[tuple[Any, ...], tuple[tuple[int, int, int], RawJSON]] = {}
-        self._order: tuple[tuple[int, int], list[RunRecord]] = ((0, -1), [])  # `_ordered`
-        self._owned: dict[int | None, list[RunRecord]] = {}  # `_ordered(owner)`, made with `_order`
+        self.lists = RunLists(daemon)
         self.table: dict[str, tuple[type[BaseModel], Handler]] = {
             "ping": (ListRequest, self.ping),
             "list": (ListRunsRequest, self.list_runs),
@@ -198,153 +175,14 @@ class Handlers:
     # --- reading -------------------------------------------------------------------------
 
     async def ping(self, req: ListRequest, peer: Peer) -> dict[str, Any]:
-        # A member's runs are theirs in `_ordered` (no look at others'): ping stays cheap with 5,000 queued.
-        runs = len(self.daemon.records) if peer.is_root else len(self._ordered_of(peer))
+        # A member's runs are theirs in `ordered_of` (no look at others'): ping stays cheap with 5,000 queued.
+        runs = len(self.daemon.records) if peer.is_root else len(self.lists.ordered_of(peer))
         return {"pid": os.getpid(), "runs": runs, "uid": os.geteuid()}
 
     async def list_runs(self, req: ListRunsRequest, peer: Peer) -> RawJSON | list[dict[str, Any]]:
-        d = self.daemon
         if req.sweep is not None:  # its members, each with its values and best loss (daemon/service/sweeps.py)
             return list((await self.sweeps.view(self.sweeps.find(req.sweep, peer)))["members"])
-        key = (
-            peer.is_root,
-            peer.uid,
-            req.all,
-            tuple(req.states),
-            req.target,
-            req.name,
-            req.since,
-            req.limit,
-            req.recent,
-        )
-        stamp = (d.version, len(d.records), len(d.bad_records))
-        kept = self._lists.get(key)
-        if kept is not None and kept[0] == stamp:
-            return kept[1]
-        if len(self._lists) >= 64:  # many callers or questions (each --since differs): start afresh
-            self._lists.clear()
-        runs = self._answered(req, peer)
-        if await self._encode_summaries(runs, peer):  # others were answered meanwhile: the runs as they are now
-            runs = self._answered(req, peer)
-        answer = self._list_answer(runs, req, peer)
-        self._lists[key] = (stamp, answer)
-        return answer
-
-    def _ordered(self) -> list[RunRecord]:
-        """Every run, oldest first (not to be changed by the caller). A run is never removed from
-        the records, and its id, owner and creation time never change once it is there: the runs
-        added since the last look (the last of the records, a dict) are put in their places, most
-        often at the end; the whole is sorted only when the records were loaded anew."""
-        records = self.daemon.records
-        (known, count), runs = self._order
-        if known != id(records) or len(records) < count:
-            runs = sorted(records.values(), key=BY_AGE)
-            self._owned = {}
-            for record in runs:
-                self._owned.setdefault(record.owner_uid, []).append(record)
-        elif len(records) > count:
-            added = list(itertools.islice(reversed(records.values()), len(records) - count))
-            for record in reversed(added):
-                _place(runs, record)
-                _place(self._owned.setdefault(record.owner_uid, []), record)
-        self._order = ((id(records), len(records)), runs)
-        return runs
-
-    def _ordered_of(self, peer: Peer) -> list[RunRecord]:
-        """`_ordered`, the caller's runs only (all of them for root): a member's list looks at their
-        own, however many runs another member queued."""
-        runs = self._ordered()
-        return runs if peer.is_root else self._owned.get(peer.uid, [])
-
-    async def _encode_summaries(self, runs: list[RunRecord], peer: Peer) -> bool:
-        """Encode the `list` entries of the caller's runs among `runs` that changed since they were
-        last encoded, LIST_TURN runs between two turns of the event loop: after a sweep of 1,000
-        was made (or 5,000 queued runs' messages changed), root's list is not one encoding of them
-        all while everyone else waits. Whether it let others in: the answer is then made at once,
-        from the runs as they are then, so it is one moment's (a run changed meanwhile is encoded
-        again there)."""
-        d = self.daemon
-        mine = runs if peer.is_root else [r for r in runs if r.owner_uid == peer.uid]  # others' are not kept
-        turned = False
-        for n, record in enumerate(d.unencoded(mine), 1):
-            if n % LIST_TURN == 0:
-                await anyio.lowlevel.checkpoint()
-                turned = True
-            d.summary_json(record)
-        return turned
-
-    def _root_default(self, recent: int) -> list[RunRecord]:
-        """Root's list as asked most (no filter): every active run and the `recent` latest ends,
-        chains by their latest attempt, oldest first; found from the live runs and the newest
-        end back, never by a look at the whole history."""
-        records = self.daemon.records
-        records.active()  # a run waiting again goes back to the queue first
-        runs = [r for r in records.queued() if r.retried_by is None]  # oldest first, as the queue keeps them
-        rest = [r for r in records.active() if r.retried_by is None]  # with any that just left the queue
-        ended = 0
-        if recent:
-            for record in reversed(self._ordered()):
-                if record.state in _ENDED and record.retried_by is None:
-                    rest.append(record)
-                    ended += 1
-                    if ended == recent:
-                        break
-        if len(rest) > PLACED_AT_MOST:
-            return sorted(runs + rest, key=BY_AGE)
-        # The few active runs and ends are put in place among the queued (thousands a member may
-        # have queued are not sorted again at each list).
-        for record in sorted(rest, key=BY_AGE):
-            _place(runs, record)
-        return runs
-
-    def _list_answer(self, runs: list[RunRecord], req: ListRunsRequest, peer: Peer) -> RawJSON:
-        d = self.daemon
-        if peer.is_root:
-            parts = d.summaries_json(runs)
-        else:
-            uid = peer.uid
-            parts = [
-                d.summary_json(r) if r.owner_uid == uid else json.dumps(r.summary(full=False)).encode() for r in runs
-            ]
-        if peer.is_root and (req.all or not req.states):
-            parts += [
-                json.dumps({"id": rid, "state": "unreadable", "message": err}).encode()
-                for rid, err in sorted(d.bad_records.items())
-            ]
-        if not parts:
-            return RawJSON(b"[]")
-        pieces = [b"["]  # one copy of 5,000 entries into the answer, not three
-        for part in parts:
-            pieces += (part, b",")
-        pieces[-1] = b"]"
-        return RawJSON(b"".join(pieces))
-
-    def _answered(self, req: ListRunsRequest, peer: Peer) -> list[RunRecord]:
-        """The runs a `list` answers with (see ListRunsRequest), oldest first."""
-        plain = not (req.all or req.states or req.target or req.name or req.since is not None or req.limit)
-        return self._root_default(req.recent) if peer.is_root and plain else self._filtered(req, peer)
-
-    def _filtered(self, req: ListRunsRequest, peer: Peer) -> list[RunRecord]:
-        """`_answered` with a filter, or for a member: a look at each of the runs it may show."""
-        runs = self._ordered() if req.all else self._ordered_of(peer)  # as `visible`
-        if req.states:
-            runs = [r for r in runs if r.state.value in req.states]
-        if req.target:
-            runs = [r for r in runs if r.target == req.target]
-        if req.name:
-            runs = [r for r in runs if r.name == req.name]
-        if req.since is not None:
-            runs = [r for r in runs if r.created >= req.since]
-        if not req.all:
-            runs = [r for r in runs if r.retried_by is None]  # a chain shows its latest attempt
-        if not (req.all or req.states or req.limit):
-            # By default: every active run, and the most recent ends (a look at each state once).
-            ended = [i for i, r in enumerate(runs) if r.state in _ENDED]
-            hidden = set(ended[: max(0, len(ended) - req.recent)])
-            runs = [r for i, r in enumerate(runs) if i not in hidden]
-        if req.limit:
-            runs = runs[-req.limit :]
-        return runs
+        return await self.lists.answer(req, peer)
 
     async def targets(self, req: ListRequest, peer: Peer) -> list[dict[str, Any]]:
         config = self.daemon.config

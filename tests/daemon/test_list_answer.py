@@ -117,3 +117,28 @@ def test_roots_default_list_follows_runs_leaving_and_rejoining_the_queue_and_end
         daemon.touch(record if rng.random() < 0.5 else rng.choice(list(daemon.records.values())))
         recent = rng.choice([0, 3, 20, 1000])
         assert listed(handlers, ROOT, recent=recent) == every_run_looked_at(daemon, recent), (n, state, recent)
+
+
+def test_roots_list_keeps_its_queued_runs_joined_while_other_runs_come_and_go(tmp_path: Path) -> None:
+    """Thousands of queued runs' entries are joined once: a run that starts and ends elsewhere
+    changes root's list (it is in it, in its place) but not them; a queued run's change does."""
+    daemon = daemon_with_runs(tmp_path, 400, seed=5)
+    handlers = Handlers(daemon)
+    assert listed(handlers, ROOT) == every_run_looked_at(daemon, 10)
+    piece = handlers.lists._queued
+    joined = piece._joined
+    assert len(piece.runs) > 50
+    middle = piece.runs[len(piece.runs) // 2]
+    record = RunRecord(id="20260103-000000-000001", command=["true"], state=RunState.queued, created=middle.created)
+    daemon.records[record.id] = record  # waits in the queue among the others, then starts and ends
+    for state in (RunState.preparing, RunState.running, RunState.succeeded):
+        record.job = {"pid": 1} if state == RunState.running else None
+        record.transition(state, "changed")
+        daemon.touch(record)
+        assert listed(handlers, ROOT) == every_run_looked_at(daemon, 10), state
+        assert piece._joined is joined, state
+    middle.message = "waiting for 2 GPUs"
+    daemon.touch(middle)
+    answer = anyio.run(handlers.list_runs, ListRunsRequest(op="list"), ROOT)
+    assert [e["message"] for e in json.loads(answer) if e["id"] == middle.id] == ["waiting for 2 GPUs"]
+    assert piece._joined is not joined

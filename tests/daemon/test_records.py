@@ -209,3 +209,30 @@ def test_a_capped_member_s_start_counts_their_queued_runs_with_no_look_at_anyone
         policy.check_queued(daemon, bob, 1, "obd train start")  # room again, as soon as the daemon is told
     finally:
         SEALED[0] = False
+
+
+def test_the_queue_keeps_its_runs_in_age_order_as_they_come_and_go_without_sorting_again() -> None:
+    """Each run that joins the queue is put in its place and each that leaves taken out: 5,000
+    queued runs are not sorted again at the next look after every start."""
+    records = Records()
+    rng = random.Random(2)
+    for n in range(200):
+        record = RunRecord(id=f"20260101-000000-{n:06x}", command=["true"], state=RunState.queued, created=rng.random())
+        records[record.id] = record
+    ordered = records.queued()
+    kept = records._ordered
+    for n in range(200):
+        record = rng.choice(list(records.values()))
+        if rng.random() < 0.5 and record.state == RunState.queued:
+            record.transition(RunState.preparing, "launched")
+            records.touched(record)
+        else:
+            fresh = RunRecord(
+                id=f"20260102-000000-{n:06x}", command=["true"], state=RunState.queued, created=rng.random()
+            )
+            records[fresh.id] = fresh
+        ordered = records.queued()
+        assert [r.id for r in ordered] == [
+            r.id for r in sorted(records.values(), key=lambda r: (r.created, r.id)) if r.state == RunState.queued
+        ]
+    assert records._ordered is kept  # put in place and taken out, never sorted anew

@@ -1,0 +1,278 @@
+"""The `list` op's answers: which runs a caller is shown, oldest first, as one JSON array.
+
+Root's list is asked most and is the largest: every active run and the latest ends, among the
+thousands one member may have queued. Its queued runs' entries are joined into one piece and kept
+while the queue is as it was (`QueuedPiece`): a start or an end elsewhere changes the answer, but
+not those 5,000 entries, so the answer is that piece with the few other runs put in their places,
+not 5,000 entries looked up, filtered and joined again (issue 33: 19 ms of the event loop for each
+root's list after any change, with 5,000 queued).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+from typing import Any, Protocol
+
+import anyio.lowlevel
+
+from daemon.service.api import ListRunsRequest, Peer, RawJSON
+from daemon.service.models import FINAL_STATES, RunRecord
+from daemon.service.records import BY_AGE, Records
+
+LIST_TURN = 500  # runs a `list` encodes between two turns of the event loop (`_encode_summaries`)
+# The final states as a tuple: a run's state is found in it by identity (a frozenset of them hashes
+# each state through Enum's __hash__, a call of Python's: a list of 5,000 looks at each).
+_ENDED = tuple(FINAL_STATES)
+# Root's default list puts up to this many active runs and ends in place among the queued ones
+# (each a bisection); more are sorted with them.
+PLACED_AT_MOST = 256
+
+
+class ListHost(Protocol):
+    """What the list needs of the daemon: the records, their version, and their encoded entries."""
+
+    records: Records
+    bad_records: dict[str, str]
+    version: int  # bumped by every change of a run (`touch`)
+
+    def summary_json(self, record: RunRecord) -> bytes: ...
+
+    def summaries_json(self, records: list[RunRecord]) -> list[bytes]: ...
+
+    def unencoded(self, records: list[RunRecord]) -> list[RunRecord]: ...
+
+
+def place(runs: list[RunRecord], record: RunRecord) -> None:
+    """Put a run into a list of runs oldest first, in its place (at the end, most often)."""
+    if not runs or BY_AGE(record) >= BY_AGE(runs[-1]):
+        runs.append(record)
+    else:
+        bisect.insort(runs, record, key=BY_AGE)
+
+
+def json_array(parts: list[bytes | memoryview]) -> bytes:
+    """Encoded JSON values as one array, copied once."""
+    if not parts:
+        return b"[]"
+    pieces: list[bytes | memoryview] = [b"["]
+    for part in parts:
+        pieces += (part, b",")
+    pieces[-1] = b"]"
+    return b"".join(pieces)
+
+
+class QueuedPiece:
+    """The queued runs root's list shows (the latest attempts, oldest first) and their entries
+    joined with commas, kept while the queue did not change (`Records.queue_version`: a run
+    added to it, gone from it, or changed in it) and, when it did, while their entries are the same
+    (a run that came and went between two lists changed nothing here)."""
+
+    def __init__(self) -> None:
+        self._version: tuple[int, int] | None = None
+        self.runs: list[RunRecord] = []
+        self._parts: list[bytes] = []
+        self._keys: list[tuple[float, str]] = []
+        self._joined = memoryview(b"")
+        self._starts = [0]  # where each entry begins in `_joined`, and one past the end's comma
+
+    def current(self, records: Records) -> bool:
+        """Whether `runs` are the queue's as it is now (they are found again if not)."""
+        queued = records.queued()  # first: it finds a run that left the queue untold
+        version = (id(records), records.queue_version)
+        if version == self._version:
+            return True
+        self.runs = [r for r in queued if r.retried_by is None]
+        self._version = version
+        return False
+
+    def forget(self) -> None:
+        """Find the runs again at the next look (the event loop turned while they were encoded)."""
+        self._version = None
+
+    def join(self, parts: list[bytes]) -> None:
+        """Take the entries of `runs`, in their order; joined again only if one differs."""
+        if len(parts) == len(self._parts) and all(a is b for a, b in zip(parts, self._parts, strict=True)):
+            return
+        joined = b",".join(parts)
+        self._parts = parts
+        self._keys = [BY_AGE(r) for r in self.runs]
+        self._starts = [0, *itertools.accumulate(len(p) + 1 for p in parts)]
+        self._joined = memoryview(joined)
+
+    def with_others(self, others: list[tuple[RunRecord, bytes]], tail: list[bytes]) -> bytes:
+        """The answer: the queued entries with `others` (oldest first) in their places, then `tail`."""
+        parts: list[bytes | memoryview] = []
+        start = 0
+        for record, part in others:
+            at = bisect.bisect_left(self._keys, BY_AGE(record), lo=start)
+            if at > start:
+                parts.append(self._segment(start, at))
+            parts.append(part)
+            start = at
+        if start < len(self._keys):
+            parts.append(self._segment(start, len(self._keys)))
+        parts += tail
+        return json_array(parts)
+
+    def _segment(self, first: int, end: int) -> memoryview:
+        return self._joined[self._starts[first] : self._starts[end] - 1]  # without its last comma
+
+
+class RunLists:
+    """The `list` op for every caller: the answer for a question asked again with nothing changed
+    (a script polling `obd train list --json`) is sent as it was, not sorted, filtered and joined
+    again for every run; root's default list keeps its queued runs joined (`QueuedPiece`)."""
+
+    def __init__(self, daemon: ListHost) -> None:
+        self.daemon = daemon
+        self._answers: dict[tuple[Any, ...], tuple[tuple[int, int, int], RawJSON]] = {}
+        self._order: tuple[tuple[int, int], list[RunRecord]] = ((0, -1), [])  # `ordered`
+        self._owned: dict[int | None, list[RunRecord]] = {}  # `ordered_of(owner)`, made with `_order`
+        self._queued = QueuedPiece()
+
+    async def answer(self, req: ListRunsRequest, peer: Peer) -> RawJSON:
+        d = self.daemon
+        key = (
+            peer.is_root,
+            peer.uid,
+            req.all,
+            tuple(req.states),
+            req.target,
+            req.name,
+            req.since,
+            req.limit,
+            req.recent,
+        )
+        stamp = (d.version, len(d.records), len(d.bad_records))
+        kept = self._answers.get(key)
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        if len(self._answers) >= 64:  # many callers or questions (each --since differs): start afresh
+            self._answers.clear()
+        plain = not (req.all or req.states or req.target or req.name or req.since is not None or req.limit)
+        answer = await (
+            self._root_default(req.recent, peer) if peer.is_root and plain else self._filtered_answer(req, peer)
+        )
+        self._answers[key] = (stamp, answer)
+        return answer
+
+    def ordered(self) -> list[RunRecord]:
+        """Every run, oldest first (not to be changed by the caller). A run is never removed from
+        the records, and its id, owner and creation time never change once it is there: the runs
+        added since the last look (the last of the records, a dict) are put in their places, most
+        often at the end; the whole is sorted only when the records were loaded anew."""
+        records = self.daemon.records
+        (known, count), runs = self._order
+        if known != id(records) or len(records) < count:
+            runs = sorted(records.values(), key=BY_AGE)
+            self._owned = {}
+            for record in runs:
+                self._owned.setdefault(record.owner_uid, []).append(record)
+        elif len(records) > count:
+            added = list(itertools.islice(reversed(records.values()), len(records) - count))
+            for record in reversed(added):
+                place(runs, record)
+                place(self._owned.setdefault(record.owner_uid, []), record)
+        self._order = ((id(records), len(records)), runs)
+        return runs
+
+    def ordered_of(self, peer: Peer) -> list[RunRecord]:
+        """`ordered`, the caller's runs only (all of them for root): a member's list looks at their
+        own, however many runs another member queued."""
+        runs = self.ordered()
+        return runs if peer.is_root else self._owned.get(peer.uid, [])
+
+    async def _encode_summaries(self, runs: list[RunRecord], peer: Peer) -> bool:
+        """Encode the `list` entries of the caller's runs among `runs` that changed since they were
+        last encoded, LIST_TURN runs between two turns of the event loop: after a sweep of 1,000
+        was made (or 5,000 queued runs' messages changed), root's list is not one encoding of them
+        all while everyone else waits. Whether it let others in: the answer is then made at once,
+        from the runs as they are then, so it is one moment's (a run changed meanwhile is encoded
+        again there)."""
+        d = self.daemon
+        mine = runs if peer.is_root else [r for r in runs if r.owner_uid == peer.uid]  # others' are not kept
+        turned = False
+        for n, record in enumerate(d.unencoded(mine), 1):
+            if n % LIST_TURN == 0:
+                await anyio.lowlevel.checkpoint()
+                turned = True
+            d.summary_json(record)
+        return turned
+
+    def _root_rest(self, recent: int) -> list[RunRecord]:
+        """Root's default list beside its queued runs: the active runs and the `recent` latest ends,
+        chains by their latest attempt, oldest first; found from the live runs and the newest end
+        back, never by a look at the whole history."""
+        rest = [r for r in self.daemon.records.active() if r.retried_by is None]
+        ended = 0
+        if recent:
+            for record in reversed(self.ordered()):
+                if record.state in _ENDED and record.retried_by is None:
+                    rest.append(record)
+                    ended += 1
+                    if ended == recent:
+                        break
+        return sorted(rest, key=BY_AGE)
+
+    async def _root_default(self, recent: int, peer: Peer) -> RawJSON:
+        """Root's list as asked most (no filter): every active run and the `recent` latest ends,
+        with every queued run, oldest first."""
+        d, piece = self.daemon, self._queued
+        d.records.active()  # a run waiting again goes back to the queue first
+        if not piece.current(d.records):
+            if await self._encode_summaries(piece.runs, peer):
+                piece.forget()  # others were answered meanwhile: the runs as they are now
+                piece.current(d.records)
+            piece.join(d.summaries_json(piece.runs))
+        rest = self._root_rest(recent)
+        if len(rest) > PLACED_AT_MOST:
+            return RawJSON(json_array([*d.summaries_json(sorted(piece.runs + rest, key=BY_AGE)), *self._unreadable()]))
+        return RawJSON(piece.with_others(list(zip(rest, d.summaries_json(rest), strict=True)), self._unreadable()))
+
+    def _unreadable(self) -> list[bytes]:
+        """Root's entries for the records that could not be read."""
+        return [
+            json.dumps({"id": rid, "state": "unreadable", "message": err}).encode()
+            for rid, err in sorted(self.daemon.bad_records.items())
+        ]
+
+    async def _filtered_answer(self, req: ListRunsRequest, peer: Peer) -> RawJSON:
+        runs = self._filtered(req, peer)
+        if await self._encode_summaries(runs, peer):  # others were answered meanwhile: the runs as they are now
+            runs = self._filtered(req, peer)
+        d = self.daemon
+        if peer.is_root:
+            parts = d.summaries_json(runs)
+        else:
+            uid = peer.uid
+            parts = [
+                d.summary_json(r) if r.owner_uid == uid else json.dumps(r.summary(full=False)).encode() for r in runs
+            ]
+        if peer.is_root and (req.all or not req.states):
+            parts += self._unreadable()
+        return RawJSON(json_array(list(parts)))
+
+    def _filtered(self, req: ListRunsRequest, peer: Peer) -> list[RunRecord]:
+        """The runs a `list` with a filter, or a member's, answers with (see ListRunsRequest),
+        oldest first: a look at each of the runs it may show."""
+        runs = self.ordered() if req.all else self.ordered_of(peer)  # as `visible`
+        if req.states:
+            runs = [r for r in runs if r.state.value in req.states]
+        if req.target:
+            runs = [r for r in runs if r.target == req.target]
+        if req.name:
+            runs = [r for r in runs if r.name == req.name]
+        if req.since is not None:
+            runs = [r for r in runs if r.created >= req.since]
+        if not req.all:
+            runs = [r for r in runs if r.retried_by is None]  # a chain shows its latest attempt
+        if not (req.all or req.states or req.limit):
+            # By default: every active run, and the most recent ends (a look at each state once).
+            ended = [i for i, r in enumerate(runs) if r.state in _ENDED]
+            hidden = set(ended[: max(0, len(ended) - req.recent)])
+            runs = [r for i, r in enumerate(runs) if i not in hidden]
+        if req.limit:
+            runs = runs[-req.limit :]
+        return runs
