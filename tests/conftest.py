@@ -188,8 +188,9 @@ def kill_leftover_jobs(state_dir: Path) -> None:
 
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
-    """A short temporary directory (unix socket paths are limited to 107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="obd-", dir="/tmp"))
+    """A short temporary directory (unix socket paths are limited to 107 bytes), under /tmp or
+    OBD_TEST_TMP (a benchmark measured on the disk a state directory will live on)."""
+    path = Path(tempfile.mkdtemp(prefix="obd-", dir=leftovers.temporary_base()))
     yield path
     leftovers.end_processes_in(path)  # nothing of the test's runs on from a deleted directory
     shutil.rmtree(path, ignore_errors=True)

@@ -45,6 +45,12 @@ def torch_cache() -> str:
 MADE: set[str] = set()  # the `/tmp/obd-*` directories this process made (and, in the controller, its workers)
 
 
+def temporary_base() -> str:
+    """Where the tests' `obd-*` directories are made: /tmp, or OBD_TEST_TMP where set (another
+    disk's: the figures of tests/bench/ depend on the file system the state directory is on)."""
+    return os.path.abspath(os.environ.get("OBD_TEST_TMP") or "/tmp")
+
+
 def mark_session() -> bool:
     """Mark this process (the controller) or join the mark it inherited (an xdist worker); True when
     this process made the mark. Either way, `tempfile.mkdtemp` registers the directories it makes."""
@@ -62,7 +68,8 @@ def _register_mkdtemp() -> None:
 
     def mkdtemp(suffix: str | None = None, prefix: str | None = None, dir: str | None = None) -> str:
         path = original(suffix, prefix, dir)
-        if os.path.dirname(os.path.abspath(path)) == "/tmp" and os.path.basename(path).startswith("obd-"):
+        base = os.path.dirname(os.path.abspath(path))
+        if base in ("/tmp", temporary_base()) and os.path.basename(path).startswith("obd-"):
             MADE.add(os.path.abspath(path))
         return path
 
