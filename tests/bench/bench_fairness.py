@@ -16,8 +16,8 @@ goal (issue 33): the others answered within 100 ms p99, a sweep of 1,000 made or
 about a second. OBD_BENCH_SWEEPS and OBD_BENCH_MEMBERS change the load (5 x 1,000 by default).
 
 The state directory is made under /tmp, or under OBD_TEST_TMP: measure on the file system your
-state directory lives on (mount options matter: this box's root ext4 is mounted with `discard`, and
-every deletion's trim is paid in the journal's commits, which a start's fsync waits for).
+state directory lives on (a start's time under the load is mostly its fsyncs waiting on the
+journal's commits, which the sweep's files fill).
 
 To compare two versions, run it from each tree with the same Python, in turns, on the same box
 (the figures of a shared 2-core box move by 2x from one minute to the next):
