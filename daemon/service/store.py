@@ -6,19 +6,21 @@ new one, never half of one; a full disk leaves the old record and raises `StoreE
 
 Saves are made off the event loop (`save_async`): the bytes are taken at once, written and fsynced
 by a worker thread, and the caller goes on once they are durable, so a daemon that answers about a
-record has it on disk, and others are answered meanwhile. Saves made while the thread is busy are
-written together on its next trip; a record saved twice before its trip is written once, with its
-newest bytes, and a newer save is never overwritten by an older one (each save has a sequence
-number). Two lanes of trips: the saves of operations on many records (a sweep made or cancelled:
-`save_later`, `written`) and the files dropped go by the bulk lane, one trip at a time; single
-saves (`save_async`: a start, a run's change) by the express lane, whose trips go on while a bulk
-trip is under way, so that another user's start never waits seconds behind a sweep's thousand
-records; the bulk lane's threads run at a lower priority (BULK_NICE), so that the kernel's time of
+record has it on disk, and others are answered meanwhile. Saves made while a trip they must wait
+for is under way are written together on the next; a record saved twice before its trip is
+written once, with its newest bytes, and a newer save is never overwritten by an older one (each
+save has a sequence number). Two lanes of trips: the saves of operations on many records (a sweep
+made or cancelled: `save_later`, `written`) and the files dropped go by the bulk lane, one trip at
+a time; single saves (`save_async`: a start, a run's change) by the express lane, whose trips go
+on while a bulk trip is under way, so that another user's start never waits seconds behind a
+sweep's thousand records, and side by side, each as soon as no trip under way holds its record,
+so that a start never waits for the save of another run to end before its own begins (under a
+sweep's load a start's save waited so up to 50 ms, its 99th percentile); the bulk lane's threads run at a lower priority (BULK_NICE), so that the kernel's time of
 making a sweep's thousand files goes to others' calls and jobs first, and make no new file while
-an express trip is under way (BULK_YIELD_SECONDS at most each), so that a start's fsync commits
+an express trip is writing (BULK_YIELD_SECONDS at most each), so that a start's fsync commits
 the disk's journal without a crowd of the sweep's. A record is written by one trip at a time (a
-trip holding a record that the other lane's trip under way holds waits for it first), and has at
-most one save waiting, in one lane. A file a record no longer needs beside it (a launch.json once
+trip holding a record that a trip under way holds waits for it first), and has at most one save
+waiting, in one lane. A file a record no longer needs beside it (a launch.json once
 its chain ended) is removed by the bulk lane's trips (`drop_later`), after the saves of its trip,
 DROPS_PER_TRIP a trip.
 
@@ -39,7 +41,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +58,9 @@ log = structlog.get_logger("obd.store")
 RECORD_LIMIT = 16 * 1024 * 1024
 WRITERS = 8  # threads of a trip writing its temporary files (creating one blocks on a busy disk: 2 were 2x slower)
 FSYNCERS = 32  # threads of a trip waiting on its fsyncs and unlinks (no GIL held: ext4 commits them together)
+# Express trips under way at once: a start's save begins while others' are written, and a burst
+# (a queue pass, a drain) still goes in a few trips of many, not one worker thread a record.
+EXPRESS_TRIPS = 4
 BULK_NICE = 10  # the bulk lane's threads' nice value above the daemon's (an operation on many runs yields the CPU)
 # How long a bulk thread waits, before each file it would write or remove, while an express trip is
 # under way: a single save's fsync commits the disk's journal with whatever the bulk lane made
@@ -123,21 +128,24 @@ class Batch:
 
 @dataclass
 class _Lane:
-    """Trips of the writer one at a time: the saves waiting for the next (`open`), the trip under
-    way (`current`; `writing` is set when it ends) and the records it holds (`taken`)."""
+    """Trips of the writer: the saves waiting for the next (`open`) and the trips under way
+    (`running`). The bulk lane makes one trip at a time; the express lane (EXPRESS_TRIPS) starts
+    a trip as soon as none under way holds one of its records, so that a start never waits for
+    another's save to be written before its own begins (their fsyncs share the journal's commits)."""
 
     name: str
     nice: int = 0  # added to its threads' nice value (`threads`)
     gate: threading.Event | None = None  # its threads take an item only while set (BULK_YIELD_SECONDS at most)
-    # Set while no trip of its own is under way (`writing`, for threads): another lane's gate.
+    concurrent: int = 1  # trips at once at most, of different records (more wait, and go together)
+    # Set while no trip of its own is writing (for threads): another lane's gate.
     idle: threading.Event = field(default_factory=_set_event)
     open: Batch | None = None
-    current: Batch | None = None  # the batch of the trip under way
-    taken: set[str] = field(default_factory=set)
+    running: list[Batch] = field(default_factory=list)  # the trips under way, oldest first
+    writers: int = 0  # trips under way that are writing now (`idle` is cleared while any is)
     trips: int = 0  # trips made (tests count them)
     # The threads of its trips of many saves, made at the first and kept: a trip started 40
-    # threads, an eighth of the daemon's GIL time while a sweep was made. A lane's own, as its
-    # trips are one at a time, and never wait for the other lane's.
+    # threads, an eighth of the daemon's GIL time while a sweep was made. A lane's own, and never
+    # waiting for the other lane's.
     _threads: _LaneThreads | None = None
 
     def threads(self) -> _LaneThreads:
@@ -169,8 +177,30 @@ class _Lane:
 
     @property
     def writing(self) -> anyio.Event | None:
-        """Set when the trip under way ends; None when none is."""
-        return self.current.done if self.current is not None else None
+        """Set when the oldest trip under way ends; None when none is."""
+        return self.running[0].done if self.running else None
+
+    def holding(self, records: Iterable[str]) -> list[Batch]:
+        """The trips under way that write one of `records`."""
+        wanted = set(records)
+        return [batch for batch in self.running if not wanted.isdisjoint(batch.items)]
+
+    def busy_for(self, batch: Batch) -> Batch | None:
+        """A trip under way that `batch`'s must wait for: any, or (`concurrent`) one of its
+        records', or the oldest when `concurrent` trips are under way already."""
+        if len(self.running) >= self.concurrent:
+            return self.running[0] if self.running else None
+        held = self.holding(batch.items)
+        return held[0] if held else None
+
+    def began_writing(self) -> None:
+        self.writers += 1
+        self.idle.clear()
+
+    def ended_writing(self) -> None:
+        self.writers -= 1
+        if not self.writers:
+            self.idle.set()
 
     def batch(self) -> Batch:
         if self.open is None:
@@ -186,7 +216,7 @@ class RunStore:
         self._on_disk: dict[str, int] = {}  # the number of each record's save on disk
         self._locks: dict[str, threading.Lock] = {}  # one write of a record at a time
         self._locks_lock = threading.Lock()
-        self.express = _Lane("express")  # single saves: never behind a bulk trip
+        self.express = _Lane("express", concurrent=EXPRESS_TRIPS)  # single saves: never behind a bulk trip
         # Many records of one operation, and the files dropped: its threads wait while an express
         # trip is under way (BULK_YIELD_SECONDS at most).
         self.bulk = _Lane("bulk", nice=BULK_NICE, gate=self.express.idle)
@@ -255,7 +285,7 @@ class RunStore:
         each). Saves taken meanwhile are not waited for: other callers' starts, one after
         another, never hold up a flush (a sweep being made waits for one)."""
         with anyio.CancelScope(shield=True):
-            taken = [b for lane in (self.bulk, self.express) for b in (lane.current, lane.open) if b is not None]
+            taken = [b for lane in (self.bulk, self.express) for b in (*lane.running, lane.open) if b is not None]
             for batch in taken:
                 follow: Batch | None = batch
                 while follow is not None:
@@ -278,24 +308,29 @@ class RunStore:
         lane = batch.lane
         other = self.express if lane is self.bulk else self.bulk
         while not batch.done.is_set():
-            if lane.writing is not None:
-                await lane.writing.wait()
+            if batch is not lane.open:  # its trip is under way
+                await batch.done.wait()
                 continue
-            taken, lane.open = lane.open, None
-            assert taken is batch  # not done, not being written: it is the open one
+            busy = lane.busy_for(batch)
+            if busy is not None:
+                await busy.done.wait()
+                continue
+            taken, lane.open = batch, None
             if len(taken.drops) > DROPS_PER_TRIP:  # the rest by the next trip, so that saves never wait long
                 rest = sorted(taken.drops)[DROPS_PER_TRIP:]
                 taken.drops.difference_update(rest)
                 lane.open = taken.rest = Batch(lane, drops=set(rest), flushing=True)
-            lane.current = taken
-            lane.taken = set(taken.items)
+            lane.running.append(taken)
             lane.trips += 1
             began = time.monotonic()
+            writing = False
             try:
-                # Only the trip under way now: one the other lane makes after it waits for this one.
-                if other.writing is not None and not other.taken.isdisjoint(lane.taken):
-                    await other.writing.wait()
-                lane.idle.clear()  # only now: a trip of the other lane this one waited for has ended
+                # Only the other lane's trips under way now: one it makes after this one began
+                # waits for this one (each waiting for the other would never end).
+                for held in other.holding(taken.items):
+                    await held.done.wait()
+                lane.began_writing()  # only now: the trips of the other lane this one waited for have ended
+                writing = True
                 await anyio.to_thread.run_sync(self._write_batch, taken)
                 log.debug(
                     "store_trip",
@@ -305,9 +340,9 @@ class RunStore:
                     s=round(time.monotonic() - began, 4),
                 )
             finally:
-                lane.idle.set()
-                lane.current = None
-                lane.taken = set()
+                if writing:
+                    lane.ended_writing()
+                lane.running.remove(taken)
                 taken.done.set()
 
     def _write_batch(self, batch: Batch) -> None:

@@ -322,6 +322,100 @@ def test_the_bulk_lane_waits_while_an_express_trip_writes_and_goes_on_after_it_e
     assert store.express.idle.is_set()  # and open again after each, the failed one too
 
 
+def _held_writes(store: RunStore, monkeypatch: pytest.MonkeyPatch) -> dict[str, threading.Event]:
+    """Each express save of a record named in the answer waits in its worker thread until its
+    event is set; every save is written as before."""
+    holds: dict[str, threading.Event] = {}
+    write = store._write
+
+    def held(run_id: str, seq: int, data: bytes, beside: dict[str, bytes]) -> None:
+        if run_id in holds:
+            assert holds[run_id].wait(60), "the test never let this save on"
+        write(run_id, seq, data, beside)
+
+    monkeypatch.setattr(store, "_write", held)
+    return holds
+
+
+def test_a_start_s_save_is_written_while_another_run_s_save_is_still_under_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = RunStore(tmp_path)
+    slow, start = _record("20260101-000000-00000a"), _record("20260101-000000-00000b")
+    holds = _held_writes(store, monkeypatch)
+    holds[slow.id] = threading.Event()
+
+    async def main() -> None:
+        written = anyio.Event()
+
+        async def save_start() -> None:
+            await store.save_async(start)
+            written.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.save_async, slow)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(save_start)
+            with anyio.move_on_after(30):
+                await written.wait()  # not behind the save still under way
+            in_time, still_held = written.is_set(), not store.record_path(slow.id).exists()
+            bulk_waits = not store.express.idle.is_set()  # the bulk lane waits for the one under way
+            holds[slow.id].set()
+        assert in_time and still_held and bulk_waits
+        assert store.load(start.id) == start and store.load(slow.id) == slow and store.express.idle.is_set()
+
+    anyio.run(main)
+
+
+def test_two_saves_of_one_record_are_never_written_by_two_trips_at_once_and_the_newest_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = RunStore(tmp_path)
+    record = _record()
+    holds = _held_writes(store, monkeypatch)
+    holds[record.id] = threading.Event()
+    newer = record.model_copy(deep=True)
+    newer.transition(RunState.running, "started")
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.save_async, record)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(store.save_async, newer)
+            await anyio.wait_all_tasks_blocked()
+            trips = len(store.express.running)  # the newer save waits for the trip holding its record
+            holds[record.id].set()
+        assert trips == 1
+        assert store.load(record.id) == newer
+
+    anyio.run(main)
+
+
+def test_a_burst_of_saves_goes_in_a_few_trips_not_one_thread_a_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = RunStore(tmp_path)
+    holds = _held_writes(store, monkeypatch)
+    records = [_record(f"20260101-000000-{i:06x}") for i in range(40)]
+    first = [r.id for r in records[: store_module.EXPRESS_TRIPS]]
+    for rid in first:
+        holds[rid] = threading.Event()
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for record in records:
+                tg.start_soon(store.save_async, record)
+            await anyio.wait_all_tasks_blocked()
+            under_way = sorted(rid for b in store.express.running for rid in b.items)
+            for rid in first:
+                holds[rid].set()
+        assert under_way == sorted(first)
+
+    anyio.run(main)
+    assert store.express.trips == store_module.EXPRESS_TRIPS + 1  # the other 36 together
+    assert all(store.load(r.id) == r for r in records)
+
+
 ONE_GPU = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
 
 
