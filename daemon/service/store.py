@@ -15,8 +15,9 @@ a time; single saves (`save_async`: a start, a run's change) by the express lane
 on while a bulk trip is under way, so that another user's start never waits seconds behind a
 sweep's thousand records, and side by side, each as soon as no trip under way holds its record,
 so that a start never waits for the save of another run to end before its own begins (under a
-sweep's load a start's save waited so up to 50 ms, its 99th percentile); the bulk lane's threads run at a lower priority (BULK_NICE), so that the kernel's time of
-making a sweep's thousand files goes to others' calls and jobs first, and make no new file while
+sweep's load a start's save waited so up to 50 ms, its 99th percentile); the bulk lane's threads
+run at a lower priority (BULK_NICE), so that the kernel's time of making a sweep's thousand files
+goes to others' calls and jobs first, and make no new file while
 an express trip is writing (BULK_YIELD_SECONDS at most each), so that a start's fsync commits
 the disk's journal without a crowd of the sweep's. A record is written by one trip at a time (a
 trip holding a record that a trip under way holds waits for it first), and has at most one save
@@ -63,7 +64,7 @@ FSYNCERS = 32  # threads of a trip waiting on its fsyncs and unlinks (no GIL hel
 EXPRESS_TRIPS = 4
 BULK_NICE = 10  # the bulk lane's threads' nice value above the daemon's (an operation on many runs yields the CPU)
 # How long a bulk thread waits, before each file it would write or remove, while an express trip is
-# under way: a single save's fsync commits the disk's journal with whatever the bulk lane made
+# writing: a single save's fsync commits the disk's journal with whatever the bulk lane made
 # meanwhile, so the bulk lane makes nothing new until that commit, or this long at most.
 BULK_YIELD_SECONDS = 0.1
 DROPS_PER_TRIP = 256  # files a bulk trip removes at most (unlinks of synced files: milliseconds each on a busy disk)
@@ -147,23 +148,25 @@ class _Lane:
     # threads, an eighth of the daemon's GIL time while a sweep was made. A lane's own, and never
     # waiting for the other lane's.
     _threads: _LaneThreads | None = None
+    _threads_made: threading.Lock = field(default_factory=threading.Lock)  # two express trips may ask at once
 
     def threads(self) -> _LaneThreads:
         """The threads that write a trip's files and that wait on its fsyncs and unlinks."""
-        if self._threads is None:
-            self._threads = _LaneThreads(
-                _Threads(
-                    ThreadPoolExecutor(WRITERS, f"obd-store-{self.name}", initializer=self._lower_priority),
-                    WRITERS,
-                    self.gate,
-                ),
-                _Threads(
-                    ThreadPoolExecutor(FSYNCERS, f"obd-fsync-{self.name}", initializer=self._lower_priority),
-                    FSYNCERS,
-                    self.gate,
-                ),
-            )
-        return self._threads
+        with self._threads_made:
+            if self._threads is None:
+                self._threads = _LaneThreads(
+                    _Threads(
+                        ThreadPoolExecutor(WRITERS, f"obd-store-{self.name}", initializer=self._lower_priority),
+                        WRITERS,
+                        self.gate,
+                    ),
+                    _Threads(
+                        ThreadPoolExecutor(FSYNCERS, f"obd-fsync-{self.name}", initializer=self._lower_priority),
+                        FSYNCERS,
+                        self.gate,
+                    ),
+                )
+            return self._threads
 
     def _lower_priority(self) -> None:
         """A new thread of the lane's, at its nice value: the kernel's time of creating a bulk
