@@ -61,7 +61,7 @@ from daemon.service.preempt import Preemptor
 from daemon.service.queue import Scheduler
 from daemon.service.recovery import Recovery
 from daemon.service.retention import Retention, holding
-from daemon.service.run_list import RunLists
+from daemon.service.run_list import ListHost, RunLists
 from daemon.service.specs import uses_caller_environment
 from daemon.service.stop import ASKED_VIA, cancel_asked, request_snapshot
 from daemon.service.sweeps import MAX_MEMBERS, Sweeps
@@ -76,13 +76,11 @@ log = structlog.get_logger("obd")
 Handler = Callable[[Any, Peer], Awaitable[Any]]
 
 
-class ServiceHost(Runs, Protocol):
+class ServiceHost(Runs, ListHost, Protocol):
     """The daemon as the control API sees it: every part, since each op is a way into one of
-    them, and the records as callers name and watch them."""
+    them, and the records as callers name, list and watch them."""
 
-    bad_records: dict[str, str]
     changed_at: dict[str, int]
-    version: int  # bumped by every change of a run (`touch`)
 
     @property
     def targets(self) -> Targets: ...
@@ -111,12 +109,6 @@ class ServiceHost(Runs, Protocol):
     def find(self, ref: str, peer: Peer) -> RunRecord: ...
 
     def visible(self, peer: Peer) -> list[RunRecord]: ...
-
-    def summary_json(self, record: RunRecord) -> bytes: ...
-
-    def summaries_json(self, records: list[RunRecord]) -> list[bytes]: ...
-
-    def unencoded(self, records: list[RunRecord]) -> list[RunRecord]: ...
 
     def final_event(self, run_id: str) -> anyio.Event: ...
 

@@ -28,6 +28,14 @@ _QUEUED = RunState.queued
 BY_AGE = attrgetter("created", "id")  # oldest first: the queue's, and a list's, order
 
 
+def place(runs: list[RunRecord], record: RunRecord) -> None:
+    """Put a run into a list of runs oldest first, in its place (at the end, most often)."""
+    if not runs or BY_AGE(record) >= BY_AGE(runs[-1]):
+        runs.append(record)
+    else:
+        bisect.insort(runs, record, key=BY_AGE)
+
+
 def waits(record: RunRecord) -> bool:
     """`RunRecord.in_queue` without a property's call (a look at thousands of runs a pass)."""
     return record.state is _QUEUED and record.job is None
@@ -124,20 +132,15 @@ class Records(dict[str, RunRecord]):
     def _enqueue(self, record: RunRecord) -> None:
         self._queue[record.id] = record
         self._queued_by[record.owner_uid] = self._queued_by.get(record.owner_uid, 0) + 1
-        ordered = self._ordered
-        if ordered is not None:  # in its place, at the end most often: 5,000 are not sorted again
-            key = BY_AGE(record)
-            if not ordered or key > BY_AGE(ordered[-1]):
-                ordered.append(record)
-            else:
-                bisect.insort(ordered, record, key=BY_AGE)
+        if self._ordered is not None:  # in its place: 5,000 are not sorted again
+            place(self._ordered, record)
         self.queue_version += 1
 
-    def _dequeue(self, run_id: str) -> bool:
-        """Take a run out of `_queue`; whether it was there."""
+    def _dequeue(self, run_id: str) -> None:
+        """Take a run out of `_queue`, if it is there."""
         record = self._queue.pop(run_id, None)
         if record is None:
-            return False
+            return
         left = self._queued_by[record.owner_uid] - 1
         if left:
             self._queued_by[record.owner_uid] = left
@@ -151,7 +154,6 @@ class Records(dict[str, RunRecord]):
             else:  # not where it should be: sorted again at the next look
                 self._ordered = None
         self.queue_version += 1
-        return True
 
     def queued_count(self, owner_uid: int | None) -> int:
         """How many of `owner_uid`'s runs wait in the queue, with no look at any run (a capped

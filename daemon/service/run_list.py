@@ -13,13 +13,14 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import anyio.lowlevel
 
 from daemon.service.api import ListRunsRequest, Peer, RawJSON
 from daemon.service.models import FINAL_STATES, RunRecord
-from daemon.service.records import BY_AGE, Records
+from daemon.service.records import BY_AGE, Records, place
 
 LIST_TURN = 500  # runs a `list` encodes between two turns of the event loop (`_encode_summaries`)
 # The final states as a tuple: a run's state is found in it by identity (a frozenset of them hashes
@@ -44,15 +45,7 @@ class ListHost(Protocol):
     def unencoded(self, records: list[RunRecord]) -> list[RunRecord]: ...
 
 
-def place(runs: list[RunRecord], record: RunRecord) -> None:
-    """Put a run into a list of runs oldest first, in its place (at the end, most often)."""
-    if not runs or BY_AGE(record) >= BY_AGE(runs[-1]):
-        runs.append(record)
-    else:
-        bisect.insort(runs, record, key=BY_AGE)
-
-
-def json_array(parts: list[bytes | memoryview]) -> bytes:
+def json_array(parts: Sequence[bytes | memoryview]) -> bytes:
     """Encoded JSON values as one array, copied once."""
     if not parts:
         return b"[]"
@@ -252,7 +245,7 @@ class RunLists:
             ]
         if peer.is_root and (req.all or not req.states):
             parts += self._unreadable()
-        return RawJSON(json_array(list(parts)))
+        return RawJSON(json_array(parts))
 
     def _filtered(self, req: ListRunsRequest, peer: Peer) -> list[RunRecord]:
         """The runs a `list` with a filter, or a member's, answers with (see ListRunsRequest),

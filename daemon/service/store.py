@@ -17,13 +17,12 @@ sweep's thousand records, and side by side, each as soon as no trip under way ho
 so that a start never waits for the save of another run to end before its own begins (under a
 sweep's load a start's save waited so up to 50 ms, its 99th percentile); the bulk lane's threads
 run at a lower priority (BULK_NICE), so that the kernel's time of making a sweep's thousand files
-goes to others' calls and jobs first, and make no new file while
-an express trip is writing (BULK_YIELD_SECONDS at most each), so that a start's fsync commits
-the disk's journal without a crowd of the sweep's. A record is written by one trip at a time (a
-trip holding a record that a trip under way holds waits for it first), and has at most one save
-waiting, in one lane. A file a record no longer needs beside it (a launch.json once
-its chain ended) is removed by the bulk lane's trips (`drop_later`), after the saves of its trip,
-DROPS_PER_TRIP a trip.
+goes to others' calls and jobs first, and make no new file while an express trip is writing
+(BULK_YIELD_SECONDS at most each), so that a start's fsync commits the disk's journal without a
+crowd of the sweep's. A record is written by one trip at a time (a trip holding a record that a
+trip under way holds waits for it first), and has at most one save waiting, in one lane. A file a
+record no longer needs beside it (a launch.json once its chain ended) is removed by the bulk
+lane's trips (`drop_later`), after the saves of its trip, DROPS_PER_TRIP a trip.
 
 What such a kill leaves is cleared when the records are loaded (`load_all`, at the daemon's
 start): the temporary files of atomic writes (`.NAME.tmp.*`) made before this process started,
