@@ -794,6 +794,8 @@ def _list(args: argparse.Namespace, client: Client) -> int:
     ):
         if value is not None:
             params[key] = value
+    if not (args.json or args.expand or args.sweep is not None):
+        params["fold"] = True  # a sweep's queued members as one row (daemon/service/run_list.py `fold`)
     if args.watch:
         if args.json or not sys.stdout.isatty():
             raise UsageError("--watch redraws a terminal; for a script, run `obd train list --json` when you need it")

@@ -862,4 +862,10 @@ def _add_list(train: Any) -> None:
     ls.add_argument(
         "--sweep", metavar="SWEEP", help="the runs of this sweep (its id or name), with their values and best loss"
     )
+    ls.add_argument(
+        "--expand",
+        action="store_true",
+        help="a row for each queued member of a sweep (by default one row for a sweep's queued members, "
+        "as squeue folds a job array; --json always lists each run)",
+    )
     ls.add_argument("--json", action="store_true", help="print the runs as a JSON list")

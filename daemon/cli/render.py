@@ -173,7 +173,7 @@ def table(runs: list[dict[str, Any]], width: int | None = None) -> str:
                 "TARGET": shorten_middle(printable(r.get("target", "-")), 20),
                 "PROGRESS": printable(progress_text(r.get("progress"))),
                 "STARTED": _started(r.get("created")),
-                "MESSAGE": printable(r.get("message") or ""),
+                "MESSAGE": printable(_folded_message(r) if r.get("folded") else r.get("message") or ""),
             }
         )
     widths = {c: max([cells(c)] + [cells(row[c]) for row in rows]) for c in TABLE_COLUMNS}
@@ -191,6 +191,13 @@ def table(runs: list[dict[str, Any]], width: int | None = None) -> str:
         message = row["MESSAGE"] if room is None else shorten_middle(row["MESSAGE"], room)
         lines.append(("  ".join(_pad(row[c], widths[c]) for c in shown) + "  " + message).rstrip())
     return "\n".join(lines)
+
+
+def _folded_message(run: dict[str, Any]) -> str:
+    """A folded sweep's row (daemon/service/run_list.py `fold`): its first member's message, how many
+    are queued, and the command that shows each of them (last, where a shortened message keeps it)."""
+    said = f"{run['folded']} members queued: obd train list --sweep {run['id']}"
+    return f"{run['message']} ({said})" if run.get("message") else said
 
 
 def _number(value: Any) -> str:

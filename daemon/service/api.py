@@ -207,6 +207,9 @@ class ListRunsRequest(_Req):
     limit: int | None = Field(default=None, ge=1, le=100_000)
     recent: int = Field(default=10, ge=0, le=100_000)  # finished runs shown by default
     sweep: str | None = None  # the members of this sweep (its id or name), each with its best loss
+    # Each sweep's queued members (that never ran) as one entry, as `squeue` folds a job array's
+    # pending tasks: the table's view (daemon/service/run_list.py `fold`); scripts get each run.
+    fold: bool = False
 
 
 class WatchRequest(_Req):

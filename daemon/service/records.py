@@ -15,6 +15,11 @@ is found again when the daemon is told it changed (`touched`, by `Daemon.touch`,
 calls), and, should a change come untold, by every look at the part it was in: a run that left
 the queue by the next `queued()` (each queue pass begins with one), one that came back to it by
 the next `active()`, an ended one by either. A new record is placed when it is added.
+
+The queue is also kept as `obd train list`'s table folds it (daemon/service/run_list.py): each
+sweep's members that never ran, by sweep and target, apart from the other queued runs
+(`queue_folds`), so root's table of 5,000 queued runs in five sweeps is found without a look at
+each of them (three looks at 5,000 runs cost the event loop 17 ms).
 """
 
 from __future__ import annotations
@@ -36,6 +41,32 @@ def place(runs: list[RunRecord], record: RunRecord) -> None:
         bisect.insort(runs, record, key=BY_AGE)
 
 
+FoldKey = tuple[str, str]  # a sweep's id and a target
+
+
+def fold_key(record: RunRecord) -> FoldKey | None:
+    """The fold a queued run is shown in (its sweep and target), if it is a sweep's member that never
+    ran: a retry, a resume or a paused run's next attempt has a story of its own to show."""
+    if (
+        record.sweep is None
+        or record.attempt != 1
+        or record.resumed_from is not None
+        or record.preemption.paused is not None
+        or record.retried_by is not None
+    ):
+        return None
+    return (record.sweep.id, record.target)
+
+
+def _remove(runs: list[RunRecord], record: RunRecord) -> bool:
+    """Take a run out of a list of runs oldest first; False if it was not in its place."""
+    at = bisect.bisect_left(runs, BY_AGE(record), key=BY_AGE)
+    if at < len(runs) and runs[at] is record:
+        del runs[at]
+        return True
+    return False
+
+
 def waits(record: RunRecord) -> bool:
     """`RunRecord.in_queue` without a property's call (a look at thousands of runs a pass)."""
     return record.state is _QUEUED and record.job is None
@@ -55,6 +86,10 @@ class Records(dict[str, RunRecord]):
         self._active: dict[str, RunRecord] = {}  # live and not waiting in the queue
         self._ordered: list[RunRecord] | None = []  # `_queue`, oldest first (None: to sort again)
         self._ended: list[RunRecord] = []
+        self._folds: dict[FoldKey, list[RunRecord]] = {}  # `_queue`'s runs of each fold, oldest first
+        self._fold_of: dict[str, FoldKey] = {}
+        self._loose: dict[str, RunRecord] = {}  # `_queue`'s runs in no fold
+        self._fold_versions: dict[FoldKey, int] = {}  # the queue's version at a fold's last change
         # Counts every change of the queued runs: one added, one leaving, one changed (`touched`).
         self.queue_version = 0
         for record in (records or {}).values():
@@ -94,6 +129,12 @@ class Records(dict[str, RunRecord]):
         if self._live.get(record.id) is record:
             if record.id in self._queue:
                 self.queue_version += 1  # changed while queued (its message, its priority), or left
+                key = self._fold_of.get(record.id)
+                if key is not None:
+                    self._fold_versions[key] = self.queue_version
+                if key != fold_key(record) and waits(record):  # filed again where it belongs now
+                    self._dequeue(record.id)
+                    self._enqueue(record)
             self._move(record)
 
     def queued(self) -> list[RunRecord]:
@@ -135,6 +176,13 @@ class Records(dict[str, RunRecord]):
         if self._ordered is not None:  # in its place: 5,000 are not sorted again
             place(self._ordered, record)
         self.queue_version += 1
+        key = fold_key(record)
+        if key is None:
+            self._loose[record.id] = record
+        else:
+            self._fold_of[record.id] = key
+            place(self._folds.setdefault(key, []), record)
+            self._fold_versions[key] = self.queue_version
 
     def _dequeue(self, run_id: str) -> None:
         """Take a run out of `_queue`, if it is there."""
@@ -146,14 +194,29 @@ class Records(dict[str, RunRecord]):
             self._queued_by[record.owner_uid] = left
         else:
             del self._queued_by[record.owner_uid]
-        ordered = self._ordered
-        if ordered is not None:
-            at = bisect.bisect_left(ordered, BY_AGE(record), key=BY_AGE)
-            if at < len(ordered) and ordered[at] is record:
-                del ordered[at]
-            else:  # not where it should be: sorted again at the next look
-                self._ordered = None
+        if self._ordered is not None and not _remove(self._ordered, record):
+            self._ordered = None  # not where it should be: sorted again at the next look
         self.queue_version += 1
+        self._loose.pop(run_id, None)
+        key = self._fold_of.pop(run_id, None)
+        if key is not None:
+            members = self._folds[key]
+            if not _remove(members, record):
+                members.remove(record)
+            if members:
+                self._fold_versions[key] = self.queue_version
+            else:
+                del self._folds[key], self._fold_versions[key]
+
+    def queue_folds(self) -> tuple[list[RunRecord], dict[FoldKey, list[RunRecord]]]:
+        """The queue as `obd train list`'s table folds it: the runs in no fold (in the order they
+        joined), and each fold's runs oldest first (not to be changed by the caller)."""
+        self.queued()  # first: it finds a run that left the queue untold
+        return list(self._loose.values()), self._folds
+
+    def fold_version(self, key: FoldKey) -> int:
+        """The queue's version when the fold last changed (a member came, left or changed)."""
+        return self._fold_versions[key]
 
     def queued_count(self, owner_uid: int | None) -> int:
         """How many of `owner_uid`'s runs wait in the queue, with no look at any run (a capped

@@ -14,13 +14,13 @@ import bisect
 import itertools
 import json
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import anyio.lowlevel
 
 from daemon.service.api import ListRunsRequest, Peer, RawJSON
 from daemon.service.models import FINAL_STATES, RunRecord
-from daemon.service.records import BY_AGE, Records, place
+from daemon.service.records import BY_AGE, FoldKey, Records, fold_key, place, waits
 
 LIST_TURN = 500  # runs a `list` encodes between two turns of the event loop (`_encode_summaries`)
 # The final states as a tuple: a run's state is found in it by identity (a frozenset of them hashes
@@ -54,6 +54,67 @@ def json_array(parts: Sequence[bytes | memoryview]) -> bytes:
         pieces += (part, b",")
     pieces[-1] = b"]"
     return b"".join(pieces)
+
+
+class Folded(NamedTuple):
+    """A sweep's queued members shown as one entry (`fold`), oldest first; `version`: the queue's
+    when they last changed (`Records.fold_version`), where it is known."""
+
+    members: list[RunRecord]
+    version: int | None = None
+
+    def entry(self, full: bool) -> bytes:
+        """Its `list` entry: its oldest member's, named for the sweep and its members' indexes,
+        with `folded` (how many) and `indexes` ("5-7,9"). `obd train list --sweep ID` shows each."""
+        first = self.members[0]
+        tag = first.sweep
+        assert tag is not None  # a member of a sweep, or it was not folded
+        indexes = index_ranges([r.sweep.index for r in self.members if r.sweep is not None])
+        entry = first.summary(full)
+        entry.update(id=tag.id, name=f"{tag.name}-[{indexes}]", folded=len(self.members), indexes=indexes)
+        return json.dumps(entry).encode()
+
+
+def index_ranges(indexes: list[int], most: int = 4) -> str:
+    """Indexes as ranges, as squeue writes a job array's ("5-7,9,11-12"); past `most` ranges, the
+    first few, an ellipsis and the last."""
+    ranges: list[list[int]] = []
+    for index in sorted(indexes):
+        if ranges and index == ranges[-1][1] + 1:
+            ranges[-1][1] = index
+        else:
+            ranges.append([index, index])
+    texts = [str(a) if a == b else f"{a}-{b}" for a, b in ranges]
+    if len(texts) > most:
+        texts = [*texts[: most - 1], "…", texts[-1]]
+    return ",".join(texts)
+
+
+def fold(runs: Sequence[RunRecord]) -> list[RunRecord | Folded]:
+    """`runs` (oldest first) with each sweep's queued members that never ran (`fold_key`), two or
+    more on one target, as one `Folded` in its oldest member's place: root's table of 5,000 queued
+    runs in five sweeps is five lines and a few kilobytes, not 5,000 lines and 3 MB (issue 33)."""
+    keys = [fold_key(r) if waits(r) else None for r in runs]
+    groups: dict[FoldKey, list[RunRecord]] = {}
+    for record, key in zip(runs, keys, strict=True):
+        if key is not None:
+            groups.setdefault(key, []).append(record)
+    items: list[RunRecord | Folded] = []
+    for record, key in zip(runs, keys, strict=True):
+        members = groups[key] if key is not None else [record]
+        if len(members) == 1:
+            items.append(record)
+        elif members[0] is record:
+            items.append(Folded(members))
+    return items
+
+
+def _unfolded(items: Sequence[RunRecord | Folded]) -> list[RunRecord]:
+    return [item for item in items if not isinstance(item, Folded)]
+
+
+def _age(item: RunRecord | Folded) -> tuple[float, str]:
+    return BY_AGE(item.members[0] if isinstance(item, Folded) else item)
 
 
 class QueuedPiece:
@@ -124,6 +185,7 @@ class RunLists:
         self._order: tuple[tuple[int, int], list[RunRecord]] = ((0, -1), [])  # `ordered`
         self._owned: dict[int | None, list[RunRecord]] = {}  # `ordered_of(owner)`, made with `_order`
         self._queued = QueuedPiece()
+        self._fold_entries: dict[tuple[FoldKey | None, bool], tuple[int, bytes]] = {}
 
     async def answer(self, req: ListRunsRequest, peer: Peer) -> RawJSON:
         d = self.daemon
@@ -137,6 +199,7 @@ class RunLists:
             req.since,
             req.limit,
             req.recent,
+            req.fold,
         )
         stamp = (d.version, len(d.records), len(d.bad_records))
         kept = self._answers.get(key)
@@ -145,9 +208,10 @@ class RunLists:
         if len(self._answers) >= 64:  # many callers or questions (each --since differs): start afresh
             self._answers.clear()
         plain = not (req.all or req.states or req.target or req.name or req.since is not None or req.limit)
-        answer = await (
-            self._root_default(req.recent, peer) if peer.is_root and plain else self._filtered_answer(req, peer)
-        )
+        if peer.is_root and plain:
+            answer = await (self._root_folded(req.recent, peer) if req.fold else self._root_default(req.recent, peer))
+        else:
+            answer = await self._filtered_answer(req, peer)
         self._answers[key] = (stamp, answer)
         return answer
 
@@ -224,6 +288,52 @@ class RunLists:
             return RawJSON(json_array([*d.summaries_json(sorted(piece.runs + rest, key=BY_AGE)), *self._unreadable()]))
         return RawJSON(piece.with_others(list(zip(rest, d.summaries_json(rest), strict=True)), self._unreadable()))
 
+    async def _root_folded(self, recent: int, peer: Peer) -> RawJSON:
+        """Root's default list with each sweep's queued members folded (`fold`): the queue as the
+        records keep it folded (`Records.queue_folds`: no look at each queued run), with the
+        active runs and latest ends, by age."""
+        items, rest = self._root_queue_folded(), self._root_rest(recent)
+        if await self._encode_summaries(_unfolded(items) + rest, peer):
+            items, rest = self._root_queue_folded(), self._root_rest(recent)  # the runs as they are now
+        items += rest
+        return RawJSON(json_array([*self._entries(sorted(items, key=_age), peer), *self._unreadable()]))
+
+    def _root_queue_folded(self) -> list[RunRecord | Folded]:
+        records = self.daemon.records
+        records.active()  # a run waiting again goes back to the queue first
+        loose, folds = records.queue_folds()
+        items: list[RunRecord | Folded] = [r for r in loose if r.retried_by is None]  # a chain's latest attempt
+        for key, members in folds.items():
+            items.append(Folded(members, records.fold_version(key)) if len(members) > 1 else members[0])
+        return items
+
+    def _entries(self, items: Sequence[RunRecord | Folded], peer: Peer) -> list[bytes]:
+        """The `list` entries of runs and folded sweeps, as `peer` may see them (all of another
+        member's run but its message and snapshot)."""
+        d = self.daemon
+        parts = []
+        for item in items:
+            if isinstance(item, Folded):
+                parts.append(self._folded_entry(item, full=peer.is_root or item.members[0].owner_uid == peer.uid))
+            elif peer.is_root or item.owner_uid == peer.uid:
+                parts.append(d.summary_json(item))
+            else:
+                parts.append(json.dumps(item.summary(full=False)).encode())
+        return parts
+
+    def _folded_entry(self, folded: Folded, full: bool) -> bytes:
+        """`Folded.entry`, made again only after the fold changed (a sweep of 1,000 being cancelled
+        changes one fold, not the others)."""
+        if folded.version is None:
+            return folded.entry(full)
+        key = (fold_key(folded.members[0]), full)
+        kept = self._fold_entries.get(key)
+        if kept is None or kept[0] != folded.version:
+            if len(self._fold_entries) >= 256:
+                self._fold_entries.clear()
+            kept = self._fold_entries[key] = (folded.version, folded.entry(full))
+        return kept[1]
+
     def _unreadable(self) -> list[bytes]:
         """Root's entries for the records that could not be read."""
         return [
@@ -233,16 +343,11 @@ class RunLists:
 
     async def _filtered_answer(self, req: ListRunsRequest, peer: Peer) -> RawJSON:
         runs = self._filtered(req, peer)
-        if await self._encode_summaries(runs, peer):  # others were answered meanwhile: the runs as they are now
-            runs = self._filtered(req, peer)
-        d = self.daemon
-        if peer.is_root:
-            parts = d.summaries_json(runs)
-        else:
-            uid = peer.uid
-            parts = [
-                d.summary_json(r) if r.owner_uid == uid else json.dumps(r.summary(full=False)).encode() for r in runs
-            ]
+        items: Sequence[RunRecord | Folded] = fold(runs) if req.fold else runs
+        if await self._encode_summaries(_unfolded(items) if req.fold else runs, peer):
+            runs = self._filtered(req, peer)  # others were answered meanwhile: the runs as they are now
+            items = fold(runs) if req.fold else runs
+        parts = self.daemon.summaries_json(runs) if peer.is_root and not req.fold else self._entries(items, peer)
         if peer.is_root and (req.all or not req.states):
             parts += self._unreadable()
         return RawJSON(json_array(parts))

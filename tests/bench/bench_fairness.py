@@ -5,7 +5,9 @@
 Root only (throwaway users, tests/users.py). A root daemon with one GPU by config; one member
 (alice) queues `SWEEPS` sweeps of `MEMBERS` runs each (`sleep 600 --gpus 1`: the first takes the
 GPU, the rest wait queued), then cancels one sweep. Meanwhile another member (bob) and root each
-ping, list and start a CPU-only run (`--gpus 0`) in a loop, on their own connections.
+ping, list (as `obd train list` asks: its table, a sweep's queued members folded where the code
+under test folds them), start a CPU-only run (`--gpus 0`) and list again as `--json` asks (each
+run: root's is 5,000) in a loop, on their own connections.
 
 Printed: how long each sweep took to make and the cancel took (a cancel still going after
 OBD_BENCH_CANCEL_BUDGET seconds, default 300, is cut short: then how many members it cancelled);
@@ -52,6 +54,13 @@ CANCEL_BUDGET = float(os.environ.get("OBD_BENCH_CANCEL_BUDGET", "300"))
 QUIET = float(os.environ.get("OBD_BENCH_QUIET", "4"))
 
 
+def _folds() -> str:
+    """`fold` where the code under test folds a sweep's queued members in `obd train list`'s table."""
+    from daemon.service.api import ListRunsRequest
+
+    return "fold" if "fold" in ListRunsRequest.model_fields else "each"
+
+
 def _config() -> str:
     config = FAST_CONFIG + '\n[targets.local]\nkind = "local"\ngpus = ["0"]\n'
     try:
@@ -73,11 +82,12 @@ from daemon.cli.client import Client
 sock, stop = Path(sys.argv[1]), Path(sys.argv[2])
 client = Client(sock, timeout=600)
 env = {"PATH": "/usr/bin:/bin"}
-ops = [("ping", {}), ("list", {}), ("start", {"command": ["true"], "gpus": "0", "environ": env,
-       "client_cwd": os.getcwd()})]
+table = {"fold": True} if sys.argv[3] == "fold" else {}  # `obd train list` asks for its table
+ops = [("ping", "ping", {}), ("list", "list", table), ("start", "start", {"command": ["true"], "gpus": "0",
+       "environ": env, "client_cwd": os.getcwd()}), ("list --json", "list", {})]
 i = 0
 while not stop.exists():
-    op, params = ops[i % len(ops)]
+    label, op, params = ops[i % len(ops)]
     i += 1
     began = time.time()
     t = time.perf_counter()
@@ -87,7 +97,7 @@ while not stop.exists():
     except Exception as exc:
         ok = False
         print(json.dumps({"error": str(exc)[:200]}), file=sys.stderr, flush=True)
-    print(json.dumps({"op": op, "at": began, "s": time.perf_counter() - t, "ok": ok}), flush=True)
+    print(json.dumps({"op": label, "at": began, "s": time.perf_counter() - t, "ok": ok}), flush=True)
     time.sleep(0.05)
 """
 
@@ -158,7 +168,7 @@ def test_others_are_answered_while_one_member_queues_and_cancels_thousands_of_ru
     bob_env = box.env(box.bob)
     others = [
         subprocess.Popen(  # type: ignore[call-overload]
-            [f"{box.venv}/bin/python", "-c", OTHERS, sock, str(stop)],
+            [f"{box.venv}/bin/python", "-c", OTHERS, sock, str(stop), _folds()],
             env=bob_env,
             cwd=box.bob.home,
             stdout=subprocess.PIPE,
@@ -166,7 +176,7 @@ def test_others_are_answered_while_one_member_queues_and_cancels_thousands_of_ru
             **box._as(box.bob),
         ),
         subprocess.Popen(
-            [sys.executable, "-c", OTHERS, sock, str(stop)],
+            [sys.executable, "-c", OTHERS, sock, str(stop), _folds()],
             env={**os.environ, "PYTHONPATH": str(REPO)},
             cwd=short_tmp,
             stdout=subprocess.PIPE,
@@ -213,7 +223,9 @@ def test_others_are_answered_while_one_member_queues_and_cancels_thousands_of_ru
         return [c for c in calls if any(lo <= c["at"] <= hi for lo, hi in loaded)]
 
     print(f"others, all calls under the member's load: {_line(under_load(everyone), 0, float('inf'))}")
-    for op in ("ping", "list", "start"):  # root's list is every active run: 5,000 of them
+    # `list` is `obd train list`'s table (a sweep's queued members folded, where the code does);
+    # `list --json` is each run: root's is every active run, 5,000 of them.
+    for op in ("ping", "list", "start", "list --json"):
         for who, calls in (("bob", bob_calls), ("root", root_calls)):
             mine = [c for c in calls if c.get("op") == op]
             print(f"  {who} {op} under load: {_line(under_load(mine), 0, float('inf'))}")

@@ -461,6 +461,14 @@ def test_a_sweep_s_table_stop_resume_and_cancel_act_on_every_member(box: DaemonP
     running = [m["id"] for m in members() if m["state"] == "running"]
     queued = [m["id"] for m in members() if m["state"] == "queued"]
     assert len(running) == 2 and len(queued) == 2
+    rows = [line for line in box.cli("train", "list").stdout.splitlines()[1:] if line.strip()]
+    assert len(rows) == 3  # one row for the two queued members, as squeue folds a job array
+    folded = next(line for line in rows if line.startswith(sweep))
+    assert f"2 members queued: obd train list --sweep {sweep}" in folded and " queued " in folded
+    assert sorted(line.split()[0] for line in rows if line is not folded) == sorted(running)
+    expanded = box.cli("train", "list", "--expand").stdout.splitlines()[1:]
+    assert sorted(line.split()[0] for line in expanded if line.strip()) == sorted(running + queued)
+    assert len(json.loads(box.cli("train", "list", "--json").stdout)) == 4  # scripts: each run
     table = box.cli("train", "status", sweep).stdout
     assert "2 queued, 2 running" in table.splitlines()[0]
     out = box.cli("train", "stop", sweep, "--wait")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from pathlib import Path
 
 import anyio
@@ -15,7 +16,8 @@ from daemon.service.api import ListRequest, ListRunsRequest, Peer
 from daemon.service.config import Config
 from daemon.service.daemon import Daemon
 from daemon.service.handlers import Handlers
-from daemon.service.models import FINAL_STATES, RunRecord, RunState
+from daemon.service.models import FINAL_STATES, Paused, RunRecord, RunState, SweepTag
+from daemon.service.run_list import index_ranges
 from daemon.service.run_states import EDGES
 
 STATES = [RunState.queued, RunState.preparing, RunState.running, *FINAL_STATES]
@@ -142,3 +144,126 @@ def test_roots_list_keeps_its_queued_runs_joined_while_other_runs_come_and_go(tm
     answer = anyio.run(handlers.list_runs, ListRunsRequest(op="list"), ROOT)
     assert [e["message"] for e in json.loads(answer) if e["id"] == middle.id] == ["waiting for 2 GPUs"]
     assert piece._joined is not joined
+
+
+def in_sweeps(daemon: Daemon, seed: int) -> None:
+    """Put most runs in one of three sweeps (one of them on two targets), some of the queued ones
+    a retry, a resume or a paused run's next attempt: those are never folded."""
+    rng = random.Random(seed)
+    for n, record in enumerate(list(daemon.records.values())):
+        if rng.random() < 0.8:
+            name = rng.choice(["a", "b", "c"])
+            record.sweep = SweepTag(id=f"sweep-{name}", name=name, index=n + 1, size=len(daemon.records))
+            record.target = rng.choice(["local", "box"]) if name == "c" else "local"
+        if record.state == RunState.queued and rng.random() < 0.15:
+            change = rng.choice(["retry", "resume", "pause"])
+            if change == "retry":
+                record.attempt = 2
+            elif change == "resume":
+                record.resumed_from = "20251231-000000-000001"
+            else:
+                record.preemption.paused = Paused(by="20251231-000000-000002", why="made way")
+        daemon.records[record.id] = record  # as made: a run is made in its sweep, not put in one later
+
+
+def foldable(record: RunRecord) -> bool:
+    return (
+        record.sweep is not None
+        and record.state == RunState.queued
+        and record.job is None
+        and record.attempt == 1
+        and record.resumed_from is None
+        and record.preemption.paused is None
+    )
+
+
+def folded_by_definition(daemon: Daemon, ids: list[str]) -> list[str]:
+    """A list folded: each sweep's queued members that never ran, two or more on one target, as the
+    sweep's id in the place of its oldest."""
+    runs = [daemon.records[i] for i in ids]
+    counts = Counter((r.sweep.id, r.target) for r in runs if foldable(r) and r.sweep is not None)
+    shown, seen = [], set()
+    for r in runs:
+        key = (r.sweep.id, r.target) if r.sweep is not None else None
+        if not foldable(r) or counts[key] < 2:
+            shown.append(r.id)
+        elif key not in seen:
+            seen.add(key)
+            shown.append(key[0])
+    return shown
+
+
+def test_a_folded_list_is_each_sweeps_queued_members_that_never_ran_as_one_entry_in_its_oldests_place(
+    tmp_path: Path,
+) -> None:
+    """The table's list (`obd train list`, not --json) folds a sweep's queued members, as squeue
+    folds a job array's pending tasks; whatever ran, paused, retried or was resumed stays a row of
+    its own. It must be the unfolded list, folded, for root's default list and every filter,
+    while runs start, end and go back to the queue."""
+    daemon = daemon_with_runs(tmp_path, 600, seed=21)
+    in_sweeps(daemon, seed=22)
+    handlers = Handlers(daemon)
+    rng = random.Random(23)
+    for n in range(120):
+        recent = rng.choice([0, 3, 1000])
+        assert listed(handlers, ROOT, recent=recent, fold=True) == folded_by_definition(
+            daemon, every_run_looked_at(daemon, recent)
+        ), n
+        for peer, request in ((ROOT, {"all": True}), (BOB, {}), (BOB, {"all": True}), (ROOT, {"states": ["queued"]})):
+            assert listed(handlers, peer, fold=True, **request) == folded_by_definition(
+                daemon, listed(handlers, peer, **request)
+            ), (n, request)
+        record = rng.choice([r for r in daemon.records.values() if r.state not in FINAL_STATES])
+        if record.state == RunState.queued and record.sweep is not None and rng.random() < 0.2:
+            record.target = "box" if record.target == "local" else "local"  # moved while it waits
+            daemon.touch(record)
+            continue
+        state = rng.choice(sorted(EDGES[record.state.value]))
+        record.job = {"pid": 1} if state == "running" else None if state in ("preparing", "queued") else record.job
+        record.transition(RunState(state), "changed")
+        # Told, or found at the next look (another run's change is what the list is asked after).
+        daemon.touch(record if rng.random() < 0.5 else rng.choice(list(daemon.records.values())))
+
+
+def test_a_folded_sweep_says_how_many_members_wait_which_and_why_to_whom_may_read_it(tmp_path: Path) -> None:
+    daemon = daemon_with_runs(tmp_path, 0, seed=0)
+    for n in range(1, 8):
+        record = RunRecord(
+            id=f"20260104-000000-{n:06x}",
+            command=["true"],
+            state=RunState.running if n == 4 else RunState.queued,
+            job={"pid": 1} if n == 4 else None,
+            created=2000.0 + n,
+            owner_uid=1001,
+            message="waiting for 1 GPU" if n != 4 else "",
+            sweep=SweepTag(id="sweep-lr", name="lr", index=n, size=7),
+        )
+        daemon.records[record.id] = record
+    handlers = Handlers(daemon)
+
+    def entries(peer: Peer, **request: object) -> list[dict[str, object]]:
+        answer = anyio.run(handlers.list_runs, ListRunsRequest.model_validate({"op": "list", **request}), peer)
+        return json.loads(answer)
+
+    folded, running = entries(ROOT, fold=True)
+    assert running["id"] == "20260104-000000-000004"  # it ran: a row of its own, after the oldest member
+    assert (folded["id"], folded["name"], folded["folded"], folded["indexes"]) == (
+        "sweep-lr",
+        "lr-[1-3,5-7]",
+        6,
+        "1-3,5-7",
+    )
+    assert (folded["state"], folded["owner"], folded["message"], folded["created"]) == (
+        "queued",
+        daemon.records["20260104-000000-000001"].owner,
+        "waiting for 1 GPU",
+        2001.0,
+    )
+    assert entries(BOB, all=True, fold=True)[0]["message"] == ""  # another member's: no message, as unfolded
+    assert len(entries(ROOT)) == 7  # unfolded unless asked: what `--json` and the Python API read
+
+
+def test_index_ranges_are_written_as_squeue_writes_a_job_arrays() -> None:
+    assert index_ranges([3, 1, 2, 5, 7, 8]) == "1-3,5,7-8"
+    assert index_ranges([9]) == "9"
+    assert index_ranges([1, 3, 5, 7, 9, 10]) == "1,3,5,…,9-10"

@@ -29,7 +29,7 @@ _obd_options() {
         "train exec") echo "-h --help --tty -t" ;;
         "train shell") echo "-h --help" ;;
         "train prune") echo "-h --help --keep --json" ;;
-        "train list") echo "-h --help --all --state --target --name --since --limit --watch -w --sweep --json" ;;
+        "train list") echo "-h --help --all --state --target --name --since --limit --watch -w --sweep --expand --json" ;;
         "train plot") echo "-h --help --metric --json --svg --png --width --height" ;;
         "profile") echo "-h --help" ;;
         "profile parse") echo "-h --help --json" ;;

@@ -398,6 +398,7 @@ complete -c obd -n '__obd_at \'train list\'' -l since -x -d 'only runs started s
 complete -c obd -n '__obd_at \'train list\'' -l limit -x -d 'at most the N newest'
 complete -c obd -n '__obd_at \'train list\'' -l watch -s w -d 'redraw every second (on a terminal)'
 complete -c obd -n '__obd_at \'train list\'' -l sweep -x -d 'the runs of this sweep (its id or name), with their values and best loss'
+complete -c obd -n '__obd_at \'train list\'' -l expand -d 'a row for each queued member of a sweep (by default one row for a sweep\'s queued members, as squeue folds a job array; --json always lists each run)'
 complete -c obd -n '__obd_at \'train list\'' -l json -d 'print the runs as a JSON list'
 complete -c obd -n '__obd_at \'train plot\'' -s h -l help -d 'show this help message and exit'
 complete -c obd -n '__obd_at \'train plot\'' -l metric -x -d 'a key of the log lines: loss (default), learning_rate, grad_norm…'
