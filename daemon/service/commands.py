@@ -20,6 +20,7 @@ def run_daemon(args: argparse.Namespace) -> int:
     """`obd daemon`: the service, in this process, until it is stopped."""
     import anyio
 
+    from daemon.service.children import wait_on_children_by_pidfd
     from daemon.service.config import ConfigError, load_config
     from daemon.service.daemon import Daemon
     from daemon.service.log import configure
@@ -38,6 +39,7 @@ def run_daemon(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"obd: [daemon] {exc}", file=sys.stderr)
         return EXIT_USAGE
+    wait_on_children_by_pidfd()  # no thread started, and waited for, for each run launched
     anyio.run(Daemon(config).run)
     # A worker thread may still sit in a call to a remote that does not answer (a hung cloud API),
     # abandoned on purpose: it must not hold the exit up. Everything the daemon keeps is on disk.
