@@ -14,8 +14,9 @@ Printed: how long each sweep took to make and the cancel took (a cancel still go
 OBD_BENCH_CANCEL_BUDGET seconds, default 300, is cut short: then how many members it cancelled);
 the others' answer times (p50, p99, max) while the sweeps were made and while the cancel ran, and,
 for comparison, the same calls with no load: before the sweeps (nothing queued) and between the
-sweeps and the cancel (every run queued, nothing asked: OBD_BENCH_QUIET seconds each). The
-goal (issue 33): the others answered within 100 ms p99, a sweep of 1,000 made or cancelled in
+sweeps and the cancel (every run queued, nothing asked: OBD_BENCH_QUIET seconds each); with
+OBD_BENCH_CALLS=FILE, every call under the load is added to FILE (a JSON line each, with the tree),
+so that rounds can be pooled. The goal (issue 33): the others answered within 100 ms p99, a sweep of 1,000 made or cancelled in
 about a second. OBD_BENCH_SWEEPS and OBD_BENCH_MEMBERS change the load (5 x 1,000 by default).
 
 The state directory is made under /tmp, or under OBD_TEST_TMP: measure on the file system your
@@ -232,6 +233,11 @@ def test_others_are_answered_while_one_member_queues_and_cancels_thousands_of_ru
             mine = [c for c in calls if c.get("op") == op]
             print(f"  {who} {op} under load: {_line(under_load(mine), 0, float('inf'))}")
             print(f"  {who} {op} all queued, nothing asked: {_line(mine, load['held_from'], load['held_to'])}")
+    if os.environ.get("OBD_BENCH_CALLS"):  # every call under the load, to pool rounds: one JSON line each
+        with open(os.environ["OBD_BENCH_CALLS"], "a") as out:
+            for who, calls in (("bob", bob_calls), ("root", root_calls)):
+                for call in under_load(calls):
+                    out.write(json.dumps({"tree": str(REPO), "who": who, **call}) + "\n")
     # Whatever the figures: the daemon still answers, and the cancel's members end cancelled.
     if load["cancel_done"]:
         assert load["cancelled"] == load["members"] == MEMBERS
