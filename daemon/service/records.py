@@ -201,8 +201,8 @@ class Records(dict[str, RunRecord]):
         key = self._fold_of.pop(run_id, None)
         if key is not None:
             members = self._folds[key]
-            if not _remove(members, record):
-                members.remove(record)
+            if not _remove(members, record):  # not in its place: found by identity
+                members[:] = [m for m in members if m is not record]
             if members:
                 self._fold_versions[key] = self.queue_version
             else:
