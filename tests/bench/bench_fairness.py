@@ -16,8 +16,9 @@ the others' answer times (p50, p99, max) while the sweeps were made and while th
 for comparison, the same calls with no load: before the sweeps (nothing queued) and between the
 sweeps and the cancel (every run queued, nothing asked: OBD_BENCH_QUIET seconds each); with
 OBD_BENCH_CALLS=FILE, every call under the load is added to FILE (a JSON line each, with the tree),
-so that rounds can be pooled. The goal (issue 33): the others answered within 100 ms p99, a sweep of 1,000 made or cancelled in
-about a second. OBD_BENCH_SWEEPS and OBD_BENCH_MEMBERS change the load (5 x 1,000 by default).
+so that rounds can be pooled. The goal (issue 33): the others answered within 100 ms p99, a
+sweep of 1,000 made or cancelled in about a second. OBD_BENCH_SWEEPS and OBD_BENCH_MEMBERS change
+the load (5 x 1,000 by default).
 
 The state directory is made under /tmp, or under OBD_TEST_TMP: measure on the file system your
 state directory lives on (a start's time under the load is mostly its fsyncs waiting on the
