@@ -109,8 +109,11 @@ def test_no_value_reaches_a_command_line_a_log_a_record_or_a_file_others_can_rea
             path = Path(root) / name
             if path.is_symlink():
                 continue
-            mode = path.stat().st_mode
-            data = path.read_bytes()
+            try:  # its mode and bytes from one open file: a save may rename it meanwhile
+                with path.open("rb") as f:
+                    mode, data = os.fstat(f.fileno()).st_mode, f.read()
+            except FileNotFoundError:
+                continue  # a save's temporary file renamed since the walk listed it (the record it replaced is read)
             if name == "run.json":
                 assert secret.encode() not in data and value.encode() not in data, path
             if mode & 0o044:  # readable by a group or by others
