@@ -101,11 +101,10 @@ def fold(runs: Sequence[RunRecord]) -> list[RunRecord | Folded]:
             groups.setdefault(key, []).append(record)
     items: list[RunRecord | Folded] = []
     for record, key in zip(runs, keys, strict=True):
-        members = groups[key] if key is not None else [record]
-        if len(members) == 1:
+        if key is None or len(groups[key]) == 1:
             items.append(record)
-        elif members[0] is record:
-            items.append(Folded(members))
+        elif groups[key][0] is record:
+            items.append(Folded(groups[key]))
     return items
 
 
