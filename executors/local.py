@@ -360,29 +360,18 @@ class LocalExecutor:
 
     @staticmethod
     async def _run_wrapper(argv: list[str], secrets: bytes) -> subprocess.CompletedProcess[bytes]:
-        """Run the wrapper with the secrets on its stdin; one that exits unread (a systemd-run
-        that could not make the scope) is a failed exit, not a broken pipe."""
+        """Run the wrapper with the secrets on its stdin, in a worker thread: a process's start
+        holds its caller until the child has exec'd (vfork), which on a busy box is tens of
+        milliseconds the event loop, and every caller, would wait (issue 33). One that exits
+        unread (a systemd-run that could not make the scope) is a failed exit, not a broken pipe."""
+
+        def run() -> subprocess.CompletedProcess[bytes]:
+            return subprocess.run(argv, input=secrets, capture_output=True, check=False)
+
         try:
-            proc = await anyio.open_process(argv)
+            return await anyio.to_thread.run_sync(run)
         except OSError as exc:
             raise ExecutorError(f"could not launch the job wrapper ({argv[0]}): {exc}") from exc
-        out, err = bytearray(), bytearray()
-
-        async def drain(stream: Any, buf: bytearray) -> None:
-            async for chunk in stream:
-                buf.extend(chunk)
-
-        async with proc:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(drain, proc.stdout, out)
-                tg.start_soon(drain, proc.stderr, err)
-                assert proc.stdin is not None  # opened with a pipe
-                # It may exit without reading: its exit status and stderr say why.
-                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    await proc.stdin.send(secrets)
-                await proc.stdin.aclose()
-            code = await proc.wait()
-        return subprocess.CompletedProcess(argv, code, bytes(out), bytes(err))
 
     def _status(self, remote_dir: str, handle: dict | None) -> dict:
         """The job's status: from the wrapper and its facts (as the daemon), or, for a run started

@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
-import anyio.lowlevel
 import structlog
 
 from daemon.service import after, limits, placement, sweeps
@@ -66,6 +65,7 @@ from daemon.service.records import waits
 from daemon.service.specs import load_spec
 from daemon.service.store import LAUNCH_SETTINGS, process_started
 from daemon.service.targets import Targets
+from daemon.service.turns import Share
 
 log = structlog.get_logger("obd.queue")
 
@@ -95,12 +95,12 @@ class QueueHost(Runs, Protocol):
 SPEC = LAUNCH_SETTINGS
 SAFETY_POLL = 30.0  # the queue is looked at this often even when nothing says it should be
 SOON = 1.0  # ... and this often while a run it waits for is between two attempts (no record changes then)
-SLICE = 100  # queued runs a pass looks at between two turns of the event loop (others answered meanwhile)
-# A target with more than SLICE queued runs has their messages said again at most this often: a
+MANY = 100  # queued runs past which the two limits below apply (a pass's loops share the event loop: turns.py)
+# A target with more than MANY queued runs has their messages said again at most this often: a
 # refresh looks at every one of them (5,000: a tenth of a second of the event loop), and every start
 # or end of any run is a pass.
 MESSAGES_EVERY = 1.0
-# With more than SLICE runs queued, a pass begins at most this long after the last began: the kicks
+# With more than MANY runs queued, a pass begins at most this long after the last began: the kicks
 # that come closer make one pass (every start or end of anyone's run kicks, and a pass looks at
 # every queued run), as Slurm's `sched_min_interval` does. A GPU freed waits that long at most.
 PASS_GAP = 0.25
@@ -119,7 +119,7 @@ class _Memo:
     at: float  # time.monotonic()
     targets: list[str]
     heads: dict[str, str]  # target -> its head, waiting for GPUs
-    many: bool  # more than SLICE runs queued (`PASS_GAP`)
+    many: bool  # more than MANY runs queued (`PASS_GAP`)
     messages_due: float | None  # a refresh of the messages it put off (MESSAGES_EVERY): a full pass then
 
 
@@ -206,7 +206,7 @@ class Scheduler:
                 log.exception("schedule_failed")
             wait = SOON if self._soon else SAFETY_POLL
             waiting, self._left = self._left, []
-            gap = PASS_GAP if len(waiting) > SLICE or (self._memo is not None and self._memo.many) else 0.0
+            gap = PASS_GAP if len(waiting) > MANY or (self._memo is not None and self._memo.many) else 0.0
             pending = self._due_times(waiting)
             if self._messages_due is not None:
                 pending.append(self._messages_due)
@@ -284,7 +284,7 @@ class Scheduler:
                 await self._refresh_messages(target)
             self._left = self.queued()  # what `run` looks at for the time of the next pass
             if self._plain and not self._soon and targets == began:
-                many = len(self._left) > SLICE
+                many = len(self._left) > MANY
                 self._memo = _Memo(stamp, time.monotonic(), began, dict(self._heads), many, self._messages_due)
         finally:
             self._made = None
@@ -307,7 +307,7 @@ class Scheduler:
         daemon = self.daemon
         now = time.time()
         queued = self.queued(target)
-        if len(queued) > SLICE:
+        if len(queued) > MANY:
             due = self._messages_at.get(target, 0.0) + MESSAGES_EVERY
             if now < due:  # said by a pass then (`run` wakes for it)
                 self._messages_due = min(due, self._messages_due or due)
@@ -316,11 +316,12 @@ class Scheduler:
         held, version = daemon.inventory.held(target), daemon.version
         said: GpuWords = {}  # the GPUs' words with these holders
         changed = []
-        for n, record in enumerate(queued, 1):
-            if n % SLICE == 0:
-                await anyio.lowlevel.checkpoint()
-                if daemon.version != version:  # as it is now (a look at every record: not for nothing)
-                    held, version, said = daemon.inventory.held(target), daemon.version, {}
+        share = Share()
+        for record in queued:
+            if (
+                await share.turn() and daemon.version != version
+            ):  # as it is now (a look at every record: not for nothing)
+                held, version, said = daemon.inventory.held(target), daemon.version, {}
             if not record.in_queue or daemon.lock(record.id).locked():
                 continue  # an edit of it is under way (a cancel, its start): the next pass looks
             waiting = self.waiting_for(record, now, held, said)
@@ -329,9 +330,9 @@ class Scheduler:
             # No await between the look and the change: no edit of it comes in between.
             record.message = queue_message(daemon.inventory, record, queued_why(record), waiting)
             changed.append(record)
-        for n, record in enumerate(changed, 1):
-            if n % SLICE == 0:
-                await anyio.lowlevel.checkpoint()
+        share = Share()
+        for record in changed:
+            await share.turn()
             daemon.touch(record)  # watchers see it; not saved (see the module's docstring)
 
     def gate(self, record: RunRecord) -> Verdict | None:
@@ -389,9 +390,9 @@ class Scheduler:
         cancelled now, their message saying why."""
         held: set[str] = set()
         whole = self._whole
-        for n, record in enumerate(self.queued(target), 1):
-            if n % SLICE == 0:
-                await anyio.lowlevel.checkpoint()
+        share = Share()
+        for record in self.queued(target):
+            await share.turn()
             if (
                 record.limits is None
                 and record.not_before is None
@@ -483,9 +484,9 @@ class Scheduler:
             return heads[target]
 
         runs.sort(key=lambda r: (-r.priority, r.preemption.queue_since or r.created, r.id))
-        for n, record in enumerate(runs, 1):
-            if n % SLICE == 0:
-                await anyio.lowlevel.checkpoint()
+        share = Share()
+        for record in runs:
+            await share.turn()
             if not record.in_queue or daemon.lock(record.id).locked() or (record.not_before or 0) > now:
                 continue
             if not self._may_leave(record):
@@ -552,12 +553,10 @@ class Scheduler:
         if target in self.daemon.preemptor.drains.targets:
             return  # drained for maintenance: nothing starts until `obd targets undrain`
         while True:
-            now = time.time()
-            ready = [r for r in self.queued(target) if (r.not_before or 0) <= now and r.id not in held_back]
-            if not ready:
+            head = await self._head(target, held_back)
+            if head is None:
                 return
             held = inventory.held(target)
-            head = min(ready, key=self._sort_key(held))
             devices = inventory.choose(head, held)
             if devices is None:
                 # The head waits for its GPUs (no backfill behind it); runs of lower priority may
@@ -570,6 +569,25 @@ class Scheduler:
                 async with self.daemon.editing(head):
                     head.note(verdict.why)  # which runs it waited for ended how
             await self.daemon.launcher.launch_queued(head, devices)
+
+    async def _head(self, target: str, held_back: set[str]) -> RunRecord | None:
+        """The first in `target`'s queue of its runs that may start now (`order`'s first), looked
+        for a share of the event loop at a time (a look at each of thousands); found again if it left
+        the queue meanwhile."""
+        now = time.time()
+        key = self._sort_key(self.daemon.inventory.held(target))
+        head, first = None, None
+        share = Share()
+        for record in self.queued(target):
+            await share.turn()
+            if (record.not_before or 0) > now or record.id in held_back:
+                continue
+            mine = key(record)
+            if first is None or mine < first:
+                head, first = record, mine
+        if head is not None and not waits(head):  # left the queue at the last turns
+            return await self._head(target, held_back)
+        return head
 
     def position(self, record: RunRecord) -> int | None:
         """1 for the next run to start on its target."""

@@ -16,13 +16,11 @@ import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
-import anyio.lowlevel
-
 from daemon.service.api import ListRunsRequest, Peer, RawJSON
 from daemon.service.models import FINAL_STATES, RunRecord
 from daemon.service.records import BY_AGE, FoldKey, Records, fold_key, place, waits
+from daemon.service.turns import Share
 
-LIST_TURN = 500  # runs a `list` encodes between two turns of the event loop (`_encode_summaries`)
 # The final states as a tuple: a run's state is found in it by identity (a frozenset of them hashes
 # each state through Enum's __hash__, a call of Python's: a list of 5,000 looks at each).
 _ENDED = tuple(FINAL_STATES)
@@ -242,20 +240,18 @@ class RunLists:
 
     async def _encode_summaries(self, runs: list[RunRecord], peer: Peer) -> bool:
         """Encode the `list` entries of the caller's runs among `runs` that changed since they were
-        last encoded, LIST_TURN runs between two turns of the event loop: after a sweep of 1,000
+        last encoded, letting others in at each share of the event loop (`Share`): after a sweep of 1,000
         was made (or 5,000 queued runs' messages changed), root's list is not one encoding of them
         all while everyone else waits. Whether it let others in: the answer is then made at once,
         from the runs as they are then, so it is one moment's (a run changed meanwhile is encoded
         again there)."""
         d = self.daemon
         mine = runs if peer.is_root else [r for r in runs if r.owner_uid == peer.uid]  # others' are not kept
-        turned = False
-        for n, record in enumerate(d.unencoded(mine), 1):
-            if n % LIST_TURN == 0:
-                await anyio.lowlevel.checkpoint()
-                turned = True
+        share = Share()
+        for record in d.unencoded(mine):
+            await share.turn()
             d.summary_json(record)
-        return turned
+        return share.turns > 0
 
     def _root_rest(self, recent: int) -> list[RunRecord]:
         """Root's default list beside its queued runs: the active runs and the `recent` latest ends,

@@ -40,6 +40,7 @@ from daemon.service.stop import cancel_asked
 from daemon.service.store import LAUNCH_SETTINGS as SPEC
 from daemon.service.store import Batch
 from daemon.service.targets import Targets
+from daemon.service.turns import Share
 from executors.base import ExecutorError
 from trainer_plugin import rundir
 
@@ -54,7 +55,6 @@ METRICS_CHUNK = 4 << 20  # one read of a member's metrics.jsonl
 METRICS_CHUNKS = 16  # at most this many reads a look (what is left is read by the next look)
 MEMBERS_AT_ONCE = 64  # members a stop or cancel acts on together (their saves share the writer's trips)
 SLICE = 100  # members a trip of the store's writer takes (their saves' fsyncs made together)
-TURN = 25  # members made, changed or told between two turns of the event loop (others answered meanwhile)
 CANCELLED_QUEUED = "cancelled by the user while queued"
 
 
@@ -347,6 +347,7 @@ class Sweeps:
         copies: list[tuple[RunRecord, Batch]] = []
         slices: list[Batch] = []
         failed = ""
+        share = Share()
         try:
             for n, values in enumerate(combos[1:], 2):
                 record = self._copy(first, template, n, values, substitute(command, values))
@@ -355,12 +356,11 @@ class Sweeps:
                 copies.append((record, store.save_later(record, beside={SPEC: json.dumps(spec).encode()})))
                 if n % SLICE == 0:
                     await self._handed_over(copies[-1][1], slices)
-                elif n % TURN == 0:
-                    await anyio.lowlevel.checkpoint()
+                else:
+                    await share.turn()
             await store.flush()
-            for n, (record, batch) in enumerate(copies, 1):
-                if n % TURN == 0:
-                    await anyio.lowlevel.checkpoint()
+            for record, batch in copies:
+                await share.turn()
                 if record.id in batch.failed:
                     failed = failed or batch.failed[record.id]
                     continue
@@ -583,10 +583,11 @@ class Sweeps:
         self, sweep: Sweep, records: list[RunRecord], change: Callable[[RunRecord], None]
     ) -> list[dict[str, Any]]:
         """Take queued members out of the queue together, as one edit: each locked and changed by
-        `change` (to a final state) at once, with no turn of the event loop in between, their bytes
-        taken TURN at a time (others answered meanwhile) into one batch of the store's bulk lane,
-        saved by one trip (others' saves go by the express lane meanwhile), then told to the
-        daemon's watchers and parts, TURN at a time; their records, as `public()`. A member whose
+        `change` (to a final state), no turn of the event loop between a member's look and its
+        change, their bytes taken into one batch of the store's bulk lane, saved by one trip
+        (others' saves go by the express lane meanwhile), then told to the daemon's watchers and
+        parts; each loop a share of the event loop at a time (`Share`: others answered meanwhile,
+        a member launched meanwhile is not taken); their records, as `public()`. A member whose
         lock is held (an edit of it under way: its start) or that left the queue meanwhile is left
         as it is, for the caller's one-by-one way. Shielded: a client that hangs up never leaves
         members changed in memory and not saved."""
@@ -596,7 +597,9 @@ class Sweeps:
             locks: list[anyio.Lock] = []
             batches: list[Batch] = []
             try:
+                share = Share()
                 for record in records:
+                    await share.turn()
                     lock = daemon.lock(record.id)
                     if lock.locked() or not record.in_queue:
                         continue
@@ -604,12 +607,11 @@ class Sweeps:
                     locks.append(lock)
                     change(record)
                     taken.append(record)
-                for n, record in enumerate(taken, 1):
+                for record in taken:
                     batch = daemon.store.save_later(record)
                     if not batches or batches[-1] is not batch:  # a trip took the last meanwhile
                         batches.append(batch)
-                    if n % TURN == 0:
-                        await anyio.lowlevel.checkpoint()
+                    await share.turn()
                 for batch in batches:
                     await daemon.store.written(batch)
                 failed = {rid for batch in batches for rid in batch.failed}
@@ -620,9 +622,9 @@ class Sweeps:
                 for lock in locks:
                     lock.release()
             answer = []
-            for n, record in enumerate(taken, 1):
-                if n % TURN == 0:
-                    await anyio.lowlevel.checkpoint()
+            share = Share()
+            for record in taken:
+                await share.turn()
                 daemon.touch(record)
                 daemon.final_event(record.id).set()
                 answer.append(record.public())

@@ -13,7 +13,7 @@ import pytest
 from daemon.service import queue
 from daemon.service.config import Config
 from daemon.service.models import RunRecord, RunState
-from daemon.service.queue import SLICE, Scheduler
+from daemon.service.queue import MANY, Scheduler
 from daemon.service.records import Records
 
 
@@ -62,4 +62,4 @@ def test_with_thousands_queued_the_kicks_that_come_close_together_make_one_pass(
 
 def test_with_a_few_queued_every_kick_makes_its_own_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(queue, "PASS_GAP", 600.0)
-    assert passes_after_kicks(tmp_path, SLICE, kicks=20) == 21
+    assert passes_after_kicks(tmp_path, MANY, kicks=20) == 21

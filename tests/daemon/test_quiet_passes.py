@@ -13,7 +13,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from daemon.service import queue
+from daemon.service import queue, turns
 from daemon.service.config import Config
 from daemon.service.daemon import Daemon
 from daemon.service.models import RunRecord, RunState
@@ -173,7 +173,10 @@ def test_a_holder_that_ended_without_a_word_to_the_daemon_frees_its_gpu_at_the_n
     assert box.launched == [(box.queued[0].id, ["0"])]
 
 
-def test_a_run_queued_while_a_full_pass_runs_is_looked_at_by_the_next_pass(tmp_path: Path) -> None:
+def test_a_run_queued_while_a_full_pass_runs_is_looked_at_by_the_next_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(turns, "SHARE", 0.0)  # the pass lets others in after each run it looks at
     box = Box(tmp_path, ["0", "1"], queued=1000, wants=2)
     box.passes(3)
     box.daemon.touch(box.queued[-1])  # a change: the next pass is a full one, which starts nothing
@@ -181,7 +184,7 @@ def test_a_run_queued_while_a_full_pass_runs_is_looked_at_by_the_next_pass(tmp_p
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(box.daemon.scheduler.schedule)
-            await anyio.lowlevel.checkpoint()  # the pass has begun; it lets others in every SLICE runs
+            await anyio.lowlevel.checkpoint()  # the pass has begun; it lets others in after each run
             bob = box.add(RunRecord, 5000, RunState.queued, gpus_wanted=1, owner_uid=1002)
             box.daemon.touch(bob)
         assert box.launched == []  # the pass had begun without it

@@ -12,6 +12,7 @@ import anyio
 import anyio.lowlevel
 
 from daemon.service import store as store_module
+from daemon.service import turns
 from daemon.service.models import RunRecord, RunState, SweepTag
 from daemon.service.queue import Scheduler
 from daemon.service.records import Records
@@ -171,3 +172,33 @@ def test_a_single_save_goes_on_while_a_bulk_trip_is_under_way_and_a_record_is_wr
     anyio.run(main)
     assert written.index(other.id) < len(bulk)  # written while the bulk's records were held
     assert written.count(bulk[0].id) == 2 and written[-1] == bulk[0].id
+
+
+def test_a_cancel_of_a_sweep_of_1000_lets_others_in_while_it_changes_its_members_and_still_saves_them_in_one_trip(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(turns, "SHARE", 0.0)  # a turn after every member
+    host = Host(tmp_path)
+    sweep = _sweep(host, MEMBERS)
+    seen: set[int] = set()  # how many members another caller saw cancelled at each of its turns
+
+    async def cancel_one(run_id: str) -> dict[str, Any]:
+        raise AssertionError(f"{run_id} was left to the one-by-one way")
+
+    async def main() -> dict[str, Any]:
+        async with anyio.create_task_group() as host.tg:
+
+            async def others() -> None:
+                while len(seen) < 2 or max(seen) < MEMBERS:  # until every member is seen cancelled
+                    seen.add(sum(r.state == RunState.cancelled for r in sweep.runs))
+                    await anyio.lowlevel.checkpoint()
+
+            host.tg.start_soon(others)
+            with host.scheduler.holding():
+                answer = await Sweeps(host).cancel(sweep, cancel_one)  # type: ignore[arg-type]
+            return answer
+
+    answer = anyio.run(main)
+    assert len([n for n in seen if 0 < n < MEMBERS]) > MEMBERS // 2  # let in between members, not once at the end
+    assert len(answer["runs"]) == MEMBERS and host.store.bulk.trips == 1 and host.kicks.sets == 1
+    assert all(host.store.load(r.id).state == RunState.cancelled for r in sweep.runs)

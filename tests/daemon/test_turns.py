@@ -1,0 +1,109 @@
+"""Long loops share the event loop by time (daemon/service/turns.py, issue 33): a loop over
+thousands of runs lets others in once it has held the loop for its share, and what it makes is
+right though others changed runs meanwhile. Counted with a clock of the test's or a share of 0
+(a turn after every item), never timed."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from daemon.service import turns
+from daemon.service.api import ListRunsRequest, Peer
+from daemon.service.config import Config
+from daemon.service.daemon import Daemon
+from daemon.service.handlers import Handlers
+from daemon.service.models import RunRecord, RunState
+from daemon.service.turns import Share
+from executors import local
+
+ROOT = Peer(uid=0, gid=0)
+
+
+def test_a_loop_lets_others_in_once_it_has_held_the_event_loop_for_its_share() -> None:
+    now = [0]  # the test's clock, in steps: each item takes one
+    share = Share(3, clock=lambda: now[0])
+    ran_between: list[int] = []  # the items done each time another task ran
+
+    async def main() -> None:
+        done = [0]
+
+        async def other() -> None:
+            while done[0] < 10:
+                ran_between.append(done[0])
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            await anyio.lowlevel.checkpoint()  # the other task is waiting for its turn
+            ran_between.clear()
+            for _ in range(10):
+                await share.turn()
+                now[0] += 1
+                done[0] += 1
+
+    anyio.run(main)
+    assert share.turns == 3  # after items 3, 6 and 9
+    assert ran_between == [3, 6, 9]
+
+
+def test_roots_list_of_thousands_changed_lets_others_in_and_answers_the_runs_as_they_are_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(turns, "SHARE", 0.0)
+    daemon = Daemon(
+        Config.model_validate({"daemon": {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "s")}})
+    )
+    runs = []
+    for n in range(2000):
+        record = RunRecord(id=f"20260101-000000-{n:06x}", command=["true"], state=RunState.queued, created=1000.0 + n)
+        daemon.records[record.id] = record
+        runs.append(record)
+    handlers = Handlers(daemon)
+    turned = [0]
+
+    async def main() -> bytes:
+        async def others() -> None:  # another caller's edits, at each of the list's turns
+            while True:
+                await anyio.lowlevel.checkpoint()
+                turned[0] += 1
+                record = runs[turned[0] % len(runs)]
+                record.message = f"changed at turn {turned[0]}"
+                daemon.touch(record)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(others)
+            answer = await handlers.list_runs(ListRunsRequest(op="list"), ROOT)
+            tg.cancel_scope.cancel()
+        return bytes(answer)
+
+    entries = json.loads(anyio.run(main))
+    assert turned[0] > 1000  # others were let in while 2,000 entries were encoded
+    assert [e["id"] for e in entries] == [r.id for r in runs]
+    assert [e["message"] for e in entries] == [r.message for r in runs]  # each as it is when answered
+    assert sum(e["message"].startswith("changed at turn") for e in entries) > 1000
+
+
+def test_the_job_wrapper_is_started_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a process holds its caller until the child has exec'd: not the event loop's thread."""
+    started: list[tuple[list[str], bytes, bool]] = []
+
+    def run(argv: list[str], input: bytes, **kwargs: Any) -> Any:
+        started.append((argv, input, threading.current_thread() is threading.main_thread()))
+        return local.subprocess.CompletedProcess(argv, 0, b'{"pid": 1}\n', b"")
+
+    monkeypatch.setattr(local.subprocess, "run", run)
+    result = anyio.run(local.LocalExecutor._run_wrapper, ["obd-wrapper", "--x"], b"secrets")
+    assert started == [(["obd-wrapper", "--x"], b"secrets", False)]
+    assert result.returncode == 0 and result.stdout == b'{"pid": 1}\n'
+
+
+def test_the_job_wrapper_that_exits_without_reading_its_secrets_is_a_failed_exit(tmp_path: Path) -> None:
+    result = anyio.run(local.LocalExecutor._run_wrapper, ["sh", "-c", "echo no scope >&2; exit 3"], b"x" * (1 << 20))
+    assert result.returncode == 3 and result.stderr == b"no scope\n"
