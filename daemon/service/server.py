@@ -10,6 +10,7 @@ when there is no room the caller that has waited on its peer the longest makes w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import functools
@@ -374,27 +375,28 @@ class ControlServer:
         self, stream: SocketStream, reader: BufferedByteReceiveStream, line: bytes, peer: Peer
     ) -> dict[str, Any] | None:
         """Answer a request, but give up (None) if the caller hangs up meanwhile, so a long
-        request whose caller went away does not hold its connection."""
-        reply: dict[str, Any] | None = None
-        async with anyio.create_task_group() as tg:
+        request whose caller went away does not hold its connection. The hang-up is watched by a
+        callback of the event loop on the socket, not a task: a ping or a list is answered in the
+        connection's own task, with no task started and waited for (a turn of every other
+        task's each, on a busy daemon)."""
+        if reader.buffer:  # a pipelined request is waiting: the caller is there
+            return await self._answer(line, peer)
+        raw = stream.extra(SocketAttribute.raw_socket)
+        loop = asyncio.get_running_loop()
+        with anyio.CancelScope() as scope:
 
-            async def answer() -> None:
-                nonlocal reply
-                reply = await self._answer(line, peer)
-                tg.cancel_scope.cancel()
-
-            async def watch_hangup() -> None:
-                if reader.buffer:
-                    return  # a pipelined request is waiting: the caller is there
-                raw = stream.extra(SocketAttribute.raw_socket)
-                await anyio.wait_readable(raw)
+            def readable() -> None:
+                loop.remove_reader(raw)  # once: a request sent meanwhile waits for its turn
                 with contextlib.suppress(OSError):
                     if raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                        tg.cancel_scope.cancel()
+                        scope.cancel()
 
-            tg.start_soon(answer)
-            tg.start_soon(watch_hangup)
-        return reply
+            loop.add_reader(raw, readable)
+            try:
+                return await self._answer(line, peer)
+            finally:
+                loop.remove_reader(raw)
+        return None
 
     def _session_of(self, line: bytes) -> tuple[type[BaseModel], dict[str, Any]] | None:
         """The model and message of a request for a session (`exec`), or None for any other."""
