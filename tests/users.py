@@ -209,15 +209,17 @@ def accounts() -> Iterator[tuple[User, User, str, Path, Path]]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def shared_daemon(make_daemon, short_tmp: Path, accounts, config: str, own_python: bool = False) -> Box:  # type: ignore[no-untyped-def]
-    """A root daemon of `config` whose socket the throwaway users' group may use, started. With
-    `own_python`, the users' venv runs obd's wrappers as them (the daemon's own Python may be
-    under root's private home)."""
+def shared_daemon(  # type: ignore[no-untyped-def]
+    make_daemon, short_tmp: Path, accounts, config: str, own_python: bool = False, env: dict[str, str] | None = None
+) -> Box:
+    """A root daemon of `config` whose socket the throwaway users' group may use, started (with
+    `env` added to its environment). With `own_python`, the users' venv runs obd's wrappers as
+    them (the daemon's own Python may be under root's private home)."""
     alice, bob, group, client, venv = accounts
     os.chmod(short_tmp, 0o711)  # the socket's directory: reachable, not listable
     config = config.replace("[daemon]", f'[daemon]\nsocket_group = "{group}"')
     d = make_daemon(config + (f'python = "{venv}/bin/python"\n' if own_python else ""))
-    d.start()
+    d.start(extra_env=env)
     return Box(d, alice, bob, group, client, venv)
 
 

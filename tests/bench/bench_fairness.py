@@ -162,11 +162,43 @@ def _line(calls: list[dict], lo: float, hi: float) -> str:
 
 
 @pytest.fixture
-def box(make_daemon, short_tmp: Path, accounts) -> Iterator[Box]:
-    yield users.shared_daemon(make_daemon, short_tmp, accounts, _config())
+def steps_file(short_tmp: Path) -> Path:
+    return short_tmp / "loop-steps.jsonl"
 
 
-def test_others_are_answered_while_one_member_queues_and_cancels_thousands_of_runs(box: Box, short_tmp: Path) -> None:
+@pytest.fixture
+def box(make_daemon, short_tmp: Path, accounts, steps_file: Path) -> Iterator[Box]:
+    # The daemon's loop timed step by step (tests/bench/loop_steps), where the code under test can be.
+    hook = REPO / "tests" / "bench" / "loop_steps"
+    env = {"OBD_BENCH_STEPS": str(steps_file), "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"} if hook.is_dir() else None
+    yield users.shared_daemon(make_daemon, short_tmp, accounts, _config(), env=env)
+
+
+def _loop_steps(steps_file: Path, loaded: list[tuple[float, float]]) -> list[str]:
+    """What the daemon's event loop was held for while the load ran: its steps of 10 ms of CPU or
+    more (the loop thread's own time: the box's other work does not count), and where the
+    longest stopped."""
+    if not steps_file.exists():
+        return ["(the daemon's loop was not timed: this tree has no tests/bench/loop_steps)"]
+    steps = [json.loads(line) for line in steps_file.read_text().splitlines() if line.strip()]
+    held = [s for s in steps if s["cpu"] >= 0.010 and any(lo <= s["at"] <= hi for lo, hi in loaded)]
+    seconds = sum(hi - lo for lo, hi in loaded)
+    cpu = sorted(s["cpu"] * 1000 for s in held)
+    lines = [
+        f"daemon's event loop under the load ({seconds:.1f} s): {len(held)} steps of >= 10 ms of its CPU, "
+        + (f"p50 {pct(cpu, 50):.1f} ms, max {cpu[-1]:.1f} ms, {sum(cpu):.0f} ms in all" if cpu else "none")
+    ]
+    places: dict[str, list[float]] = {}
+    for s in held:
+        places.setdefault(s["where"], []).append(s["cpu"] * 1000)
+    for where, times in sorted(places.items(), key=lambda p: -sum(p[1]))[:5]:
+        lines.append(f"  {len(times)} x, {sum(times):.0f} ms, max {max(times):.1f} ms: {where}")
+    return lines
+
+
+def test_others_are_answered_while_one_member_queues_and_cancels_thousands_of_runs(
+    box: Box, short_tmp: Path, steps_file: Path
+) -> None:
     stop = short_tmp / "stop"
     sock = str(box.daemon.socket)
     bob_env = box.env(box.bob)
@@ -234,6 +266,8 @@ def test_others_are_answered_while_one_member_queues_and_cancels_thousands_of_ru
             mine = [c for c in calls if c.get("op") == op]
             print(f"  {who} {op} under load: {_line(under_load(mine), 0, float('inf'))}")
             print(f"  {who} {op} all queued, nothing asked: {_line(mine, load['held_from'], load['held_to'])}")
+    for line in _loop_steps(steps_file, loaded):
+        print(line)
     if os.environ.get("OBD_BENCH_CALLS"):  # every call under the load, to pool rounds: one JSON line each
         with open(os.environ["OBD_BENCH_CALLS"], "a") as out:
             for who, calls in (("bob", bob_calls), ("root", root_calls)):

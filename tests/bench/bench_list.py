@@ -6,7 +6,8 @@ H ended (the member's 5,000 queued runs of issue 33 are all in root's default li
 A daemon object of this tree in a throwaway state directory (no server, no jobs, nothing saved),
 laid out as tests/bench/bench_queue_pass.py lays it out. Before each call another user's run with
 no GPU starts and ends (as on a busy box: the list's answer kept from the last call no longer
-holds). Prints the median and minimum of the calls (ms) and the answer's size. Then the client's
+holds), or, in the last rows, one more run is queued (as while a sweep is made: the queued runs'
+piece no longer holds). Prints the median and minimum of the calls (ms) and the answer's size. Then the client's
 side: the answer for 5,000 queued decoded by `daemon.cli.client.decode` (the collector paused)
 and by a plain `json.loads`, in turns, in a process that holds HEAP objects as a long-lived SDK
 caller does (a notebook, a script's own data): median and maximum of each. To compare two
@@ -26,13 +27,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "bench"))
 
 import anyio
-from bench_queue_pass import cpu_run_ended, make_daemon
+from bench_queue_pass import cpu_run_ended, make_daemon, run_queued
 
 from daemon.cli.client import decode
 from daemon.service.api import ListRunsRequest, Peer
@@ -44,7 +46,9 @@ SIZES = [(10, 300), (5_000, 300), (5_000, 20_000)]
 HEAP = 2_000_000  # objects the client's process holds besides the answer
 
 
-def calls(queued: int, ended: int, count: int, answers: list[bytes] | None = None) -> tuple[list[float], int]:
+def calls(
+    queued: int, ended: int, count: int, answers: list[bytes] | None = None, between: Any = cpu_run_ended
+) -> tuple[list[float], int]:
     state = Path(tempfile.mkdtemp(prefix="obd-bl-", dir="/tmp"))
     try:
         daemon = make_daemon(state, queued, ended)
@@ -55,7 +59,7 @@ def calls(queued: int, ended: int, count: int, answers: list[bytes] | None = Non
             await handlers.list_runs(request, root)  # every entry encoded once, as a first list does
             times, size = [], 0
             for n in range(count):
-                cpu_run_ended(daemon, n)
+                between(daemon, n)
                 began = time.perf_counter()
                 answer = await handlers.list_runs(request, root)
                 times.append(time.perf_counter() - began)
@@ -95,6 +99,12 @@ def main() -> None:
         print(
             f"  {queued:>5} queued, {ended:>6} ended: median {statistics.median(times) * 1000:6.1f} ms, "
             f"min {min(times) * 1000:6.1f} ms, {size / 1e6:.2f} MB"
+        )
+    for queued, ended in SIZES[1:2]:
+        times, size = calls(queued, ended, args.calls, between=run_queued)
+        print(
+            f"  {queued:>5} queued, {ended:>6} ended, one more queued before each: "
+            f"median {statistics.median(times) * 1000:6.1f} ms, min {min(times) * 1000:6.1f} ms, {size / 1e6:.2f} MB"
         )
     print(f"the client's decode of the answer for 5,000 queued, {HEAP:,} objects held:")
     for name, times in decodes(answers[-1], args.calls).items():

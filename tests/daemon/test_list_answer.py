@@ -121,16 +121,17 @@ def test_roots_default_list_follows_runs_leaving_and_rejoining_the_queue_and_end
         assert listed(handlers, ROOT, recent=recent) == every_run_looked_at(daemon, recent), (n, state, recent)
 
 
-def test_roots_list_keeps_its_queued_runs_joined_while_other_runs_come_and_go(tmp_path: Path) -> None:
-    """Thousands of queued runs' entries are joined once: a run that starts and ends elsewhere
+def test_roots_list_keeps_its_queued_runs_entries_while_other_runs_come_and_go(tmp_path: Path) -> None:
+    """Thousands of queued runs' entries are encoded once: a run that starts and ends elsewhere
     changes root's list (it is in it, in its place) but not them; a queued run's change does."""
     daemon = daemon_with_runs(tmp_path, 400, seed=5)
     handlers = Handlers(daemon)
     assert listed(handlers, ROOT) == every_run_looked_at(daemon, 10)
     piece = handlers.lists._queued
-    joined = piece._joined
-    assert len(piece.runs) > 50
-    middle = piece.runs[len(piece.runs) // 2]
+    queued = list(piece.runs)
+    entries = [daemon.summary_json(r) for r in queued]
+    assert len(queued) > 50
+    middle = queued[len(queued) // 2]
     record = RunRecord(id="20260103-000000-000001", command=["true"], state=RunState.queued, created=middle.created)
     daemon.records[record.id] = record  # waits in the queue among the others, then starts and ends
     for state in (RunState.preparing, RunState.running, RunState.succeeded):
@@ -138,12 +139,14 @@ def test_roots_list_keeps_its_queued_runs_joined_while_other_runs_come_and_go(tm
         record.transition(state, "changed")
         daemon.touch(record)
         assert listed(handlers, ROOT) == every_run_looked_at(daemon, 10), state
-        assert piece._joined is joined, state
+        assert piece.runs == queued and all(
+            daemon.summary_json(r) is e for r, e in zip(queued, entries, strict=True)
+        ), state
     middle.message = "waiting for 2 GPUs"
     daemon.touch(middle)
     answer = anyio.run(handlers.list_runs, ListRunsRequest(op="list"), ROOT)
     assert [e["message"] for e in json.loads(answer) if e["id"] == middle.id] == ["waiting for 2 GPUs"]
-    assert piece._joined is not joined
+    assert daemon.summary_json(middle) is not entries[queued.index(middle)]
 
 
 def in_sweeps(daemon: Daemon, seed: int) -> None:
