@@ -36,6 +36,7 @@ from pydantic import BaseModel, ValidationError
 from daemon.common.wire import MAX_MESSAGE
 from daemon.service.api import ApiError, Peer, RawJSON
 from daemon.service.config import DaemonSection
+from daemon.service.turns import Share
 
 log = structlog.get_logger("obd.server")
 IDLE_TIMEOUT = 60.0
@@ -43,6 +44,7 @@ SEND_TIMEOUT = 5.0  # a reply the caller does not read within this drops the con
 MAX_CONNECTIONS = 512
 MAX_PER_UID = 64  # one user's share of MAX_CONNECTIONS
 DRAIN_LIMIT = 64 << 20  # what is read (and thrown away) of an over-long message before hanging up
+LONG_ANSWER = 100  # items of a result's list past which it is encoded a share of the event loop at a time
 
 
 class Handler(Protocol):
@@ -364,10 +366,12 @@ class ControlServer:
             reply = await self._answer_unless_gone(stream, reader, line, caller.peer)
             if reply is None:
                 return  # the caller hung up while its request was being answered (a long `wait`)
+            pieces = await _reply(reply)  # before the send's time starts: a long one takes turns
             caller.stalled_since = time.monotonic()
             try:
                 with anyio.fail_after(SEND_TIMEOUT):
-                    await _send(stream, reply)
+                    for piece in pieces:
+                        await stream.send(piece)
             except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 return
 
@@ -492,8 +496,36 @@ class ControlServer:
 
 
 async def _send(stream: SocketStream, message: dict) -> None:
+    for piece in await _reply(message):
+        await stream.send(piece)
+
+
+async def _reply(message: dict) -> list[bytes]:
+    """A reply's bytes, its line's end included; the pieces of a long one are sent as they are."""
     result = message.get("result")
-    if isinstance(result, RawJSON):  # encoded once, where it is kept (the run list); copied once more
-        await stream.send(b"".join((b'{"ok": true, "result": ', result, b"}\n")))
-        return
-    await stream.send(json.dumps(message).encode() + b"\n")
+    if isinstance(result, RawJSON):  # encoded once, where it is kept (the run list)
+        return [b'{"ok": true, "result": ', result, b"}\n"]
+    if _long(result) or (isinstance(result, dict) and any(_long(v) for v in result.values())):
+        return [b'{"ok": true, "result": ', await _encoded(result), b"}\n"]
+    return [json.dumps(message).encode() + b"\n"]
+
+
+def _long(value: Any) -> bool:
+    return isinstance(value, list) and len(value) > LONG_ANSWER
+
+
+async def _encoded(value: Any, share: Share | None = None) -> bytes:
+    """A result holding a long list (a sweep's 1,000 members made or cancelled, their records:
+    megabytes) encoded item by item, a share of the event loop at a time (`Share`): the last
+    step of a sweep's cancel is not tens of milliseconds of everyone's wait."""
+    share = share or Share()
+    if isinstance(value, list):
+        items = []
+        for item in value:
+            await share.turn()
+            items.append(json.dumps(item).encode())
+        return b"[" + b", ".join(items) + b"]"
+    if isinstance(value, dict):
+        fields = [json.dumps(str(key)).encode() + b": " + await _encoded(item, share) for key, item in value.items()]
+        return b"{" + b", ".join(fields) + b"}"
+    return json.dumps(value).encode()

@@ -15,7 +15,7 @@ import anyio.lowlevel
 import pytest
 from pydantic import BaseModel
 
-from daemon.service import turns
+from daemon.service import server, turns
 from daemon.service.api import ListRunsRequest, Peer
 from daemon.service.config import Config, DaemonSection
 from daemon.service.daemon import Daemon
@@ -162,3 +162,33 @@ def test_a_ping_is_answered_in_a_few_turns_of_the_event_loop_however_busy_it_is(
 
     anyio.run(main)
     assert max(turns_taken) <= 8, turns_taken
+
+
+def test_a_long_answer_is_encoded_a_share_at_a_time_and_reads_back_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's cancel answers its 1,000 members' records (megabytes): encoded member by member,
+    others let in between, not in one step of the event loop."""
+    monkeypatch.setattr(turns, "SHARE", 0.0)
+    runs = [{"id": f"run-{n}", "state": "cancelled", "history": [{"reason": "x" * 50}] * 5} for n in range(500)]
+    message = {"ok": True, "result": {"sweep": "sweep-1", "name": "lr", "runs": runs, "notes": ["a note"]}}
+    ticks = [0]
+
+    async def main() -> bytes:
+        async with anyio.create_task_group() as tg:
+
+            async def others() -> None:
+                while True:
+                    ticks[0] += 1
+                    await anyio.lowlevel.checkpoint()
+
+            tg.start_soon(others)
+            pieces = await server._reply(message)
+            tg.cancel_scope.cancel()
+        return b"".join(pieces)
+
+    line = anyio.run(main)
+    assert line.endswith(b"}\n") and line.count(b"\n") == 1
+    assert json.loads(line) == message
+    assert ticks[0] >= len(runs)
+    assert anyio.run(server._reply, {"ok": True, "result": runs[:3]}) == [
+        json.dumps({"ok": True, "result": runs[:3]}).encode() + b"\n"
+    ]
