@@ -149,6 +149,7 @@ class Scheduler:
         # During a pass: `queued(target)` as of a daemon version (a pass asks it several times,
         # and between two changes of a run the answer is the same: a look at every queued run each).
         self._looked: dict[str | None, tuple[int, list[RunRecord]]] = {}
+        self._share = Share()  # a pass's share of the event loop (turns.py), made as the pass begins
         self._left: list[RunRecord] = []  # those still queued when the last pass ended
         self._memo: _Memo | None = None  # the last pass, while the next may be quiet (`_quiet`)
         self._plain = True  # during a pass: no run of it needs more than its GPUs
@@ -271,16 +272,21 @@ class Scheduler:
         self._made = None  # looked up by the pass's first gate of a sweep not known whole
         self._holders = {}
         self._looked = {}
+        self._share = Share()  # the whole pass's: its looks before each loop count too
         self._waiting = self.queued()  # a run queued meanwhile kicks the queue: the next pass has it
         # What this pass looks at, as it begins (no await before): a change while it runs, its own
         # launches and messages included, makes the next pass a full one too.
         began = sorted({r.target for r in self._waiting})
         stamp = self._stamp(began)
         try:
+            await self._share.turn()
             await self._place()
+            await self._share.turn()
             targets = sorted({r.target for r in self.queued()})
             for target in targets:
+                await self._share.turn()
                 await self._schedule_target(target)
+                await self._share.turn()
                 await self._refresh_messages(target)
             self._left = self.queued()  # what `run` looks at for the time of the next pass
             if self._plain and not self._soon and targets == began:
@@ -316,7 +322,7 @@ class Scheduler:
         held, version = daemon.inventory.held(target), daemon.version
         said: GpuWords = {}  # the GPUs' words with these holders
         changed = []
-        share = Share()
+        share = self._share
         for record in queued:
             if (
                 await share.turn() and daemon.version != version
@@ -330,7 +336,7 @@ class Scheduler:
             # No await between the look and the change: no edit of it comes in between.
             record.message = queue_message(daemon.inventory, record, queued_why(record), waiting)
             changed.append(record)
-        share = Share()
+        share = self._share
         for record in changed:
             await share.turn()
             daemon.touch(record)  # watchers see it; not saved (see the module's docstring)
@@ -390,7 +396,7 @@ class Scheduler:
         cancelled now, their message saying why."""
         held: set[str] = set()
         whole = self._whole
-        share = Share()
+        share = self._share
         for record in self.queued(target):
             await share.turn()
             if (
@@ -484,7 +490,7 @@ class Scheduler:
             return heads[target]
 
         runs.sort(key=lambda r: (-r.priority, r.preemption.queue_since or r.created, r.id))
-        share = Share()
+        share = self._share
         for record in runs:
             await share.turn()
             if not record.in_queue or daemon.lock(record.id).locked() or (record.not_before or 0) > now:
@@ -577,7 +583,7 @@ class Scheduler:
         now = time.time()
         key = self._sort_key(self.daemon.inventory.held(target))
         head, first = None, None
-        share = Share()
+        share = self._share
         for record in self.queued(target):
             await share.turn()
             if (record.not_before or 0) > now or record.id in held_back:
