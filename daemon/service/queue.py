@@ -324,9 +324,8 @@ class Scheduler:
         changed = []
         share = self._share
         for record in queued:
-            if (
-                await share.turn() and daemon.version != version
-            ):  # as it is now (a look at every record: not for nothing)
+            turned = await share.turn()
+            if turned and daemon.version != version:  # as it is now (a look at every record: not for nothing)
                 held, version, said = daemon.inventory.held(target), daemon.version, {}
             if not record.in_queue or daemon.lock(record.id).locked():
                 continue  # an edit of it is under way (a cancel, its start): the next pass looks
@@ -336,7 +335,6 @@ class Scheduler:
             # No await between the look and the change: no edit of it comes in between.
             record.message = queue_message(daemon.inventory, record, queued_why(record), waiting)
             changed.append(record)
-        share = self._share
         for record in changed:
             await share.turn()
             daemon.touch(record)  # watchers see it; not saved (see the module's docstring)
