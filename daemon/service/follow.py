@@ -53,6 +53,9 @@ class FollowHost(Runs, Protocol):
 # for the next tick (progress can wait a poll interval; an exit or a proof cannot).
 PROGRESS_FILES = frozenset({rundir.METRICS})
 _TARGET_FAULTS = (ExecutorError, TimeoutError, OSError)
+# Seconds the daemon waits at start for the ends of this machine's runs that ended while it was
+# down to be recorded, before it answers: a profile's metrics can take longer, and go on after.
+FINISH_AT_START = 15.0
 
 
 def job_handle(record: RunRecord) -> JobHandle | None:
@@ -69,6 +72,7 @@ class Follower:
         self._watched: set[str] = set()  # executor keys whose events are being listened to
         self.cancelling: set[str] = set()
         self.finishing: set[str] = set()  # runs whose end is being recorded (outputs, metrics)
+        self._finished: dict[str, anyio.Event] = {}  # set once a run's end is recorded (or failed to be)
         self._unreachable_noted: dict[str, set[str]] = {}  # kinds of failure noted while a target is away
         self.last_read: dict[str, float] = {}  # executor key -> wall time its last probe answered
         # On a target with events, a wake-up reads only the runs something happened to; every run
@@ -292,6 +296,7 @@ class Follower:
                 return  # the cancel under way writes `cancelled` last; finish after it
             # Collecting metrics or a pod's outputs can take minutes: never in the follow's way.
             self.finishing.add(record.id)
+            self._finished[record.id] = anyio.Event()
             self.daemon.start_soon(self._finish_task, record, verdict.final, probe)
         elif record.stop.cancel_by and not verdict.cancel and record.id not in self.cancelling:
             # A cancel asked for earlier (by the user or the fallback) that did not complete,
@@ -351,6 +356,8 @@ class Follower:
             log.exception("finish_failed", run_id=record.id)
         finally:
             self.finishing.discard(record.id)
+            if (finished := self._finished.pop(record.id, None)) is not None:
+                finished.set()
             self.wake_run(record)
 
     async def _finish(self, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
@@ -463,15 +470,27 @@ class Follower:
         configured = self.daemon.targets.configured()
         names = {s.name for s in configured}
         pending = [r for r in records if r.state == RunState.preparing or r.has_job]
+        here: list[RunRecord] = []
         for supervision in configured:
             runs = [r for r in pending if r.target == supervision.name]
             if supervision.answers_at_once():
                 await self._reconcile_target(supervision, runs)
+                here += runs
             else:
                 self.reconciling.update(r.id for r in runs)
                 self.daemon.start_soon(self._reconcile_in_background, supervision, runs)
         # Runs of a target no longer in the config: reported as their probe fails.
         await self._reconcile_runs_by_key([r for r in pending if r.target not in names])
+        await self._ends_recorded(here)
+
+    async def _ends_recorded(self, runs: list[RunRecord]) -> None:
+        """Wait for the ends the reconcile found on this machine to be recorded (their exit's
+        detail read, metrics collected: a task each), FINISH_AT_START at most: a run that ended
+        while the daemon was down is final by the time it answers and tells systemd it is ready."""
+        ends = [event for r in runs if (event := self._finished.get(r.id)) is not None]
+        with anyio.move_on_after(FINISH_AT_START):
+            for event in ends:
+                await event.wait()
 
     async def _reconcile_target(self, supervision: Supervision, runs: list[RunRecord]) -> None:
         try:

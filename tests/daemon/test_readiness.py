@@ -7,9 +7,18 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
+from daemon.service.config import Config
+from daemon.service.daemon import Daemon
+from daemon.service.follow import Follower
+from daemon.service.models import RunRecord, RunState
+from executors import local
+from executors.base import JobState, JobStatus, RunProbe
 from tests.daemon import pods
 from tests.fakes.runpod_api import FakeRunpod
 from tests.sshd import SshServer
@@ -75,3 +84,45 @@ def test_a_daemon_whose_cloud_api_hangs_answers_at_once_and_says_the_run_is_bein
     final = d.wait_state(rid, "cancelled", "failed", timeout=120)
     assert final["state"] == "cancelled"
     assert d.record(rid).get("reconciling") is None
+
+
+def test_a_run_that_ended_while_the_daemon_was_down_is_final_when_the_reconcile_returns(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its end is recorded by a task of its own (the exit's detail read, metrics collected), slow
+    on a busy box: the daemon answers, and tells systemd it is ready, only once it is recorded."""
+    config = {"daemon": {"state_dir": str(short_tmp / "state"), "socket": str(short_tmp / "s")}}
+    daemon = Daemon(Config.model_validate(config))
+    daemon.store.ensure()
+    run_dir = short_tmp / "run"
+    record = RunRecord(
+        id="20260101-000000-000001",
+        command=["true"],
+        state=RunState.running,
+        job={"pid": 1, "start_time": 1},
+        remote_dir=str(run_dir),
+    )
+    daemon.records[record.id] = record
+    daemon.store.save(record)
+
+    async def probe(self: Any, runs: list[Any]) -> list[RunProbe]:
+        return [RunProbe(remote_dir=d, status=JobStatus(state=JobState.exited, exit_code=0)) for _, d in runs]
+
+    async def slow_finish(self: Follower, record: RunRecord, status: JobStatus, probe: RunProbe) -> None:
+        await anyio.sleep(0.3)  # the end's record takes a while
+        async with self.daemon.editing(record):
+            record.job = None
+            record.transition(RunState.succeeded, "exited 0")
+
+    monkeypatch.setattr(local.LocalExecutor, "probe", probe)
+    monkeypatch.setattr(Follower, "_finish", slow_finish)
+
+    async def main() -> str:
+        async with anyio.create_task_group() as tg:
+            daemon._tg = tg
+            await daemon.follow.reconcile()
+            state = record.state.value
+            tg.cancel_scope.cancel()
+        return state
+
+    assert anyio.run(main) == "succeeded"
