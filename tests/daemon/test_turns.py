@@ -106,7 +106,7 @@ def test_the_job_wrapper_is_started_off_the_event_loop(monkeypatch: pytest.Monke
     assert result.returncode == 0 and result.stdout == b'{"pid": 1}\n'
 
 
-def test_the_job_wrapper_that_exits_without_reading_its_secrets_is_a_failed_exit(tmp_path: Path) -> None:
+def test_the_job_wrapper_that_exits_without_reading_its_secrets_is_a_failed_exit() -> None:
     result = anyio.run(local.LocalExecutor._run_wrapper, ["sh", "-c", "echo no scope >&2; exit 3"], b"x" * (1 << 20))
     assert result.returncode == 3 and result.stderr == b"no scope\n"
 
